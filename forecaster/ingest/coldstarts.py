@@ -1,0 +1,103 @@
+"""Validation of observed cold-start events (total and per-phase seconds)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timedelta
+
+import pandas as pd
+
+from forecaster.ingest.batch import IngestError
+
+PHASES = ("image_pull_s", "weight_fetch_s", "weight_load_s", "runtime_init_s", "registration_s")
+CACHE_STATES = ("none", "image", "disk", "host", "gpu", "sleeping")
+REQUIRED = ("model_id", "node_id", "started_at", "total_seconds")
+# Phases may overlap a little with each other (streamed loads); more than this is a bad event.
+PHASE_SUM_TOLERANCE = 1.05
+
+
+def _seconds(row: int, field: str, value: object, *, required: bool) -> float | None:
+    if value is None or (isinstance(value, float) and math.isnan(value) and not required):
+        if required:
+            raise IngestError("missing_field", "value is required", row=row, field=field)
+        return None
+    if isinstance(value, bool):
+        raise IngestError("not_a_number", f"expected seconds, got {value!r}", row=row, field=field, value=value)
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise IngestError("not_a_number", f"expected seconds, got {value!r}", row=row, field=field,
+                          value=value) from None
+    if math.isnan(number):
+        raise IngestError("nan", "value is NaN", row=row, field=field, value=value)
+    if math.isinf(number):
+        raise IngestError("infinite", "value is infinite", row=row, field=field, value=value)
+    if number < 0:
+        raise IngestError("negative_duration", f"duration is negative: {number:g}", row=row, field=field,
+                          value=value)
+    return number
+
+
+def validate_cold_starts(
+    events: Iterable[Mapping[str, object]],
+    *,
+    now: datetime,
+    max_future_skew_s: float = 300.0,
+    known_models: set[str] | None = None,
+) -> pd.DataFrame:
+    """Check cold-start events; return them as a frame, or raise on the first bad one.
+
+    Each event needs ``model_id``, ``node_id``, ``started_at`` (ISO time or
+    datetime; naive means UTC) and ``total_seconds``; the phases in
+    :data:`PHASES`, ``cache_state`` (one of :data:`CACHE_STATES`) are optional.
+    An event repeated inside a batch (same model, node and start) is rejected.
+
+    Raises:
+        IngestError: naming the 1-based row and the field.
+    """
+    limit = pd.Timestamp(now).tz_convert("UTC") + timedelta(seconds=max_future_skew_s)
+    rows: list[dict[str, object]] = []
+    seen: dict[tuple[str, str, pd.Timestamp], int] = {}
+    for position, event in enumerate(events, start=1):
+        if not isinstance(event, Mapping):
+            raise IngestError("bad_row", f"expected an object, got {type(event).__name__}", row=position)
+        for name in ("model_id", "node_id"):
+            value = event.get(name)
+            if not isinstance(value, str) or not value.strip():
+                raise IngestError("missing_field", "a non-empty string is required", row=position, field=name,
+                                  value=value)
+        try:
+            started = pd.Timestamp(event.get("started_at"))
+        except (TypeError, ValueError):
+            started = pd.NaT
+        if started is pd.NaT or pd.isna(started):
+            raise IngestError("bad_timestamp", f"cannot read {event.get('started_at')!r} as a timestamp",
+                              row=position, field="started_at", value=event.get("started_at"))
+        started = started.tz_localize("UTC") if started.tzinfo is None else started.tz_convert("UTC")
+        if started > limit:
+            raise IngestError("future_timestamp", f"start {started.isoformat()} is in the future", row=position,
+                              field="started_at", value=started.isoformat())
+        model_id = str(event["model_id"]).strip()
+        if known_models is not None and model_id not in known_models:
+            raise IngestError("unknown_model", f"model {model_id!r} is not registered", row=position,
+                              field="model_id", value=model_id)
+        total = _seconds(position, "total_seconds", event.get("total_seconds"), required=True)
+        phases = {p: _seconds(position, p, event.get(p), required=False) for p in PHASES}
+        phase_sum = sum(v for v in phases.values() if v is not None)
+        if total is not None and phase_sum > total * PHASE_SUM_TOLERANCE + 1e-9:
+            raise IngestError("inconsistent_phases",
+                              f"phases add up to {phase_sum:g} s, more than the total {total:g} s",
+                              row=position, field="total_seconds", value=total)
+        cache_state = event.get("cache_state")
+        if cache_state is not None and cache_state not in CACHE_STATES:
+            raise IngestError("bad_cache_state", f"expected one of {list(CACHE_STATES)}", row=position,
+                              field="cache_state", value=cache_state)
+        key = (model_id, str(event["node_id"]).strip(), started)
+        if key in seen:
+            raise IngestError("duplicate", f"same event as row {seen[key]}", row=position, field="started_at",
+                              value=started.isoformat())
+        seen[key] = position
+        rows.append({"model_id": key[0], "node_id": key[1], "started_at": started.to_pydatetime(),
+                     "total_seconds": total, **phases, "cache_state": cache_state})
+    return pd.DataFrame(rows, columns=["model_id", "node_id", "started_at", "total_seconds", *PHASES, "cache_state"])

@@ -1,0 +1,217 @@
+"""Ingest paths end to end: read -> validate -> write, each one transaction with retry.
+
+These are the functions the CLI, the scheduler's ingest job and (later) the
+HTTP API call. Each takes the engine, the settings and ``now`` explicitly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pandas as pd
+from sqlalchemy import Engine, text
+
+from forecaster.ingest.batch import CountBatch, IngestError
+from forecaster.ingest.coldstarts import validate_cold_starts
+from forecaster.ingest.validate import build_count_batch
+from forecaster.settings import Settings
+from forecaster.store.catalog import known_model_ids
+from forecaster.store.coldstarts import write_cold_starts
+from forecaster.store.db import run_with_retry
+from forecaster.store.invocations import WriteResult, write_count_batch
+
+log = logging.getLogger(__name__)
+
+
+def _register(settings: Settings, register: bool | None) -> bool:
+    return settings.auto_register_models if register is None else register
+
+
+def write_with_retry(engine: Engine, settings: Settings, batch: CountBatch, *, register: bool) -> WriteResult:
+    """Write a batch, retrying the whole transaction when the database drops out."""
+    return run_with_retry(
+        lambda: write_count_batch(engine, batch, register_models=register),
+        attempts=settings.db_retry_attempts,
+        base_delay_s=settings.db_retry_base_delay_s,
+        what=f"ingest {batch.source}",
+    )
+
+
+def ingest_frame(
+    engine: Engine,
+    settings: Settings,
+    raw: pd.DataFrame,
+    *,
+    source: str,
+    step_seconds: int,
+    now: datetime,
+    windows: pd.DataFrame | None = None,
+    register: bool | None = None,
+) -> WriteResult:
+    """Validate a raw long frame (``unique_id, ds, y``) and write it."""
+    register_models = _register(settings, register)
+    known = None if register_models else known_model_ids(engine)
+    batch = build_count_batch(
+        raw,
+        source=source,
+        step_seconds=step_seconds,
+        now=now,
+        max_future_skew_s=settings.max_future_skew_s,
+        known_models=known,
+        windows=windows,
+    )
+    return write_with_retry(engine, settings, batch, register=register_models)
+
+
+def ingest_trace_file(
+    engine: Engine,
+    settings: Settings,
+    path: Path,
+    *,
+    now: datetime,
+    fmt: str | None = None,
+    start: datetime | None = None,
+    step_seconds: int = 60,
+    model_id: str | None = None,
+    register: bool | None = None,
+) -> WriteResult:
+    """Ingest one trace file in any supported format (see :mod:`forecaster.ingest.traces`)."""
+    from forecaster.ingest.traces import read_trace
+
+    trace = read_trace(Path(path), fmt=fmt, start=start, step_seconds=step_seconds, model_id=model_id)
+    return ingest_frame(
+        engine, settings, trace.raw, source=trace.source, step_seconds=trace.step_seconds, now=now,
+        windows=trace.windows, register=register,
+    )
+
+
+def push_counts(
+    engine: Engine,
+    settings: Settings,
+    rows: Iterable[Mapping[str, object]],
+    *,
+    now: datetime,
+    source: str = "push",
+    windows: pd.DataFrame | None = None,
+    register: bool | None = None,
+) -> WriteResult:
+    """Ingest a pushed batch of ``{"model_id", "minute", "count"}`` objects.
+
+    Unless ``windows`` says otherwise, the batch covers each model from its
+    first to its last minute, so minutes left out in between are zeros.
+    """
+    rows = list(rows)
+    if not rows:
+        raise IngestError("empty_batch", "the batch holds no rows")
+    for position, row in enumerate(rows, start=1):
+        if not isinstance(row, Mapping):
+            raise IngestError("bad_row", f"expected an object, got {type(row).__name__}", row=position)
+        for name in ("model_id", "minute", "count"):
+            if name not in row:
+                raise IngestError("missing_field", "field is required", row=position, field=name)
+    raw = pd.DataFrame(
+        {
+            "unique_id": [r["model_id"] for r in rows],
+            "ds": [r["minute"] for r in rows],
+            "y": pd.Series([r["count"] for r in rows], dtype=object),
+        }
+    )
+    # Field names of the push schema in error messages.
+    try:
+        return ingest_frame(engine, settings, raw, source=source, step_seconds=60, now=now, windows=windows,
+                            register=register)
+    except IngestError as exc:
+        renamed = {"unique_id": "model_id", "ds": "minute", "y": "count"}.get(exc.field or "", exc.field)
+        if renamed != exc.field:
+            message = str(exc).replace(f"field {exc.field!r}", f"field {renamed!r}")
+            err = IngestError(exc.reason, message.split(": ", 1)[-1], row=exc.row, field=renamed, value=exc.value)
+            raise err from None
+        raise
+
+
+def push_cold_starts(
+    engine: Engine,
+    settings: Settings,
+    events: Iterable[Mapping[str, object]],
+    *,
+    now: datetime,
+    source: str = "push",
+    register: bool | None = None,
+) -> dict:
+    """Validate and store observed cold starts; re-sending an event updates it in place."""
+    register_models = _register(settings, register)
+    known = None if register_models else known_model_ids(engine)
+    frame = validate_cold_starts(events, now=now, max_future_skew_s=settings.max_future_skew_s, known_models=known)
+    if frame.empty:
+        raise IngestError("empty_batch", "the batch holds no events")
+    return run_with_retry(
+        lambda: write_cold_starts(engine, frame, source=source, register_models=register_models),
+        attempts=settings.db_retry_attempts,
+        base_delay_s=settings.db_retry_base_delay_s,
+        what="ingest cold starts",
+    )
+
+
+PROMETHEUS_SOURCE = "prometheus"
+
+
+def _prometheus_watermarks(engine: Engine, model_ids: list[str]) -> dict[str, datetime]:
+    """Per model, the end of the last minute Prometheus ingest covered."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text("SELECT model_id, upper(ranges) FROM coverage WHERE source = :src AND step_seconds = 60 "
+                 "AND model_id = ANY(CAST(:ids AS text[]))"),
+            {"src": PROMETHEUS_SOURCE, "ids": model_ids},
+        ).all()
+    return {r[0]: r[1] for r in rows if r[1] is not None}
+
+
+def ingest_prometheus(engine: Engine, settings: Settings, *, now: datetime, source=None) -> dict:
+    """Pull the minutes since each model's watermark from Prometheus and write them.
+
+    Minutes newer than ``now - prometheus_lag_s`` are left for the next run, so
+    late scrapes are not frozen in as zeros; a model never ingested starts
+    ``prometheus_backfill_minutes`` back.
+
+    Args:
+        source: a ``PrometheusSource``; built from the settings when omitted.
+
+    Returns:
+        Summary with ``models``, ``rows_written``, ``invocations``, ``skipped``.
+    """
+    from forecaster.ingest.prometheus import PrometheusSource
+    from forecaster.store.catalog import list_models
+
+    if source is None:
+        if not settings.prometheus_url:
+            raise ValueError("PREWARM_PROMETHEUS_URL is not set")
+        source = PrometheusSource(settings.prometheus_url, settings.prometheus_query_template,
+                                  timeout_s=settings.prometheus_timeout_s)
+    models = list_models(engine)
+    if not models:
+        return {"models": 0, "rows_written": 0, "invocations": 0, "skipped": 0}
+    end = (now - timedelta(seconds=settings.prometheus_lag_s)).replace(second=0, microsecond=0)
+    backfill_start = end - timedelta(minutes=settings.prometheus_backfill_minutes)
+    marks = _prometheus_watermarks(engine, [m.id for m in models])
+    overrides = {m.id: m.labels["prometheus_query"] for m in models if m.labels.get("prometheus_query")}
+    # Group models by start minute so that one fetch serves many models.
+    by_start: dict[datetime, list[str]] = {}
+    for m in models:
+        start = max(marks.get(m.id, backfill_start), backfill_start).astimezone(timezone.utc)
+        if start < end:
+            by_start.setdefault(start, []).append(m.id)
+    summary = {"models": 0, "rows_written": 0, "invocations": 0, "skipped": len(models)}
+    for start, ids in sorted(by_start.items()):
+        raw, windows = source.fetch(ids, start, end, query_overrides=overrides)
+        if windows.empty:
+            continue
+        result = ingest_frame(engine, settings, raw, source=PROMETHEUS_SOURCE, step_seconds=60, now=now,
+                              windows=windows, register=False)
+        summary["models"] += result.models
+        summary["rows_written"] += result.rows_written
+        summary["invocations"] += result.invocations
+        summary["skipped"] -= result.models
+    return summary

@@ -1,0 +1,247 @@
+"""Validation of raw per-model counts, in one place (cf. mlforecast's data_validation).
+
+Every ingest path (trace files, Prometheus, pushed batches) turns its input into
+a *raw* long frame and hands it to :func:`build_count_batch`, which either
+returns a :class:`~forecaster.ingest.batch.CountBatch` or raises
+:class:`~forecaster.ingest.batch.IngestError` naming the first bad row and field.
+Nothing is dropped silently: the only rows removed are zero counts, which the
+batch's coverage window still speaks for.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+import numpy as np
+import pandas as pd
+
+from forecaster.ingest.batch import COUNT_COLUMNS, CountBatch, IngestError
+
+
+def _row_of(raw: pd.DataFrame, position: int) -> int:
+    """1-based source row of the frame's ``position``-th row."""
+    if "row" in raw.columns:
+        return int(raw["row"].iloc[position])
+    return position + 1
+
+
+def _field_of(raw: pd.DataFrame, position: int, default: str) -> str:
+    if "field" in raw.columns:
+        return str(raw["field"].iloc[position])
+    return default
+
+
+def _first_bad(mask: np.ndarray) -> int | None:
+    hits = np.flatnonzero(mask)
+    return int(hits[0]) if len(hits) else None
+
+
+def _parse_model_ids(raw: pd.DataFrame) -> pd.Series:
+    ids = raw["unique_id"]
+    text = ids.astype("string").str.strip()
+    bad = _first_bad((ids.isna() | (text == "")).to_numpy())
+    if bad is not None:
+        raise IngestError(
+            "missing_model",
+            "model id is empty",
+            row=_row_of(raw, bad),
+            field="unique_id",
+            value=ids.iloc[bad],
+        )
+    return text.astype(object)
+
+
+def _parse_timestamps(raw: pd.DataFrame) -> pd.Series:
+    ds = raw["ds"]
+    if pd.api.types.is_datetime64_any_dtype(ds):
+        parsed = ds if getattr(ds.dt, "tz", None) is not None else ds.dt.tz_localize("UTC")
+        parsed = parsed.dt.tz_convert("UTC")
+    else:
+        parsed = pd.to_datetime(ds, utc=True, errors="coerce", format="mixed")
+    bad = _first_bad(parsed.isna().to_numpy())
+    if bad is not None:
+        raise IngestError(
+            "bad_timestamp",
+            f"cannot read {ds.iloc[bad]!r} as a timestamp",
+            row=_row_of(raw, bad),
+            field="ds",
+            value=ds.iloc[bad],
+        )
+    return parsed
+
+
+def _parse_counts(raw: pd.DataFrame) -> np.ndarray:
+    y = raw["y"]
+    numeric = pd.to_numeric(y, errors="coerce")
+    values = numeric.to_numpy(dtype="float64", na_value=np.nan)
+    not_numeric = numeric.isna().to_numpy() & ~pd.isna(y).to_numpy()
+    for mask, reason, text in (
+        (not_numeric, "not_a_number", "count is not a number"),
+        (np.isnan(values), "nan", "count is missing or NaN"),
+        (np.isinf(values), "infinite", "count is infinite"),
+        (values < 0, "negative_count", "count is negative"),
+        (values != np.floor(values), "non_integer_count", "count is not a whole number"),
+    ):
+        bad = _first_bad(mask)
+        if bad is not None:
+            raise IngestError(
+                reason,
+                f"{text}: {y.iloc[bad]!r}",
+                row=_row_of(raw, bad),
+                field=_field_of(raw, bad, "y"),
+                value=y.iloc[bad],
+            )
+    return values.astype("int64")
+
+
+def _check_duplicates(raw: pd.DataFrame, ids: pd.Series, ds: pd.Series) -> None:
+    keys = pd.DataFrame({"unique_id": ids.to_numpy(), "ds": ds.to_numpy()})
+    dup = keys.duplicated(keep=False).to_numpy()
+    bad = _first_bad(dup)
+    if bad is None:
+        return
+    same = np.flatnonzero(
+        dup & (keys["unique_id"].to_numpy() == keys["unique_id"].iloc[bad])
+        & (keys["ds"].to_numpy() == keys["ds"].to_numpy()[bad])
+    )
+    rows = [_row_of(raw, int(p)) for p in same[:2]]
+    raise IngestError(
+        "duplicate",
+        f"model {ids.iloc[bad]!r} at {ds.iloc[bad].isoformat()} appears more than once "
+        f"(rows {rows[0]} and {rows[1]})",
+        row=rows[1],
+        field="ds",
+        value=ds.iloc[bad].isoformat(),
+    )
+
+
+def _check_future(raw: pd.DataFrame, ds: pd.Series, now: datetime, max_future_skew_s: float) -> None:
+    limit = pd.Timestamp(now).tz_convert("UTC") + timedelta(seconds=max_future_skew_s)
+    bad = _first_bad((ds > limit).to_numpy())
+    if bad is not None:
+        raise IngestError(
+            "future_timestamp",
+            f"timestamp {ds.iloc[bad].isoformat()} is more than {max_future_skew_s:g} s "
+            f"ahead of now ({pd.Timestamp(now).isoformat()}); check the sender's clock",
+            row=_row_of(raw, bad),
+            field="ds",
+            value=ds.iloc[bad].isoformat(),
+        )
+
+
+def _check_known_models(raw: pd.DataFrame, ids: pd.Series, known_models: set[str] | None) -> None:
+    if known_models is None:
+        return
+    unknown = ~ids.isin(known_models).to_numpy()
+    bad = _first_bad(unknown)
+    if bad is not None:
+        missing = sorted(set(ids[unknown]))
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise IngestError(
+            "unknown_model",
+            f"model {ids.iloc[bad]!r} is not registered{more}; register it first "
+            "or enable PREWARM_AUTO_REGISTER_MODELS",
+            row=_row_of(raw, bad),
+            field="unique_id",
+            value=ids.iloc[bad],
+        )
+
+
+def _default_windows(counts: pd.DataFrame, step: pd.Timedelta) -> pd.DataFrame:
+    grouped = counts.groupby("unique_id", sort=True)["ds"]
+    windows = pd.DataFrame({"start": grouped.min(), "end": grouped.max() + step})
+    return windows.reset_index()
+
+
+def _check_windows(windows: pd.DataFrame, counts: pd.DataFrame, step_seconds: int) -> pd.DataFrame:
+    missing = {"unique_id", "start", "end"} - set(windows.columns)
+    if missing:
+        raise IngestError("bad_window", f"windows lack columns {sorted(missing)}")
+    windows = windows[["unique_id", "start", "end"]].copy()
+    windows["unique_id"] = windows["unique_id"].astype(str)
+    for col in ("start", "end"):
+        windows[col] = pd.to_datetime(windows[col], utc=True)
+        misaligned = windows[col].dt.floor(f"{step_seconds}s") != windows[col]
+        if misaligned.any():
+            uid = windows.loc[misaligned, "unique_id"].iloc[0]
+            raise IngestError(
+                "bad_window",
+                f"window {col} for model {uid!r} is not aligned to {step_seconds} s",
+                field=col,
+            )
+    if windows["unique_id"].duplicated().any():
+        uid = windows.loc[windows["unique_id"].duplicated(), "unique_id"].iloc[0]
+        raise IngestError("bad_window", f"model {uid!r} has more than one window", field="unique_id")
+    if (windows["end"] <= windows["start"]).any():
+        uid = windows.loc[windows["end"] <= windows["start"], "unique_id"].iloc[0]
+        raise IngestError("bad_window", f"window for model {uid!r} ends before it starts", field="end")
+    joined = counts.merge(windows, on="unique_id", how="left")
+    outside = joined["start"].isna() | (joined["ds"] < joined["start"]) | (joined["ds"] >= joined["end"])
+    if outside.any():
+        first = joined[outside].iloc[0]
+        raise IngestError(
+            "outside_window",
+            f"count for model {first['unique_id']!r} at {first['ds'].isoformat()} lies outside "
+            "the window the batch declares",
+            field="ds",
+            value=first["ds"].isoformat(),
+        )
+    return windows
+
+
+def build_count_batch(
+    raw: pd.DataFrame,
+    *,
+    source: str,
+    step_seconds: int,
+    now: datetime,
+    max_future_skew_s: float = 300.0,
+    known_models: set[str] | None = None,
+    windows: pd.DataFrame | None = None,
+) -> CountBatch:
+    """Validate raw counts and bucket them into steps.
+
+    Args:
+        raw: long frame with ``unique_id``, ``ds``, ``y``; optional ``row``
+            (1-based source row for messages) and ``field`` (source column of
+            ``y``, for wide formats). Timestamps without a zone are UTC.
+        source: the coverage source name recorded with the batch.
+        step_seconds: step width; timestamps inside a step are bucketed (their
+            counts summed) to the step's start.
+        now: the current time, for the clock-skew check.
+        max_future_skew_s: how far ahead of ``now`` a timestamp may lie.
+        known_models: registered model ids; ``None`` accepts any id (the caller
+            auto-registers).
+        windows: explicit coverage per model (``unique_id, start, end``);
+            default: from each model's first to its last step.
+
+    Returns:
+        The validated batch; zero-count steps are left out of ``counts``.
+
+    Raises:
+        IngestError: on the first bad row, naming row, field and value.
+    """
+    if step_seconds <= 0:
+        raise IngestError("bad_step", f"step_seconds must be positive, got {step_seconds}")
+    missing = [c for c in COUNT_COLUMNS if c not in raw.columns]
+    if missing:
+        raise IngestError("missing_column", f"input lacks columns {missing}; expected {list(COUNT_COLUMNS)}")
+    raw = raw.reset_index(drop=True)
+    ids = _parse_model_ids(raw)
+    ds = _parse_timestamps(raw)
+    y = _parse_counts(raw)
+    _check_duplicates(raw, ids, ds)
+    _check_future(raw, ds, now, max_future_skew_s)
+    _check_known_models(raw, ids, known_models)
+
+    step = pd.Timedelta(seconds=step_seconds)
+    bucketed = pd.DataFrame({"unique_id": ids.to_numpy(), "ds": ds.dt.floor(step).to_numpy(), "y": y})
+    counts = bucketed.groupby(["unique_id", "ds"], sort=True, as_index=False)["y"].sum()
+    counts["ds"] = pd.to_datetime(counts["ds"], utc=True)
+    if windows is None:
+        windows = _default_windows(counts, step)
+    else:
+        windows = _check_windows(windows, counts, step_seconds)
+    counts = counts[counts["y"] > 0].reset_index(drop=True)
+    counts["y"] = counts["y"].astype("int64")
+    return CountBatch(source=source, step_seconds=step_seconds, counts=counts, windows=windows.reset_index(drop=True))

@@ -1,0 +1,81 @@
+"""The serving-model catalogue: what is served, and what a replica needs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+from sqlalchemy import Connection, Engine, select, text
+from sqlalchemy.dialects.postgresql import insert
+
+from forecaster.store.tables import ServingModel
+
+
+@dataclass
+class ServingModelSpec:
+    """What a user registers for a model (sizes in bytes, SLO in seconds)."""
+
+    id: str
+    image_ref: str | None = None
+    image_size_bytes: int | None = None
+    weights_uri: str | None = None
+    weights_size_bytes: int | None = None
+    gpus_per_replica: int = 1
+    replica_rps: float | None = None
+    cold_start_slo_s: float | None = None
+    labels: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.id or not self.id.strip():
+            raise ValueError("model id must not be empty")
+        for name in ("image_size_bytes", "weights_size_bytes", "gpus_per_replica"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        for name in ("replica_rps", "cold_start_slo_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def upsert_models(conn: Connection, specs: Iterable[ServingModelSpec]) -> int:
+    """Register models or update their specs; returns how many rows were written."""
+    rows = [asdict(s) for s in specs]
+    if not rows:
+        return 0
+    stmt = insert(ServingModel).values(rows)
+    update = {c: stmt.excluded[c] for c in rows[0] if c != "id"}
+    update["updated_at"] = text("now()")
+    conn.execute(stmt.on_conflict_do_update(index_elements=["id"], set_=update))
+    return len(rows)
+
+
+def register_missing(conn: Connection, model_ids: Iterable[str], *, labels: dict | None = None) -> list[str]:
+    """Auto-register ids not yet in the catalogue (defaults for every spec field)."""
+    ids = sorted(set(model_ids))
+    if not ids:
+        return []
+    stmt = (
+        insert(ServingModel)
+        .values([{"id": i, "labels": labels or {}} for i in ids])
+        .on_conflict_do_nothing(index_elements=["id"])
+        .returning(ServingModel.id)
+    )
+    return sorted(r[0] for r in conn.execute(stmt))
+
+
+def known_model_ids(engine: Engine | Connection) -> set[str]:
+    def _query(conn: Connection) -> set[str]:
+        return set(conn.execute(select(ServingModel.id)).scalars())
+
+    if isinstance(engine, Connection):
+        return _query(engine)
+    with engine.connect() as conn:
+        return _query(conn)
+
+
+def list_models(engine: Engine) -> list[ServingModel]:
+    from sqlalchemy.orm import Session
+
+    with Session(engine) as session:
+        return list(session.scalars(select(ServingModel).order_by(ServingModel.id)))

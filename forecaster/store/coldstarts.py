@@ -1,0 +1,46 @@
+"""Writing observed cold starts; the (model, node, start) key makes re-sends harmless."""
+
+from __future__ import annotations
+
+import pandas as pd
+from sqlalchemy import Engine, text
+
+from forecaster.ingest.batch import IngestError
+from forecaster.ingest.coldstarts import PHASES
+
+
+def write_cold_starts(engine: Engine, events: pd.DataFrame, *, source: str, register_models: bool = False) -> dict:
+    """Insert validated events in one transaction; an event already stored is updated, not duplicated.
+
+    Returns:
+        ``{"inserted": n, "updated": m}``.
+    """
+    if events.empty:
+        return {"inserted": 0, "updated": 0}
+    columns = ["model_id", "node_id", "started_at", "total_seconds", *PHASES, "cache_state"]
+    records = events[columns].astype(object).where(events[columns].notna(), None).to_dict("records")
+    with engine.begin() as conn:
+        ids = sorted(set(events["model_id"]))
+        if register_models:
+            from forecaster.store.catalog import register_missing
+
+            register_missing(conn, ids, labels={"registered_by": source})
+        missing = conn.execute(
+            text("SELECT w.id FROM unnest(CAST(:ids AS text[])) AS w(id) "
+                 "LEFT JOIN serving_models m ON m.id = w.id WHERE m.id IS NULL ORDER BY w.id"),
+            {"ids": ids},
+        ).scalars().all()
+        if missing:
+            raise IngestError("unknown_model", f"model {missing[0]!r} is not registered", field="model_id",
+                              value=missing[0])
+        placeholders = ", ".join(f":{c}" for c in columns)
+        updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in columns[3:])
+        stmt = text(
+            f"INSERT INTO cold_starts ({', '.join(columns)}, source) VALUES ({placeholders}, :source) "
+            f"ON CONFLICT ON CONSTRAINT cold_starts_event_key DO UPDATE SET {updates}, source = EXCLUDED.source "
+            "RETURNING (xmax = 0) AS inserted"
+        )
+        inserted = 0
+        for record in records:
+            inserted += bool(conn.execute(stmt, {**record, "source": source}).scalar_one())
+    return {"inserted": inserted, "updated": len(records) - inserted}

@@ -1,0 +1,242 @@
+"""Writing and reading per-model invocation counts.
+
+Writes are *window replacements*: a batch deletes what the store held for its
+models inside its windows, copies its non-zero counts in with PostgreSQL
+``COPY``, merges the windows into the coverage multiranges and records the
+batch, all in one transaction. Ingesting the same data twice therefore never
+double-counts, and a batch that fails leaves nothing behind.
+
+Reads return a complete grid: a step inside some source's coverage has its
+count (zero when no row was stored); a step outside all coverage is ``NaN``
+(unknown).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from dataclasses import dataclass
+from datetime import datetime
+
+import numpy as np
+import pandas as pd
+from sqlalchemy import Connection, Engine, text
+
+from forecaster.ingest.batch import CountBatch, IngestError
+from forecaster.store.partitions import ensure_partitions
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    """What one batch did to the store."""
+
+    batch_id: int | None
+    duplicate: bool
+    models: int
+    rows_written: int
+    invocations: int
+    covered_steps: int
+
+    def as_dict(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+def batch_fingerprint(batch: CountBatch) -> str:
+    """sha256 over source, step, windows and counts, independent of row order."""
+    digest = hashlib.sha256()
+    digest.update(f"{batch.source}\n{batch.step_seconds}\n".encode())
+    windows = batch.windows.sort_values("unique_id")
+    counts = batch.counts.sort_values(["unique_id", "ds"])
+    for frame in (windows, counts):
+        digest.update(pd.util.hash_pandas_object(frame, index=False).to_numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _copy_counts(conn: Connection, counts: pd.DataFrame) -> None:
+    """Stream counts into ``invocations`` with COPY (text format, tab-separated)."""
+    if counts.empty:
+        return
+    buffer = io.StringIO()
+    out = pd.DataFrame(
+        {
+            "model_id": counts["unique_id"].to_numpy(),
+            "minute": counts["ds"].dt.strftime("%Y-%m-%dT%H:%M:%S+00:00").to_numpy(),
+            "count": counts["y"].to_numpy(),
+        }
+    )
+    out.to_csv(buffer, sep="\t", header=False, index=False)
+    raw = conn.connection.driver_connection  # psycopg.Connection
+    with raw.cursor() as cur, cur.copy("COPY invocations (model_id, minute, count) FROM STDIN") as copy:
+        copy.write(buffer.getvalue())
+
+
+def _window_arrays(batch: CountBatch) -> dict[str, list]:
+    w = batch.windows
+    return {
+        "ids": w["unique_id"].astype(str).tolist(),
+        "starts": [t.to_pydatetime() for t in w["start"]],
+        "ends": [t.to_pydatetime() for t in w["end"]],
+    }
+
+
+def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: bool = False) -> WriteResult:
+    """Write one validated batch atomically; a batch seen before is a no-op.
+
+    Args:
+        engine: the store.
+        batch: validated counts and coverage windows.
+        register_models: add models missing from the catalogue instead of
+            rejecting the batch.
+
+    Raises:
+        IngestError: ``unknown_model`` when a model is not registered and
+            ``register_models`` is false; ``bad_step`` for steps that are not
+            whole minutes.
+    """
+    if batch.step_seconds % 60:
+        raise IngestError("bad_step", f"the store keeps whole-minute steps, got step_seconds={batch.step_seconds}")
+    if batch.windows.empty:
+        return WriteResult(None, False, 0, 0, 0, 0)
+    fingerprint = batch_fingerprint(batch)
+    arrays = _window_arrays(batch)
+    ensure_partitions(engine, min(arrays["starts"]), max(arrays["ends"]))
+
+    with engine.begin() as conn:
+        # Serialise writers of the same batch content; the second sees the first's row.
+        conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:fp))"), {"fp": fingerprint})
+        previous = conn.execute(
+            text("SELECT id FROM ingest_batches WHERE content_sha256 = :fp"), {"fp": fingerprint}
+        ).scalar()
+        if previous is not None:
+            return WriteResult(previous, True, len(arrays["ids"]), 0, batch.total_invocations, batch.covered_steps)
+
+        if register_models:
+            from forecaster.store.catalog import register_missing
+
+            register_missing(conn, arrays["ids"], labels={"registered_by": batch.source})
+        missing = conn.execute(
+            text("SELECT w.id FROM unnest(CAST(:ids AS text[])) AS w(id) "
+                 "LEFT JOIN serving_models m ON m.id = w.id WHERE m.id IS NULL ORDER BY w.id"),
+            {"ids": arrays["ids"]},
+        ).scalars().all()
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise IngestError(
+                "unknown_model",
+                f"model {missing[0]!r}{more} not registered; register it first or enable "
+                "PREWARM_AUTO_REGISTER_MODELS",
+                field="unique_id",
+                value=missing[0],
+            )
+
+        conn.execute(
+            text(
+                "DELETE FROM invocations i USING unnest(CAST(:ids AS text[]), CAST(:starts AS timestamptz[]), "
+                "CAST(:ends AS timestamptz[])) AS w(model_id, s, e) "
+                "WHERE i.model_id = w.model_id AND i.minute >= w.s AND i.minute < w.e "
+                "AND i.minute >= :lo AND i.minute < :hi"
+            ),
+            {**arrays, "lo": min(arrays["starts"]), "hi": max(arrays["ends"])},
+        )
+        _copy_counts(conn, batch.counts)
+        conn.execute(
+            text(
+                "INSERT INTO coverage (model_id, source, step_seconds, ranges) "
+                "SELECT w.model_id, :source, :step, tstzmultirange(tstzrange(w.s, w.e, '[)')) "
+                "FROM unnest(CAST(:ids AS text[]), CAST(:starts AS timestamptz[]), CAST(:ends AS timestamptz[])) "
+                "AS w(model_id, s, e) "
+                "ON CONFLICT (model_id, source, step_seconds) DO UPDATE "
+                "SET ranges = coverage.ranges + EXCLUDED.ranges, updated_at = now()"
+            ),
+            {**arrays, "source": batch.source, "step": batch.step_seconds},
+        )
+        batch_id = conn.execute(
+            text(
+                "INSERT INTO ingest_batches (source, kind, content_sha256, models, rows_written, invocations, "
+                "window_start, window_end) VALUES (:source, 'counts', :fp, :models, :rows, :inv, :lo, :hi) "
+                "RETURNING id"
+            ),
+            {
+                "source": batch.source,
+                "fp": fingerprint,
+                "models": len(arrays["ids"]),
+                "rows": len(batch.counts),
+                "inv": batch.total_invocations,
+                "lo": min(arrays["starts"]),
+                "hi": max(arrays["ends"]),
+            },
+        ).scalar_one()
+    return WriteResult(batch_id, False, len(arrays["ids"]), len(batch.counts), batch.total_invocations,
+                       batch.covered_steps)
+
+
+def read_counts(
+    engine: Engine | Connection,
+    model_ids: list[str],
+    start: datetime,
+    end: datetime,
+    *,
+    step_seconds: int = 60,
+) -> pd.DataFrame:
+    """Counts per model and step over ``[start, end)``, with unknown steps as NaN.
+
+    A step is known when the union of the model's coverage, over every source
+    whose step divides ``step_seconds``, contains the whole step. Reading
+    5-minute data at a 1-minute step therefore yields NaN, never made-up zeros.
+
+    Returns:
+        Long frame ``unique_id, ds, y`` (float64; NaN = unknown), one row per
+        model and step, sorted.
+    """
+    step = pd.Timedelta(seconds=step_seconds)
+    start_ts, end_ts = pd.Timestamp(start).tz_convert("UTC"), pd.Timestamp(end).tz_convert("UTC")
+    if start_ts.floor(step) != start_ts or end_ts.floor(step) != end_ts:
+        raise ValueError(f"start and end must be aligned to {step_seconds} s")
+    grid_ds = pd.date_range(start_ts, end_ts, freq=step, inclusive="left")
+    ids = sorted(set(model_ids))
+    result = pd.DataFrame(
+        {"unique_id": np.repeat(ids, len(grid_ds)), "ds": np.tile(grid_ds, len(ids)), "y": np.nan}
+    )
+    if not ids or not len(grid_ds):
+        return result
+    query = text(
+        """
+        WITH cov AS (
+            SELECT model_id, range_agg(ranges) AS ranges FROM coverage
+            WHERE model_id = ANY(CAST(:ids AS text[])) AND :step % step_seconds = 0
+            GROUP BY model_id
+        ), grid AS (
+            SELECT cov.model_id, g AS ds FROM cov,
+                   generate_series(CAST(:start AS timestamptz), CAST(:last AS timestamptz), :interval) AS g
+            WHERE cov.ranges @> tstzrange(g, g + :interval, '[)')
+        ), cnt AS (
+            SELECT model_id, date_bin(:interval, minute, CAST(:start AS timestamptz)) AS ds, sum(count) AS y
+            FROM invocations
+            WHERE model_id = ANY(CAST(:ids AS text[])) AND minute >= :start AND minute < :end
+            GROUP BY 1, 2
+        )
+        SELECT grid.model_id, grid.ds, COALESCE(cnt.y, 0) AS y
+        FROM grid LEFT JOIN cnt USING (model_id, ds)
+        """
+    )
+    params = {
+        "ids": ids,
+        "step": step_seconds,
+        "start": start_ts.to_pydatetime(),
+        "last": (end_ts - step).to_pydatetime(),
+        "end": end_ts.to_pydatetime(),
+        "interval": step.to_pytimedelta(),
+    }
+    if isinstance(engine, Connection):
+        rows = engine.execute(query, params).all()
+    else:
+        with engine.connect() as conn:
+            rows = conn.execute(query, params).all()
+    if rows:
+        known = pd.DataFrame(rows, columns=["unique_id", "ds", "y_known"])
+        known["ds"] = pd.to_datetime(known["ds"], utc=True)
+        known["y_known"] = known["y_known"].astype("float64")
+        result = result.merge(known, on=["unique_id", "ds"], how="left")
+        result["y"] = result["y_known"]
+        result = result.drop(columns="y_known")
+    return result.sort_values(["unique_id", "ds"]).reset_index(drop=True)

@@ -1,0 +1,67 @@
+"""Daily range partitions of ``invocations``.
+
+Ingest creates the partitions a batch needs before it writes (historical traces
+land in the past); the maintenance job creates ``days_ahead`` days in advance
+so that live ingest never waits on DDL.
+"""
+
+from __future__ import annotations
+
+from datetime import date, datetime, timedelta, timezone
+
+from sqlalchemy import Connection, Engine, text
+
+
+def partition_name(day: date) -> str:
+    return f"invocations_{day:%Y%m%d}"
+
+
+def _days(start: datetime, end: datetime) -> list[date]:
+    first = start.astimezone(timezone.utc).date()
+    last = (end.astimezone(timezone.utc) - timedelta(microseconds=1)).date()
+    return [first + timedelta(days=i) for i in range((last - first).days + 1)]
+
+
+def existing_partitions(conn: Connection) -> set[str]:
+    rows = conn.execute(
+        text(
+            "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+            "JOIN pg_class p ON p.oid = i.inhparent WHERE p.relname = 'invocations'"
+        )
+    )
+    return {r[0] for r in rows}
+
+
+def ensure_partitions(engine: Engine, start: datetime, end: datetime) -> list[str]:
+    """Create the daily partitions covering ``[start, end)``; return the names created.
+
+    Each partition is created in its own short transaction; an empty partition
+    is harmless, so a batch that later fails leaves no partial data behind.
+    """
+    if end <= start:
+        return []
+    with engine.connect() as conn:
+        present = existing_partitions(conn)
+    created = []
+    for day in _days(start, end):
+        name = partition_name(day)
+        if name in present:
+            continue
+        lo = datetime(day.year, day.month, day.day, tzinfo=timezone.utc)
+        hi = lo + timedelta(days=1)
+        with engine.begin() as conn:
+            # A concurrent ingest may have created it meanwhile: IF NOT EXISTS.
+            conn.execute(
+                text(
+                    f'CREATE TABLE IF NOT EXISTS "{name}" PARTITION OF invocations '
+                    f"FOR VALUES FROM ('{lo.isoformat()}') TO ('{hi.isoformat()}')"
+                )
+            )
+        created.append(name)
+    return created
+
+
+def maintain_partitions(engine: Engine, *, now: datetime, days_ahead: int) -> list[str]:
+    """Create partitions from today through ``days_ahead`` days ahead of ``now``."""
+    today = datetime(now.year, now.month, now.day, tzinfo=timezone.utc)
+    return ensure_partitions(engine, today, today + timedelta(days=days_ahead + 1))

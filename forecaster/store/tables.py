@@ -1,0 +1,241 @@
+"""SQLAlchemy 2 table definitions of the store.
+
+These classes describe the schema for queries; the schema itself is created
+only by the Alembic migrations in ``migrations/`` (never by ``create_all``).
+Times are ``timestamptz`` in UTC; sizes in bytes; durations in seconds.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    func,
+)
+from sqlalchemy.dialects.postgresql import JSONB, TSTZMULTIRANGE
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+TZ = DateTime(timezone=True)
+
+
+class ServingModel(Base):
+    """The catalogue of what is served: one row per model deployment."""
+
+    __tablename__ = "serving_models"
+
+    id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    image_ref: Mapped[str | None] = mapped_column(Text)
+    image_size_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    weights_uri: Mapped[str | None] = mapped_column(Text)
+    weights_size_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    gpus_per_replica: Mapped[int] = mapped_column(Integer, default=1)
+    replica_rps: Mapped[float | None] = mapped_column(Float, doc="Requests per second one replica sustains.")
+    cold_start_slo_s: Mapped[float | None] = mapped_column(Float)
+    labels: Mapped[dict] = mapped_column(JSONB, default=dict)
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class Invocation(Base):
+    """Invocations of a model in one step starting at ``minute`` (range-partitioned by day).
+
+    Zero-count steps are not stored; :class:`Coverage` says which steps are known.
+    """
+
+    __tablename__ = "invocations"
+
+    model_id: Mapped[str] = mapped_column(
+        String(256), ForeignKey("serving_models.id", ondelete="CASCADE"), primary_key=True
+    )
+    minute: Mapped[datetime] = mapped_column(TZ, primary_key=True)
+    count: Mapped[int] = mapped_column(BigInteger)
+
+
+class Coverage(Base):
+    """Time ranges ingested per model, source and step width, as a multirange.
+
+    A step inside ``ranges`` with no :class:`Invocation` row had zero invocations;
+    a step outside every range of every source is unknown. Adjacent ranges merge
+    on write, so the row stays small however often a source ingests.
+    """
+
+    __tablename__ = "coverage"
+
+    model_id: Mapped[str] = mapped_column(
+        String(256), ForeignKey("serving_models.id", ondelete="CASCADE"), primary_key=True
+    )
+    source: Mapped[str] = mapped_column(String(128), primary_key=True)
+    step_seconds: Mapped[int] = mapped_column(Integer, primary_key=True)
+    ranges = mapped_column(TSTZMULTIRANGE, nullable=False)
+    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class IngestBatch(Base):
+    """Audit row per accepted batch; ``content_sha256`` makes duplicate pushes no-ops."""
+
+    __tablename__ = "ingest_batches"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    source: Mapped[str] = mapped_column(String(128))
+    kind: Mapped[str] = mapped_column(String(32))  # "counts" | "cold_starts"
+    content_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    models: Mapped[int] = mapped_column(Integer)
+    rows_written: Mapped[int] = mapped_column(BigInteger)
+    invocations: Mapped[int] = mapped_column(BigInteger)
+    window_start: Mapped[datetime | None] = mapped_column(TZ)
+    window_end: Mapped[datetime | None] = mapped_column(TZ)
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class ColdStart(Base):
+    """One observed cold start of a replica, in total and per phase (seconds)."""
+
+    __tablename__ = "cold_starts"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    model_id: Mapped[str] = mapped_column(String(256), ForeignKey("serving_models.id", ondelete="CASCADE"))
+    node_id: Mapped[str] = mapped_column(String(256))
+    started_at: Mapped[datetime] = mapped_column(TZ)
+    total_seconds: Mapped[float] = mapped_column(Float)
+    image_pull_s: Mapped[float | None] = mapped_column(Float)
+    weight_fetch_s: Mapped[float | None] = mapped_column(Float)
+    weight_load_s: Mapped[float | None] = mapped_column(Float)
+    runtime_init_s: Mapped[float | None] = mapped_column(Float)
+    registration_s: Mapped[float | None] = mapped_column(Float)
+    cache_state: Mapped[str | None] = mapped_column(
+        String(32), doc="What the node had before: none, image, disk, host, gpu, sleeping."
+    )
+    source: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class Node(Base):
+    """A GPU node and its free capacity, as last reported."""
+
+    __tablename__ = "nodes"
+
+    id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    gpus_total: Mapped[int] = mapped_column(Integer, default=0)
+    gpus_free: Mapped[int] = mapped_column(Integer, default=0)
+    disk_free_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    host_memory_free_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    network_bytes_per_s: Mapped[float | None] = mapped_column(Float)
+    labels: Mapped[dict] = mapped_column(JSONB, default=dict)
+    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class NodeCacheEntry(Base):
+    """Something a node holds warm: an image, or weights in a tier (disk, host, gpu)."""
+
+    __tablename__ = "node_cache"
+
+    node_id: Mapped[str] = mapped_column(String(256), ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True)
+    artefact_kind: Mapped[str] = mapped_column(String(16), primary_key=True)  # image | weights
+    ref: Mapped[str] = mapped_column(Text, primary_key=True)  # image reference or weights URI
+    tier: Mapped[str] = mapped_column(String(16), primary_key=True)  # image | disk | host | gpu
+    size_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    in_use: Mapped[bool] = mapped_column(Boolean, default=False)
+    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class ModelVersion(Base):
+    """A trained forecasting ensemble saved under ``models/<id>/``."""
+
+    __tablename__ = "model_versions"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    status: Mapped[str] = mapped_column(String(16))  # challenger | champion | retired | failed
+    path: Mapped[str] = mapped_column(Text)
+    train_start: Mapped[datetime | None] = mapped_column(TZ)
+    train_end: Mapped[datetime | None] = mapped_column(TZ)
+    members: Mapped[list] = mapped_column(JSONB, default=list)
+    scores: Mapped[dict] = mapped_column(JSONB, default=dict)
+    code_version: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class Forecast(Base):
+    """Forecast of one model's invocations in ``target_minute``, issued at ``issued_at``."""
+
+    __tablename__ = "forecasts"
+
+    model_id: Mapped[str] = mapped_column(
+        String(256), ForeignKey("serving_models.id", ondelete="CASCADE"), primary_key=True
+    )
+    issued_at: Mapped[datetime] = mapped_column(TZ, primary_key=True)
+    target_minute: Mapped[datetime] = mapped_column(TZ, primary_key=True)
+    model_version_id: Mapped[str | None] = mapped_column(String(64), ForeignKey("model_versions.id"))
+    point: Mapped[float] = mapped_column(Float)
+    p_any: Mapped[float | None] = mapped_column(Float, doc="Probability of at least one invocation.")
+    quantiles: Mapped[dict] = mapped_column(JSONB, default=dict)  # {"0.1": x, "0.5": y, "0.9": z}
+
+
+class Plan(Base):
+    """One output of the planner at time ``planned_at``."""
+
+    __tablename__ = "plans"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    planned_at: Mapped[datetime] = mapped_column(TZ)
+    summary: Mapped[dict] = mapped_column(JSONB, default=dict)
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class Action(Base):
+    """One pre-warm action of a plan: spec (what, where, when) plus status (what happened)."""
+
+    __tablename__ = "actions"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    plan_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("plans.id", ondelete="SET NULL"))
+    kind: Mapped[str] = mapped_column(String(16))  # prepull | preload | scale | release
+    model_id: Mapped[str | None] = mapped_column(String(256))
+    node_id: Mapped[str | None] = mapped_column(String(256))
+    target: Mapped[str | None] = mapped_column(Text)
+    spec: Mapped[dict] = mapped_column(JSONB, default=dict)
+    not_before: Mapped[datetime | None] = mapped_column(TZ)
+    deadline: Mapped[datetime | None] = mapped_column(TZ)
+    reason: Mapped[str | None] = mapped_column(String(64))
+    expected_benefit: Mapped[float | None] = mapped_column(Float)
+    expected_cost: Mapped[float | None] = mapped_column(Float)
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    status_reason: Mapped[str | None] = mapped_column(String(64))
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class JobRun(Base):
+    """One run of a scheduled job for one time slot; the key stops a slot running twice."""
+
+    __tablename__ = "job_runs"
+
+    job_name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    slot: Mapped[datetime] = mapped_column(TZ, primary_key=True)
+    started_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    finished_at: Mapped[datetime | None] = mapped_column(TZ)
+    status: Mapped[str] = mapped_column(String(16), default="running")  # running | ok | failed
+    detail: Mapped[dict] = mapped_column(JSONB, default=dict)
+
+
+class SchedulerJob(Base):
+    """APScheduler 3's SQLAlchemyJobStore table, created here so that migrations own it."""
+
+    __tablename__ = "apscheduler_jobs"
+
+    id: Mapped[str] = mapped_column(String(191), primary_key=True)
+    next_run_time: Mapped[float | None] = mapped_column(Float(precision=25), index=True)
+    job_state: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)

@@ -1,0 +1,1 @@
+"""Alembic migrations: the only place the schema is created or changed."""
