@@ -195,48 +195,51 @@ def read_counts(
     grid_ds = pd.date_range(start_ts, end_ts, freq=step, inclusive="left")
     ids = sorted(set(model_ids))
     result = pd.DataFrame(
-        {"unique_id": np.repeat(ids, len(grid_ds)), "ds": np.tile(grid_ds, len(ids)), "y": np.nan}
+        {"unique_id": np.repeat(ids, len(grid_ds)), "ds": pd.to_datetime(np.tile(grid_ds.asi8, len(ids)), utc=True), "y": np.nan}
     )
     if not ids or not len(grid_ds):
         return result
-    query = text(
-        """
-        WITH cov AS (
-            SELECT model_id, range_agg(ranges) AS ranges FROM coverage
-            WHERE model_id = ANY(CAST(:ids AS text[])) AND :step % step_seconds = 0
-            GROUP BY model_id
-        ), grid AS (
-            SELECT cov.model_id, g AS ds FROM cov,
-                   generate_series(CAST(:start AS timestamptz), CAST(:last AS timestamptz), :interval) AS g
-            WHERE cov.ranges @> tstzrange(g, g + :interval, '[)')
-        ), cnt AS (
-            SELECT model_id, date_bin(:interval, minute, CAST(:start AS timestamptz)) AS ds, sum(count) AS y
-            FROM invocations
-            WHERE model_id = ANY(CAST(:ids AS text[])) AND minute >= :start AND minute < :end
-            GROUP BY 1, 2
-        )
-        SELECT grid.model_id, grid.ds, COALESCE(cnt.y, 0) AS y
-        FROM grid LEFT JOIN cnt USING (model_id, ds)
-        """
-    )
     params = {
         "ids": ids,
         "step": step_seconds,
         "start": start_ts.to_pydatetime(),
-        "last": (end_ts - step).to_pydatetime(),
         "end": end_ts.to_pydatetime(),
         "interval": step.to_pytimedelta(),
     }
+    coverage_sql = text(
+        "SELECT model_id, lower(r), upper(r) FROM ("
+        "  SELECT model_id, unnest(range_agg(ranges)) AS r FROM coverage"
+        "  WHERE model_id = ANY(CAST(:ids AS text[])) AND :step % step_seconds = 0 GROUP BY model_id"
+        ") AS merged WHERE r && tstzrange(:start, :end, '[)')"
+    )
+    counts_sql = text(
+        "SELECT model_id, date_bin(:interval, minute, CAST(:start AS timestamptz)) AS ds, sum(count) AS y "
+        "FROM invocations WHERE model_id = ANY(CAST(:ids AS text[])) AND minute >= :start AND minute < :end "
+        "GROUP BY 1, 2"
+    )
     if isinstance(engine, Connection):
-        rows = engine.execute(query, params).all()
+        ranges, rows = engine.execute(coverage_sql, params).all(), engine.execute(counts_sql, params).all()
     else:
         with engine.connect() as conn:
-            rows = conn.execute(query, params).all()
+            ranges, rows = conn.execute(coverage_sql, params).all(), conn.execute(counts_sql, params).all()
+
+    # Fill a (model x step) grid: NaN unknown, 0 inside coverage, then the stored counts.
+    position = {model_id: i for i, model_id in enumerate(ids)}
+    n_steps = len(grid_ds)
+    grid = np.full((len(ids), n_steps), np.nan)
+    step_s = float(step_seconds)
+    origin = start_ts.timestamp()
+    for model_id, lower, upper in ranges:
+        lo = 0 if lower is None else max(0, int(np.ceil((lower.timestamp() - origin) / step_s)))
+        hi = n_steps if upper is None else min(n_steps, int(np.floor((upper.timestamp() - origin) / step_s)))
+        if hi > lo:
+            grid[position[model_id], lo:hi] = 0.0
     if rows:
-        known = pd.DataFrame(rows, columns=["unique_id", "ds", "y_known"])
-        known["ds"] = pd.to_datetime(known["ds"], utc=True)
-        known["y_known"] = known["y_known"].astype("float64")
-        result = result.merge(known, on=["unique_id", "ds"], how="left")
-        result["y"] = result["y_known"]
-        result = result.drop(columns="y_known")
-    return result.sort_values(["unique_id", "ds"]).reset_index(drop=True)
+        row_idx = np.fromiter((position[r[0]] for r in rows), dtype=np.int64, count=len(rows))
+        col_idx = np.fromiter(((r[1].timestamp() - origin) / step_s for r in rows), dtype=np.float64,
+                              count=len(rows)).astype(np.int64)
+        values = np.fromiter((r[2] for r in rows), dtype=np.float64, count=len(rows))
+        known = ~np.isnan(grid[row_idx, col_idx])  # a count in a partly covered step stays unknown
+        grid[row_idx[known], col_idx[known]] = values[known]
+    result["y"] = grid.reshape(-1)
+    return result

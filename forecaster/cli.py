@@ -1,0 +1,238 @@
+"""The ``prewarm`` command line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from sqlalchemy import Engine
+
+from forecaster.ingest.batch import IngestError
+from forecaster.settings import Settings, SettingsError, load_settings
+from forecaster.store.db import DatabaseUnavailable, current_revision, downgrade, open_database, upgrade, \
+    wait_for_database
+
+app = typer.Typer(help="prewarm: predictive pre-warming for GPU inference fleets.", no_args_is_help=True)
+db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
+ingest_app = typer.Typer(help="Ingest invocation counts.", no_args_is_help=True)
+models_app = typer.Typer(help="The serving-model catalogue.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(ingest_app, name="ingest")
+app.add_typer(models_app, name="models")
+
+log = logging.getLogger("prewarm")
+
+
+def _fail(message: str, code: int) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _settings() -> Settings:
+    try:
+        return load_settings()
+    except SettingsError as exc:
+        _fail(str(exc), 2)
+        raise  # unreachable
+
+
+@contextmanager
+def _database(settings: Settings, *, migrate: bool = True) -> Iterator[Engine]:
+    """Open the database, wait for it, and bring the schema to head (as the service does at start-up)."""
+    try:
+        with open_database(settings) as engine:
+            wait_for_database(engine, timeout_s=settings.db_wait_timeout_s)
+            if migrate:
+                upgrade(engine)
+            yield engine
+    except DatabaseUnavailable as exc:
+        _fail(str(exc), 3)
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@app.callback()
+def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log at INFO level.")] = False) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+# --- db -------------------------------------------------------------------
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
+    """Apply migrations up to REVISION."""
+    settings = _settings()
+    with _database(settings, migrate=False) as engine:
+        upgrade(engine, revision)
+        typer.echo(f"database at revision {current_revision(engine)}")
+
+
+@db_app.command("downgrade")
+def db_downgrade(revision: Annotated[str, typer.Argument(help="Target revision, or 'base'.")]) -> None:
+    """Revert migrations down to REVISION."""
+    settings = _settings()
+    with _database(settings, migrate=False) as engine:
+        downgrade(engine, revision)
+        typer.echo(f"database at revision {current_revision(engine)}")
+
+
+@db_app.command("current")
+def db_current() -> None:
+    """Print the schema revision."""
+    settings = _settings()
+    with _database(settings, migrate=False) as engine:
+        typer.echo(current_revision(engine) or "empty (no migrations applied)")
+
+
+# --- ingest ---------------------------------------------------------------
+
+
+@ingest_app.command("trace")
+def ingest_trace(
+    path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="Trace file.")],
+    fmt: Annotated[Optional[str], typer.Option("--format", help="Trace format; detected when omitted.")] = None,
+    start: Annotated[Optional[datetime], typer.Option(help="Time of step 0 for traces with relative times (UTC).")]
+    = None,
+    step_seconds: Annotated[int, typer.Option(help="Step of a long-format file, seconds.")] = 60,
+    model_id: Annotated[Optional[str], typer.Option(help="Model id for single-service traces.")] = None,
+    register: Annotated[Optional[bool], typer.Option("--register/--no-register",
+                                                     help="Register unknown models (default: setting).")] = None,
+) -> None:
+    """Ingest a trace file (Azure 2019/2021, Azure LLM 2023, Mooncake, Huawei 5-min, long CSV/Parquet)."""
+    from forecaster.ingest.service import ingest_trace_file
+
+    settings = _settings()
+    if start is not None and start.tzinfo is None:
+        start = start.replace(tzinfo=timezone.utc)
+    with _database(settings) as engine:
+        try:
+            result = ingest_trace_file(engine, settings, path, now=_now(), fmt=fmt, start=start,
+                                       step_seconds=step_seconds, model_id=model_id, register=register)
+        except IngestError as exc:
+            _fail(f"{path}: {exc}", 2)
+        typer.echo(json.dumps(result.as_dict()))
+
+
+@ingest_app.command("prometheus")
+def ingest_prometheus_cmd(
+    url: Annotated[Optional[str], typer.Option(help="Prometheus base URL (default: PREWARM_PROMETHEUS_URL).")]
+    = None,
+) -> None:
+    """Pull recent per-minute counts of every registered model from Prometheus."""
+    from forecaster.ingest.prometheus import PrometheusQueryError, PrometheusUnavailable
+    from forecaster.ingest.service import ingest_prometheus
+
+    settings = _settings()
+    if url:
+        settings = settings.model_copy(update={"prometheus_url": url})
+    if not settings.prometheus_url:
+        _fail("no Prometheus: pass --url or set PREWARM_PROMETHEUS_URL", 2)
+    with _database(settings) as engine:
+        try:
+            summary = ingest_prometheus(engine, settings, now=_now())
+        except (PrometheusUnavailable, PrometheusQueryError, IngestError) as exc:
+            _fail(str(exc), 2)
+        typer.echo(json.dumps(summary))
+
+
+# --- models ---------------------------------------------------------------
+
+
+@models_app.command("list")
+def models_list(as_json: Annotated[bool, typer.Option("--json", help="JSON lines output.")] = False) -> None:
+    """List registered serving models."""
+    from forecaster.store.catalog import list_models
+
+    settings = _settings()
+    with _database(settings) as engine:
+        models = list_models(engine)
+    for m in models:
+        if as_json:
+            typer.echo(json.dumps({"id": m.id, "image_ref": m.image_ref, "weights_uri": m.weights_uri,
+                                   "gpus_per_replica": m.gpus_per_replica, "replica_rps": m.replica_rps,
+                                   "cold_start_slo_s": m.cold_start_slo_s, "labels": m.labels}))
+        else:
+            typer.echo(f"{m.id}\t{m.image_ref or '-'}\t{m.weights_uri or '-'}\tgpus={m.gpus_per_replica}")
+    if not as_json:
+        typer.echo(f"{len(models)} models", err=True)
+
+
+@models_app.command("register")
+def models_register(
+    model_id: Annotated[str, typer.Argument()],
+    image_ref: Annotated[Optional[str], typer.Option()] = None,
+    image_size_bytes: Annotated[Optional[int], typer.Option()] = None,
+    weights_uri: Annotated[Optional[str], typer.Option()] = None,
+    weights_size_bytes: Annotated[Optional[int], typer.Option()] = None,
+    gpus_per_replica: Annotated[int, typer.Option()] = 1,
+    replica_rps: Annotated[Optional[float], typer.Option(help="Requests per second one replica sustains.")] = None,
+    cold_start_slo_s: Annotated[Optional[float], typer.Option()] = None,
+) -> None:
+    """Register a serving model or update its spec."""
+    from forecaster.store.catalog import ServingModelSpec, upsert_models
+
+    settings = _settings()
+    try:
+        spec = ServingModelSpec(id=model_id, image_ref=image_ref, image_size_bytes=image_size_bytes,
+                                weights_uri=weights_uri, weights_size_bytes=weights_size_bytes,
+                                gpus_per_replica=gpus_per_replica, replica_rps=replica_rps,
+                                cold_start_slo_s=cold_start_slo_s)
+    except ValueError as exc:
+        _fail(str(exc), 2)
+    with _database(settings) as engine, engine.begin() as conn:
+        upsert_models(conn, [spec])
+    typer.echo(f"registered {model_id}")
+
+
+# --- scheduler and demo ---------------------------------------------------
+
+
+@app.command("scheduler")
+def scheduler_cmd() -> None:
+    """Run the scheduler (ingest, partition maintenance, and the jobs later versions add) until stopped."""
+    from forecaster.jobs.scheduler import build_scheduler
+
+    settings = _settings()
+    with _database(settings) as engine:
+        scheduler = build_scheduler(engine, settings)
+        typer.echo(f"scheduler running jobs: {', '.join(j.id for j in scheduler.get_jobs()) or '(none yet)'}")
+        try:
+            scheduler.start()
+        except (KeyboardInterrupt, SystemExit):
+            pass
+
+
+@app.command("demo")
+def demo(
+    trace: Annotated[Optional[Path], typer.Option(help="Trace to ingest (default: the shipped Azure 2019 sample).")]
+    = None,
+    top: Annotated[int, typer.Option(help="Models to show in the summary.")] = 15,
+) -> None:
+    """Embedded database, ingest the Azure Functions 2019 day, print a summary per model."""
+    from forecaster.demo import run_demo
+
+    settings = _settings()
+    with _database(settings) as engine:
+        try:
+            run_demo(engine, settings, trace=trace, top=top, now=_now(), echo=typer.echo)
+        except IngestError as exc:
+            _fail(str(exc), 2)
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

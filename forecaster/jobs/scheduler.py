@@ -1,0 +1,96 @@
+"""The scheduler: APScheduler 3 with its job store in PostgreSQL, wiring jobs together.
+
+Jobs live in :data:`JOBS`, keyed by name. Issue-by-issue the forecast and
+nightly retrain jobs are added with :func:`register_job`; until then their
+slots are simply not scheduled (``prewarm scheduler`` says so at start).
+
+APScheduler stores jobs as pickled references, so the stored job is the
+module-level :func:`fire` with the job's name; the engine and settings are
+process state set by :func:`build_scheduler`.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timezone
+
+from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
+from apscheduler.schedulers.base import BaseScheduler
+from apscheduler.schedulers.blocking import BlockingScheduler
+from apscheduler.triggers.interval import IntervalTrigger
+from sqlalchemy import Engine
+
+from forecaster.jobs.runs import JobSpec, run_once
+from forecaster.settings import Settings
+
+log = logging.getLogger(__name__)
+
+JOBS: dict[str, JobSpec] = {}
+OPTIONAL_SLOTS = ("forecast", "retrain")
+_context: dict[str, object] = {}
+
+
+def register_job(spec: JobSpec) -> None:
+    JOBS[spec.name] = spec
+
+
+def ingest_job(engine: Engine, settings: Settings, now: datetime) -> dict:
+    """Every minute: pull new minutes from Prometheus, when one is configured."""
+    if not settings.prometheus_url:
+        return {"skipped": "PREWARM_PROMETHEUS_URL not set"}
+    from forecaster.ingest.service import ingest_prometheus
+
+    return ingest_prometheus(engine, settings, now=now)
+
+
+def partition_job(engine: Engine, settings: Settings, now: datetime) -> dict:
+    """Hourly: create the invocation partitions of the coming days."""
+    from forecaster.store.partitions import maintain_partitions
+
+    created = maintain_partitions(engine, now=now, days_ahead=settings.partition_days_ahead)
+    return {"created": created}
+
+
+def default_jobs(settings: Settings) -> list[JobSpec]:
+    return [
+        JobSpec("ingest", ingest_job, every_s=settings.ingest_interval_s),
+        JobSpec("partitions", partition_job, every_s=settings.partition_maintenance_interval_s),
+    ]
+
+
+def fire(job_name: str) -> dict | None:
+    """APScheduler entry point: run ``job_name`` for the current slot (at most once)."""
+    engine = _context["engine"]
+    settings = _context["settings"]
+    return run_once(engine, settings, JOBS[job_name], now=datetime.now(timezone.utc))  # type: ignore[arg-type]
+
+
+def build_scheduler(engine: Engine, settings: Settings, scheduler: BaseScheduler | None = None) -> BaseScheduler:
+    """Configure a scheduler whose job store is the ``apscheduler_jobs`` table.
+
+    Missed runs are coalesced into one and dropped when more than half a
+    period late; the ``job_runs`` slot claim makes a re-fired slot a no-op.
+    """
+    for spec in default_jobs(settings):
+        JOBS.setdefault(spec.name, spec)
+    _context.update(engine=engine, settings=settings)
+    scheduler = scheduler or BlockingScheduler(timezone=timezone.utc)
+    scheduler.configure(
+        jobstores={"default": SQLAlchemyJobStore(engine=engine, tablename="apscheduler_jobs")},
+        job_defaults={"coalesce": True, "max_instances": 1},
+        timezone=timezone.utc,
+    )
+    for name, spec in JOBS.items():
+        scheduler.add_job(
+            fire,
+            IntervalTrigger(seconds=spec.every_s, timezone=timezone.utc),
+            args=[name],
+            id=name,
+            name=name,
+            replace_existing=True,
+            misfire_grace_time=max(1, spec.every_s // 2),
+        )
+    for name in OPTIONAL_SLOTS:
+        if name not in JOBS:
+            log.info("job %s: not available in this version, not scheduled", name)
+    return scheduler
