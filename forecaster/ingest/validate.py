@@ -18,6 +18,10 @@ import pandas as pd
 from forecaster.ingest.batch import COUNT_COLUMNS, CountBatch, IngestError
 
 
+#: Largest count per step accepted: exact in float64 and far above any real service.
+MAX_COUNT = 2**53
+
+
 def _row_of(raw: pd.DataFrame, position: int) -> int:
     """1-based source row of the frame's ``position``-th row."""
     if "row" in raw.columns:
@@ -51,8 +55,26 @@ def _parse_model_ids(raw: pd.DataFrame) -> pd.Series:
     return text.astype(object)
 
 
+def _numeric_mask(values: pd.Series) -> np.ndarray:
+    if pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values):
+        return np.ones(len(values), dtype=bool)
+    if values.dtype == object:
+        return values.map(lambda v: isinstance(v, (int, float, np.integer, np.floating))
+                          and not isinstance(v, bool)).to_numpy(dtype=bool)
+    return np.zeros(len(values), dtype=bool)
+
+
 def _parse_timestamps(raw: pd.DataFrame) -> pd.Series:
     ds = raw["ds"]
+    bad = _first_bad(_numeric_mask(ds))
+    if bad is not None:
+        raise IngestError(
+            "bad_timestamp",
+            f"numeric timestamp {ds.iloc[bad]!r} is ambiguous (seconds? milliseconds?); send ISO 8601 text",
+            row=_row_of(raw, bad),
+            field="ds",
+            value=ds.iloc[bad],
+        )
     if pd.api.types.is_datetime64_any_dtype(ds):
         parsed = ds if getattr(ds.dt, "tz", None) is not None else ds.dt.tz_localize("UTC")
         parsed = parsed.dt.tz_convert("UTC")
@@ -81,6 +103,7 @@ def _parse_counts(raw: pd.DataFrame) -> np.ndarray:
         (np.isinf(values), "infinite", "count is infinite"),
         (values < 0, "negative_count", "count is negative"),
         (values != np.floor(values), "non_integer_count", "count is not a whole number"),
+        (values > MAX_COUNT, "count_too_large", f"count exceeds {MAX_COUNT:,} per step"),
     ):
         bad = _first_bad(mask)
         if bad is not None:
@@ -94,16 +117,14 @@ def _parse_counts(raw: pd.DataFrame) -> np.ndarray:
     return values.astype("int64")
 
 
-def _check_duplicates(raw: pd.DataFrame, ids: pd.Series, ds: pd.Series) -> None:
-    keys = pd.DataFrame({"unique_id": ids.to_numpy(), "ds": ds.to_numpy()})
+def _check_duplicates(raw: pd.DataFrame, codes: np.ndarray, ds_ns: np.ndarray, ids: pd.Series,
+                      ds: pd.Series) -> None:
+    keys = pd.DataFrame({"model": codes, "ds": ds_ns})
     dup = keys.duplicated(keep=False).to_numpy()
     bad = _first_bad(dup)
     if bad is None:
         return
-    same = np.flatnonzero(
-        dup & (keys["unique_id"].to_numpy() == keys["unique_id"].iloc[bad])
-        & (keys["ds"].to_numpy() == keys["ds"].to_numpy()[bad])
-    )
+    same = np.flatnonzero(dup & (codes == codes[bad]) & (ds_ns == ds_ns[bad]))
     rows = [_row_of(raw, int(p)) for p in same[:2]]
     raise IngestError(
         "duplicate",
@@ -115,14 +136,19 @@ def _check_duplicates(raw: pd.DataFrame, ids: pd.Series, ds: pd.Series) -> None:
     )
 
 
+def _utc(moment: datetime) -> pd.Timestamp:
+    stamp = pd.Timestamp(moment)
+    return stamp.tz_localize("UTC") if stamp.tzinfo is None else stamp.tz_convert("UTC")
+
+
 def _check_future(raw: pd.DataFrame, ds: pd.Series, now: datetime, max_future_skew_s: float) -> None:
-    limit = pd.Timestamp(now).tz_convert("UTC") + timedelta(seconds=max_future_skew_s)
+    limit = _utc(now) + timedelta(seconds=max_future_skew_s)
     bad = _first_bad((ds > limit).to_numpy())
     if bad is not None:
         raise IngestError(
             "future_timestamp",
             f"timestamp {ds.iloc[bad].isoformat()} is more than {max_future_skew_s:g} s "
-            f"ahead of now ({pd.Timestamp(now).isoformat()}); check the sender's clock",
+            f"ahead of now ({_utc(now).isoformat()}); check the sender's clock",
             row=_row_of(raw, bad),
             field="ds",
             value=ds.iloc[bad].isoformat(),
@@ -153,14 +179,33 @@ def _default_windows(counts: pd.DataFrame, step: pd.Timedelta) -> pd.DataFrame:
     return windows.reset_index()
 
 
-def _check_windows(windows: pd.DataFrame, counts: pd.DataFrame, step_seconds: int) -> pd.DataFrame:
+def _check_windows(
+    windows: pd.DataFrame,
+    counts: pd.DataFrame,
+    step_seconds: int,
+    *,
+    now: datetime,
+    max_future_skew_s: float,
+    known_models: set[str] | None,
+) -> pd.DataFrame:
     missing = {"unique_id", "start", "end"} - set(windows.columns)
     if missing:
         raise IngestError("bad_window", f"windows lack columns {sorted(missing)}")
     windows = windows[["unique_id", "start", "end"]].copy()
-    windows["unique_id"] = windows["unique_id"].astype(str)
+    for col in ("unique_id", "start", "end"):
+        if windows[col].isna().any():
+            raise IngestError("bad_window", f"a window has no {col}", field=col)
+    windows["unique_id"] = windows["unique_id"].astype(str).str.strip()
+    if known_models is not None and not windows["unique_id"].isin(known_models).all():
+        uid = windows.loc[~windows["unique_id"].isin(known_models), "unique_id"].iloc[0]
+        raise IngestError("unknown_model", f"model {uid!r} is not registered", field="unique_id", value=uid)
     for col in ("start", "end"):
         windows[col] = pd.to_datetime(windows[col], utc=True)
+    limit = _utc(now) + timedelta(seconds=max_future_skew_s)
+    if (windows["end"] > limit + pd.Timedelta(seconds=step_seconds)).any():
+        uid = windows.loc[windows["end"] > limit + pd.Timedelta(seconds=step_seconds), "unique_id"].iloc[0]
+        raise IngestError("future_timestamp", f"window for model {uid!r} reaches past now ({_utc(now).isoformat()})",
+                          field="end")
         misaligned = windows[col].dt.floor(f"{step_seconds}s") != windows[col]
         if misaligned.any():
             uid = windows.loc[misaligned, "unique_id"].iloc[0]
@@ -218,6 +263,10 @@ def build_count_batch(
     Returns:
         The validated batch; zero-count steps are left out of ``counts``.
 
+    An exact repeat of ``(unique_id, ds)`` is rejected as a resent row;
+    distinct timestamps inside one step are sub-step events and are summed.
+    Numeric timestamps are rejected (seconds and nanoseconds look alike).
+
     Raises:
         IngestError: on the first bad row, naming row, field and value.
     """
@@ -230,18 +279,29 @@ def build_count_batch(
     ids = _parse_model_ids(raw)
     ds = _parse_timestamps(raw)
     y = _parse_counts(raw)
-    _check_duplicates(raw, ids, ds)
+    # Work on integer codes and int64 nanoseconds: tz-aware objects are slow at 2M rows.
+    codes, uniques = pd.factorize(ids, sort=True)
+    ds_ns = ds.dt.tz_convert(None).to_numpy().astype("datetime64[ns]").view("int64")
+    _check_duplicates(raw, codes, ds_ns, ids, ds)
     _check_future(raw, ds, now, max_future_skew_s)
     _check_known_models(raw, ids, known_models)
 
     step = pd.Timedelta(seconds=step_seconds)
-    bucketed = pd.DataFrame({"unique_id": ids.to_numpy(), "ds": ds.dt.floor(step).to_numpy(), "y": y})
-    counts = bucketed.groupby(["unique_id", "ds"], sort=True, as_index=False)["y"].sum()
-    counts["ds"] = pd.to_datetime(counts["ds"], utc=True)
+    step_ns = step.value
+    bucketed = pd.DataFrame({"model": codes, "ds": (ds_ns // step_ns) * step_ns, "y": y})
+    summed = bucketed.groupby(["model", "ds"], sort=True, as_index=False)["y"].sum()
+    counts = pd.DataFrame(
+        {
+            "unique_id": np.asarray(uniques, dtype=object)[summed["model"].to_numpy()],
+            "ds": pd.to_datetime(summed["ds"].to_numpy(), utc=True),
+            "y": summed["y"].to_numpy(),
+        }
+    )
     if windows is None:
         windows = _default_windows(counts, step)
     else:
-        windows = _check_windows(windows, counts, step_seconds)
+        windows = _check_windows(windows, counts, step_seconds, now=now, max_future_skew_s=max_future_skew_s,
+                                 known_models=known_models)
     counts = counts[counts["y"] > 0].reset_index(drop=True)
     counts["y"] = counts["y"].astype("int64")
     return CountBatch(source=source, step_seconds=step_seconds, counts=counts, windows=windows.reset_index(drop=True))

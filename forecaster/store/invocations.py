@@ -60,7 +60,9 @@ def _copy_counts(conn: Connection, counts: pd.DataFrame) -> None:
     out = pd.DataFrame(
         {
             "model_id": counts["unique_id"].to_numpy(),
-            "minute": counts["ds"].dt.strftime("%Y-%m-%dT%H:%M:%S+00:00").to_numpy(),
+            "minute": np.char.add(
+                np.datetime_as_string(counts["ds"].dt.tz_convert(None).to_numpy(), unit="s"), "+00:00"
+            ),
             "count": counts["y"].to_numpy(),
         }
     )
@@ -195,7 +197,7 @@ def read_counts(
     grid_ds = pd.date_range(start_ts, end_ts, freq=step, inclusive="left")
     ids = sorted(set(model_ids))
     result = pd.DataFrame(
-        {"unique_id": np.repeat(ids, len(grid_ds)), "ds": pd.to_datetime(np.tile(grid_ds.asi8, len(ids)), utc=True), "y": np.nan}
+        {"unique_id": np.repeat(ids, len(grid_ds)), "ds": pd.to_datetime(np.tile(grid_ds.as_unit("ns").asi8, len(ids)), utc=True), "y": np.nan}
     )
     if not ids or not len(grid_ds):
         return result

