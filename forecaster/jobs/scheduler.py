@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.base import BaseScheduler
 from apscheduler.schedulers.blocking import BlockingScheduler
+from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 from sqlalchemy import Engine
 
@@ -65,6 +66,13 @@ def fire(job_name: str) -> dict | None:
     return run_once(engine, settings, JOBS[job_name], now=datetime.now(timezone.utc))  # type: ignore[arg-type]
 
 
+def _trigger(spec: JobSpec) -> IntervalTrigger | CronTrigger:
+    """Daily jobs fire at their offset (e.g. 03:00 UTC); shorter ones on a fixed interval."""
+    if spec.every_s == 86_400:
+        return CronTrigger(hour=spec.offset_s // 3600, minute=(spec.offset_s % 3600) // 60, timezone=timezone.utc)
+    return IntervalTrigger(seconds=spec.every_s, timezone=timezone.utc)
+
+
 def build_scheduler(engine: Engine, settings: Settings, scheduler: BaseScheduler | None = None) -> BaseScheduler:
     """Configure a scheduler whose job store is the ``apscheduler_jobs`` table.
 
@@ -83,7 +91,7 @@ def build_scheduler(engine: Engine, settings: Settings, scheduler: BaseScheduler
     for name, spec in JOBS.items():
         scheduler.add_job(
             fire,
-            IntervalTrigger(seconds=spec.every_s, timezone=timezone.utc),
+            _trigger(spec),
             args=[name],
             id=name,
             name=name,

@@ -1,0 +1,55 @@
+"""Settings: environment with the PREWARM_ prefix, DATABASE_URL, a settings file, errors that name the value."""
+
+from __future__ import annotations
+
+import pytest
+
+from forecaster.settings import SettingsError, load_settings
+
+
+def test_database_url_is_normalised_to_psycopg(monkeypatch):
+    monkeypatch.setenv("DATABASE_URL", "postgresql://u:p@db:5432/prewarm")
+    assert load_settings().database_url == "postgresql+psycopg://u:p@db:5432/prewarm"
+
+
+def test_unset_database_url_means_embedded_under_data_dir(monkeypatch, tmp_path):
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    monkeypatch.delenv("PREWARM_DATABASE_URL", raising=False)
+    monkeypatch.setenv("PREWARM_DATA_DIR", str(tmp_path))
+    settings = load_settings()
+    assert settings.database_url is None
+    assert settings.embedded_pgdata == tmp_path / "postgres"
+
+
+def test_errors_name_variable_and_value(monkeypatch):
+    monkeypatch.setenv("DATABASE_URL", "mysql://root@db/x")
+    monkeypatch.setenv("PREWARM_MAX_FUTURE_SKEW_S", "-5")
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    message = str(info.value)
+    assert "DATABASE_URL='mysql://root@db/x'" in message
+    assert "PREWARM_MAX_FUTURE_SKEW_S='-5'" in message
+
+
+def test_settings_file_and_missing_file(monkeypatch, tmp_path):
+    env_file = tmp_path / "prewarm.env"
+    env_file.write_text("PREWARM_PARTITION_DAYS_AHEAD=3\nPREWARM_AUTO_REGISTER_MODELS=true\n")
+    monkeypatch.setenv("PREWARM_SETTINGS_FILE", str(env_file))
+    settings = load_settings()
+    assert settings.partition_days_ahead == 3 and settings.auto_register_models is True
+    monkeypatch.setenv("PREWARM_SETTINGS_FILE", str(tmp_path / "nope.env"))
+    with pytest.raises(SettingsError, match="nope.env"):
+        load_settings()
+
+
+def test_production_refuses_the_embedded_database(monkeypatch):
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    monkeypatch.setenv("PREWARM_ENVIRONMENT", "production")
+    with pytest.raises(SettingsError, match="requires DATABASE_URL"):
+        load_settings()
+
+
+def test_prometheus_template_must_name_the_model(monkeypatch):
+    monkeypatch.setenv("PREWARM_PROMETHEUS_QUERY_TEMPLATE", "sum(rate(x[1m]))")
+    with pytest.raises(SettingsError, match="PREWARM_PROMETHEUS_QUERY_TEMPLATE"):
+        load_settings()
