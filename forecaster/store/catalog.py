@@ -64,6 +64,15 @@ def register_missing(conn: Connection, model_ids: Iterable[str], *, labels: dict
     return sorted(r[0] for r in conn.execute(stmt))
 
 
+def missing_model_ids(conn: Connection, model_ids: Iterable[str]) -> list[str]:
+    """The ids of ``model_ids`` that are not in the catalogue, sorted."""
+    return list(conn.execute(
+        text("SELECT w.id FROM unnest(CAST(:ids AS text[])) AS w(id) "
+             "LEFT JOIN serving_models m ON m.id = w.id WHERE m.id IS NULL ORDER BY w.id"),
+        {"ids": sorted(set(model_ids))},
+    ).scalars())
+
+
 def known_model_ids(engine: Engine | Connection) -> set[str]:
     def _query(conn: Connection) -> set[str]:
         return set(conn.execute(select(ServingModel.id)).scalars())

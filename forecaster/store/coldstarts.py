@@ -7,6 +7,7 @@ from sqlalchemy import Engine, text
 
 from forecaster.ingest.batch import IngestError
 from forecaster.ingest.coldstarts import PHASES
+from forecaster.store.catalog import missing_model_ids, register_missing
 
 
 def write_cold_starts(engine: Engine, events: pd.DataFrame, *, source: str, register_models: bool = False) -> dict:
@@ -22,14 +23,8 @@ def write_cold_starts(engine: Engine, events: pd.DataFrame, *, source: str, regi
     with engine.begin() as conn:
         ids = sorted(set(events["model_id"]))
         if register_models:
-            from forecaster.store.catalog import register_missing
-
             register_missing(conn, ids, labels={"registered_by": source})
-        missing = conn.execute(
-            text("SELECT w.id FROM unnest(CAST(:ids AS text[])) AS w(id) "
-                 "LEFT JOIN serving_models m ON m.id = w.id WHERE m.id IS NULL ORDER BY w.id"),
-            {"ids": ids},
-        ).scalars().all()
+        missing = missing_model_ids(conn, ids)
         if missing:
             raise IngestError("unknown_model", f"model {missing[0]!r} is not registered", field="model_id",
                               value=missing[0])

@@ -23,6 +23,7 @@ import pandas as pd
 from sqlalchemy import Connection, Engine, text
 
 from forecaster.ingest.batch import CountBatch, IngestError
+from forecaster.store.catalog import missing_model_ids, register_missing
 from forecaster.store.partitions import ensure_partitions
 
 
@@ -113,14 +114,8 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
             return WriteResult(previous, True, len(arrays["ids"]), 0, batch.total_invocations, batch.covered_steps)
 
         if register_models:
-            from forecaster.store.catalog import register_missing
-
             register_missing(conn, arrays["ids"], labels={"registered_by": batch.source})
-        missing = conn.execute(
-            text("SELECT w.id FROM unnest(CAST(:ids AS text[])) AS w(id) "
-                 "LEFT JOIN serving_models m ON m.id = w.id WHERE m.id IS NULL ORDER BY w.id"),
-            {"ids": arrays["ids"]},
-        ).scalars().all()
+        missing = missing_model_ids(conn, arrays["ids"])
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
             raise IngestError(
