@@ -123,7 +123,12 @@ def load_settings(**overrides: object) -> Settings:
         problems = []
         for err in exc.errors():
             name = str(err["loc"][0]) if err["loc"] else "settings"
-            env_name = "DATABASE_URL" if name == "database_url" else f"PREWARM_{name.upper()}"
+            if name.lower() in ("database_url", "prewarm_database_url"):
+                env_name = "PREWARM_DATABASE_URL" if os.environ.get("PREWARM_DATABASE_URL") else "DATABASE_URL"
+            elif name.upper().startswith("PREWARM_"):
+                env_name = name.upper()
+            else:
+                env_name = f"PREWARM_{name.upper()}"
             shown = err.get("input")
             problems.append(f"{env_name}={shown!r}: {err['msg']}")
         raise SettingsError("invalid settings: " + "; ".join(problems)) from None

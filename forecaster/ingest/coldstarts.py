@@ -9,16 +9,18 @@ from datetime import datetime, timedelta
 import pandas as pd
 
 from forecaster.ingest.batch import IngestError
+from forecaster.ingest.validate import MAX_ID_LENGTH
 
 PHASES = ("image_pull_s", "weight_fetch_s", "weight_load_s", "runtime_init_s", "registration_s")
 CACHE_STATES = ("none", "image", "disk", "host", "gpu", "sleeping")
 REQUIRED = ("model_id", "node_id", "started_at", "total_seconds")
+KNOWN_FIELDS = frozenset((*REQUIRED, *PHASES, "cache_state"))
 # Phases may overlap a little with each other (streamed loads); more than this is a bad event.
 PHASE_SUM_TOLERANCE = 1.05
 
 
 def _seconds(row: int, field: str, value: object, *, required: bool) -> float | None:
-    if value is None or (isinstance(value, float) and math.isnan(value) and not required):
+    if value is None:
         if required:
             raise IngestError("missing_field", "value is required", row=row, field=field)
         return None
@@ -62,13 +64,24 @@ def validate_cold_starts(
     for position, event in enumerate(events, start=1):
         if not isinstance(event, Mapping):
             raise IngestError("bad_row", f"expected an object, got {type(event).__name__}", row=position)
+        unknown = sorted(set(event) - KNOWN_FIELDS)
+        if unknown:
+            raise IngestError("unknown_field", f"unknown field; expected some of {sorted(KNOWN_FIELDS)}",
+                              row=position, field=str(unknown[0]))
         for name in ("model_id", "node_id"):
             value = event.get(name)
             if not isinstance(value, str) or not value.strip():
                 raise IngestError("missing_field", "a non-empty string is required", row=position, field=name,
                                   value=value)
+            if len(value.strip()) > MAX_ID_LENGTH:
+                raise IngestError("id_too_long", f"longer than {MAX_ID_LENGTH} characters", row=position,
+                                  field=name, value=value[:40] + "...")
+        raw_start = event.get("started_at")
+        if isinstance(raw_start, (int, float)) and not isinstance(raw_start, bool):
+            raise IngestError("bad_timestamp", f"numeric time {raw_start!r} is ambiguous; send ISO 8601 text",
+                              row=position, field="started_at", value=raw_start)
         try:
-            started = pd.Timestamp(event.get("started_at"))
+            started = pd.Timestamp(raw_start)
         except (TypeError, ValueError):
             started = pd.NaT
         if started is pd.NaT or pd.isna(started):

@@ -20,6 +20,8 @@ from forecaster.ingest.batch import COUNT_COLUMNS, CountBatch, IngestError
 
 #: Largest count per step accepted: exact in float64 and far above any real service.
 MAX_COUNT = 2**53
+#: Longest model or node id the store keeps (``String(256)`` columns).
+MAX_ID_LENGTH = 256
 
 
 def _row_of(raw: pd.DataFrame, position: int) -> int:
@@ -52,6 +54,10 @@ def _parse_model_ids(raw: pd.DataFrame) -> pd.Series:
             field="unique_id",
             value=ids.iloc[bad],
         )
+    bad = _first_bad((text.str.len() > MAX_ID_LENGTH).to_numpy())
+    if bad is not None:
+        raise IngestError("id_too_long", f"model id is longer than {MAX_ID_LENGTH} characters",
+                          row=_row_of(raw, bad), field="unique_id", value=str(ids.iloc[bad])[:40] + "...")
     return text.astype(object)
 
 
@@ -70,10 +76,10 @@ def _parse_timestamps(raw: pd.DataFrame) -> pd.Series:
     if bad is not None:
         raise IngestError(
             "bad_timestamp",
-            f"numeric timestamp {ds.iloc[bad]!r} is ambiguous (seconds? milliseconds?); send ISO 8601 text",
+            f"numeric timestamp {_plain(ds.iloc[bad])!r} is ambiguous (seconds? milliseconds?); send ISO 8601 text",
             row=_row_of(raw, bad),
             field="ds",
-            value=ds.iloc[bad],
+            value=_plain(ds.iloc[bad]),
         )
     if pd.api.types.is_datetime64_any_dtype(ds):
         parsed = ds if getattr(ds.dt, "tz", None) is not None else ds.dt.tz_localize("UTC")
@@ -92,28 +98,40 @@ def _parse_timestamps(raw: pd.DataFrame) -> pd.Series:
     return parsed
 
 
+def _plain(value: object) -> object:
+    """numpy scalars as plain Python values, so messages read ``-2``, not ``np.int64(-2)``."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
 def _parse_counts(raw: pd.DataFrame) -> np.ndarray:
     y = raw["y"]
-    numeric = pd.to_numeric(y, errors="coerce")
+    if pd.api.types.is_bool_dtype(y):
+        is_bool = np.ones(len(y), dtype=bool)
+    elif y.dtype == object:
+        is_bool = y.map(lambda v: isinstance(v, (bool, np.bool_))).to_numpy(dtype=bool)
+    else:
+        is_bool = np.zeros(len(y), dtype=bool)
+    numeric = pd.to_numeric(y.where(~is_bool), errors="coerce") if is_bool.any() else pd.to_numeric(y, errors="coerce")
     values = numeric.to_numpy(dtype="float64", na_value=np.nan)
-    not_numeric = numeric.isna().to_numpy() & ~pd.isna(y).to_numpy()
-    for mask, reason, text in (
-        (not_numeric, "not_a_number", "count is not a number"),
-        (np.isnan(values), "nan", "count is missing or NaN"),
-        (np.isinf(values), "infinite", "count is infinite"),
-        (values < 0, "negative_count", "count is negative"),
-        (values != np.floor(values), "non_integer_count", "count is not a whole number"),
-        (values > MAX_COUNT, "count_too_large", f"count exceeds {MAX_COUNT:,} per step"),
-    ):
-        bad = _first_bad(mask)
-        if bad is not None:
-            raise IngestError(
-                reason,
-                f"{text}: {y.iloc[bad]!r}",
-                row=_row_of(raw, bad),
-                field=_field_of(raw, bad, "y"),
-                value=y.iloc[bad],
-            )
+    not_numeric = (numeric.isna().to_numpy() & ~pd.isna(y).to_numpy()) | is_bool
+    with np.errstate(invalid="ignore"):
+        checks = (
+            (not_numeric, "not_a_number", "count is not a number"),
+            (np.isnan(values) & ~not_numeric, "nan", "count is missing or NaN"),
+            (np.isinf(values), "infinite", "count is infinite"),
+            (values < 0, "negative_count", "count is negative"),
+            (np.isfinite(values) & (values != np.floor(values)), "non_integer_count", "count is not a whole number"),
+            (np.isfinite(values) & (values > MAX_COUNT), "count_too_large", f"count exceeds {MAX_COUNT:,} per step"),
+        )
+    # Report the first bad row, whatever is wrong with it.
+    firsts = [(_first_bad(mask), order) for order, (mask, _, _) in enumerate(checks)]
+    found = [(position, order) for position, order in firsts if position is not None]
+    if found:
+        position, order = min(found)
+        _, reason, text = checks[order]
+        shown = _plain(y.iloc[position])
+        raise IngestError(reason, f"{text}: {shown!r}", row=_row_of(raw, position),
+                          field=_field_of(raw, position, "y"), value=shown)
     return values.astype("int64")
 
 
@@ -201,19 +219,16 @@ def _check_windows(
         raise IngestError("unknown_model", f"model {uid!r} is not registered", field="unique_id", value=uid)
     for col in ("start", "end"):
         windows[col] = pd.to_datetime(windows[col], utc=True)
-    limit = _utc(now) + timedelta(seconds=max_future_skew_s)
-    if (windows["end"] > limit + pd.Timedelta(seconds=step_seconds)).any():
-        uid = windows.loc[windows["end"] > limit + pd.Timedelta(seconds=step_seconds), "unique_id"].iloc[0]
-        raise IngestError("future_timestamp", f"window for model {uid!r} reaches past now ({_utc(now).isoformat()})",
-                          field="end")
         misaligned = windows[col].dt.floor(f"{step_seconds}s") != windows[col]
         if misaligned.any():
             uid = windows.loc[misaligned, "unique_id"].iloc[0]
-            raise IngestError(
-                "bad_window",
-                f"window {col} for model {uid!r} is not aligned to {step_seconds} s",
-                field=col,
-            )
+            raise IngestError("bad_window", f"window {col} for model {uid!r} is not aligned to {step_seconds} s",
+                              field=col)
+    too_late = windows["end"] > _utc(now) + timedelta(seconds=max_future_skew_s + step_seconds)
+    if too_late.any():
+        uid = windows.loc[too_late, "unique_id"].iloc[0]
+        raise IngestError("future_timestamp", f"window for model {uid!r} reaches past now ({_utc(now).isoformat()})",
+                          field="end")
     if windows["unique_id"].duplicated().any():
         uid = windows.loc[windows["unique_id"].duplicated(), "unique_id"].iloc[0]
         raise IngestError("bad_window", f"model {uid!r} has more than one window", field="unique_id")

@@ -1,0 +1,231 @@
+"""The ``prewarm`` command line, run in-process with typer's CliRunner against a real database."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+from sqlalchemy import text
+from typer.testing import CliRunner
+
+from forecaster.cli import app
+from forecaster.data import AZURE2019_TOP100, AZURE2021_EXCERPT, sample_path
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch, tmp_path):
+    """No PREWARM_* or DATABASE_URL from the caller's shell leaks into a test."""
+    for name in list(os.environ):
+        if name.startswith("PREWARM_") or name == "DATABASE_URL":
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("PREWARM_DATA_DIR", str(tmp_path / "data"))
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+@pytest.fixture
+def cli(runner, db_url):
+    def invoke(*args: str, **env: str):
+        return runner.invoke(app, list(args), env={"DATABASE_URL": db_url, **env})
+
+    return invoke
+
+
+def table_counts(engine) -> dict[str, int]:
+    with engine.connect() as conn:
+        return {t: int(conn.execute(text(f"SELECT count(*) FROM {t}")).scalar())
+                for t in ("serving_models", "invocations", "coverage", "ingest_batches")}
+
+
+def azure2021_expected() -> dict[str, int]:
+    """Figures of the shipped Azure 2021 excerpt, computed here from the file itself."""
+    frame = pd.read_csv(sample_path(AZURE2021_EXCERPT))
+    minute = np.floor((frame["end_timestamp"] - frame["duration"]) / 60).astype("int64")
+    n_minutes = int(minute.max() - min(0, minute.min()) + 1)
+    return {
+        "invocations": len(frame),
+        "models": frame["func"].nunique(),
+        "rows_written": len(set(zip(frame["func"], minute))),
+        "covered_steps": frame["func"].nunique() * n_minutes,
+    }
+
+
+# --- db ----------------------------------------------------------------------------
+
+
+def test_db_upgrade_and_current(cli):
+    upgraded = cli("db", "upgrade")
+    assert upgraded.exit_code == 0, upgraded.output
+    assert upgraded.stdout == "database at revision 0001\n"
+    current = cli("db", "current")
+    assert current.exit_code == 0, current.output
+    assert current.stdout == "0001\n"
+
+
+def test_db_downgrade_to_base_and_back(cli):
+    down = cli("db", "downgrade", "base")
+    assert down.exit_code == 0, down.output
+    assert down.stdout == "database at revision None\n"
+    assert cli("db", "current").stdout == "empty (no migrations applied)\n"
+    assert cli("db", "upgrade").stdout == "database at revision 0001\n"
+    assert cli("db", "current").stdout == "0001\n"
+
+
+# --- ingest ------------------------------------------------------------------------
+
+
+def test_ingest_azure2021_sample_then_list_models(cli, engine):
+    expected = azure2021_expected()
+    assert (expected["invocations"], expected["models"]) == (199, 31)  # as the data README says
+
+    result = cli("ingest", "trace", str(sample_path(AZURE2021_EXCERPT)), "--register")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["duplicate"] is False
+    assert isinstance(summary["batch_id"], int)
+    assert {k: summary[k] for k in expected} == expected
+    assert summary["covered_steps"] == 31 * 21
+
+    listed = cli("models", "list", "--json")
+    assert listed.exit_code == 0, listed.output
+    models = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert len(models) == expected["models"]
+    assert sorted(m["id"] for m in models) == sorted(pd.read_csv(sample_path(AZURE2021_EXCERPT))["func"].unique())
+    assert all(m["labels"] == {"registered_by": "trace:azure2021"} and m["gpus_per_replica"] == 1 for m in models)
+
+    counts = table_counts(engine)
+    assert counts == {"serving_models": 31, "invocations": expected["rows_written"], "coverage": 31,
+                      "ingest_batches": 1}
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT sum(count) FROM invocations")).scalar() == 199
+
+    again = cli("ingest", "trace", str(sample_path(AZURE2021_EXCERPT)), "--register")
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout)["duplicate"] is True
+    assert table_counts(engine) == counts
+
+
+def test_models_list_plain_output(cli):
+    cli("models", "register", "m1", "--image-ref", "reg/m1:1", "--gpus-per-replica", "2")
+    listed = cli("models", "list")
+    assert listed.exit_code == 0, listed.output
+    assert listed.stdout == "m1\treg/m1:1\t-\tgpus=2\n"
+    assert listed.stderr == "1 models\n"
+
+
+def test_ingest_without_register_rejects_unknown_models(cli, engine):
+    result = cli("ingest", "trace", str(sample_path(AZURE2021_EXCERPT)))
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: ")
+    assert "unknown" in result.stderr or "not registered" in result.stderr
+    assert table_counts(engine) == {"serving_models": 0, "invocations": 0, "coverage": 0, "ingest_batches": 0}
+
+
+def test_ingest_malformed_csv_exits_2_and_writes_nothing(cli, engine, tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text(
+        "unique_id,ds,y\n"
+        "m1,2024-01-01T00:00:00Z,3\n"
+        "m2,2024-01-01T00:00:00Z,1\n"
+        "m1,2024-01-01T00:01:00Z,-2\n"
+    )
+    result = cli("ingest", "trace", str(path), "--register")
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    assert result.stderr.startswith(f"error: {path}: row 3, field 'y': count is negative: ")
+    assert table_counts(engine) == {"serving_models": 0, "invocations": 0, "coverage": 0, "ingest_batches": 0}
+
+
+def test_ingest_error_shows_the_value_as_written(cli, tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text("unique_id,ds,y\nm1,2024-01-01T00:00:00Z,-2\n")
+    result = cli("ingest", "trace", str(path), "--register")
+    assert result.stderr == f"error: {path}: row 1, field 'y': count is negative: -2\n"
+
+
+def test_ingest_missing_file_is_a_usage_error(cli):
+    result = cli("ingest", "trace", "/nonexistent/trace.csv")
+    assert result.exit_code == 2
+    assert "does not exist" in result.stderr
+
+
+# --- demo --------------------------------------------------------------------------
+
+
+def test_demo_ingests_once(cli, engine):
+    first = cli("demo", "--top", "3")
+    assert first.exit_code == 0, first.output
+    lines = first.stdout.splitlines()
+    assert lines[0] == (f"ingested {AZURE2019_TOP100}: 100 models, 662,115 invocations, 144,000 model-steps "
+                        "covered; 114,269 non-zero rows written")
+    assert lines[1] == "window 2019-07-15 00:00 .. 2019-07-16 00:00 UTC"
+    assert "... and 97 more models" in lines
+    assert lines[-1].startswith("all models: 662,115 invocations; ")
+    assert table_counts(engine) == {"serving_models": 100, "invocations": 114_269, "coverage": 100,
+                                    "ingest_batches": 1}
+
+    second = cli("demo", "--top", "3")
+    assert second.exit_code == 0, second.output
+    assert second.stdout.splitlines()[0] == (
+        f"ingested {AZURE2019_TOP100}: 100 models, 662,115 invocations, 144,000 model-steps covered; "
+        "already in the store (no change)")
+    assert second.stdout.splitlines()[1:] == lines[1:]
+    assert table_counts(engine)["ingest_batches"] == 1
+
+
+# --- models register --------------------------------------------------------------------
+
+
+def test_models_register(cli, engine):
+    result = cli("models", "register", "m1", "--replica-rps", "12.5", "--cold-start-slo-s", "30")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "registered m1\n"
+    listed = [json.loads(line) for line in cli("models", "list", "--json").stdout.splitlines()]
+    assert listed == [{"id": "m1", "image_ref": None, "weights_uri": None, "gpus_per_replica": 1,
+                       "replica_rps": 12.5, "cold_start_slo_s": 30.0, "labels": {}}]
+
+
+def test_models_register_rejects_zero_rps(cli, engine):
+    result = cli("models", "register", "m1", "--replica-rps", "0")
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert result.stderr == "error: replica_rps must be > 0, got 0.0\n"
+    assert table_counts(engine)["serving_models"] == 0
+
+
+# --- settings errors ---------------------------------------------------------------------
+
+
+def test_non_postgres_database_url_exits_2(runner):
+    result = runner.invoke(app, ["db", "current"], env={"DATABASE_URL": "mysql://x"})
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith("error: invalid settings: ")
+    assert "DATABASE_URL='mysql://x': " in result.stderr
+    assert "must be a PostgreSQL URL" in result.stderr
+
+
+def test_bad_database_url_names_the_variable_exactly(runner):
+    result = runner.invoke(app, ["db", "current"], env={"DATABASE_URL": "mysql://x"})
+    assert result.stderr.startswith("error: invalid settings: DATABASE_URL='mysql://x': ")
+
+
+def test_negative_future_skew_exits_2(cli):
+    result = cli("db", "current", PREWARM_MAX_FUTURE_SKEW_S="-1")
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith("error: invalid settings: PREWARM_MAX_FUTURE_SKEW_S='-1': ")
+    assert "greater than or equal to 0" in result.stderr
+
+
+def test_missing_settings_file_exits_2(cli, tmp_path):
+    missing = tmp_path / "nope.env"
+    result = cli("db", "current", PREWARM_SETTINGS_FILE=str(missing))
+    assert result.exit_code == 2
+    assert result.stderr == f"error: PREWARM_SETTINGS_FILE={str(missing)!r}: no such file\n"
