@@ -42,23 +42,27 @@ def _first_bad(mask: np.ndarray) -> int | None:
     return int(hits[0]) if len(hits) else None
 
 
-def _parse_model_ids(raw: pd.DataFrame) -> pd.Series:
+def _parse_model_ids(raw: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Integer code per row and the sorted, stripped distinct ids.
+
+    Works on the distinct ids only: a wide trace repeats each id thousands of times.
+    """
     ids = raw["unique_id"]
-    text = ids.astype("string").str.strip()
-    bad = _first_bad((ids.isna() | (text == "")).to_numpy())
+    codes, uniques = pd.factorize(ids, use_na_sentinel=True)
+    stripped = pd.Index(uniques).astype(str).str.strip()
+    empty = np.append(np.asarray(stripped == ""), True)  # last slot: the NA sentinel (-1)
+    bad = _first_bad(empty[codes])
     if bad is not None:
-        raise IngestError(
-            "missing_model",
-            "model id is empty",
-            row=_row_of(raw, bad),
-            field="unique_id",
-            value=ids.iloc[bad],
-        )
-    bad = _first_bad((text.str.len() > MAX_ID_LENGTH).to_numpy())
+        raise IngestError("missing_model", "model id is empty", row=_row_of(raw, bad), field="unique_id",
+                          value=_plain(ids.iloc[bad]))
+    too_long = np.append(np.asarray(stripped.str.len() > MAX_ID_LENGTH), False)
+    bad = _first_bad(too_long[codes])
     if bad is not None:
         raise IngestError("id_too_long", f"model id is longer than {MAX_ID_LENGTH} characters",
                           row=_row_of(raw, bad), field="unique_id", value=str(ids.iloc[bad])[:40] + "...")
-    return text.astype(object)
+    # Two raw spellings (" a", "a") are one model once stripped.
+    final_codes, final_uniques = pd.factorize(stripped, sort=True)
+    return final_codes[codes], np.asarray(final_uniques, dtype=object)
 
 
 def _numeric_mask(values: pd.Series) -> np.ndarray:
@@ -98,6 +102,11 @@ def _parse_timestamps(raw: pd.DataFrame) -> pd.Series:
     return parsed
 
 
+def _utc_ns(stamps: pd.Series) -> np.ndarray:
+    """UTC timestamps as int64 nanoseconds (tz-aware values would become slow Python objects)."""
+    return stamps.dt.tz_convert(None).to_numpy().astype("datetime64[ns]").view("int64")
+
+
 def _plain(value: object) -> object:
     """numpy scalars as plain Python values, so messages read ``-2``, not ``np.int64(-2)``."""
     return value.item() if isinstance(value, np.generic) else value
@@ -135,7 +144,7 @@ def _parse_counts(raw: pd.DataFrame) -> np.ndarray:
     return values.astype("int64")
 
 
-def _check_duplicates(raw: pd.DataFrame, codes: np.ndarray, ds_ns: np.ndarray, ids: pd.Series,
+def _check_duplicates(raw: pd.DataFrame, codes: np.ndarray, ds_ns: np.ndarray, uniques: np.ndarray,
                       ds: pd.Series) -> None:
     keys = pd.DataFrame({"model": codes, "ds": ds_ns})
     dup = keys.duplicated(keep=False).to_numpy()
@@ -146,7 +155,7 @@ def _check_duplicates(raw: pd.DataFrame, codes: np.ndarray, ds_ns: np.ndarray, i
     rows = [_row_of(raw, int(p)) for p in same[:2]]
     raise IngestError(
         "duplicate",
-        f"model {ids.iloc[bad]!r} at {ds.iloc[bad].isoformat()} appears more than once "
+        f"model {uniques[codes[bad]]!r} at {ds.iloc[bad].isoformat()} appears more than once "
         f"(rows {rows[0]} and {rows[1]})",
         row=rows[1],
         field="ds",
@@ -173,33 +182,42 @@ def _check_future(raw: pd.DataFrame, ds: pd.Series, now: datetime, max_future_sk
         )
 
 
-def _check_known_models(raw: pd.DataFrame, ids: pd.Series, known_models: set[str] | None) -> None:
+def _check_known_models(raw: pd.DataFrame, codes: np.ndarray, uniques: np.ndarray,
+                        known_models: set[str] | None) -> None:
     if known_models is None:
         return
-    unknown = ~ids.isin(known_models).to_numpy()
-    bad = _first_bad(unknown)
+    unknown_unique = np.fromiter((u not in known_models for u in uniques), dtype=bool, count=len(uniques))
+    bad = _first_bad(unknown_unique[codes]) if unknown_unique.any() else None
     if bad is not None:
-        missing = sorted(set(ids[unknown]))
+        missing = uniques[unknown_unique]
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise IngestError(
             "unknown_model",
-            f"model {ids.iloc[bad]!r} is not registered{more}; register it first "
+            f"model {uniques[codes[bad]]!r} is not registered{more}; register it first "
             "or enable PREWARM_AUTO_REGISTER_MODELS",
             row=_row_of(raw, bad),
             field="unique_id",
-            value=ids.iloc[bad],
+            value=uniques[codes[bad]],
         )
 
 
-def _default_windows(counts: pd.DataFrame, step: pd.Timedelta) -> pd.DataFrame:
-    grouped = counts.groupby("unique_id", sort=True)["ds"]
-    windows = pd.DataFrame({"start": grouped.min(), "end": grouped.max() + step})
-    return windows.reset_index()
+def _default_windows(uniques: np.ndarray, steps: pd.DataFrame, step_ns: int) -> pd.DataFrame:
+    """Each model from its first to its last step (``steps``: int columns ``model``, ``ds``)."""
+    grouped = steps.groupby("model", sort=True)["ds"]
+    first, last = grouped.min(), grouped.max()
+    return pd.DataFrame(
+        {
+            "unique_id": uniques[first.index.to_numpy()],
+            "start": pd.to_datetime(first.to_numpy(), utc=True),
+            "end": pd.to_datetime(last.to_numpy() + step_ns, utc=True),
+        }
+    )
 
 
 def _check_windows(
     windows: pd.DataFrame,
-    counts: pd.DataFrame,
+    uniques: np.ndarray,
+    steps: pd.DataFrame,
     step_seconds: int,
     *,
     now: datetime,
@@ -235,17 +253,18 @@ def _check_windows(
     if (windows["end"] <= windows["start"]).any():
         uid = windows.loc[windows["end"] <= windows["start"], "unique_id"].iloc[0]
         raise IngestError("bad_window", f"window for model {uid!r} ends before it starts", field="end")
-    joined = counts.merge(windows, on="unique_id", how="left")
-    outside = joined["start"].isna() | (joined["ds"] < joined["start"]) | (joined["ds"] >= joined["end"])
-    if outside.any():
-        first = joined[outside].iloc[0]
-        raise IngestError(
-            "outside_window",
-            f"count for model {first['unique_id']!r} at {first['ds'].isoformat()} lies outside "
-            "the window the batch declares",
-            field="ds",
-            value=first["ds"].isoformat(),
-        )
+    # Look each step's window up by position rather than merging 2M rows.
+    where = pd.Index(windows["unique_id"]).get_indexer(uniques)[steps["model"].to_numpy()]
+    ds_ns = steps["ds"].to_numpy()
+    start_ns = np.append(_utc_ns(windows["start"]), 0)
+    end_ns = np.append(_utc_ns(windows["end"]), 0)
+    outside = (where < 0) | (ds_ns < start_ns[where]) | (ds_ns >= end_ns[where])
+    bad = _first_bad(outside)
+    if bad is not None:
+        model = uniques[steps["model"].iloc[bad]]
+        at = pd.Timestamp(int(ds_ns[bad]), tz="UTC").isoformat()
+        raise IngestError("outside_window", f"count for model {model!r} at {at} lies outside the window the "
+                          "batch declares", field="ds", value=at)
     return windows
 
 
@@ -291,32 +310,30 @@ def build_count_batch(
     if missing:
         raise IngestError("missing_column", f"input lacks columns {missing}; expected {list(COUNT_COLUMNS)}")
     raw = raw.reset_index(drop=True)
-    ids = _parse_model_ids(raw)
+    codes, uniques = _parse_model_ids(raw)
     ds = _parse_timestamps(raw)
     y = _parse_counts(raw)
     # Work on integer codes and int64 nanoseconds: tz-aware objects are slow at 2M rows.
-    codes, uniques = pd.factorize(ids, sort=True)
-    ds_ns = ds.dt.tz_convert(None).to_numpy().astype("datetime64[ns]").view("int64")
-    _check_duplicates(raw, codes, ds_ns, ids, ds)
+    ds_ns = _utc_ns(ds)
+    _check_duplicates(raw, codes, ds_ns, uniques, ds)
     _check_future(raw, ds, now, max_future_skew_s)
-    _check_known_models(raw, ids, known_models)
+    _check_known_models(raw, codes, uniques, known_models)
 
     step = pd.Timedelta(seconds=step_seconds)
     step_ns = step.value
     bucketed = pd.DataFrame({"model": codes, "ds": (ds_ns // step_ns) * step_ns, "y": y})
     summed = bucketed.groupby(["model", "ds"], sort=True, as_index=False)["y"].sum()
+    if windows is None:
+        windows = _default_windows(uniques, summed, step_ns)
+    else:
+        windows = _check_windows(windows, uniques, summed, step_seconds, now=now,
+                                 max_future_skew_s=max_future_skew_s, known_models=known_models)
+    nonzero = summed[summed["y"] > 0]  # zeros stay implied by the windows
     counts = pd.DataFrame(
         {
-            "unique_id": np.asarray(uniques, dtype=object)[summed["model"].to_numpy()],
-            "ds": pd.to_datetime(summed["ds"].to_numpy(), utc=True),
-            "y": summed["y"].to_numpy(),
+            "unique_id": uniques[nonzero["model"].to_numpy()],
+            "ds": pd.to_datetime(nonzero["ds"].to_numpy(), utc=True),
+            "y": nonzero["y"].to_numpy().astype("int64"),
         }
     )
-    if windows is None:
-        windows = _default_windows(counts, step)
-    else:
-        windows = _check_windows(windows, counts, step_seconds, now=now, max_future_skew_s=max_future_skew_s,
-                                 known_models=known_models)
-    counts = counts[counts["y"] > 0].reset_index(drop=True)
-    counts["y"] = counts["y"].astype("int64")
     return CountBatch(source=source, step_seconds=step_seconds, counts=counts, windows=windows.reset_index(drop=True))
