@@ -14,10 +14,13 @@ from pathlib import Path
 from typing import Literal
 
 import platformdirs
-from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+PLACEHOLDER_SECRETS = frozenset({"", "changethis", "changeme", "secret", "token"})
 
 
 class SettingsError(ValueError):
@@ -68,11 +71,63 @@ class Settings(BaseSettings):
     prometheus_backfill_minutes: int = Field(default=60, ge=1, le=10_080)
     prometheus_timeout_s: float = Field(default=10.0, gt=0)
 
+    # --- API ------------------------------------------------------------
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(default=8080, ge=1, le=65535)
+    default_cold_start_s: float = Field(default=45.0, gt=0, description="Lead time when no cold start was observed.")
+    recommendation_quantile: float = Field(default=0.9, gt=0, lt=1)
+    forecast_fresh_s: float = Field(default=180.0, gt=0, description="/readyz fails when forecasts are older.")
+    ingest_retry_after_s: int = Field(default=5, ge=1)
+
     # --- scheduler ------------------------------------------------------
     ingest_interval_s: int = Field(default=60, ge=1)
     partition_maintenance_interval_s: int = Field(default=3600, ge=60)
     forecast_interval_s: int = Field(default=60, ge=1)
     retrain_hour_utc: int = Field(default=3, ge=0, le=23)
+
+    # --- actuator (forecaster.actuation) ---------------------------------
+    actuator_backend: Literal["dry-run", "agent", "kubernetes"] = "dry-run"
+    actuator_kill_switch: bool = Field(default=False, description="Hard stop: every action is dropped.")
+    actuator_max_actions_per_minute: int = Field(default=60, ge=0)
+    actuator_gpu_budget: int = Field(default=8, ge=0, description="GPUs scale-ahead may hold above the reactive ask.")
+    actuator_max_attempts: int = Field(default=4, ge=1, le=50)
+    actuator_retry_base_delay_s: float = Field(default=5.0, ge=0)
+    actuator_parallelism: int = Field(default=8, ge=1, le=256)
+    agent_url_template: str = Field(default="http://{node}:7070", description="Node agent URL; {node} = node id.")
+    agent_token: SecretStr | None = Field(default=None, description="Bearer token of the node agents.")
+    agent_connect_timeout_s: float = Field(default=5.0, gt=0)
+
+    # --- node agent (forecaster.agent, `prewarm agent`) -------------------
+    agent_host: str = "127.0.0.1"
+    agent_port: int = Field(default=7070, ge=1, le=65535)
+    agent_node_name: str | None = Field(default=None, description="Node id the agent reports; default hostname.")
+    agent_cache_dir: Path | None = Field(default=None, description="Weights cache; default data_dir/weights-cache.")
+    agent_cache_max_bytes: int | None = Field(default=None, ge=0, description="LRU disk budget of the cache.")
+    agent_disk_reserve_bytes: int = Field(default=1 << 30, ge=0, description="Free disk never used by the cache.")
+    agent_host_max_bytes: int = Field(default=16 << 30, ge=0, description="Weights kept resident in host memory.")
+    agent_containerd_socket: Path = Path("/run/containerd/containerd.sock")
+    agent_registry_auth_file: Path | None = Field(default=None, description="Docker config JSON with registry auths.")
+    agent_s3_endpoint_url: str | None = None
+    agent_s3_region: str = "us-east-1"
+    agent_s3_access_key_id: str | None = None
+    agent_s3_secret_access_key: SecretStr | None = None
+    agent_max_concurrent_pulls: int = Field(default=2, ge=1, le=64)
+    agent_max_concurrent_preloads: int = Field(default=2, ge=1, le=64)
+    agent_preload_streams: int = Field(default=8, ge=1, le=64, description="Parallel ranged reads per object.")
+    agent_preload_part_bytes: int = Field(default=32 << 20, ge=1 << 20)
+    agent_preload_buffer_bytes: int = Field(default=1 << 20, ge=64 << 10, le=64 << 20,
+                                            description="Read buffer per stream; memory ~ streams x this.")
+    agent_default_deadline_s: float = Field(default=600.0, gt=0)
+
+    # --- Kubernetes backend ------------------------------------------------
+    kubernetes_namespace: str = "default"
+    kubernetes_kubeconfig: Path | None = Field(default=None, description="Unset: in-cluster config, then ~/.kube.")
+    kubernetes_model_label: str = "prewarm.io/model"
+    kubernetes_prepull_helper_image: str = "busybox:1.36"
+    kubernetes_job_ttl_s: int = Field(default=600, ge=0)
+    kubernetes_job_wait_s: float = Field(default=300.0, ge=0)
+    kubernetes_owner_deployment: str | None = Field(default=None, description="Deployment that owns pre-pull Jobs.")
+    kubernetes_image_pull_secret: str | None = None
 
     @field_validator("database_url")
     @classmethod
@@ -96,11 +151,26 @@ class Settings(BaseSettings):
             raise ValueError(f"must contain the placeholder {{model_id}}, got {value!r}")
         return value
 
+    @field_validator("agent_url_template")
+    @classmethod
+    def _template_names_node(cls, value: str) -> str:
+        if "{node}" not in value and "{" in value:
+            raise ValueError(f"may only use the placeholder {{node}}, got {value!r}")
+        return value
+
     @model_validator(mode="after")
     def _production_needs_database(self) -> "Settings":
         if self.environment == "production" and self.database_url is None:
             raise ValueError("environment=production requires DATABASE_URL; the embedded database is for development")
+        if self.environment == "production" and self.agent_token is not None \
+                and self.agent_token.get_secret_value() in PLACEHOLDER_SECRETS:
+            raise ValueError("PREWARM_AGENT_TOKEN is a placeholder; set a real secret in production")
         return self
+
+    @property
+    def weights_cache_dir(self) -> Path:
+        """Where the node agent keeps pre-loaded weights."""
+        return self.agent_cache_dir or self.data_dir / "weights-cache"
 
     @property
     def embedded_pgdata(self) -> Path:

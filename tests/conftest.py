@@ -23,7 +23,7 @@ from sqlalchemy.engine import make_url
 from forecaster.settings import Settings
 from forecaster.store.db import embedded_server, make_engine, upgrade
 
-pytest_plugins = ["tests.prom_fixtures"]
+pytest_plugins = ["tests.prom_fixtures", "tests.pg_fixtures"]
 
 TEMPLATE_DB = "prewarm_test_template"
 _counter = itertools.count()

@@ -9,7 +9,7 @@ from forecaster.store.tables import Base
 
 EXPECTED_TABLES = {
     "serving_models", "invocations", "coverage", "ingest_batches", "cold_starts", "nodes", "node_cache",
-    "model_versions", "forecasts", "plans", "actions", "job_runs", "apscheduler_jobs",
+    "model_versions", "forecasts", "plans", "actions", "job_runs", "apscheduler_jobs", "api_tokens",
 }
 
 

@@ -39,3 +39,12 @@ def write_cold_starts(engine: Engine, events: pd.DataFrame, *, source: str, regi
         for record in records:
             inserted += bool(conn.execute(stmt, {**record, "source": source}).scalar_one())
     return {"inserted": inserted, "updated": len(records) - inserted}
+
+
+def recent_cold_start_seconds(conn, *, model_id: str, last_n: int = 20) -> float | None:
+    """Median total cold-start seconds of the model's last ``last_n`` observed starts, or None."""
+    return conn.execute(
+        text("SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY total_seconds) FROM ("
+             "SELECT total_seconds FROM cold_starts WHERE model_id = :m ORDER BY started_at DESC LIMIT :n) AS recent"),
+        {"m": model_id, "n": last_n},
+    ).scalar()

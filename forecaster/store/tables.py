@@ -21,7 +21,7 @@ from sqlalchemy import (
     Text,
     func,
 )
-from sqlalchemy.dialects.postgresql import JSONB, TSTZMULTIRANGE
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TSTZMULTIRANGE
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -229,6 +229,20 @@ class JobRun(Base):
     finished_at: Mapped[datetime | None] = mapped_column(TZ)
     status: Mapped[str] = mapped_column(String(16), default="running")  # running | ok | failed
     detail: Mapped[dict] = mapped_column(JSONB, default=dict)
+
+
+class ApiToken(Base):
+    """A bearer token of the REST API; only its SHA-256 is kept."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    scopes: Mapped[list[str]] = mapped_column(ARRAY(String(16)))
+    revoked: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    last_used_at: Mapped[datetime | None] = mapped_column(TZ)
 
 
 class SchedulerJob(Base):

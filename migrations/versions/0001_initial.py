@@ -189,6 +189,18 @@ def upgrade() -> None:
         sa.Column("detail", postgresql.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
     )
 
+    # API bearer tokens: only a SHA-256 of the token is stored; scopes read | ingest | admin.
+    op.create_table(
+        "api_tokens",
+        sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+        sa.Column("name", sa.String(128), nullable=False, unique=True),
+        sa.Column("token_sha256", sa.String(64), nullable=False, unique=True),
+        sa.Column("scopes", postgresql.ARRAY(sa.String(16)), nullable=False),
+        sa.Column("revoked", sa.Boolean, nullable=False, server_default=sa.false()),
+        _created(),
+        sa.Column("last_used_at", TZ),
+    )
+
     # APScheduler 3's SQLAlchemyJobStore schema; it finds the table and creates nothing.
     op.create_table(
         "apscheduler_jobs",
@@ -200,7 +212,7 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     for table in (
-        "apscheduler_jobs", "job_runs", "actions", "plans", "forecasts", "model_versions",
+        "apscheduler_jobs", "api_tokens", "job_runs", "actions", "plans", "forecasts", "model_versions",
         "node_cache", "nodes", "cold_starts", "ingest_batches", "coverage", "invocations", "serving_models",
     ):
         op.drop_table(table)

@@ -1,0 +1,81 @@
+"""FastAPI dependencies as ``Annotated`` aliases: engine, settings, clock, and scoped bearer auth."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import datetime
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy import Engine
+from sqlalchemy.exc import OperationalError
+
+from forecaster.settings import Settings
+from forecaster.store.tokens import TokenInfo, lookup_token
+
+_bearer = HTTPBearer(auto_error=False)
+
+#: How long a verified token is trusted without asking the database again (seconds).
+TOKEN_CACHE_S = 60.0
+
+
+def get_engine(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_clock(request: Request) -> Callable[[], datetime]:
+    return request.app.state.clock
+
+
+EngineDep = Annotated[Engine, Depends(get_engine)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+ClockDep = Annotated[Callable[[], datetime], Depends(get_clock)]
+
+
+def _authenticate(request: Request, credentials: HTTPAuthorizationCredentials | None) -> TokenInfo:
+    if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing bearer token",
+                            headers={"WWW-Authenticate": "Bearer"})
+    token = credentials.credentials
+    cache: dict[str, tuple[float, TokenInfo | None]] = request.app.state.token_cache
+    hit = cache.get(token)
+    if hit is not None and time.monotonic() - hit[0] < TOKEN_CACHE_S:
+        info = hit[1]
+    else:
+        try:
+            info = lookup_token(request.app.state.engine, token)
+        except OperationalError:
+            if hit is not None and hit[1] is not None:
+                info = hit[1]  # database away: a token verified before still counts (reads stay up)
+            else:
+                raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "cannot verify token: database unavailable",
+                                    headers={"Retry-After": str(request.app.state.settings.ingest_retry_after_s)})
+        cache[token] = (time.monotonic(), info)
+    if info is None:
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "unknown or revoked token",
+                            headers={"WWW-Authenticate": "Bearer"})
+    return info
+
+
+def require(scope: str) -> Callable[..., TokenInfo]:
+    """Dependency: a valid token holding ``scope`` (``admin`` holds every scope)."""
+
+    def dependency(request: Request,
+                   credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> TokenInfo:
+        info = _authenticate(request, credentials)
+        if scope not in info.scopes and "admin" not in info.scopes:
+            raise HTTPException(status.HTTP_403_FORBIDDEN, f"token {info.name!r} lacks scope {scope!r}")
+        return info
+
+    return dependency
+
+
+ReadToken = Annotated[TokenInfo, Depends(require("read"))]
+IngestToken = Annotated[TokenInfo, Depends(require("ingest"))]
+AdminToken = Annotated[TokenInfo, Depends(require("admin"))]

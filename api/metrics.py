@@ -1,0 +1,73 @@
+"""Prometheus metrics of the service: API latency, forecast age, job durations, actions taken."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import datetime
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from sqlalchemy import Engine, text
+from sqlalchemy.exc import OperationalError
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.requests import Request
+
+
+class StoreCollector:
+    """Reads what the store says at scrape time, so every replica of the API reports the same."""
+
+    def __init__(self, engine: Engine, clock: Callable[[], datetime]) -> None:
+        self._engine = engine
+        self._clock = clock
+
+    def collect(self):
+        up = GaugeMetricFamily("prewarm_database_up", "1 when the database answered this scrape")
+        try:
+            with self._engine.connect() as conn:
+                newest = conn.execute(text("SELECT max(issued_at) FROM forecasts")).scalar()
+                jobs = conn.execute(text(
+                    "SELECT DISTINCT ON (job_name) job_name, status, "
+                    "EXTRACT(EPOCH FROM finished_at - started_at) FROM job_runs "
+                    "WHERE finished_at IS NOT NULL ORDER BY job_name, slot DESC")).all()
+                actions = conn.execute(text("SELECT kind, status, count(*) FROM actions GROUP BY 1, 2")).all()
+        except OperationalError:
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        age = GaugeMetricFamily("prewarm_forecast_age_seconds", "Age of the newest stored forecast")
+        if newest is not None:
+            age.add_metric([], (self._clock() - newest).total_seconds())
+        yield age
+        duration = GaugeMetricFamily("prewarm_job_last_duration_seconds", "Duration of each job's last run",
+                                     labels=["job", "status"])
+        for name, status, seconds in jobs:
+            duration.add_metric([name, status], float(seconds or 0.0))
+        yield duration
+        taken = CounterMetricFamily("prewarm_actions", "Pre-warm actions recorded, by kind and status",
+                                    labels=["kind", "status"])
+        for kind, status, count in actions:
+            taken.add_metric([kind, status], count)
+        yield taken
+
+
+class ServiceMetrics:
+    def __init__(self, engine: Engine, clock: Callable[[], datetime]) -> None:
+        self.registry = CollectorRegistry()
+        self.request_seconds = Histogram(
+            "prewarm_api_request_seconds", "API request latency", ["method", "route", "status"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=self.registry)
+        self.registry.register(StoreCollector(engine, clock))
+
+
+class LatencyMiddleware(BaseHTTPMiddleware):
+    async def dispatch(self, request: Request, call_next):
+        started = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        request.app.state.metrics.request_seconds.labels(request.method, path, str(response.status_code)).observe(
+            time.perf_counter() - started)
+        return response

@@ -1,0 +1,42 @@
+"""``/v1/models``: the serving-model catalogue."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, HTTPException, Query
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from api.deps import AdminToken, EngineDep, ReadToken
+from api.schemas import ListPublic, ServingModelPublic, ServingModelPut
+from forecaster.store.catalog import ServingModelSpec, upsert_models
+from forecaster.store.tables import ServingModel
+
+router = APIRouter(prefix="/v1/models", tags=["models"])
+
+
+@router.get("", response_model=ListPublic[ServingModelPublic])
+def list_models(engine: EngineDep, _: ReadToken, limit: int = Query(100, ge=1, le=10_000),
+                offset: int = Query(0, ge=0)) -> ListPublic[ServingModelPublic]:
+    with Session(engine) as session:
+        count = session.scalar(select(func.count()).select_from(ServingModel)) or 0
+        rows = session.scalars(select(ServingModel).order_by(ServingModel.id).limit(limit).offset(offset)).all()
+        return ListPublic(data=[ServingModelPublic.model_validate(r) for r in rows], count=count)
+
+
+@router.get("/{model_id}", response_model=ServingModelPublic, responses={404: {"description": "Unknown model"}})
+def get_model(model_id: str, engine: EngineDep, _: ReadToken) -> ServingModelPublic:
+    with Session(engine) as session:
+        row = session.get(ServingModel, model_id)
+        if row is None:
+            raise HTTPException(404, f"model {model_id!r} is not registered")
+        return ServingModelPublic.model_validate(row)
+
+
+@router.put("/{model_id}", response_model=ServingModelPublic)
+def put_model(model_id: str, body: ServingModelPut, engine: EngineDep, _: AdminToken) -> ServingModelPublic:
+    if not model_id.strip() or len(model_id) > 256:
+        raise HTTPException(422, "model id must be 1-256 characters")
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id=model_id, **body.model_dump())])
+    with Session(engine) as session:
+        return ServingModelPublic.model_validate(session.get(ServingModel, model_id))

@@ -1,0 +1,182 @@
+"""REST API against a real PostgreSQL: auth scopes, catalogue, forecasts, recommendations, push ingest, audit."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pandas as pd
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import text
+
+from api.main import create_app
+from forecaster.store.forecasts import write_forecasts
+from forecaster.store.tokens import create_token, revoke_token
+
+NOW = datetime(2026, 11, 29, 12, 0, 30, tzinfo=timezone.utc)
+
+
+@pytest.fixture
+def tokens(engine):
+    return {scope: create_token(engine, name=scope, scopes=[scope]) for scope in ("read", "ingest", "admin")}
+
+
+@pytest.fixture
+def client(engine, settings, tokens):
+    app = create_app(settings, engine, clock=lambda: NOW)
+    with TestClient(app) as client:
+        yield client
+
+
+def auth(token: str) -> dict:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def put_model(client, tokens, model_id="llama", **spec):
+    body = {"image_ref": "vllm/vllm-openai:v0.6", "replica_rps": 2.0, **spec}
+    return client.put(f"/v1/models/{model_id}", json=body, headers=auth(tokens["admin"]))
+
+
+def store_forecast(engine, model_id="llama", issued_at=NOW - timedelta(seconds=30), q90=150.0):
+    start = pd.Timestamp(issued_at).floor("min")
+    minutes = pd.date_range(start, periods=60, freq="min")
+    frame = pd.DataFrame({"unique_id": model_id, "ds": minutes, "point": 100.0, "p_any": 1.0,
+                          "q0.1": 50.0, "q0.5": 100.0, "q0.9": q90})
+    frame.loc[5:, "q0.9"] = q90 * 3  # a spike from minute 5 on
+    write_forecasts(engine, frame, issued_at=issued_at, model_version_id=None)
+
+
+# --- auth -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("method", "path", "scope"), [
+    ("get", "/v1/models", "read"),
+    ("get", "/v1/models/llama/forecast", "read"),
+    ("get", "/v1/models/llama/recommendation", "read"),
+    ("get", "/v1/plans", "read"),
+    ("get", "/v1/actions", "read"),
+    ("put", "/v1/models/llama", "admin"),
+    ("post", "/v1/invocations", "ingest"),
+    ("post", "/v1/coldstarts", "ingest"),
+])
+def test_every_endpoint_needs_a_token_with_its_scope(client, tokens, method, path, scope):
+    assert getattr(client, method)(path).status_code == 401
+    assert getattr(client, method)(path, headers=auth("pw_not-a-token")).status_code == 401
+    wrong = next(s for s in ("read", "ingest") if s != scope)
+    response = getattr(client, method)(path, headers=auth(tokens[wrong]))
+    assert response.status_code == 403 and scope in response.json()["detail"]
+
+
+def test_revoked_token_is_refused(engine, settings):
+    token = create_token(engine, name="ci", scopes=["read"])
+    assert revoke_token(engine, name="ci")
+    with TestClient(create_app(settings, engine, clock=lambda: NOW)) as client:
+        assert client.get("/v1/models", headers=auth(token)).status_code == 401
+
+
+def test_tokens_are_stored_hashed(engine, tokens):
+    with engine.connect() as conn:
+        stored = conn.execute(text("SELECT token_sha256 FROM api_tokens")).scalars().all()
+    assert len(stored) == 3 and not set(tokens.values()) & set(stored)
+
+
+# --- catalogue --------------------------------------------------------------------
+
+
+def test_put_get_list_models(client, tokens):
+    created = put_model(client, tokens, gpus_per_replica=2, labels={"team": "search"})
+    assert created.status_code == 200 and created.json()["gpus_per_replica"] == 2
+    assert put_model(client, tokens, gpus_per_replica=4).json()["gpus_per_replica"] == 4  # update
+    listed = client.get("/v1/models", headers=auth(tokens["read"])).json()
+    assert listed["count"] == 1 and listed["data"][0]["id"] == "llama"
+    assert client.get("/v1/models/nope", headers=auth(tokens["read"])).status_code == 404
+    bad = client.put("/v1/models/x", json={"replica_rps": -1}, headers=auth(tokens["admin"]))
+    assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "replica_rps"]
+
+
+# --- forecasts and recommendations ------------------------------------------------
+
+
+def test_forecast_with_horizon_and_quantiles(client, engine, tokens):
+    put_model(client, tokens)
+    assert client.get("/v1/models/llama/forecast", headers=auth(tokens["read"])).status_code == 404
+    store_forecast(engine)
+    body = client.get("/v1/models/llama/forecast?horizon=10&quantiles=0.5,0.9", headers=auth(tokens["read"])).json()
+    assert body["horizon_min"] == 10 and len(body["points"]) == 10 and body["age_s"] == 30.0
+    assert body["points"][0]["quantiles"] == {"0.5": 100.0, "0.9": 150.0}
+    assert body["points"][5]["quantiles"]["0.9"] == 450.0 and body["stale"] is False
+    assert client.get("/v1/models/llama/forecast?quantiles=0.99", headers=auth(tokens["read"])).status_code == 422
+    assert client.get("/v1/models/llama/forecast?quantiles=abc", headers=auth(tokens["read"])).status_code == 422
+
+
+def test_recommendation_covers_demand_at_the_cold_start_lead_time(client, engine, tokens, now):
+    put_model(client, tokens)  # 2 rps per replica = 120 per minute
+    store_forecast(engine)
+    body = client.get("/v1/models/llama/recommendation", headers=auth(tokens["read"])).json()
+    # default lead time 45 s: ready at 12:01, q0.9 there is 150/min -> 2 replicas; now 150/min -> 2
+    assert (body["replicas_now"], body["replicas_at_lead_time"], body["lead_time_s"]) == (2, 2, 45.0)
+    # observed cold starts of ~5 minutes move the lead time into the spike (450/min -> 4 replicas)
+    events = [{"model_id": "llama", "node_id": f"n{i}", "started_at": f"2026-11-29T11:{i:02d}:00Z",
+               "total_seconds": 290.0} for i in range(3)]
+    assert client.post("/v1/coldstarts", json={"events": events}, headers=auth(tokens["ingest"])).status_code == 200
+    body = client.get("/v1/models/llama/recommendation", headers=auth(tokens["read"])).json()
+    assert (body["lead_time_s"], body["replicas_at_lead_time"], body["reason"]) == (290.0, 4, "forecast")
+    put_model(client, tokens, model_id="quiet")
+    assert client.get("/v1/models/quiet/recommendation",
+                      headers=auth(tokens["read"])).json()["reason"] == "no_forecast"
+
+
+# --- push ingest ------------------------------------------------------------------
+
+
+def test_push_invocations_idempotent_and_422_names_row_and_field(client, tokens, engine):
+    put_model(client, tokens)
+    rows = [{"model_id": "llama", "minute": "2026-11-29T11:00:00Z", "count": 3},
+            {"model_id": "llama", "minute": "2026-11-29T11:01:00Z", "count": 4}]
+    first = client.post("/v1/invocations", json={"rows": rows}, headers=auth(tokens["ingest"]))
+    second = client.post("/v1/invocations", json={"rows": rows}, headers=auth(tokens["ingest"]))
+    assert first.status_code == 200 and first.json()["invocations"] == 7 and not first.json()["duplicate"]
+    assert second.json()["duplicate"] is True
+    bad = rows + [{"model_id": "llama", "minute": "2026-11-29T11:02:00Z", "count": -1}]
+    rejected = client.post("/v1/invocations", json={"rows": bad}, headers=auth(tokens["ingest"]))
+    assert rejected.status_code == 422
+    assert {k: rejected.json()[k] for k in ("reason", "row", "field")} == {
+        "reason": "negative_count", "row": 3, "field": "count"}
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT sum(count) FROM invocations")).scalar() == 7
+
+
+# --- audit and health -------------------------------------------------------------
+
+
+def test_plans_and_actions_listing(client, engine, tokens):
+    with engine.begin() as conn:
+        plan_id = conn.execute(text("INSERT INTO plans (planned_at, summary) VALUES (:t, '{\"actions\": 1}') "
+                                    "RETURNING id"), {"t": NOW}).scalar()
+        conn.execute(text("INSERT INTO actions (plan_id, kind, model_id, node_id, target, reason, status) "
+                          "VALUES (:p, 'prepull', 'llama', 'n1', 'img', 'forecast_spike', 'succeeded')"),
+                     {"p": plan_id})
+    plans = client.get("/v1/plans", headers=auth(tokens["read"])).json()
+    assert plans["count"] == 1 and plans["data"][0]["actions"] == 1
+    actions = client.get("/v1/actions?status=succeeded", headers=auth(tokens["read"])).json()
+    assert actions["count"] == 1 and actions["data"][0]["kind"] == "prepull"
+    assert client.get("/v1/actions?status=failed", headers=auth(tokens["read"])).json()["count"] == 0
+
+
+def test_health_readiness_and_metrics(client, engine, tokens):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/readyz").status_code == 200  # no models yet: nothing to be fresh about
+    put_model(client, tokens)
+    assert client.get("/readyz").status_code == 503  # a model without forecasts
+    store_forecast(engine)
+    ready = client.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["checks"]["forecast_age_s"] == 30.0
+    client.get("/v1/models", headers=auth(tokens["read"]))
+    text_metrics = client.get("/metrics").text
+    assert "prewarm_forecast_age_seconds 30.0" in text_metrics
+    assert 'prewarm_api_request_seconds_count{method="GET",route="/v1/models",status="200"} 1.0' in text_metrics
+
+
+def test_openapi_is_served_and_versioned(client):
+    spec = client.get("/openapi.json").json()
+    assert {"/v1/models", "/v1/models/{model_id}/recommendation", "/v1/invocations"} <= set(spec["paths"])
