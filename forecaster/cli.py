@@ -217,6 +217,67 @@ def scheduler_cmd() -> None:
             pass
 
 
+@app.command("serve")
+def serve_cmd(
+    host: Annotated[Optional[str], typer.Option(help="Bind address (default: PREWARM_API_HOST).")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Port (default: PREWARM_API_PORT).")] = None,
+    scheduler: Annotated[bool, typer.Option("--scheduler/--no-scheduler",
+                                            help="Also run the scheduler's jobs in this process.")] = True,
+) -> None:
+    """Run the REST API (and, by default, the scheduler) against the configured database."""
+    import uvicorn
+    from apscheduler.schedulers.background import BackgroundScheduler
+
+    from api.main import create_app
+    from forecaster.jobs.scheduler import build_scheduler
+
+    settings = _settings()
+    with _database(settings) as engine:
+        background = None
+        if scheduler:
+            background = build_scheduler(engine, settings, BackgroundScheduler(timezone=timezone.utc))
+            background.start()
+        bind_host, bind_port = host or settings.api_host, port or settings.api_port
+        typer.echo(f"prewarm API on http://{bind_host}:{bind_port} (OpenAPI at /docs)")
+        try:
+            uvicorn.run(create_app(settings, engine), host=bind_host, port=bind_port, log_level="warning")
+        finally:
+            if background is not None:
+                background.shutdown(wait=False)
+
+
+token_app = typer.Typer(help="API bearer tokens (scopes: read, ingest, admin).", no_args_is_help=True)
+app.add_typer(token_app, name="token")
+
+
+@token_app.command("create")
+def token_create(
+    name: Annotated[str, typer.Argument(help="A name to recognise the token by (e.g. keda).")],
+    scope: Annotated[list[str], typer.Option("--scope", help="read, ingest or admin; repeatable.")],
+) -> None:
+    """Create a token; it is printed once and only its hash is stored."""
+    from forecaster.store.tokens import create_token
+
+    settings = _settings()
+    with _database(settings) as engine:
+        try:
+            typer.echo(create_token(engine, name=name, scopes=scope))
+        except ValueError as exc:
+            _fail(str(exc), 2)
+
+
+@token_app.command("revoke")
+def token_revoke(name: Annotated[str, typer.Argument()]) -> None:
+    """Revoke a token by name."""
+    from forecaster.store.tokens import revoke_token
+
+    settings = _settings()
+    with _database(settings) as engine:
+        if not revoke_token(engine, name=name):
+            _fail(f"no active token named {name!r}", 2)
+        typer.echo(f"revoked {name}")
+
+
 @app.command("demo")
 def demo(
     trace: Annotated[Optional[Path], typer.Option(help="Trace to ingest (default: the shipped Azure 2019 sample).")]
