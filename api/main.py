@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from contextlib import asynccontextmanager
 from datetime import datetime, timezone
 
 from fastapi import FastAPI
@@ -10,7 +12,8 @@ from sqlalchemy import Engine
 
 from api.cache import LastGood
 from api.metrics import LatencyMiddleware, ServiceMetrics
-from api.routes import audit, forecasts, health, ingest, models
+from api.snapshot import ForecastSnapshot
+from api.routes import audit, dashboard, forecasts, health, ingest, models
 from forecaster import __version__
 from forecaster.settings import Settings
 
@@ -21,7 +24,27 @@ def utc_now() -> datetime:
 
 def create_app(settings: Settings, engine: Engine, *, clock: Callable[[], datetime] = utc_now) -> FastAPI:
     """Build the app around an open engine; the caller owns the engine's life (and migrations)."""
+    snapshot = ForecastSnapshot(engine, refresh_s=settings.api_snapshot_refresh_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        stop = threading.Event()
+        refresher = None
+        if settings.api_snapshot_refresh_s > 0:
+            def refresh_forever() -> None:
+                while not stop.is_set():
+                    snapshot.refresh()
+                    stop.wait(settings.api_snapshot_refresh_s)
+
+            refresher = threading.Thread(target=refresh_forever, name="forecast-snapshot", daemon=True)
+            refresher.start()
+        yield
+        stop.set()
+        if refresher is not None:
+            refresher.join(timeout=5)
+
     app = FastAPI(
+        lifespan=lifespan,
         title="prewarm",
         version=__version__,
         description="Forecasts, replica recommendations and pre-warm actions for GPU inference fleets.",
@@ -30,9 +53,11 @@ def create_app(settings: Settings, engine: Engine, *, clock: Callable[[], dateti
     app.state.engine = engine
     app.state.clock = clock
     app.state.last_good = LastGood()
+    app.state.snapshot = snapshot
     app.state.token_cache = {}
     app.state.metrics = ServiceMetrics(engine, clock)
     app.add_middleware(LatencyMiddleware)
-    for module in (health, models, forecasts, ingest, audit):
+    for module in (health, models, forecasts, ingest, audit, dashboard):
         app.include_router(module.router)
+    app.mount("/dashboard", dashboard.static_files(), name="dashboard")
     return app

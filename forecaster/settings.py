@@ -78,6 +78,8 @@ class Settings(BaseSettings):
     recommendation_quantile: float = Field(default=0.9, gt=0, lt=1)
     forecast_fresh_s: float = Field(default=180.0, gt=0, description="/readyz fails when forecasts are older.")
     ingest_retry_after_s: int = Field(default=5, ge=1)
+    api_snapshot_refresh_s: float = Field(
+        default=2.0, ge=0, description="How often the API reloads new forecast runs; 0 = on every request.")
 
     # --- scheduler ------------------------------------------------------
     ingest_interval_s: int = Field(default=60, ge=1)

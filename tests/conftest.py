@@ -104,6 +104,7 @@ def settings(db_url: str, tmp_path: Path) -> Settings:
         models_dir=tmp_path / "models",
         traces_dir=TRACES_DIR,
         db_retry_base_delay_s=0.05,
+        api_snapshot_refresh_s=0,
     )
 
 

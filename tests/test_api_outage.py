@@ -28,7 +28,8 @@ def test_reads_stay_up_stale_and_ingest_asks_to_retry(crashable, tmp_path):
                     issued_at=NOW - timedelta(seconds=30), model_version_id=None)
     read = {"Authorization": "Bearer " + create_token(engine, name="keda", scopes=["read"])}
     ingest = {"Authorization": "Bearer " + create_token(engine, name="pusher", scopes=["ingest"])}
-    settings = Settings(database_url=crashable.url, data_dir=tmp_path, db_retry_base_delay_s=0.01)
+    settings = Settings(database_url=crashable.url, data_dir=tmp_path, db_retry_base_delay_s=0.01,
+                        api_snapshot_refresh_s=0)
     rows = {"rows": [{"model_id": "llama", "minute": "2026-11-29T11:00:00Z", "count": 5}]}
 
     with TestClient(create_app(settings, engine, clock=lambda: NOW)) as client:

@@ -14,7 +14,6 @@ from fastapi import Request
 from api.deps import ClockDep, EngineDep, ReadToken, SettingsDep
 from api.schemas import ForecastPoint, ForecastPublic, RecommendationPublic
 from forecaster.planning.recommendation import recommend
-from forecaster.store.coldstarts import recent_cold_start_seconds
 from forecaster.store.forecasts import latest_forecast, quantile_columns
 
 router = APIRouter(prefix="/v1/models", tags=["forecasts"])
@@ -79,26 +78,25 @@ def get_forecast(model_id: str, request: Request, engine: EngineDep, clock: Cloc
 
 
 @router.get("/{model_id}/recommendation", response_model=RecommendationPublic,
-            responses={404: {"description": "Unknown model"}})
-def get_recommendation(model_id: str, request: Request, engine: EngineDep, settings: SettingsDep,
-                       clock: ClockDep, _: ReadToken,
+            responses={404: {"description": "Unknown model"}, 503: {"description": "Database unavailable"}})
+def get_recommendation(model_id: str, request: Request, settings: SettingsDep, clock: ClockDep, _: ReadToken,
                        quantile: float | None = Query(None, gt=0, lt=1,
                                                       description="Demand quantile; default the setting.")
                        ) -> RecommendationPublic:
-    key = f"recommendation:{model_id}:{quantile}"
-    now = clock()
-    try:
-        with engine.connect() as conn:
-            model = conn.exec_driver_sql(
-                "SELECT replica_rps FROM serving_models WHERE id = %s", (model_id,)).first()
-            if model is None:
-                raise HTTPException(404, f"model {model_id!r} is not registered")
-            lead_time_s = recent_cold_start_seconds(conn, model_id=model_id) or settings.default_cold_start_s
-            stored = latest_forecast(conn, model_id=model_id, horizon_min=None)
-    except OperationalError:
-        return _stale_or_503(request, key)
-    result = recommend(stored, model_id=model_id, now=now, lead_time_s=float(lead_time_s), replica_rps=model[0],
-                       quantile=quantile or settings.recommendation_quantile)
-    body = RecommendationPublic(**result.as_dict(), stale=False)
-    request.app.state.last_good.put(key, body)
-    return body
+    """Replicas to have ready now and at the cold-start lead time, from the newest forecast run in memory."""
+    snapshot = request.app.state.snapshot
+    if settings.api_snapshot_refresh_s == 0 or snapshot.newest_issued_at is None:
+        snapshot.refresh_if_due()
+    view = snapshot.get(model_id)
+    if view is None and snapshot.healthy:
+        snapshot.refresh()  # registered since the last refresh?
+        view = snapshot.get(model_id)
+    if view is None:
+        if snapshot.healthy:
+            raise HTTPException(404, f"model {model_id!r} is not registered")
+        raise HTTPException(503, "database unavailable and the model is not in memory",
+                            headers={"Retry-After": str(settings.ingest_retry_after_s)})
+    result = recommend(view.forecast, model_id=model_id, now=clock(),
+                       lead_time_s=float(view.lead_time_s or settings.default_cold_start_s),
+                       replica_rps=view.replica_rps, quantile=quantile or settings.recommendation_quantile)
+    return RecommendationPublic(**result.as_dict(), stale=not snapshot.healthy)
