@@ -55,7 +55,7 @@ def create_app(settings: Settings, engine: Engine, *, clock: Callable[[], dateti
     app.state.last_good = LastGood()
     app.state.snapshot = snapshot
     app.state.token_cache = {}
-    app.state.metrics = ServiceMetrics(engine, clock)
+    app.state.metrics = ServiceMetrics(engine, clock, snapshot, settings)
     app.add_middleware(LatencyMiddleware)
     for module in (health, models, forecasts, ingest, audit, dashboard):
         app.include_router(module.router)

@@ -53,13 +53,40 @@ class StoreCollector:
         yield taken
 
 
+class RecommendationCollector:
+    """Per-model recommended replicas, for HPA through an external-metrics adapter (prometheus-adapter)."""
+
+    def __init__(self, snapshot, settings, clock: Callable[[], datetime]) -> None:
+        self._snapshot = snapshot
+        self._settings = settings
+        self._clock = clock
+
+    def collect(self):
+        from forecaster.planning.recommendation import recommend
+
+        gauge = GaugeMetricFamily("prewarm_recommended_replicas",
+                                  "Replicas to have ready, now and at the cold-start lead time",
+                                  labels=["model_id", "at"])
+        now = self._clock()
+        for model_id, view in list(self._snapshot.models.items()):
+            result = recommend(view.forecast, model_id=model_id, now=now,
+                               lead_time_s=float(view.lead_time_s or self._settings.default_cold_start_s),
+                               replica_rps=view.replica_rps, quantile=self._settings.recommendation_quantile)
+            if result.replicas_at_lead_time is not None:
+                gauge.add_metric([model_id, "now"], result.replicas_now)
+                gauge.add_metric([model_id, "lead_time"], result.replicas_at_lead_time)
+        yield gauge
+
+
 class ServiceMetrics:
-    def __init__(self, engine: Engine, clock: Callable[[], datetime]) -> None:
+    def __init__(self, engine: Engine, clock: Callable[[], datetime], snapshot=None, settings=None) -> None:
         self.registry = CollectorRegistry()
         self.request_seconds = Histogram(
             "prewarm_api_request_seconds", "API request latency", ["method", "route", "status"],
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=self.registry)
         self.registry.register(StoreCollector(engine, clock))
+        if snapshot is not None:
+            self.registry.register(RecommendationCollector(snapshot, settings, clock))
 
 
 class LatencyMiddleware(BaseHTTPMiddleware):

@@ -174,6 +174,9 @@ def test_health_readiness_and_metrics(client, engine, tokens):
     client.get("/v1/models", headers=auth(tokens["read"]))
     text_metrics = client.get("/metrics").text
     assert "prewarm_forecast_age_seconds 30.0" in text_metrics
+    client.get("/v1/models/llama/recommendation", headers=auth(tokens["read"]))  # loads the snapshot
+    text_metrics = client.get("/metrics").text
+    assert 'prewarm_recommended_replicas{at="lead_time",model_id="llama"} 2.0' in text_metrics
     assert 'prewarm_api_request_seconds_count{method="GET",route="/v1/models",status="200"} 1.0' in text_metrics
 
 
