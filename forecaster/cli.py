@@ -278,6 +278,24 @@ def token_revoke(name: Annotated[str, typer.Argument()]) -> None:
         typer.echo(f"revoked {name}")
 
 
+@app.command("agent")
+def agent_cmd(
+    host: Annotated[Optional[str], typer.Option(help="Listen address (default: PREWARM_AGENT_HOST).")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Listen port (default: PREWARM_AGENT_PORT).")] = None,
+) -> None:
+    """Run the node agent (pre-pull images through CRI, pre-load weights from S3) until stopped."""
+    import os
+
+    settings = _settings()
+    if settings.agent_token is None or not settings.agent_token.get_secret_value():
+        _fail("the agent needs a bearer token: set PREWARM_AGENT_TOKEN", 2)
+    # A lean process of its own: the agent never needs what this CLI has imported.
+    argv = [sys.executable, "-m", "forecaster.agent"]
+    argv += ["--host", host] if host else []
+    argv += ["--port", str(port)] if port else []
+    os.execv(sys.executable, argv)
+
+
 @app.command("demo")
 def demo(
     trace: Annotated[Optional[Path], typer.Option(help="Trace to ingest (default: the shipped Azure 2019 sample).")]

@@ -115,8 +115,8 @@ class Settings(BaseSettings):
     agent_s3_secret_access_key: SecretStr | None = None
     agent_max_concurrent_pulls: int = Field(default=2, ge=1, le=64)
     agent_max_concurrent_preloads: int = Field(default=2, ge=1, le=64)
-    agent_preload_streams: int = Field(default=8, ge=1, le=64, description="Parallel ranged reads per object.")
-    agent_preload_part_bytes: int = Field(default=32 << 20, ge=1 << 20)
+    agent_preload_streams: int = Field(default=4, ge=1, le=64, description="Parallel ranged reads per object.")
+    agent_preload_part_bytes: int = Field(default=16 << 20, ge=1 << 20)
     agent_preload_buffer_bytes: int = Field(default=1 << 20, ge=64 << 10, le=64 << 20,
                                             description="Read buffer per stream; memory ~ streams x this.")
     agent_default_deadline_s: float = Field(default=600.0, gt=0)

@@ -61,6 +61,7 @@ class FailureReason(StrEnum):
     RATE_LIMITED = "rate_limited"
     GPU_BUDGET = "gpu_budget"
     BELOW_REACTIVE = "below_reactive"
+    UNSUPPORTED = "unsupported"  # the configured backend cannot carry out this kind of action
     INTERNAL = "internal"
 
 

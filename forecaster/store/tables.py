@@ -216,6 +216,26 @@ class Action(Base):
     status_reason: Mapped[str | None] = mapped_column(String(64))
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    # Added by migration 0002 (actuation).
+    key: Mapped[str | None] = mapped_column(Text, doc="Idempotency key: one open unit of work per key.")
+    backend: Mapped[str | None] = mapped_column(String(32))  # dry-run | agent | kubernetes
+    detail: Mapped[dict] = mapped_column(JSONB, default=dict, doc="What was done (or would be), timings, errors.")
+    next_attempt_at: Mapped[datetime | None] = mapped_column(TZ)
+    started_at: Mapped[datetime | None] = mapped_column(TZ)
+    finished_at: Mapped[datetime | None] = mapped_column(TZ)
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class ActuatorControl(Base):
+    """The actuator's global kill switch (one row), shared by the API and every actuating process."""
+
+    __tablename__ = "actuator_control"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    paused: Mapped[bool] = mapped_column(Boolean, default=False)
+    reason: Mapped[str | None] = mapped_column(Text)
+    updated_by: Mapped[str | None] = mapped_column(String(128))
+    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
 
 class JobRun(Base):

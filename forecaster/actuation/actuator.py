@@ -1,0 +1,246 @@
+"""The actuator: record a plan's actions, then carry out those that are due, through one backend.
+
+``submit(plan, now)`` records the plan and each action as pending (the same
+work still open from an earlier plan is merged, not repeated).
+``run_due(now)`` takes the pending actions whose time has come and, in one
+transaction per batch, drops those that must not run (deadline passed, kill
+switch, actions-per-minute limit) and marks the rest running; it then bounds
+scale and release targets (reactive ask, GPU budget), calls the backend for
+each (in parallel up to ``actuator_parallelism``), and records the outcome:
+succeeded, failed with a reason, or pending again with a retry time for a
+temporary error. Observations the backend returns (phase timings of pulls and
+pre-loads) go to ``cold_starts``. ``apply(plan, now)`` does both.
+
+``now`` is passed in: tests step a clock, the scheduler passes the wall clock.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from sqlalchemy import Engine, text
+
+from forecaster.actuation import guardrails, records
+from forecaster.actuation.backends.base import Backend, ModelTarget, Outcome
+from forecaster.planning.plan import Action, ActionKind, ActionStatus, FailureReason, Plan
+from forecaster.settings import Settings
+
+log = logging.getLogger(__name__)
+
+BATCH = 500
+
+
+@dataclass(frozen=True)
+class ActionReport:
+    """What ``run_due`` did with one action."""
+
+    action_id: int
+    kind: str
+    status: ActionStatus
+    reason: FailureReason | None = None
+    message: str = ""
+    detail: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Submitted:
+    plan_id: int
+    action_ids: tuple[int, ...]
+    merged: tuple[int, ...]  # ids of open actions the plan's actions were merged into
+
+
+def build_backend(settings: Settings, **overrides) -> Backend:
+    """The backend named by ``settings.actuator_backend``."""
+    name = settings.actuator_backend
+    if name == "dry-run":
+        from forecaster.actuation.backends.dryrun import DryRunBackend
+
+        return DryRunBackend(**overrides)
+    token = None if settings.agent_token is None else settings.agent_token.get_secret_value()
+    if name == "agent":
+        from forecaster.actuation.backends.agent import AgentBackend
+
+        return AgentBackend(url_template=settings.agent_url_template, token=token,
+                            connect_timeout_s=settings.agent_connect_timeout_s, **overrides)
+    if name == "kubernetes":
+        from forecaster.actuation.backends.kubernetes import KubernetesBackend
+
+        return KubernetesBackend.from_settings(settings, **overrides)
+    raise ValueError(f"unknown actuator backend {name!r}")
+
+
+class Actuator:
+    """Applies plans through ``backend`` and keeps the audit trail in the store.
+
+    Args:
+        engine: the store.
+        settings: guardrail settings (``actuator_*``).
+        backend: dry-run, agent or kubernetes.
+    """
+
+    def __init__(self, engine: Engine, settings: Settings, backend: Backend) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.backend = backend
+
+    # --- recording ---------------------------------------------------------------------------------------------
+
+    def submit(self, plan: Plan, *, now: datetime) -> Submitted:
+        ids: list[int] = []
+        merged: list[int] = []
+        with self.engine.begin() as conn:
+            plan_id = records.record_plan(conn, plan)
+            for action in plan.actions:
+                action_id, was_merged = records.submit_action(conn, plan_id, action, backend=self.backend.name,
+                                                              now=now)
+                ids.append(action_id)
+                if was_merged:
+                    merged.append(action_id)
+        return Submitted(plan_id=plan_id, action_ids=tuple(ids), merged=tuple(merged))
+
+    def apply(self, plan: Plan, *, now: datetime) -> tuple[Submitted, list[ActionReport]]:
+        """Record ``plan`` and carry out every action of it (and any other) that is due."""
+        submitted = self.submit(plan, now=now)
+        return submitted, self.run_due(now=now)
+
+    # --- carrying out ------------------------------------------------------------------------------------------
+
+    def run_due(self, *, now: datetime) -> list[ActionReport]:
+        reports: list[ActionReport] = []
+        dispatched: list[tuple[dict, Action]] = []
+        with self.engine.begin() as conn:
+            lost = records.reap_lost(conn, now)
+            if lost:
+                log.warning("%d actions were still running past their deadline; marked failed", lost)
+            paused = self.settings.actuator_kill_switch or records.is_paused(conn)
+            started = records.started_since(conn, now - timedelta(seconds=60))
+            for row in records.due_actions(conn, now, BATCH):
+                action = records.action_from_row(row)
+                dropped = guardrails.admit(action, now=now, paused=paused, started_last_minute=started,
+                                           max_actions_per_minute=self.settings.actuator_max_actions_per_minute)
+                if dropped is not None:
+                    message = {FailureReason.DEADLINE_PASSED: f"deadline {action.deadline.isoformat()} passed",
+                               FailureReason.KILL_SWITCH: "the actuator is paused (kill switch)",
+                               FailureReason.RATE_LIMITED: f"{started} actions started in the last minute, limit "
+                                                           f"{self.settings.actuator_max_actions_per_minute}",
+                               }[dropped]
+                    records.mark(conn, row["id"], ActionStatus.DROPPED, now=now, reason=dropped,
+                                 detail={"message": message})
+                    reports.append(ActionReport(row["id"], row["kind"], ActionStatus.DROPPED, dropped, message))
+                    continue
+                records.mark(conn, row["id"], ActionStatus.RUNNING, now=now, start=True,
+                             reason=row["status_reason"])
+                started += 1
+                dispatched.append((row, action))
+        if not dispatched:
+            return reports
+        models = self._models({a.model_id for _, a in dispatched})
+        # Scale and release are bounded one after another (they share the GPU budget); the rest run in parallel.
+        ready: list[tuple[dict, Action, int | None, dict]] = []
+        for row, action in dispatched:
+            model = models.get(action.model_id) or ModelTarget(model_id=action.model_id)
+            if action.kind in (ActionKind.SCALE, ActionKind.RELEASE):
+                bounded = self._bound(row, action, model, now)
+                if isinstance(bounded, ActionReport):
+                    reports.append(bounded)
+                    continue
+                ready.append((row, action, *bounded))
+            else:
+                ready.append((row, action, None, {}))
+        with ThreadPoolExecutor(max_workers=self.settings.actuator_parallelism,
+                                thread_name_prefix="actuate") as pool:
+            futures = [pool.submit(self._carry_out, row, action, models, replicas, extra, now)
+                       for row, action, replicas, extra in ready]
+            reports.extend(f.result() for f in futures)
+        return reports
+
+    def _models(self, ids: set[str]) -> dict[str, ModelTarget]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(text("SELECT id, gpus_per_replica, labels, image_ref, weights_uri FROM serving_models "
+                                     "WHERE id = ANY(CAST(:ids AS text[]))"), {"ids": sorted(ids)}).all()
+        return {r[0]: ModelTarget(model_id=r[0], gpus_per_replica=r[1], labels=r[2] or {}, image_ref=r[3],
+                                  weights_uri=r[4]) for r in rows}
+
+    def _bound(self, row: dict, action: Action, model: ModelTarget, now: datetime):
+        try:
+            state = self.backend.replica_state(model)
+        except Exception as exc:  # noqa: BLE001 - the cluster could not be read: a temporary failure
+            return self._finish(row, action, Outcome.failed(FailureReason.INTERNAL, f"reading replicas: {exc}",
+                                                            temporary=True), now)
+        if state is None:
+            return None, {}
+        with self.engine.connect() as conn:
+            elsewhere = sum(records.ahead_gpus(conn, excluding=action.model_id).values())
+        bound = guardrails.bound_replicas(action, state, gpus_per_replica=model.gpus_per_replica,
+                                          gpus_ahead_elsewhere=elsewhere, gpu_budget=self.settings.actuator_gpu_budget)
+        extra = {"guardrails": bound.detail, "ahead_gpus": bound.ahead_gpus}
+        if bound.dropped is not None:
+            with self.engine.begin() as conn:
+                records.mark(conn, row["id"], ActionStatus.DROPPED, now=now, reason=bound.dropped, detail=extra)
+            return ActionReport(row["id"], row["kind"], ActionStatus.DROPPED, bound.dropped,
+                                bound.detail.get("why", ""), extra)
+        if bound.noop:
+            return self._finish(row, action, Outcome.ok(f"nothing to do: {bound.detail.get('why')}", noop=True,
+                                                        **extra), now)
+        # Recorded before the call: a concurrent scale in this batch sees this model's share of the budget.
+        with self.engine.begin() as conn:
+            records.mark(conn, row["id"], ActionStatus.RUNNING, now=now, reason=row["status_reason"],
+                         detail={"target_replicas": bound.target, **extra})
+        return bound.target, extra
+
+    def _carry_out(self, row: dict, action: Action, models: dict, replicas: int | None, extra: dict,
+                   now: datetime) -> ActionReport:
+        model = models.get(action.model_id) or ModelTarget(model_id=action.model_id)
+        deadline_s = (action.deadline - now).total_seconds()
+        try:
+            outcome = self.backend.carry_out(action, model=model, replicas=replicas, deadline_s=deadline_s)
+        except Exception as exc:  # noqa: BLE001 - a backend bug must not lose the record
+            log.exception("backend %s failed on action %s", self.backend.name, row["id"])
+            outcome = Outcome.failed(FailureReason.INTERNAL, f"{type(exc).__name__}: {exc}")
+        if extra:
+            outcome = Outcome(status=outcome.status, reason=outcome.reason, temporary=outcome.temporary,
+                              message=outcome.message, detail={**extra, **outcome.detail},
+                              observations=outcome.observations)
+        return self._finish(row, action, outcome, now)
+
+    def _finish(self, row: dict, action: Action, outcome: Outcome, now: datetime) -> ActionReport:
+        detail = {"message": outcome.message, **outcome.detail}
+        if outcome.observations:
+            detail["observations"] = self._store_observations(list(outcome.observations), now)
+        attempts = (row["attempts"] or 0) + 1
+        if outcome.status is ActionStatus.SUCCEEDED:
+            status, reason, next_at = ActionStatus.SUCCEEDED, None, None
+        else:
+            next_at = guardrails.retry_at(now=now, attempts=attempts, max_attempts=self.settings.actuator_max_attempts,
+                                          base_delay_s=self.settings.actuator_retry_base_delay_s,
+                                          deadline=action.deadline, temporary=outcome.temporary)
+            status = ActionStatus.PENDING if next_at is not None else ActionStatus.FAILED
+            reason = outcome.reason or FailureReason.INTERNAL
+            detail["temporary"] = outcome.temporary
+            if next_at is not None:
+                detail["retry_at"] = next_at.isoformat()
+        with self.engine.begin() as conn:
+            records.mark(conn, row["id"], status, now=now, reason=reason, detail=detail, next_attempt_at=next_at)
+        return ActionReport(row["id"], row["kind"], status, reason, outcome.message, detail)
+
+    def collect_observations(self, *, now: datetime, since: datetime | None = None) -> dict:
+        """Store cold starts the backend can observe in the cluster (Kubernetes: pod status and events)."""
+        observe = getattr(self.backend, "observe_cold_starts", None)
+        if observe is None:
+            return {"inserted": 0, "updated": 0}
+        events = observe(since=since)
+        return self._store_observations(events, now) if events else {"inserted": 0, "updated": 0}
+
+    def _store_observations(self, events: list[dict], now: datetime) -> dict:
+        from forecaster.ingest.batch import IngestError
+        from forecaster.ingest.service import push_cold_starts
+
+        try:
+            return push_cold_starts(self.engine, self.settings, events, now=now,
+                                    source=f"actuator-{self.backend.name}")
+        except IngestError as exc:
+            log.warning("cold-start observations not stored: %s", exc)
+            return {"error": str(exc)}

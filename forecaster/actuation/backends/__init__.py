@@ -1,0 +1,1 @@
+"""Backends that carry out actions: dry-run, node agents, Kubernetes."""

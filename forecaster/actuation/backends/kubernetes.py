@@ -1,0 +1,359 @@
+"""The ``kubernetes`` backend (official ``kubernetes`` client): scale ahead, and pre-pull with per-node Jobs.
+
+Scale and release:
+
+* a **Deployment** without an HPA: its ``/scale`` subresource gets the replicas;
+* a **Deployment** with an HPA: the HPA's ``minReplicas`` is raised (the HPA
+  would undo a direct change), the HPA's own floor kept in an annotation and
+  restored on release; the HPA's ``status.desiredReplicas`` is the reactive ask;
+* a **KServe InferenceService**: ``spec.predictor.minReplicas`` (JSON merge
+  patch; custom resources take no strategic merge); the Knative
+  PodAutoscalers' ``status.desiredScale`` is the reactive ask.
+
+Pre-pull where no node agent runs, after kube-fledged: one Job per (image,
+node), named from the action's key (so the same work twice is one Job), pinned
+to the node, tolerating its taints, time-limited by ``activeDeadlineSeconds``,
+labelled and owned (by the prewarm Deployment when configured), removed by
+``ttlSecondsAfterFinished`` and by :meth:`KubernetesBackend.cleanup`. An init
+container copies a static ``busybox`` as ``/prewarm/true`` into an emptyDir so
+the pulled image's container exits at once whatever the image holds.
+Pre-load needs the node agent and is refused here (``unsupported``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+
+from forecaster.actuation.backends.base import ModelTarget, Outcome, ReplicaState, unsupported
+from forecaster.planning.plan import Action, ActionKind, FailureReason
+
+log = logging.getLogger(__name__)
+
+MANAGED_BY = "prewarm"
+BASE_MIN_ANNOTATION = "prewarm.io/base-min-replicas"
+KSERVE = ("serving.kserve.io", "v1beta1", "inferenceservices")
+KNATIVE_PA = ("autoscaling.internal.knative.dev", "v1alpha1", "podautoscalers")
+_LABEL_OK = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+
+
+def label_value(value: str) -> str:
+    """A valid label value for ``value`` (hash-suffixed when it must be shortened or cleaned)."""
+    if _LABEL_OK.match(value):
+        return value
+    cleaned = re.sub(r"[^-A-Za-z0-9_.]", "-", value).strip("-_.")[:50].strip("-_.")
+    return f"{cleaned}-{hashlib.sha256(value.encode()).hexdigest()[:10]}".strip("-")
+
+
+def job_name(action: Action) -> str:
+    return f"prewarm-pull-{hashlib.sha256(action.key.encode()).hexdigest()[:16]}"
+
+
+def prepull_job_manifest(action: Action, *, namespace: str, deadline_s: float, now: datetime,
+                         helper_image: str, ttl_s: int, model_label: str,
+                         owner: dict | None = None, image_pull_secret: str | None = None) -> dict:
+    """The Job that pulls ``action.target`` onto ``action.node_id`` (a plain dict, as the API receives it)."""
+    labels = {"app.kubernetes.io/managed-by": MANAGED_BY, "app.kubernetes.io/component": "prepull",
+              model_label: label_value(action.model_id), "prewarm.io/node": label_value(action.node_id or "")}
+    volume_mount = [{"name": "prewarm-bin", "mountPath": "/prewarm"}]
+    resources = {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"cpu": "100m", "memory": "64Mi"}}
+    security = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    pod_spec: dict = {
+        "restartPolicy": "Never",
+        "nodeSelector": {"kubernetes.io/hostname": action.node_id},
+        "tolerations": [{"operator": "Exists"}],  # GPU nodes are usually tainted
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 0,
+        "initContainers": [{"name": "copy-true", "image": helper_image, "imagePullPolicy": "IfNotPresent",
+                            "command": ["cp", "/bin/busybox", "/prewarm/true"], "volumeMounts": volume_mount,
+                            "resources": resources, "securityContext": security}],
+        "containers": [{"name": "prepull", "image": action.target, "imagePullPolicy": "IfNotPresent",
+                        "command": ["/prewarm/true"], "volumeMounts": volume_mount, "resources": resources,
+                        "securityContext": security}],
+        "volumes": [{"name": "prewarm-bin", "emptyDir": {"sizeLimit": "16Mi"}}],
+    }
+    if image_pull_secret:
+        pod_spec["imagePullSecrets"] = [{"name": image_pull_secret}]
+    metadata: dict = {
+        "name": job_name(action), "namespace": namespace, "labels": labels,
+        "annotations": {"prewarm.io/image": action.target or "", "prewarm.io/action-key": action.key,
+                        "prewarm.io/reason": str(action.reason),
+                        "prewarm.io/deadline": (now + timedelta(seconds=deadline_s)).isoformat()},
+    }
+    if owner:
+        metadata["ownerReferences"] = [owner]
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": metadata,
+        "spec": {
+            "activeDeadlineSeconds": max(1, int(deadline_s)),
+            "ttlSecondsAfterFinished": ttl_s,
+            "backoffLimit": 0,  # the actuator retries temporary failures itself, with back-off
+            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+        },
+    }
+
+
+class KubernetesBackend:
+    """Carries out scale, release and pre-pull on a cluster.
+
+    Args:
+        api_client: a ``kubernetes.client.ApiClient`` (tests pass one whose transport is a fake API server).
+        namespace: default namespace of workloads and Jobs.
+        model_label: pod label naming the serving model.
+        helper_image, job_ttl_s, job_wait_s, owner_deployment, image_pull_secret: see settings ``kubernetes_*``.
+        clock: wall clock for Job deadline annotations and cleanup.
+        sleep: how to wait between Job status polls.
+    """
+
+    name = "kubernetes"
+
+    def __init__(self, api_client, *, namespace: str = "default", model_label: str = "prewarm.io/model",
+                 helper_image: str = "busybox:1.36", job_ttl_s: int = 600, job_wait_s: float = 300.0,
+                 owner_deployment: str | None = None, image_pull_secret: str | None = None,
+                 clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
+                 sleep: Callable[[float], None] = time.sleep, poll_s: float = 2.0) -> None:
+        from kubernetes import client
+
+        self.api_client = api_client
+        self.apps = client.AppsV1Api(api_client)
+        self.autoscaling = client.AutoscalingV2Api(api_client)
+        self.batch = client.BatchV1Api(api_client)
+        self.core = client.CoreV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+        self.namespace = namespace
+        self.model_label = model_label
+        self.helper_image = helper_image
+        self.job_ttl_s = job_ttl_s
+        self.job_wait_s = job_wait_s
+        self.owner_deployment = owner_deployment
+        self.image_pull_secret = image_pull_secret
+        self.clock = clock
+        self.sleep = sleep
+        self.poll_s = poll_s
+        self._owner: dict | None = None
+
+    @classmethod
+    def from_settings(cls, settings, api_client=None, **overrides) -> "KubernetesBackend":
+        if api_client is None:
+            from kubernetes import client, config
+
+            if settings.kubernetes_kubeconfig is not None:
+                config.load_kube_config(config_file=str(settings.kubernetes_kubeconfig))
+            else:
+                try:
+                    config.load_incluster_config()
+                except config.ConfigException:
+                    config.load_kube_config()
+            api_client = client.ApiClient()
+        options = dict(namespace=settings.kubernetes_namespace, model_label=settings.kubernetes_model_label,
+                       helper_image=settings.kubernetes_prepull_helper_image, job_ttl_s=settings.kubernetes_job_ttl_s,
+                       job_wait_s=settings.kubernetes_job_wait_s,
+                       owner_deployment=settings.kubernetes_owner_deployment,
+                       image_pull_secret=settings.kubernetes_image_pull_secret)
+        options.update(overrides)
+        return cls(api_client, **options)
+
+    # --- workloads ---------------------------------------------------------------------------------------------
+
+    def _workload(self, model: ModelTarget) -> tuple[str, str, str]:
+        kind = model.labels.get("k8s_kind", "Deployment")
+        if kind not in ("Deployment", "InferenceService"):
+            raise ValueError(f"model {model.model_id}: k8s_kind must be Deployment or InferenceService, got {kind!r}")
+        return kind, model.labels.get("k8s_name", model.model_id), model.labels.get("k8s_namespace", self.namespace)
+
+    def _hpa_for(self, name: str, namespace: str):
+        for hpa in self.autoscaling.list_namespaced_horizontal_pod_autoscaler(namespace).items:
+            ref = hpa.spec.scale_target_ref
+            if ref.kind == "Deployment" and ref.name == name:
+                return hpa
+        return None
+
+    def replica_state(self, model: ModelTarget) -> ReplicaState | None:
+        kind, name, namespace = self._workload(model)
+        if kind == "InferenceService":
+            isvc = self.custom.get_namespaced_custom_object(*KSERVE[:2], namespace, KSERVE[2], name)
+            current = int(((isvc.get("spec") or {}).get("predictor") or {}).get("minReplicas") or 0)
+            pas = self.custom.list_namespaced_custom_object(
+                *KNATIVE_PA[:2], namespace, KNATIVE_PA[2], label_selector=f"serving.kserve.io/inferenceservice={name}")
+            ask = max([int((pa.get("status") or {}).get("desiredScale") or 0) for pa in pas.get("items", [])] or [0])
+            return ReplicaState(current=current, reactive_ask=ask, floor_kind="min_replicas")
+        hpa = self._hpa_for(name, namespace)
+        if hpa is not None:
+            return ReplicaState(current=int(hpa.spec.min_replicas or 1),
+                                reactive_ask=int(hpa.status.desired_replicas or 0), floor_kind="min_replicas")
+        scale = self.apps.read_namespaced_deployment_scale(name, namespace)
+        # No reactive autoscaler on this Deployment: nothing asks for a floor but the plan.
+        return ReplicaState(current=int(scale.spec.replicas or 0), reactive_ask=0, floor_kind="replicas")
+
+    def _set_replicas(self, model: ModelTarget, replicas: int) -> Outcome:
+        from kubernetes.client.exceptions import ApiException
+
+        kind, name, namespace = self._workload(model)
+        try:
+            if kind == "InferenceService":
+                body = {"spec": {"predictor": {"minReplicas": replicas}}}
+                self.custom.patch_namespaced_custom_object(*KSERVE[:2], namespace, KSERVE[2], name, body,
+                                                           _content_type="application/merge-patch+json")
+                return Outcome.ok(f"InferenceService {namespace}/{name} minReplicas -> {replicas}",
+                                  workload=f"InferenceService/{namespace}/{name}", field="spec.predictor.minReplicas",
+                                  replicas=replicas)
+            hpa = self._hpa_for(name, namespace)
+            if hpa is not None:
+                annotations = hpa.metadata.annotations or {}
+                base = int(annotations.get(BASE_MIN_ANNOTATION, hpa.spec.min_replicas or 1))
+                floor = min(max(replicas, base), int(hpa.spec.max_replicas))
+                body = {"metadata": {"annotations": {BASE_MIN_ANNOTATION: str(base)}},
+                        "spec": {"minReplicas": floor}}
+                self.autoscaling.patch_namespaced_horizontal_pod_autoscaler(hpa.metadata.name, namespace, body)
+                return Outcome.ok(f"HPA {namespace}/{hpa.metadata.name} minReplicas -> {floor} (its own floor {base})",
+                                  workload=f"HorizontalPodAutoscaler/{namespace}/{hpa.metadata.name}",
+                                  field="spec.minReplicas", replicas=floor, hpa_base_min=base,
+                                  capped_by_max=floor < replicas)
+            self.apps.patch_namespaced_deployment_scale(name, namespace, {"spec": {"replicas": replicas}})
+            return Outcome.ok(f"Deployment {namespace}/{name} replicas -> {replicas}",
+                              workload=f"Deployment/{namespace}/{name}", field="spec.replicas", replicas=replicas)
+        except ApiException as exc:
+            return _api_failure(exc, f"{kind} {namespace}/{name}")
+
+    # --- pre-pull Jobs -----------------------------------------------------------------------------------------
+
+    def _owner_reference(self) -> dict | None:
+        if self.owner_deployment is None:
+            return None
+        if self._owner is None:
+            deployment = self.apps.read_namespaced_deployment(self.owner_deployment, self.namespace)
+            self._owner = {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment.metadata.name,
+                           "uid": deployment.metadata.uid, "controller": False, "blockOwnerDeletion": False}
+        return self._owner
+
+    def prepull_job(self, action: Action, *, deadline_s: float) -> dict:
+        return prepull_job_manifest(action, namespace=self.namespace, deadline_s=deadline_s, now=self.clock(),
+                                    helper_image=self.helper_image, ttl_s=self.job_ttl_s,
+                                    model_label=self.model_label, owner=self._owner_reference(),
+                                    image_pull_secret=self.image_pull_secret)
+
+    def _prepull(self, action: Action, deadline_s: float) -> Outcome:
+        from kubernetes.client.exceptions import ApiException
+
+        manifest = self.prepull_job(action, deadline_s=deadline_s)
+        name = manifest["metadata"]["name"]
+        created = True
+        try:
+            self.batch.create_namespaced_job(self.namespace, manifest)
+        except ApiException as exc:
+            if exc.status != 409:
+                return _api_failure(exc, f"create Job {name}")
+            created = False  # the same work is already a Job: follow it
+        detail = {"job": f"{self.namespace}/{name}", "created": created}
+        wait_until = time.monotonic() + min(self.job_wait_s, max(0.0, deadline_s))
+        t0 = time.monotonic()
+        while True:
+            try:
+                job = self.batch.read_namespaced_job_status(name, self.namespace)
+            except ApiException as exc:
+                return _api_failure(exc, f"read Job {name}", **detail)
+            status = job.status
+            if status is not None and (status.succeeded or 0) > 0:
+                return Outcome.ok(f"Job {name} pulled {action.target} on {action.node_id}", **detail,
+                                  waited_s=round(time.monotonic() - t0, 3))
+            failed = next((c for c in (status.conditions or []) if c.type == "Failed" and c.status == "True"),
+                          None) if status is not None else None
+            pull_error = self._pull_error(name)
+            if pull_error is not None:
+                self._delete_job(name)
+                reason, temporary, message = pull_error
+                return Outcome.failed(reason, f"Job {name}: {message}", temporary=temporary, **detail)
+            if failed is not None:
+                if failed.reason == "DeadlineExceeded":
+                    return Outcome.failed(FailureReason.TIMEOUT, f"Job {name} passed its deadline", temporary=True,
+                                          **detail)
+                return Outcome.failed(FailureReason.INTERNAL, f"Job {name} failed: {failed.reason} {failed.message}",
+                                      **detail)
+            if time.monotonic() >= wait_until:
+                if self.job_wait_s == 0:
+                    return Outcome.ok(f"Job {name} created; not awaited (kubernetes_job_wait_s = 0)", **detail)
+                return Outcome.failed(FailureReason.TIMEOUT, f"Job {name} not done in time; it stops at its own "
+                                      "deadline", temporary=True, **detail)
+            self.sleep(self.poll_s)
+
+    def _pull_error(self, job: str):
+        """(reason, temporary, message) when the Job's pod cannot pull its image, else None."""
+        from forecaster.agent.cri import classify_pull_message
+
+        pods = self.core.list_namespaced_pod(self.namespace, label_selector=f"job-name={job}").items
+        for pod in pods:
+            for status in (pod.status.container_statuses or []) + (pod.status.init_container_statuses or []):
+                waiting = status.state.waiting if status.state is not None else None
+                if waiting is not None and waiting.reason in ("ErrImagePull", "ImagePullBackOff", "InvalidImageName"):
+                    message = waiting.message or waiting.reason
+                    if waiting.reason == "InvalidImageName":
+                        return FailureReason.NOT_FOUND, False, message
+                    reason, temporary = classify_pull_message(message)
+                    return reason, temporary, message
+        return None
+
+    def _delete_job(self, name: str) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self.batch.delete_namespaced_job(name, self.namespace, propagation_policy="Background")
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def cleanup(self, *, now: datetime) -> list[str]:
+        """Delete prewarm's pre-pull Jobs that finished or passed their deadline; returns their names."""
+        removed = []
+        jobs = self.batch.list_namespaced_job(self.namespace,
+                                              label_selector=f"app.kubernetes.io/managed-by={MANAGED_BY}").items
+        for job in jobs:
+            annotations = job.metadata.annotations or {}
+            deadline = annotations.get("prewarm.io/deadline")
+            finished = job.status is not None and ((job.status.succeeded or 0) > 0 or (job.status.failed or 0) > 0)
+            expired = deadline is not None and datetime.fromisoformat(deadline) < now
+            if finished or expired:
+                self._delete_job(job.metadata.name)
+                removed.append(job.metadata.name)
+        return removed
+
+    # --- the backend protocol ------------------------------------------------------------------------------------
+
+    def carry_out(self, action: Action, *, model: ModelTarget, replicas: int | None, deadline_s: float) -> Outcome:
+        if action.kind in (ActionKind.SCALE, ActionKind.RELEASE):
+            if replicas is None:
+                return Outcome.failed(FailureReason.INTERNAL, "no bounded replica target")
+            return self._set_replicas(model, replicas)
+        if action.kind is ActionKind.PREPULL:
+            return self._prepull(action, deadline_s)
+        return unsupported(self.name, action)
+
+    # --- cold starts observed in the cluster ---------------------------------------------------------------------
+
+    def observe_cold_starts(self, *, since: datetime | None = None) -> list[dict]:
+        """Cold starts of model replicas from pod status and kubelet events (see :mod:`..kube_coldstarts`)."""
+        from forecaster.actuation.kube_coldstarts import cold_starts_from_k8s
+
+        pods = self.core.list_namespaced_pod(self.namespace, label_selector=self.model_label).items
+        events = self.core.list_namespaced_event(self.namespace, field_selector="involvedObject.kind=Pod").items
+        serialise = self.api_client.sanitize_for_serialization
+        return cold_starts_from_k8s([serialise(p) for p in pods], [serialise(e) for e in events],
+                                    model_label=self.model_label, since=since)
+
+
+def _api_failure(exc, what: str, **detail) -> Outcome:
+    status = getattr(exc, "status", None)
+    text = f"{what}: HTTP {status} {getattr(exc, 'reason', '')}".strip()
+    if status == 404:
+        return Outcome.failed(FailureReason.NOT_FOUND, text, **detail)
+    if status in (401, 403):
+        return Outcome.failed(FailureReason.UNAUTHORISED, text, **detail)
+    if status in (409, 429) or (status or 0) >= 500 or status is None or status == 0:
+        return Outcome.failed(FailureReason.INTERNAL, text, temporary=True, **detail)
+    return Outcome.failed(FailureReason.INTERNAL, text, **detail)

@@ -1,0 +1,160 @@
+"""The audit trail in the store: plans, actions (spec + status), and the kill switch.
+
+Plain functions over a connection, each a small piece of one transaction; the
+actuator composes them. Statuses and reasons are the fixed sets of
+:mod:`forecaster.planning.plan`.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta
+
+from sqlalchemy import Connection, Engine, text
+
+from forecaster.planning.plan import Action, ActionKind, ActionStatus, FailureReason, Plan
+
+OPEN = (ActionStatus.PENDING, ActionStatus.RUNNING)
+ACTION_COLUMNS = ("id, plan_id, kind, model_id, node_id, target, spec, not_before, deadline, reason, status, "
+                  "status_reason, attempts, key, backend, detail, next_attempt_at, started_at, finished_at")
+
+
+# --- kill switch ---------------------------------------------------------------------------------------------
+
+
+def set_paused(engine: Engine, paused: bool, *, now: datetime, reason: str | None = None,
+               by: str | None = None) -> None:
+    """Turn the global kill switch on (``paused``) or off; every actuating process reads it before each action."""
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO actuator_control (id, paused, reason, updated_by, updated_at) "
+                          "VALUES (1, :p, :r, :b, :t) ON CONFLICT (id) DO UPDATE SET paused = :p, reason = :r, "
+                          "updated_by = :b, updated_at = :t"),
+                     {"p": paused, "r": reason, "b": by, "t": now})
+
+
+def is_paused(conn: Connection | Engine) -> bool:
+    if isinstance(conn, Engine):
+        with conn.connect() as c:
+            return is_paused(c)
+    return bool(conn.execute(text("SELECT paused FROM actuator_control WHERE id = 1")).scalar())
+
+
+# --- writing plans and actions -------------------------------------------------------------------------------
+
+
+def record_plan(conn: Connection, plan: Plan) -> int:
+    summary = {**plan.summary, "actions": len(plan.actions)}
+    return conn.execute(text("INSERT INTO plans (planned_at, summary) VALUES (:t, CAST(:s AS jsonb)) RETURNING id"),
+                        {"t": plan.planned_at, "s": json.dumps(summary, default=str)}).scalar_one()
+
+
+def submit_action(conn: Connection, plan_id: int | None, action: Action, *, backend: str,
+                  now: datetime) -> tuple[int, bool]:
+    """Record ``action`` as pending, or merge it into the open unit with the same key.
+
+    A merge keeps one unit of work: its deadline becomes the later of the two
+    and its not-before the earlier. A transaction-scoped advisory lock on the
+    key serialises concurrent submitters; the partial unique index
+    ``actions_open_key`` backs it up.
+
+    Returns:
+        (action id, merged).
+    """
+    key = action.key
+    conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:k, 0))"), {"k": key})
+    open_row = conn.execute(text("SELECT id, deadline, not_before FROM actions WHERE key = :k "
+                                 "AND status IN ('pending', 'running') FOR UPDATE"), {"k": key}).first()
+    if open_row is not None:
+        conn.execute(text("UPDATE actions SET deadline = GREATEST(deadline, :d), "
+                          "not_before = CASE WHEN status = 'pending' THEN LEAST(not_before, :nb) ELSE not_before END, "
+                          "detail = detail || jsonb_build_object('merged_plans', "
+                          "  COALESCE(detail->'merged_plans', '[]'::jsonb) || to_jsonb(CAST(:p AS bigint))), "
+                          "updated_at = :now WHERE id = :id"),
+                     {"d": action.deadline, "nb": action.not_before, "p": plan_id, "now": now, "id": open_row[0]})
+        return open_row[0], True
+    spec = {**action.to_spec(), "key": key}
+    new_id = conn.execute(
+        text("INSERT INTO actions (plan_id, kind, model_id, node_id, target, spec, not_before, deadline, reason, "
+             "expected_benefit, expected_cost, status, key, backend, detail, updated_at, created_at) VALUES "
+             "(:plan, :kind, :model, :node, :target, CAST(:spec AS jsonb), :nb, :dl, :reason, :benefit, :cost, "
+             "'pending', :key, :backend, '{}'::jsonb, :now, :now) RETURNING id"),
+        {"plan": plan_id, "kind": str(action.kind), "model": action.model_id, "node": action.node_id,
+         "target": action.target, "spec": json.dumps(spec), "nb": action.not_before, "dl": action.deadline,
+         "reason": str(action.reason), "benefit": action.expected_benefit_s, "cost": action.expected_cost,
+         "key": key, "backend": backend, "now": now},
+    ).scalar_one()
+    return new_id, False
+
+
+def due_actions(conn: Connection, now: datetime, limit: int) -> list[dict]:
+    """Pending actions whose time has come (not-before, or the retry time), locked for this transaction."""
+    rows = conn.execute(
+        text(f"SELECT {ACTION_COLUMNS} FROM actions WHERE status = 'pending' "
+             "AND COALESCE(next_attempt_at, not_before, :now) <= :now "
+             "ORDER BY deadline NULLS LAST, id LIMIT :limit FOR UPDATE SKIP LOCKED"),
+        {"now": now, "limit": limit},
+    ).mappings().all()
+    return [dict(r) for r in rows]
+
+
+def started_since(conn: Connection, since: datetime) -> int:
+    """Actions started (any attempt) at or after ``since``: what the per-minute limit counts."""
+    return conn.execute(text("SELECT count(*) FROM actions WHERE started_at >= :s"), {"s": since}).scalar_one()
+
+
+def ahead_gpus(conn: Connection, *, excluding: str | None = None) -> dict[str, int]:
+    """GPUs each model holds above its reactive ask after its latest scale or release (applied or in flight)."""
+    rows = conn.execute(
+        text("SELECT DISTINCT ON (model_id) model_id, COALESCE((detail->>'ahead_gpus')::int, 0) FROM actions "
+             "WHERE kind IN ('scale', 'release') AND status IN ('succeeded', 'running') AND detail ? 'ahead_gpus' "
+             "AND (CAST(:ex AS text) IS NULL OR model_id <> :ex) "
+             "ORDER BY model_id, COALESCE(finished_at, started_at) DESC NULLS LAST, id DESC"),
+        {"ex": excluding},
+    ).all()
+    return {r[0]: r[1] for r in rows}
+
+
+def mark(conn: Connection, action_id: int, status: ActionStatus, *, now: datetime,
+         reason: FailureReason | str | None = None, detail: dict | None = None, start: bool = False,
+         next_attempt_at: datetime | None = None) -> None:
+    """Move an action to ``status``; ``start`` counts an attempt; ``detail`` is merged into the record."""
+    finished = status in (ActionStatus.SUCCEEDED, ActionStatus.FAILED, ActionStatus.DROPPED)
+    conn.execute(
+        text("UPDATE actions SET status = :status, status_reason = :reason, updated_at = :now, "
+             "detail = detail || CAST(:detail AS jsonb), next_attempt_at = :next, "
+             "attempts = attempts + CASE WHEN :start THEN 1 ELSE 0 END, "
+             "started_at = CASE WHEN :start THEN :now ELSE started_at END, "
+             "finished_at = CASE WHEN :finished THEN :now ELSE finished_at END WHERE id = :id"),
+        {"status": str(status), "reason": None if reason is None else str(reason), "now": now,
+         "detail": json.dumps(detail or {}, default=str), "next": next_attempt_at, "start": start,
+         "finished": finished, "id": action_id},
+    )
+
+
+def reap_lost(conn: Connection, now: datetime, *, grace: timedelta = timedelta(minutes=5)) -> int:
+    """Fail actions left ``running`` past their deadline (the process that ran them died)."""
+    result = conn.execute(
+        text("UPDATE actions SET status = 'failed', status_reason = 'timeout', finished_at = :now, updated_at = :now,"
+             " detail = detail || '{\"lost\": \"still running past its deadline: the actuator stopped?\"}'::jsonb "
+             "WHERE status = 'running' AND deadline < :cutoff"),
+        {"now": now, "cutoff": now - grace},
+    )
+    return result.rowcount
+
+
+def action_from_row(row: dict) -> Action:
+    spec = {k: v for k, v in row["spec"].items() if k != "key"}
+    return Action.from_spec(spec)
+
+
+def list_actions(engine: Engine, *, plan_id: int | None = None, model_id: str | None = None,
+                 kind: ActionKind | None = None) -> list[dict]:
+    """Recorded actions, oldest first (for tests, the CLI and the API)."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(f"SELECT {ACTION_COLUMNS} FROM actions WHERE (CAST(:p AS bigint) IS NULL OR plan_id = :p) "
+                 "AND (CAST(:m AS text) IS NULL OR model_id = :m) AND (CAST(:k AS text) IS NULL OR kind = :k) "
+                 "ORDER BY id"),
+            {"p": plan_id, "m": model_id, "k": None if kind is None else str(kind)},
+        ).mappings().all()
+    return [dict(r) for r in rows]

@@ -1,0 +1,417 @@
+"""The node agent end to end with real parts started here: registry + skopeo-pushed images + containerd (CRI),
+and a seaweedfs S3 server holding a 256 MiB weights file.
+
+Tests that need containerd need root; they are skipped only where root or the binaries are truly absent, and
+fail instead under ``CI``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import text
+
+from forecaster.actuation.actuator import Actuator
+from forecaster.actuation.backends.agent import AgentBackend
+from forecaster.actuation.records import list_actions
+from forecaster.agent.cache import WeightsCache
+from forecaster.agent.cri import CriImageService
+from forecaster.agent.service import NodeAgent
+from forecaster.agent.weights import S3WeightsSource
+from forecaster.planning.plan import Action, ActionKind, ActionStatus, FailureReason, Plan, Reason, Tier
+from tests import runtime_fixtures
+from tests.runtime_fixtures import S3Server, free_port, stop_process, wait_until
+
+# Session fixtures: real registry, images, containerd and S3 (see tests/runtime_fixtures.py).
+registry = runtime_fixtures.registry
+auth_registry = runtime_fixtures.auth_registry
+test_images = runtime_fixtures.test_images
+containerd = runtime_fixtures.containerd
+s3_server = runtime_fixtures.s3_server
+
+BIG_BYTES = 256 << 20  # "a weights file of a few hundred MB"
+TOKEN = "agent-test-token-7f3a"
+
+
+@pytest.fixture(scope="session")
+def weights(s3_server: S3Server, tmp_path_factory) -> dict:
+    """Objects in bucket ``weights``: ``big.bin`` (256 MiB, sha256 in metadata), ``small-{a,b,c}.bin`` (4 MiB,
+    single-part: MD5 ETag), ``liar.bin`` (metadata names a wrong sha256)."""
+    client = s3_server.client()
+    client.create_bucket(Bucket="weights")
+    path = tmp_path_factory.mktemp("weights") / "big.bin"
+    digest = hashlib.sha256()
+    with open(path, "wb") as handle:
+        for _ in range(BIG_BYTES // (16 << 20)):
+            block = os.urandom(16 << 20)
+            digest.update(block)
+            handle.write(block)
+    sha = digest.hexdigest()
+    client.upload_file(str(path), "weights", "llama/big.bin", ExtraArgs={"Metadata": {"sha256": sha}})
+    path.unlink()
+    small = {}
+    for name in ("a", "b", "c"):
+        body = os.urandom(4 << 20)
+        client.put_object(Bucket="weights", Key=f"small-{name}.bin", Body=body)
+        small[name] = hashlib.sha256(body).hexdigest()
+    client.put_object(Bucket="weights", Key="liar.bin", Body=b"not what it says" * 1000,
+                      Metadata={"sha256": "0" * 64})
+    return {"big": "s3://weights/llama/big.bin", "big_sha256": sha, "small": small}
+
+
+def _source(s3: S3Server, **kw) -> S3WeightsSource:
+    return S3WeightsSource(endpoint_url=s3.endpoint_url, access_key_id=kw.pop("key", s3.access_key),
+                           secret_access_key=kw.pop("secret", s3.secret_key), **kw)
+
+
+def _agent(tmp_path: Path, s3: S3Server | None, socket: Path | None = None, **kw) -> NodeAgent:
+    cache = WeightsCache(tmp_path / "cache", max_bytes=kw.pop("max_bytes", None), reserve_bytes=0)
+    return NodeAgent(node_name="node-a", cache=cache, cri=None if socket is None else CriImageService(socket),
+                     s3=None if s3 is None else _source(s3), **kw)
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# --- pre-pull through CRI ------------------------------------------------------------------------------------------
+
+
+def test_prepull_puts_the_image_where_kubelet_looks_and_a_second_is_a_no_op(tmp_path, containerd, test_images):
+    agent = _agent(tmp_path, None, containerd.socket)
+    image = test_images["small"]
+    try:
+        result = agent.prepull(image, deadline_s=60, model_id="m")
+        assert result.status == "succeeded" and not result.already_present
+        assert result.timings["image_pull_s"] > 0 and result.size_bytes > 2 << 20
+        # A separate CRI client (as kubelet would) finds it, in containerd's k8s.io namespace.
+        status = CriImageService(containerd.socket).image_status(image)
+        assert status is not None and image in status.repo_tags
+        assert image in containerd.ctr("images", "ls", "-q").stdout.split()
+        again = agent.prepull(image, deadline_s=60)
+        assert again.status == "succeeded" and again.already_present and again.timings == {}
+        assert [o["kind"] for o in agent.observations()] == ["prepull"]  # only the real pull is an observation
+        assert any(i["ref"] == image for i in agent.state()["images"])
+    finally:
+        agent.close()
+
+
+def test_concurrent_prepulls_of_one_image_are_one_pull(tmp_path, containerd, test_images):
+    agent = _agent(tmp_path, None, containerd.socket)
+    image = test_images["other"]
+    containerd.ctr("images", "rm", image)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(agent.prepull(image, deadline_s=60)))
+               for _ in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [r.status for r in results] == ["succeeded"] * 4
+        assert sum(not r.deduplicated and not r.already_present for r in results) == 1
+        assert len([o for o in agent.observations() if o["ref"] == image]) == 1
+    finally:
+        agent.close()
+
+
+def test_prepull_from_a_private_registry_uses_the_secret_file(tmp_path, containerd, test_images, auth_registry):
+    image = test_images["private"]
+    secret = tmp_path / "config.json"
+    agent = _agent(tmp_path, None, containerd.socket, registry_auth_file=secret)
+    try:
+        secret.write_text(json.dumps({"auths": {auth_registry.host: {
+            "auth": base64.b64encode(b"puller:wrong-password").decode()}}}))
+        wrong = agent.prepull(image, deadline_s=60)
+        assert wrong.status == "failed" and wrong.reason == "unauthorised" and not wrong.temporary
+        secret.write_text(json.dumps({"auths": {auth_registry.host: {"username": "puller",
+                                                                     "password": "s3cret-pull"}}}))
+        right = agent.prepull(image, deadline_s=60)  # the file is read again: a rotated secret applies
+        assert right.status == "succeeded", right.message
+    finally:
+        agent.close()
+
+
+def test_prepull_failures_have_fixed_reasons(tmp_path, containerd, registry):
+    agent = _agent(tmp_path, None, containerd.socket)
+    down = _agent(tmp_path / "down", None, tmp_path / "no-such.sock")
+    try:
+        missing = agent.prepull(f"{registry.host}/prewarm/absent:v9", deadline_s=60)
+        assert (missing.status, missing.reason, missing.temporary) == ("failed", "not_found", False)
+        no_runtime = down.prepull(f"{registry.host}/prewarm/small:v1", deadline_s=5)
+        assert (no_runtime.reason, no_runtime.temporary) == ("runtime_unavailable", True)
+        assert down.state()["images_error"]["reason"] == "runtime_unavailable"
+    finally:
+        agent.close()
+        down.close()
+
+
+# --- pre-load from S3 ----------------------------------------------------------------------------------------------
+
+
+def test_preload_a_few_hundred_mb_checksum_matches_and_a_second_is_a_no_op(tmp_path, s3_server, weights):
+    agent = _agent(tmp_path, s3_server)
+    try:
+        result = agent.preload(weights["big"], tier=Tier.DISK, deadline_s=120, model_id="llama")
+        assert result.status == "succeeded", result.message
+        assert result.size_bytes == BIG_BYTES and result.detail["verified_by"] == "sha256"
+        entry = agent.cache.get(weights["big"])
+        assert _sha256_file(entry.path) == weights["big_sha256"] == result.detail["sha256"]
+        again = agent.preload(weights["big"], tier=Tier.DISK, deadline_s=120)
+        assert again.status == "succeeded" and again.already_present and again.timings == {}
+        assert len(agent.observations()) == 1
+        # Host tier: no new fetch, the file is locked in memory (root may mlock) and counted.
+        host = agent.preload(weights["big"], tier=Tier.HOST, deadline_s=120)
+        assert host.status == "succeeded" and "weight_fetch_s" not in host.timings
+        assert host.detail["host_residency"] == "pinned"
+        state = agent.state()
+        [row] = state["weights"]
+        assert row["tiers"] == ["disk", "host"] and state["memory"]["host_resident_bytes"] == BIG_BYTES
+        assert agent.evict(weights["big"], tier=Tier.HOST)["evicted_tiers"] == ["host"]
+        assert agent.state()["memory"]["host_resident_bytes"] == 0
+    finally:
+        agent.close()
+
+
+def test_gpu_tier_loads_into_gpu_memory_or_says_clearly_that_it_cannot(tmp_path, s3_server, weights):
+    import torch
+
+    agent = _agent(tmp_path, s3_server)
+    try:
+        result = agent.preload("s3://weights/small-a.bin", tier=Tier.GPU, deadline_s=60)
+        if torch.cuda.is_available():
+            assert result.status == "succeeded" and result.detail["gpu_device"].startswith("cuda:")
+            assert agent.state()["weights"][0]["tiers"] == ["disk", "gpu"]
+        else:
+            assert (result.status, result.reason, result.temporary) == ("failed", "no_gpu", False)
+            assert "no usable GPU" in result.message
+        assert agent.cache.get("s3://weights/small-a.bin") is not None  # on disk either way
+    finally:
+        agent.close()
+
+
+def test_preload_failures_have_fixed_reasons_and_leave_nothing_cached(tmp_path, s3_server, weights):
+    agent = _agent(tmp_path, s3_server)
+    wrong = NodeAgent(node_name="node-a", cache=WeightsCache(tmp_path / "c2"), cri=None,
+                      s3=_source(s3_server, secret="not-the-secret"))
+    try:
+        cases = {
+            "unauthorised": wrong.preload(weights["big"], deadline_s=30),
+            "not_found": agent.preload("s3://weights/absent.bin", deadline_s=30),
+            "checksum_mismatch": agent.preload("s3://weights/liar.bin", deadline_s=30),
+            "timeout": agent.preload(weights["big"], deadline_s=0.2),
+        }
+        for reason, result in cases.items():
+            assert (result.status, result.reason) == ("failed", reason), result.message
+        assert cases["timeout"].temporary and not cases["unauthorised"].temporary
+        # The timed-out transfer stops at its own deadline check moments after the caller got its answer.
+        wait_until(lambda: not agent.state()["in_flight"], timeout=10, what="transfer stop")
+        assert agent.state()["weights"] == [] and wrong.state()["weights"] == []
+        assert list((tmp_path / "cache" / "tmp").iterdir()) == []  # staging removed
+        # A sha256 the request names is checked too.
+        named = agent.preload("s3://weights/small-a.bin", sha256="ab" * 32, deadline_s=30)
+        assert named.reason == "checksum_mismatch"
+        ok = agent.preload("s3://weights/small-a.bin", sha256=weights["small"]["a"], deadline_s=30)
+        assert ok.status == "succeeded" and ok.detail["verified_by"] == "sha256"
+        etag = agent.preload("s3://weights/small-b.bin", deadline_s=30)
+        assert etag.detail["verified_by"] == "md5-etag"
+    finally:
+        agent.close()
+        wrong.close()
+
+
+def test_concurrent_preloads_of_one_object_are_one_fetch(tmp_path, s3_server, weights):
+    agent = _agent(tmp_path, s3_server)
+    results = []
+    tiers = [Tier.DISK, Tier.DISK, Tier.HOST]
+    threads = [threading.Thread(target=lambda t=t: results.append(
+        agent.preload("s3://weights/small-c.bin", tier=t, deadline_s=60))) for t in tiers]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [r.status for r in results] == ["succeeded"] * 3
+        # One transfer: the second disk request joined it (deduplicated), the host one waited for it.
+        assert sum("weight_fetch_s" in r.timings and not r.deduplicated for r in results) == 1
+        assert len([o for o in agent.observations() if "weight_fetch_s" in o]) == 1
+    finally:
+        agent.close()
+
+
+def test_lru_budget_evicts_the_least_recently_used_but_never_what_a_replica_uses(tmp_path, s3_server, weights):
+    agent = _agent(tmp_path, s3_server, max_bytes=9 << 20)  # room for two 4 MiB files
+    try:
+        a, b, c = (f"s3://weights/small-{n}.bin" for n in "abc")
+        assert agent.preload(a, deadline_s=30).status == "succeeded"
+        time.sleep(0.01)
+        assert agent.preload(b, deadline_s=30).status == "succeeded"
+        time.sleep(0.01)
+        agent.preload(a, deadline_s=30)  # a used again: b is now the least recent
+        result = agent.preload(c, deadline_s=30)
+        assert result.status == "succeeded" and result.detail["evicted"] == [b]
+        # A "replica" holds c open: with a and c in place, b only fits by evicting a.
+        holder = subprocess.Popen(["tail", "-f", str(agent.cache.get(c).path)], stdout=subprocess.DEVNULL)
+        try:
+            wait_until(lambda: agent.cache.in_use(), timeout=5, what="holder")
+            assert agent.state()["weights"][-1]["in_use_by"] or any(w["in_use_by"] for w in agent.state()["weights"])
+            result = agent.preload(b, deadline_s=30)
+            assert result.detail["evicted"] == [a]
+            # Now b (evictable) and c (in use): a bigger-than-left request can only evict b.
+            assert agent.evict(c)["kept_because_in_use"] is True
+            full = agent.preload(weights["big"], deadline_s=30)
+            assert (full.status, full.reason) == ("failed", "no_space")
+            assert agent.cache.get(c) is not None
+        finally:
+            stop_process(holder)
+    finally:
+        agent.close()
+
+
+# --- over HTTP: the agent process, auth, kill mid-download, and the actuator's agent backend ---------------------
+
+
+def _start_agent_process(tmp_path: Path, s3: S3Server, socket: Path | None, port: int, **env_extra):
+    env = {**os.environ, "PREWARM_AGENT_TOKEN": TOKEN, "PREWARM_AGENT_NODE_NAME": "node-a",
+           "PREWARM_AGENT_CACHE_DIR": str(tmp_path / "agent-cache"), "PREWARM_AGENT_S3_ENDPOINT_URL": s3.endpoint_url,
+           "PREWARM_AGENT_S3_ACCESS_KEY_ID": s3.access_key, "PREWARM_AGENT_S3_SECRET_ACCESS_KEY": s3.secret_key,
+           "PREWARM_AGENT_DISK_RESERVE_BYTES": "0", "PREWARM_DATA_DIR": str(tmp_path / "data"),
+           "PREWARM_AGENT_CONTAINERD_SOCKET": str(socket or tmp_path / "none.sock"), **env_extra}
+    log = open(tmp_path / f"agent-{port}.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "forecaster.cli", "agent", "--port", str(port)], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200, timeout=30,
+               what="agent", proc=proc, log=tmp_path / f"agent-{port}.log")
+    return proc
+
+
+def _peak_rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_killing_the_agent_mid_download_leaves_nothing_that_looks_cached(tmp_path, s3_server, weights):
+    port = free_port()
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    proc = _start_agent_process(tmp_path, s3_server, None, port, PREWARM_AGENT_PRELOAD_STREAMS="2",
+                                PREWARM_AGENT_PRELOAD_BUFFER_BYTES=str(256 << 10))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert httpx.get(f"{base}/v1/state", timeout=5).status_code == 401
+        assert httpx.get(f"{base}/v1/state", headers={"Authorization": "Bearer nope"}, timeout=5).status_code == 401
+        def preload_until_killed() -> None:
+            try:
+                httpx.post(f"{base}/v1/preload", json={"weights_uri": weights["big"], "tier": "disk",
+                                                       "deadline_s": 120}, headers=headers, timeout=130)
+            except httpx.HTTPError:
+                pass  # the agent is killed under it
+
+        request = threading.Thread(target=preload_until_killed, daemon=True)
+        request.start()
+
+        def mid_download() -> bool:
+            flight = httpx.get(f"{base}/v1/state", headers=headers, timeout=2).json()["in_flight"]
+            return bool(flight) and 0 < (flight[0]["bytes_done"] or 0) < BIG_BYTES // 2
+
+        wait_until(mid_download, timeout=30, what="download in flight")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        cache = tmp_path / "agent-cache"
+        assert list((cache / "weights").iterdir()) == []  # nothing visible as cached
+        partial = [p for p in (cache / "tmp").rglob("data")]
+        assert partial, "the kill should have left a partial download in staging"
+    finally:
+        stop_process(proc)
+    proc = _start_agent_process(tmp_path, s3_server, None, port)
+    try:
+        state = httpx.get(f"{base}/v1/state", headers=headers, timeout=5).json()
+        assert state["weights"] == [] and list((tmp_path / "agent-cache" / "tmp").iterdir()) == []
+        done = httpx.post(f"{base}/v1/preload", json={"weights_uri": weights["big"], "tier": "disk",
+                                                       "deadline_s": 120}, headers=headers, timeout=130)
+        assert done.status_code == 200 and done.json()["detail"]["sha256"] == weights["big_sha256"]
+        # Bounded memory: 256 MiB streamed through an agent whose peak RSS stays well under that.
+        assert _peak_rss_bytes(proc.pid) < 256 << 20
+        bad = httpx.post(f"{base}/v1/preload", json={"weights_uri": "s3://weights/absent.bin"}, headers=headers,
+                         timeout=30)
+        assert bad.status_code == 404 and bad.json()["reason"] == "not_found"
+        invalid = httpx.post(f"{base}/v1/preload", json={"weights_uri": "http://x/y"}, headers=headers, timeout=5)
+        assert invalid.status_code == 422
+        evicted = httpx.delete(f"{base}/v1/weights", params={"uri": weights["big"]}, headers=headers, timeout=5)
+        assert evicted.status_code == 200 and evicted.json()["evicted_tiers"] == ["disk"]
+    finally:
+        stop_process(proc)
+
+
+def test_actuator_agent_backend_end_to_end_records_actions_and_cold_starts(tmp_path, engine, settings, s3_server,
+                                                                          weights, containerd, test_images):
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO serving_models (id) VALUES ('llama')"))
+    port = free_port()
+    proc = _start_agent_process(tmp_path, s3_server, containerd.socket, port)
+    now = datetime.now(timezone.utc)
+    image = test_images["small"]
+    containerd.ctr("images", "rm", image)
+    actions = (
+        Action(kind=ActionKind.PREPULL, model_id="llama", reason=Reason.CACHE_WARM, not_before=now,
+               deadline=now + timedelta(minutes=5), node_id="node-a", target=image),
+        Action(kind=ActionKind.PRELOAD, model_id="llama", reason=Reason.SLO_COVER, not_before=now,
+               deadline=now + timedelta(minutes=5), node_id="node-a", target="s3://weights/small-a.bin",
+               tier=Tier.DISK),
+        Action(kind=ActionKind.PRELOAD, model_id="llama", reason=Reason.SLO_COVER, not_before=now,
+               deadline=now + timedelta(minutes=5), node_id="node-a", target="s3://weights/absent.bin",
+               tier=Tier.DISK),
+    )
+    backend = AgentBackend(url_template=f"http://127.0.0.1:{port}", token=TOKEN)
+    try:
+        actuator = Actuator(engine, settings, backend)
+        submitted, reports = actuator.apply(Plan(planned_at=now, actions=actions), now=now)
+        by_target = {r["target"]: r for r in list_actions(engine, plan_id=submitted.plan_id)}
+        assert by_target[image]["status"] == "succeeded"
+        assert by_target["s3://weights/small-a.bin"]["status"] == "succeeded"
+        assert by_target["s3://weights/absent.bin"]["status"] == "failed"
+        assert by_target["s3://weights/absent.bin"]["status_reason"] == "not_found"
+        assert by_target[image]["detail"]["timings"]["image_pull_s"] > 0
+        with engine.connect() as conn:
+            rows = conn.execute(text("SELECT node_id, image_pull_s, weight_fetch_s, cache_state, source "
+                                     "FROM cold_starts ORDER BY id")).all()
+        assert sorted((r[1] is not None, r[2] is not None) for r in rows) == [(False, True), (True, False)]
+        assert {r[0] for r in rows} == {"node-a"} and {r[4] for r in rows} == {"actuator-agent"}
+        # Run again: the agent answers "already there", no new observations.
+        later = now + timedelta(seconds=1)
+        _, reports = actuator.apply(Plan(planned_at=later, actions=actions[:2]), now=later)
+        assert [r.status for r in reports] == [ActionStatus.SUCCEEDED] * 2
+        assert all(r.detail["already_present"] for r in reports)
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM cold_starts")).scalar() == 2
+        # A wrong token is a permanent 'unauthorised'.
+        bad = Actuator(engine, settings, AgentBackend(url_template=f"http://127.0.0.1:{port}", token="wrong"))
+        _, reports = bad.apply(Plan(planned_at=later, actions=(actions[0],)), now=later + timedelta(seconds=1))
+        assert reports[0].status is ActionStatus.FAILED and reports[0].reason is FailureReason.UNAUTHORISED
+    finally:
+        backend.close()
+        stop_process(proc)
+    # The agent is gone: a temporary failure, retried later.
+    gone = Actuator(engine, settings, AgentBackend(url_template=f"http://127.0.0.1:{port}", token=TOKEN,
+                                                    connect_timeout_s=1))
+    retry_now = now + timedelta(seconds=5)
+    _, reports = gone.apply(Plan(planned_at=retry_now, actions=(actions[1],)), now=retry_now)
+    assert reports[0].status is ActionStatus.PENDING and reports[0].reason is FailureReason.RUNTIME_UNAVAILABLE

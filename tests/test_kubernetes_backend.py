@@ -1,0 +1,290 @@
+"""The Kubernetes backend against a fake API server (real client above the transport), every manifest validated."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+
+import kubernetes_validate
+import pytest
+from sqlalchemy import text
+
+from forecaster.actuation.actuator import Actuator
+from forecaster.actuation.backends.base import ModelTarget
+from forecaster.actuation.backends.kubernetes import KubernetesBackend, job_name, prepull_job_manifest
+from forecaster.actuation.kube_coldstarts import cold_starts_from_k8s, load_k8s_export, parse_go_duration
+from forecaster.actuation.records import list_actions
+from forecaster.planning.plan import Action, ActionKind, ActionStatus, FailureReason, Plan, Reason
+from tests.kube_fixtures import (
+    FakeKubeApi,
+    complete_jobs,
+    deployment,
+    fail_pulls,
+    hpa,
+    inference_service,
+    pod_autoscaler,
+    validate_manifest,
+)
+
+NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+
+
+@pytest.fixture
+def api() -> FakeKubeApi:
+    fake = FakeKubeApi()
+    fake.put({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "prewarm", "namespace": "default"},
+              "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "prewarm"}},
+                       "template": {"metadata": {"labels": {"app": "prewarm"}},
+                                    "spec": {"containers": [{"name": "prewarm", "image": "prewarm:dev"}]}}}})
+    return fake
+
+
+@pytest.fixture
+def backend(api: FakeKubeApi) -> KubernetesBackend:
+    return KubernetesBackend(api.client(), owner_deployment="prewarm", clock=lambda: NOW, sleep=lambda s: None,
+                             job_wait_s=5.0, image_pull_secret="regcred")
+
+
+def _prepull(node: str = "gpu-node-1", image: str = "registry.example.com/llm/vllm:0.6.0", minutes: int = 10):
+    return Action(kind=ActionKind.PREPULL, model_id="llama-3-8b", reason=Reason.CACHE_WARM, not_before=NOW,
+                  deadline=NOW + timedelta(minutes=minutes), node_id=node, target=image)
+
+
+def _scale(model: str, replicas: int, kind=ActionKind.SCALE, minutes: int = 10):
+    return Action(kind=kind, model_id=model, reason=Reason.FORECAST_SPIKE if kind is ActionKind.SCALE
+                  else Reason.IDLE_RELEASE, not_before=NOW, deadline=NOW + timedelta(minutes=minutes),
+                  replicas=replicas)
+
+
+def test_prepull_job_manifest_is_strictly_valid_pinned_limited_labelled_and_owned(backend):
+    manifest = backend.prepull_job(_prepull(), deadline_s=600)
+    kubernetes_validate.validate(manifest, "1.30.0", strict=True)
+    spec = manifest["spec"]
+    pod = spec["template"]["spec"]
+    assert spec["activeDeadlineSeconds"] == 600 and spec["ttlSecondsAfterFinished"] == 600
+    assert spec["backoffLimit"] == 0
+    assert pod["nodeSelector"] == {"kubernetes.io/hostname": "gpu-node-1"}
+    assert pod["containers"][0]["image"] == "registry.example.com/llm/vllm:0.6.0"
+    assert pod["containers"][0]["command"] == ["/prewarm/true"]
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    labels = manifest["metadata"]["labels"]
+    assert labels["app.kubernetes.io/managed-by"] == "prewarm" and labels["prewarm.io/model"] == "llama-3-8b"
+    owner = manifest["metadata"]["ownerReferences"][0]
+    assert owner["kind"] == "Deployment" and owner["name"] == "prewarm" and owner["uid"]
+    assert manifest["metadata"]["annotations"]["prewarm.io/deadline"] == (NOW + timedelta(seconds=600)).isoformat()
+
+
+def test_odd_model_ids_still_give_valid_labels_and_names():
+    action = Action(kind=ActionKind.PREPULL, model_id="Org/Model Name:v2 (instruct)" + "x" * 80,
+                    reason=Reason.CACHE_WARM, not_before=NOW, deadline=NOW + timedelta(minutes=1),
+                    node_id="ip-10-0-0-1.ec2.internal", target="img:1")
+    manifest = prepull_job_manifest(action, namespace="ml", deadline_s=0.4, now=NOW, helper_image="busybox:1.36",
+                                    ttl_s=60, model_label="prewarm.io/model")
+    kubernetes_validate.validate(manifest, "1.30.0", strict=True)
+    assert manifest["spec"]["activeDeadlineSeconds"] == 1
+    assert len(manifest["metadata"]["labels"]["prewarm.io/model"]) <= 63
+
+
+def test_prepull_job_runs_once_per_action_key(api, backend):
+    api.kubelet = complete_jobs
+    first = backend.carry_out(_prepull(), model=ModelTarget("llama-3-8b"), replicas=None, deadline_s=600)
+    second = backend.carry_out(_prepull(), model=ModelTarget("llama-3-8b"), replicas=None, deadline_s=600)
+    assert first.status is ActionStatus.SUCCEEDED and first.detail["created"] is True
+    assert second.status is ActionStatus.SUCCEEDED and second.detail["created"] is False
+    jobs = [k for k in api.objects if k[2] == "jobs"]
+    assert len(jobs) == 1 and jobs[0][3] == job_name(_prepull())
+    assert not api.invalid
+    # Another node is another unit of work.
+    backend.carry_out(_prepull(node="gpu-node-2"), model=ModelTarget("llama-3-8b"), replicas=None, deadline_s=600)
+    assert len([k for k in api.objects if k[2] == "jobs"]) == 2
+
+
+@pytest.mark.parametrize("message, reason", [
+    ('rpc error: code = NotFound desc = failed to pull and unpack image "x": failed to resolve reference "x": '
+     'x: not found', FailureReason.NOT_FOUND),
+    ('failed to pull and unpack image "x": failed to authorize: failed to fetch anonymous token: unexpected status: '
+     '401 Unauthorized', FailureReason.UNAUTHORISED),
+])
+def test_prepull_pull_errors_map_to_fixed_reasons_and_the_job_is_removed(api, backend, message, reason):
+    api.kubelet = fail_pulls(message)
+    outcome = backend.carry_out(_prepull(), model=ModelTarget("llama-3-8b"), replicas=None, deadline_s=600)
+    assert outcome.status is ActionStatus.FAILED and outcome.reason is reason and outcome.temporary is False
+    assert not [k for k in api.objects if k[2] in ("jobs", "pods")]
+
+
+def test_prepull_not_done_in_time_is_a_temporary_timeout(api, backend):
+    backend.job_wait_s = 0.05
+    outcome = backend.carry_out(_prepull(), model=ModelTarget("m"), replicas=None, deadline_s=600)
+    assert outcome.reason is FailureReason.TIMEOUT and outcome.temporary is True
+
+
+def test_cleanup_removes_finished_and_expired_jobs_only(api, backend):
+    api.kubelet = complete_jobs
+    backend.carry_out(_prepull(node="a"), model=ModelTarget("m"), replicas=None, deadline_s=600)
+    api.kubelet = None
+    backend.job_wait_s = 0
+    backend.carry_out(_prepull(node="b"), model=ModelTarget("m"), replicas=None, deadline_s=600)  # still running
+    backend.carry_out(_prepull(node="c"), model=ModelTarget("m"), replicas=None, deadline_s=30)  # expires soon
+    removed = backend.cleanup(now=NOW + timedelta(seconds=60))
+    remaining = {k[3] for k in api.objects if k[2] == "jobs"}
+    assert set(removed) == {job_name(_prepull(node="a")), job_name(_prepull(node="c", minutes=10))}
+    assert remaining == {job_name(_prepull(node="b"))}
+
+
+def _register(engine, model_id: str, gpus: int = 1, **labels) -> None:
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO serving_models (id, gpus_per_replica, labels) VALUES (:i, :g, CAST(:l AS jsonb))"),
+                     {"i": model_id, "g": gpus, "l": json.dumps(labels)})
+
+
+def test_scale_deployment_without_hpa_through_the_actuator_within_gpu_budget(engine, settings, api, backend):
+    api.put(deployment("llama"))
+    api.put(deployment("mistral", replicas=0))
+    _register(engine, "llama", gpus=2)
+    _register(engine, "mistral", gpus=2)
+    settings = settings.model_copy(update={"actuator_gpu_budget": 8})
+    actuator = Actuator(engine, settings, backend)
+    _, reports = actuator.apply(Plan(planned_at=NOW, actions=(_scale("llama", 3),)), now=NOW)
+    assert [r.status for r in reports] == [ActionStatus.SUCCEEDED]
+    # No HPA: nothing reactive asks for replicas, so all 3 x 2 GPUs are scale-ahead: 6 of 8.
+    assert api.get("Deployment", "llama")["spec"]["replicas"] == 3
+    _, reports = actuator.apply(Plan(planned_at=NOW, actions=(_scale("mistral", 4),)), now=NOW)
+    assert reports[0].status is ActionStatus.SUCCEEDED
+    assert api.get("Deployment", "mistral")["spec"]["replicas"] == 1  # clamped: 2 GPUs left = 1 replica
+    assert reports[0].detail["guardrails"]["clamped_from"] == 4
+    _, reports = actuator.apply(Plan(planned_at=NOW, actions=(_scale("mistral", 3),)), now=NOW)
+    assert reports[0].status is ActionStatus.DROPPED and reports[0].reason is FailureReason.GPU_BUDGET
+    assert api.get("Deployment", "mistral")["spec"]["replicas"] == 1
+    for obj in api.written:
+        validate_manifest(obj)
+    assert not api.invalid
+
+
+def test_deployment_with_hpa_raises_the_hpa_floor_and_never_releases_below_the_reactive_ask(engine, settings, api,
+                                                                                            backend):
+    api.put(deployment("llama", replicas=4))
+    api.put(hpa("llama-hpa", "llama", min_replicas=1, max_replicas=10, desired=4))
+    _register(engine, "llama")
+    actuator = Actuator(engine, settings, backend)
+    _, reports = actuator.apply(Plan(planned_at=NOW, actions=(_scale("llama", 6),)), now=NOW)
+    assert reports[0].status is ActionStatus.SUCCEEDED
+    patched = api.get("HorizontalPodAutoscaler", "llama-hpa")
+    assert patched["spec"]["minReplicas"] == 6
+    assert patched["metadata"]["annotations"]["prewarm.io/base-min-replicas"] == "1"
+    assert api.get("Deployment", "llama")["spec"]["replicas"] == 4  # the HPA, not prewarm, scales the Deployment
+    # Release 5 of 6: the HPA still asks for 4, so the floor goes to 4, not 1.
+    _, reports = actuator.apply(Plan(planned_at=NOW, actions=(_scale("llama", 5, ActionKind.RELEASE),)),
+                                now=NOW + timedelta(seconds=1))
+    assert reports[0].status is ActionStatus.SUCCEEDED
+    assert reports[0].detail["guardrails"]["clamped_by"] == "below_reactive"
+    assert api.get("HorizontalPodAutoscaler", "llama-hpa")["spec"]["minReplicas"] == 4
+    # Nothing left above the reactive ask: a further release is dropped with its reason.
+    _, reports = actuator.apply(Plan(planned_at=NOW, actions=(_scale("llama", 1, ActionKind.RELEASE),)),
+                                now=NOW + timedelta(seconds=2))
+    assert reports[0].status is ActionStatus.DROPPED and reports[0].reason is FailureReason.BELOW_REACTIVE
+    rows = list_actions(engine, model_id="llama")
+    assert [r["status"] for r in rows] == ["succeeded", "succeeded", "dropped"]
+    assert rows[2]["status_reason"] == "below_reactive"
+    assert not api.invalid
+
+
+def test_inference_service_min_replicas_by_merge_patch_with_knative_ask_as_floor(engine, settings, api, backend):
+    api.put(inference_service("qwen", min_replicas=0))
+    api.put(pod_autoscaler("qwen", desired=3))
+    _register(engine, "qwen", k8s_kind="InferenceService")
+    actuator = Actuator(engine, settings, backend)
+    _, reports = actuator.apply(Plan(planned_at=NOW, actions=(_scale("qwen", 2),)), now=NOW)
+    assert reports[0].status is ActionStatus.SUCCEEDED
+    # The plan asked for 2; Knative wants 3 already: never below the reactive ask.
+    assert api.get("InferenceService", "qwen")["spec"]["predictor"]["minReplicas"] == 3
+    patch = [b for m, p, b in api.requests if m == "PATCH" and p.endswith("/inferenceservices/qwen")]
+    assert patch == [{"spec": {"predictor": {"minReplicas": 3}}}]
+    assert not api.invalid
+
+
+def test_missing_workload_is_not_found(engine, settings, api, backend):
+    _register(engine, "ghost")
+    actuator = Actuator(engine, settings, backend)
+    _, reports = actuator.apply(Plan(planned_at=NOW, actions=(_scale("ghost", 2),)), now=NOW)
+    # Reading replicas failed (404): a temporary failure is retried later, within the deadline.
+    assert reports[0].status is ActionStatus.PENDING and reports[0].reason is FailureReason.INTERNAL
+
+
+def test_preload_is_unsupported_without_the_agent(backend):
+    action = Action(kind=ActionKind.PRELOAD, model_id="m", reason=Reason.CACHE_WARM, not_before=NOW,
+                    deadline=NOW + timedelta(minutes=5), node_id="n", target="s3://b/k", tier="disk")
+    outcome = backend.carry_out(action, model=ModelTarget("m"), replicas=None, deadline_s=300)
+    assert outcome.reason is FailureReason.UNSUPPORTED
+
+
+# --- cold starts from pod status and kubelet events -------------------------------------------------------------
+
+
+def _pod(name: str, model: str, node: str, created: str, started: str, ready: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default", "labels": {"prewarm.io/model": model},
+                         "creationTimestamp": created},
+            "spec": {"nodeName": node, "containers": [{"name": "server", "image": "vllm/vllm-openai:v0.6.0"}]},
+            "status": {"phase": "Running",
+                       "conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": created},
+                                      {"type": "Ready", "status": "True", "lastTransitionTime": ready}],
+                       "containerStatuses": [{"name": "server", "image": "vllm/vllm-openai:v0.6.0", "imageID": "",
+                                              "ready": True, "restartCount": 0,
+                                              "state": {"running": {"startedAt": started}}}]}}
+
+
+def _event(pod: str, reason: str, message: str, when: str, node: str = "gpu-node-1") -> dict:
+    return {"apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{pod}.{reason.lower()}", "namespace": "default"},
+            "involvedObject": {"kind": "Pod", "name": pod, "namespace": "default"},
+            "reason": reason, "message": message, "firstTimestamp": when, "lastTimestamp": when,
+            "source": {"component": "kubelet", "host": node}, "type": "Normal"}
+
+
+def test_go_durations():
+    assert parse_go_duration("3.2s") == pytest.approx(3.2)
+    assert parse_go_duration("1m2.5s") == pytest.approx(62.5)
+    assert parse_go_duration("812ms") == pytest.approx(0.812)
+    assert parse_go_duration("soon") is None
+
+
+def test_cold_starts_from_the_api_are_stored(engine, settings, api, backend):
+    api.put(_pod("llama-7d9f8b6c5d-x2x4z", "llama", "gpu-node-1", "2026-11-29T10:00:00Z", "2026-11-29T10:00:31Z",
+                 "2026-11-29T10:01:05Z"))
+    api.put(_event("llama-7d9f8b6c5d-x2x4z", "Pulled",
+                   'Successfully pulled image "vllm/vllm-openai:v0.6.0" in 28.5s (29.1s including waiting)',
+                   "2026-11-29T10:00:30Z"))
+    api.put(_pod("llama-7d9f8b6c5d-q8w7e", "llama", "gpu-node-2", "2026-11-29T10:05:00Z", "2026-11-29T10:05:02Z",
+                 "2026-11-29T10:05:40Z"))
+    api.put(_event("llama-7d9f8b6c5d-q8w7e", "Pulled",
+                   'Container image "vllm/vllm-openai:v0.6.0" already present on machine', "2026-11-29T10:05:01Z",
+                   node="gpu-node-2"))
+    _register(engine, "llama")
+    summary = Actuator(engine, settings, backend).collect_observations(now=NOW)
+    assert summary == {"inserted": 2, "updated": 0}
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT node_id, total_seconds, image_pull_s, weight_load_s, cache_state, source "
+                                 "FROM cold_starts ORDER BY started_at")).all()
+    assert rows[0] == ("gpu-node-1", 65.0, 28.5, 34.0, "none", "actuator-kubernetes")
+    assert rows[1] == ("gpu-node-2", 40.0, 0.0, 38.0, "image", "actuator-kubernetes")
+
+
+def test_cold_starts_from_an_exported_events_file(tmp_path):
+    pod = "mistral-predictor-00001-deployment-6f7c9d8b5-abcde"
+    events = [_event(pod, "Scheduled", f"Successfully assigned default/{pod} to gpu-node-3",
+                     "2026-11-29T09:00:00Z", node=""),
+              _event(pod, "Pulling", 'Pulling image "kserve/huggingfaceserver:v0.14"', "2026-11-29T09:00:01Z",
+                     node="gpu-node-3"),
+              _event(pod, "Pulled", 'Successfully pulled image "kserve/huggingfaceserver:v0.14" in 1m2.5s '
+                     "(1m2.6s including waiting)", "2026-11-29T09:01:03Z", node="gpu-node-3"),
+              _event(pod, "Started", "Started container kserve-container", "2026-11-29T09:01:04Z",
+                     node="gpu-node-3")]
+    for e in events:
+        e["source"].pop("host") if not e["source"]["host"] else None
+    path = tmp_path / "events.json"
+    path.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": events}))
+    pods, loaded = load_k8s_export(path)
+    assert pods == [] and len(loaded) == 4
+    rows = cold_starts_from_k8s(pods, loaded)
+    assert rows == [{"model_id": "mistral", "node_id": "gpu-node-3", "started_at": "2026-11-29T09:00:00+00:00",
+                     "total_seconds": 64.0, "image_pull_s": 62.5, "cache_state": "none"}]
