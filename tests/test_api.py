@@ -58,6 +58,9 @@ def store_forecast(engine, model_id="llama", issued_at=NOW - timedelta(seconds=3
     ("put", "/v1/models/llama", "admin"),
     ("post", "/v1/invocations", "ingest"),
     ("post", "/v1/coldstarts", "ingest"),
+    ("post", "/v1/actuator/pause", "admin"),
+    ("post", "/v1/actuator/resume", "admin"),
+    ("get", "/v1/actuator", "read"),
 ])
 def test_every_endpoint_needs_a_token_with_its_scope(client, tokens, method, path, scope):
     assert getattr(client, method)(path).status_code == 401
@@ -183,3 +186,14 @@ def test_health_readiness_and_metrics(client, engine, tokens):
 def test_openapi_is_served_and_versioned(client):
     spec = client.get("/openapi.json").json()
     assert {"/v1/models", "/v1/models/{model_id}/recommendation", "/v1/invocations"} <= set(spec["paths"])
+
+
+def test_kill_switch_pause_and_resume(client, engine, tokens):
+    from forecaster.actuation.records import is_paused
+
+    assert client.get("/v1/actuator", headers=auth(tokens["read"])).json()["paused"] is False
+    paused = client.post("/v1/actuator/pause", json={"reason": "incident 42"}, headers=auth(tokens["admin"])).json()
+    assert (paused["paused"], paused["reason"], paused["updated_by"]) == (True, "incident 42", "admin")
+    assert is_paused(engine)
+    assert client.post("/v1/actuator/resume", headers=auth(tokens["admin"])).json()["paused"] is False
+    assert not is_paused(engine)

@@ -8,7 +8,8 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel
 from sqlalchemy import text
 
-from api.deps import EngineDep, ReadToken
+from api.deps import AdminToken, ClockDep, EngineDep, ReadToken
+from forecaster.actuation.records import set_paused
 from api.schemas import ListPublic
 
 router = APIRouter(prefix="/v1", tags=["audit"])
@@ -37,6 +38,8 @@ class ActionPublic(BaseModel):
     status: str
     status_reason: str | None
     attempts: int
+    backend: str | None = None
+    detail: dict | None = None
     updated_at: datetime
 
 
@@ -69,3 +72,43 @@ def list_actions(engine: EngineDep, _: ReadToken, limit: int = Query(100, ge=1, 
                                  "LIMIT :limit"), {**params, "limit": limit}).mappings().all()
         count = conn.execute(text(f"SELECT count(*) FROM actions {where}"), params).scalar()
     return ListPublic(data=[ActionPublic(**r) for r in rows], count=count)
+
+
+class ActuatorStatePublic(BaseModel):
+    paused: bool
+    reason: str | None
+    updated_by: str | None
+    updated_at: datetime | None
+
+
+class PauseBody(BaseModel):
+    reason: str | None = None
+
+
+def _actuator_state(engine) -> ActuatorStatePublic:
+    with engine.connect() as conn:
+        row = conn.execute(text("SELECT paused, reason, updated_by, updated_at FROM actuator_control "
+                                "WHERE id = 1")).first()
+    if row is None:
+        return ActuatorStatePublic(paused=False, reason=None, updated_by=None, updated_at=None)
+    return ActuatorStatePublic(paused=row[0], reason=row[1], updated_by=row[2], updated_at=row[3])
+
+
+@router.get("/actuator", response_model=ActuatorStatePublic)
+def get_actuator(engine: EngineDep, _: ReadToken) -> ActuatorStatePublic:
+    """Whether the global kill switch is on."""
+    return _actuator_state(engine)
+
+
+@router.post("/actuator/pause", response_model=ActuatorStatePublic)
+def pause_actuator(engine: EngineDep, clock: ClockDep, token: AdminToken,
+                   body: PauseBody | None = None) -> ActuatorStatePublic:
+    """Kill switch on: every actuating process stops starting actions (pending ones wait, then expire)."""
+    set_paused(engine, True, now=clock(), reason=(body.reason if body else None) or "paused via API", by=token.name)
+    return _actuator_state(engine)
+
+
+@router.post("/actuator/resume", response_model=ActuatorStatePublic)
+def resume_actuator(engine: EngineDep, clock: ClockDep, token: AdminToken) -> ActuatorStatePublic:
+    set_paused(engine, False, now=clock(), reason="resumed via API", by=token.name)
+    return _actuator_state(engine)
