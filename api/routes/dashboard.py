@@ -203,11 +203,13 @@ def _unavailable(settings) -> HTTPException:
 
 
 def _require_model(conn, model_id: str) -> None:
-    if not model_exists(conn, model_id=model_id):
+    # An id PostgreSQL cannot even compare (NUL) or longer than the column was never registered.
+    if "\x00" in model_id or len(model_id) > 256 or not model_exists(conn, model_id=model_id):
         raise HTTPException(404, f"model {model_id!r} is not registered")
 
 
 _START = Query(None, description="First minute (UTC); default one day before end.")
+_SERIES_START = Query(None, description="First minute (UTC); default span_min minutes before end.")
 
 
 # --- routes ------------------------------------------------------------------------
@@ -215,13 +217,19 @@ _START = Query(None, description="First minute (UTC); default one day before end
 
 @router.get("/models/{model_id}/series", response_model=SeriesPublic, responses=_UNKNOWN_MODEL)
 def get_series(model_id: str, engine: EngineDep, settings: SettingsDep, clock: ClockDep, _: ReadToken,
-               start: datetime | None = _START,
+               start: datetime | None = _SERIES_START,
                end: datetime | None = Query(None, description="End, exclusive (UTC); default the minute after "
                                                               "the last one forecast at this horizon from now."),
-               horizon: int = Query(5, ge=0, le=MAX_HORIZON_MIN, description="Minutes ahead.")) -> SeriesPublic:
-    """Actual invocations per minute and the forecast issued ``horizon`` minutes before each minute."""
+               horizon: int = Query(5, ge=0, le=MAX_HORIZON_MIN, description="Minutes ahead."),
+               span_min: int = Query(1440, ge=1, le=MAX_SERIES_MINUTES,
+                                     description="Minutes before end when start is not given.")) -> SeriesPublic:
+    """Actual invocations per minute and the forecast issued ``horizon`` minutes before each minute.
+
+    Without ``end``, the window ends after the last minute forecast ``horizon``
+    minutes ahead from now, so the forecast runs past the last actual count.
+    """
     default_end = _floor_minute(clock().astimezone(timezone.utc)) + (horizon + 1) * MINUTE
-    start, end = _window(start, end, default_end=default_end, default_span=timedelta(days=1))
+    start, end = _window(start, end, default_end=default_end, default_span=span_min * MINUTE)
     try:
         with engine.connect() as conn:
             _require_model(conn, model_id)

@@ -1,0 +1,492 @@
+/* prewarm dashboard: fleet ranking and per-model forecast vs actual, cold starts and actions.
+ *
+ * Plain ES2020, no build step; charts by the vendored uPlot. Reads only the read-scope API
+ * (/v1/fleet, /v1/models/{id}/series|coldstarts|actions) with a bearer token kept in
+ * localStorage (or handed in once as #token=... in the URL, which is then removed from it).
+ * The view lives in the URL fragment: #model=ID&h=5&range=1440, or nothing for the fleet.
+ */
+(function () {
+  "use strict";
+
+  const TOKEN_KEY = "prewarm.readToken";
+  const HORIZONS = [1, 5, 10, 15, 30, 60];
+  const PAGE_SIZE = 50;
+  const REFRESH_MS = 60000;
+  const KINDS = ["prepull", "preload", "scale", "release"];
+  const SVG_NS = "http://www.w3.org/2000/svg";
+
+  const $ = (id) => document.getElementById(id);
+  const state = {
+    fleet: null,        // last /v1/fleet body
+    fleetKey: "",       // horizon|window it was fetched for
+    filtered: [],
+    page: 0,
+    model: null,        // {id, horizon, range}
+    charts: {},         // name -> uPlot
+    loading: 0,
+  };
+  // For tests and for poking at from the console.
+  window.prewarm = state;
+
+  // --- token and API ---------------------------------------------------------------
+
+  function token() {
+    return localStorage.getItem(TOKEN_KEY) || "";
+  }
+
+  function takeTokenFromFragment() {
+    const params = new URLSearchParams(location.hash.slice(1));
+    if (!params.has("token")) return;
+    localStorage.setItem(TOKEN_KEY, params.get("token"));
+    params.delete("token");
+    const rest = params.toString();
+    history.replaceState(null, "", location.pathname + location.search + (rest ? "#" + rest : ""));
+  }
+
+  class ApiError extends Error {
+    constructor(status, message) {
+      super(message);
+      this.status = status;
+    }
+  }
+
+  async function api(path) {
+    if (!token()) throw new ApiError(401, "enter a read token");
+    const response = await fetch(path, { headers: { Authorization: "Bearer " + token() } });
+    if (!response.ok) {
+      let detail = response.statusText;
+      try {
+        const body = await response.json();
+        detail = typeof body.detail === "string" ? body.detail : JSON.stringify(body.detail);
+      } catch (_) { /* not JSON */ }
+      throw new ApiError(response.status, detail);
+    }
+    return response.json();
+  }
+
+  function setStatus(text, isError) {
+    const el = $("status");
+    el.textContent = text;
+    el.classList.toggle("error", !!isError);
+  }
+
+  function reportError(err) {
+    if (!token()) {
+      setStatus("enter a read token to start", true);
+      $("token-input").focus();
+    } else if (err.status === 401 || err.status === 403) {
+      setStatus("token refused (" + err.status + "): " + err.message, true);
+      $("token-input").focus();
+    } else if (err.status === 503) {
+      setStatus("database unavailable; retrying on the next refresh", true);
+    } else {
+      setStatus((err.status ? err.status + ": " : "") + err.message, true);
+    }
+  }
+
+  async function busy(work) {
+    state.loading += 1;
+    setStatus("loading...");
+    try {
+      await work();
+      setStatus("updated " + new Date().toISOString().slice(11, 19) + " UTC");
+    } catch (err) {
+      reportError(err);
+    } finally {
+      state.loading -= 1;
+    }
+  }
+
+  // --- formatting ------------------------------------------------------------------
+
+  const fmt = {
+    pct: (v) => (v == null ? "\u2013" : (100 * v).toFixed(1) + "%"),
+    num: (v, digits = 2) => (v == null ? "\u2013" : Number(v).toFixed(digits)),
+    int: (v) => (v == null ? "\u2013" : Math.round(v).toLocaleString("en-US")),
+    time: (iso) => (iso ? iso.replace("T", " ").slice(0, 16) : "\u2013"),
+  };
+
+  function cell(row, text, className) {
+    const td = document.createElement("td");
+    td.textContent = text;
+    if (className) td.className = className;
+    row.appendChild(td);
+    return td;
+  }
+
+  function fillSelect(select, values, selected, label) {
+    select.replaceChildren();
+    for (const v of values) {
+      const option = document.createElement("option");
+      option.value = String(v);
+      option.textContent = label(v);
+      option.selected = v === selected;
+      select.appendChild(option);
+    }
+  }
+
+  // --- routing ---------------------------------------------------------------------
+
+  function route() {
+    const params = new URLSearchParams(location.hash.slice(1));
+    const id = params.get("model");
+    if (id) {
+      const horizon = Number(params.get("h")) || 5;
+      const range = Number(params.get("range")) || 1440;
+      showModel({ id, horizon, range });
+    } else {
+      showFleet();
+    }
+  }
+
+  function go(params) {
+    location.hash = new URLSearchParams(params).toString();
+  }
+
+  // --- fleet view ------------------------------------------------------------------
+
+  function fleetParams() {
+    return {
+      horizon: Number($("fleet-horizon").value),
+      window: Number($("fleet-window").value),
+      sort: $("fleet-sort").value,
+    };
+  }
+
+  async function loadFleet(force) {
+    const p = fleetParams();
+    const key = p.horizon + "|" + p.window;
+    if (!force && state.fleet && state.fleetKey === key) {
+      renderFleet();
+      return;
+    }
+    await busy(async () => {
+      const body = await api(`/v1/fleet?horizon=${p.horizon}&window_min=${p.window}`);
+      state.fleet = body;
+      state.fleetKey = key;
+      renderFleet();
+      document.body.dataset.fleetLoaded = String(body.count);
+    });
+  }
+
+  function sortRows(rows, sort) {
+    const value = {
+      wmape: (r) => r.error.wmape,
+      mae: (r) => r.error.mae,
+      cold_starts: (r) => r.cold_starts,
+      actions_succeeded: (r) => r.actions_succeeded,
+    }[sort];
+    if (!value) return rows.slice().sort((a, b) => (a.model_id < b.model_id ? -1 : a.model_id > b.model_id ? 1 : 0));
+    return rows.slice().sort((a, b) => {
+      const va = value(a), vb = value(b);
+      if (va == null || vb == null) return (va == null) - (vb == null);
+      return vb - va || (b.error.mae || 0) - (a.error.mae || 0) || (a.model_id < b.model_id ? -1 : 1);
+    });
+  }
+
+  function renderFleet() {
+    if (!state.fleet) return;
+    const needle = $("fleet-search").value.trim().toLowerCase();
+    const sorted = sortRows(state.fleet.data, $("fleet-sort").value);
+    sorted.forEach((r, i) => { r.rank = i + 1; });
+    state.filtered = needle ? sorted.filter((r) => r.model_id.toLowerCase().includes(needle)) : sorted;
+    const pages = Math.max(1, Math.ceil(state.filtered.length / PAGE_SIZE));
+    state.page = Math.min(state.page, pages - 1);
+    const rows = state.filtered.slice(state.page * PAGE_SIZE, (state.page + 1) * PAGE_SIZE);
+    const tbody = $("fleet-table").tBodies[0];
+    const fragment = document.createDocumentFragment();
+    for (const r of rows) {
+      const tr = document.createElement("tr");
+      tr.dataset.model = r.model_id;
+      cell(tr, String(r.rank), "num");
+      const link = document.createElement("a");
+      link.href = "#" + new URLSearchParams({ model: r.model_id, h: state.fleet.horizon_min }).toString();
+      link.textContent = r.model_id;
+      cell(tr, "", "model").appendChild(link);
+      cell(tr, fmt.pct(r.error.wmape), "num");
+      cell(tr, fmt.num(r.error.mae), "num");
+      cell(tr, fmt.int(r.error.scored_minutes), "num");
+      cell(tr, fmt.int(r.actual_total), "num");
+      cell(tr, fmt.int(r.cold_starts), "num");
+      cell(tr, `${r.actions_succeeded} / ${r.actions_total}`, "num");
+      cell(tr, fmt.int(r.expected_wait_avoided_s), "num");
+      cell(tr, fmt.time(r.last_forecast_at));
+      fragment.appendChild(tr);
+    }
+    tbody.replaceChildren(fragment);
+    $("fleet-page").textContent = `page ${state.page + 1} of ${pages}`;
+    $("fleet-prev").disabled = state.page === 0;
+    $("fleet-next").disabled = state.page >= pages - 1;
+    const f = state.fleet;
+    $("fleet-summary").textContent =
+      `${state.filtered.length} of ${f.count} models; horizon ${f.horizon_min} min; ` +
+      `${fmt.time(f.start)} to ${fmt.time(f.end)} UTC`;
+  }
+
+  function showFleet() {
+    state.model = null;
+    $("model-view").hidden = true;
+    $("fleet-view").hidden = false;
+    document.title = "prewarm: fleet";
+    loadFleet(false);
+  }
+
+  // --- model view ------------------------------------------------------------------
+
+  function chartWidth(el) {
+    return Math.max(320, el.clientWidth || el.parentElement.clientWidth - 32);
+  }
+
+  function utcDate(ts) {
+    return uPlot.tzDate(new Date(ts * 1e3), "Etc/UTC");
+  }
+
+  function replaceChart(name, opts, data, el) {
+    if (state.charts[name]) state.charts[name].destroy();
+    el.replaceChildren();
+    state.charts[name] = new uPlot(opts, data, el);
+  }
+
+  function renderForecast(series) {
+    const el = $("chart-forecast");
+    const band = series.band;
+    const data = [series.t, series.actual, series.forecast];
+    const lines = [
+      {},
+      { label: "actual", stroke: "#1d2330", width: 1.5 },
+      { label: `forecast (h=${series.horizon_min} min)`, stroke: "#2662d9", width: 1.5 },
+    ];
+    const opts = {
+      width: chartWidth(el),
+      height: 300,
+      tzDate: utcDate,
+      cursor: { sync: { key: "prewarm-model" } },
+      scales: { x: { time: true, min: series.t[0], max: series.t[series.t.length - 1] + 60 } },
+      axes: [{}, { label: "invocations / min", size: 60 }],
+      series: lines,
+    };
+    if (band) {
+      data.push(series.quantiles[band[1]], series.quantiles[band[0]]);
+      lines.push(
+        { label: `q${band[1]}`, stroke: "rgba(38, 98, 217, 0.35)", width: 1 },
+        { label: `q${band[0]}`, stroke: "rgba(38, 98, 217, 0.35)", width: 1 },
+      );
+      opts.bands = [{ series: [3, 4], fill: "rgba(38, 98, 217, 0.15)" }];
+      $("band-label").textContent = `with the q${band[0]}\u2013q${band[1]} band`;
+    } else {
+      $("band-label").textContent = "(no quantile band stored)";
+    }
+    replaceChart("forecast", opts, data, el);
+  }
+
+  function renderColdStarts(view, series) {
+    const el = $("chart-coldstarts");
+    const x0 = series.t[0], x1 = series.t[series.t.length - 1] + 60;
+    const points = new Map(); // time -> [observed, predicted]
+    const put = (iso, seconds, slot) => {
+      const ts = Date.parse(iso) / 1000;
+      const entry = points.get(ts) || [null, null];
+      entry[slot] = entry[slot] == null ? seconds : Math.max(entry[slot], seconds);
+      points.set(ts, entry);
+    };
+    for (const e of view.observed) put(e.started_at, e.total_seconds, 0);
+    for (const p of view.predicted) {
+      if (p.started_at != null && p.total_seconds != null) put(p.started_at, p.total_seconds, 1);
+    }
+    const xs = [x0, ...[...points.keys()].filter((t) => t > x0 && t < x1).sort((a, b) => a - b), x1];
+    const observed = xs.map((t) => (points.get(t) || [null])[0]);
+    const predicted = xs.map((t) => (points.get(t) || [null, null])[1]);
+    const lead = xs.map((t, i) => (i === 0 || i === xs.length - 1 ? view.lead_time_s : null));
+    const dots = (color) => ({ show: true, size: 7, fill: color, stroke: color });
+    const opts = {
+      width: chartWidth(el),
+      height: 180,
+      tzDate: utcDate,
+      cursor: { sync: { key: "prewarm-model" } },
+      scales: {
+        x: { time: true, min: x0, max: x1 },
+        y: { range: (u, lo, hi) => [0, Math.max(hi || 0, view.lead_time_s) * 1.15] },
+      },
+      axes: [{}, { label: "seconds", size: 60 }],
+      series: [
+        {},
+        { label: "observed", stroke: "#d6336c", paths: () => null, points: dots("#d6336c") },
+        { label: "predicted", stroke: "#2662d9", paths: () => null, points: dots("#2662d9") },
+        { label: `lead time used now (${view.lead_time_source})`, stroke: "#868e96", dash: [6, 4], spanGaps: true,
+          points: { show: false } },
+      ],
+    };
+    replaceChart("coldstarts", opts, [xs, observed, predicted, lead], el);
+    $("coldstart-note").textContent = (view.note ? view.note + ". " : "") +
+      `${view.observed.length} observed in this range; the recommendation endpoint's lead time is ` +
+      `${fmt.num(view.lead_time_s, 1)} s (${view.lead_time_source}).`;
+  }
+
+  function svg(name, attrs, parent) {
+    const el = document.createElementNS(SVG_NS, name);
+    for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, String(v));
+    if (parent) parent.appendChild(el);
+    return el;
+  }
+
+  function renderTimeline(body, series) {
+    const box = $("timeline");
+    // Share the forecast chart's plotting area, so a bar sits under the minutes it covers.
+    const over = state.charts.forecast ? state.charts.forecast.over : null;
+    const width = chartWidth(box), laneH = 22, top = 6;
+    const left = over ? over.offsetLeft : 70;
+    const right = over ? Math.max(0, width - over.offsetLeft - over.clientWidth) : 10;
+    const height = top + KINDS.length * laneH + 20;
+    const t0 = series.t[0], t1 = series.t[series.t.length - 1] + 60;
+    const x = (ts) => left + ((ts - t0) / (t1 - t0)) * (width - left - right);
+    const root = svg("svg", { viewBox: `0 0 ${width} ${height}`, height, role: "img",
+                              "aria-label": "actions timeline" });
+    KINDS.forEach((kind, i) => {
+      const y = top + i * laneH;
+      svg("line", { x1: left, x2: width - right, y1: y + laneH, y2: y + laneH, class: "grid-line" }, root);
+      svg("text", { x: left - 6, y: y + laneH / 2 + 4, class: "lane-label", "text-anchor": "end" }, root)
+        .textContent = kind;
+    });
+    for (let i = 0; i <= 6; i++) {
+      const ts = t0 + ((t1 - t0) * i) / 6;
+      const anchor = i === 0 ? "start" : i === 6 ? "end" : "middle";
+      const label = svg("text", { x: x(ts), y: height - 4, class: "axis", "text-anchor": anchor }, root);
+      label.textContent = new Date(ts * 1000).toISOString().slice(5, 16).replace("T", " ");
+    }
+    for (const a of body.data) {
+      const lane = KINDS.indexOf(a.kind);
+      const begin = Date.parse(a.not_before || a.updated_at) / 1000;
+      const end = Date.parse(a.deadline || a.not_before || a.updated_at) / 1000;
+      const x0 = Math.max(left, x(begin)), x1 = Math.min(width - right, x(end));
+      const rect = svg("rect", {
+        x: x0, y: top + Math.max(0, lane) * laneH + 3, width: Math.max(3, x1 - x0), height: laneH - 6, rx: 2,
+        class: `action status-${a.status}`, "data-action-id": a.id,
+      }, root);
+      svg("title", {}, rect).textContent =
+        `#${a.id} ${a.kind} ${a.status}${a.status_reason ? " (" + a.status_reason + ")" : ""}` +
+        `${a.node_id ? " on " + a.node_id : ""}: ${a.reason || ""}, ` +
+        `${fmt.time(a.not_before)} to ${fmt.time(a.deadline)}`;
+    }
+    box.replaceChildren(root);
+    state.timeline = [body, series];
+
+    const tbody = $("actions-table").tBodies[0];
+    const fragment = document.createDocumentFragment();
+    for (const a of body.data.slice(-200).reverse()) {
+      const tr = document.createElement("tr");
+      tr.dataset.actionId = a.id;
+      cell(tr, String(a.id), "num");
+      cell(tr, a.kind);
+      cell(tr, a.node_id || "\u2013");
+      cell(tr, a.target || "\u2013");
+      cell(tr, a.reason || "\u2013");
+      cell(tr, a.status + (a.status_reason ? ` (${a.status_reason})` : ""), "status-" + a.status);
+      cell(tr, fmt.time(a.not_before));
+      cell(tr, fmt.time(a.deadline));
+      cell(tr, fmt.num(a.expected_benefit, 1), "num");
+      fragment.appendChild(tr);
+    }
+    tbody.replaceChildren(fragment);
+    const shown = body.data.length < body.count ? `, first ${body.data.length} drawn` : "";
+    $("actions-summary").textContent = `${body.count} in this range${shown}; table shows the latest 200`;
+  }
+
+  async function loadModel() {
+    const m = state.model;
+    if (!m) return;
+    await busy(async () => {
+      const id = encodeURIComponent(m.id);
+      const series = await api(`/v1/models/${id}/series?horizon=${m.horizon}&span_min=${m.range}`);
+      const range = `start=${encodeURIComponent(series.start)}&end=${encodeURIComponent(series.end)}`;
+      const [coldstarts, actions] = await Promise.all([
+        api(`/v1/models/${id}/coldstarts?${range}`),
+        api(`/v1/models/${id}/actions?${range}`),
+      ]);
+      if (state.model !== m) return; // the user moved on meanwhile
+      renderForecast(series);
+      renderColdStarts(coldstarts, series);
+      await new Promise((resolve) => setTimeout(resolve, 0)); // uPlot lays itself out in a microtask
+      renderTimeline(actions, series);
+      const e = series.error;
+      $("model-error").textContent = e.scored_minutes
+        ? `over ${e.scored_minutes} scored minutes: MAE ${fmt.num(e.mae)}, wMAPE ${fmt.pct(e.wmape)}, ` +
+          `inside band ${fmt.pct(e.band_coverage)}`
+        : "no minute with both a forecast at this horizon and a known count";
+      document.body.dataset.modelLoaded = m.id;
+    });
+  }
+
+  function showModel(m) {
+    state.model = m;
+    delete document.body.dataset.modelLoaded;
+    $("fleet-view").hidden = true;
+    $("model-view").hidden = false;
+    $("model-title").textContent = m.id;
+    document.title = "prewarm: " + m.id;
+    const horizons = HORIZONS.includes(m.horizon) ? HORIZONS : [...HORIZONS, m.horizon].sort((a, b) => a - b);
+    fillSelect($("model-horizon"), horizons, m.horizon, (h) => h + " min ahead");
+    $("model-range").value = String(m.range);
+    loadModel();
+  }
+
+  // --- wiring ----------------------------------------------------------------------
+
+  function debounce(fn, ms) {
+    let timer = null;
+    return (...args) => {
+      clearTimeout(timer);
+      timer = setTimeout(() => fn(...args), ms);
+    };
+  }
+
+  function init() {
+    takeTokenFromFragment();
+    $("token-input").value = token();
+    fillSelect($("fleet-horizon"), HORIZONS, 5, (h) => h + " min");
+
+    $("token-form").addEventListener("submit", (event) => {
+      event.preventDefault();
+      localStorage.setItem(TOKEN_KEY, $("token-input").value.trim());
+      state.fleet = null;
+      route();
+    });
+    $("token-forget").addEventListener("click", () => {
+      localStorage.removeItem(TOKEN_KEY);
+      $("token-input").value = "";
+      setStatus("token forgotten");
+    });
+    $("fleet-search").addEventListener("input", debounce(() => { state.page = 0; renderFleet(); }, 120));
+    $("fleet-sort").addEventListener("change", () => { state.page = 0; renderFleet(); });
+    $("fleet-horizon").addEventListener("change", () => loadFleet(false));
+    $("fleet-window").addEventListener("change", () => loadFleet(false));
+    $("fleet-refresh").addEventListener("click", () => loadFleet(true));
+    $("fleet-prev").addEventListener("click", () => { state.page -= 1; renderFleet(); });
+    $("fleet-next").addEventListener("click", () => { state.page += 1; renderFleet(); });
+    $("fleet-table").addEventListener("click", (event) => {
+      const tr = event.target.closest("tr[data-model]");
+      if (tr && event.target.tagName !== "A") go({ model: tr.dataset.model, h: state.fleet.horizon_min });
+    });
+    $("model-horizon").addEventListener("change", () => {
+      go({ model: state.model.id, h: $("model-horizon").value, range: $("model-range").value });
+    });
+    $("model-range").addEventListener("change", () => {
+      go({ model: state.model.id, h: $("model-horizon").value, range: $("model-range").value });
+    });
+    window.addEventListener("hashchange", () => { takeTokenFromFragment(); route(); });
+    window.addEventListener("resize", debounce(() => {
+      for (const [name, chart] of Object.entries(state.charts)) {
+        const el = $(name === "forecast" ? "chart-forecast" : "chart-coldstarts");
+        chart.setSize({ width: chartWidth(el), height: chart.height });
+      }
+      if (state.model && state.timeline) renderTimeline(...state.timeline);
+    }, 150));
+    setInterval(() => {
+      if (document.hidden || state.loading) return;
+      if (state.model) loadModel(); else loadFleet(true);
+    }, REFRESH_MS);
+    if (!token()) setStatus("enter a read token to start", true);
+    route();
+  }
+
+  init();
+})();

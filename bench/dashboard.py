@@ -1,0 +1,195 @@
+"""Dashboard reads at fleet scale: ``GET /v1/fleet`` over 1,350 models, and one model's week-long series.
+
+Usage:
+    python bench/dashboard.py [--models 1350] [--runs-min 120] [--window-min 60] [--repeat 20] [--json PATH]
+
+A fresh database (embedded PostgreSQL unless PREWARM_BENCH_ADMIN_URL names a
+server) is filled in SQL: N models, one forecast run per model per minute for
+``--runs-min`` minutes with 60 target minutes each (as the forecast job writes
+them), per-minute counts with coverage, cold starts and actions. The app runs
+under uvicorn in this process on loopback; each figure is the wall time of a
+full HTTP request (query, JSON encoding, transfer), after one warm-up request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import httpx
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from forecaster.settings import Settings  # noqa: E402
+from forecaster.store.db import embedded_server, make_engine, upgrade  # noqa: E402
+from forecaster.store.partitions import ensure_partitions  # noqa: E402
+from forecaster.store.tokens import create_token  # noqa: E402
+
+END = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _revision_before_dashboard_indexes() -> str:
+    path = next((REPO / "migrations" / "versions").glob("*_dashboard_indexes.py"))
+    spec = importlib.util.spec_from_file_location("dashboard_indexes", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.down_revision
+
+
+def fill(engine, *, models: int, runs_min: int, week_model: bool) -> dict[str, int]:
+    """Fill the store in SQL; returns row counts."""
+    first_run = END - timedelta(minutes=runs_min)
+    ensure_partitions(engine, END - timedelta(days=8), END + timedelta(days=1))
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO serving_models (id) SELECT 'model-' || lpad(g::text, 5, '0') "
+                          "FROM generate_series(1, :n) g"), {"n": models})
+        conn.execute(text(
+            "INSERT INTO forecasts (model_id, issued_at, target_minute, point, p_any, quantiles) "
+            "SELECT m.id, r.t, r.t + k * interval '1 minute', 10 + (hashtext(m.id) & 7) + k % 5, 0.9, "
+            "jsonb_build_object('0.1', 5 + k % 5, '0.5', 10 + k % 5, '0.9', 20 + k % 5) "
+            "FROM serving_models m, generate_series(CAST(:a AS timestamptz), CAST(:b AS timestamptz), "
+            "interval '1 minute') r(t), generate_series(0, 59) k"), {"a": first_run, "b": END})
+        conn.execute(text(
+            "INSERT INTO invocations (model_id, minute, count) SELECT m.id, t, 5 + (hashtext(m.id || t::text) & 15) "
+            "FROM serving_models m, generate_series(CAST(:a AS timestamptz), CAST(:b AS timestamptz) - "
+            "interval '1 minute', interval '1 minute') t WHERE hashtext(m.id || t::text) % 10 <> 0"),
+            {"a": first_run, "b": END})
+        conn.execute(text(
+            "INSERT INTO coverage (model_id, source, step_seconds, ranges) SELECT id, 'bench', 60, "
+            "tstzmultirange(tstzrange(:a, :b, '[)')) FROM serving_models"), {"a": first_run, "b": END})
+        conn.execute(text(
+            "INSERT INTO cold_starts (model_id, node_id, started_at, total_seconds, source) "
+            "SELECT m.id, 'node-' || k, CAST(:b AS timestamptz) - k * interval '7 minutes', 30 + k, 'bench' "
+            "FROM serving_models m, generate_series(1, 5) k"), {"b": END})
+        conn.execute(text(
+            "INSERT INTO actions (kind, model_id, node_id, target, not_before, deadline, reason, expected_benefit, "
+            "status) SELECT 'prepull', m.id, 'node-' || k, 'img', CAST(:b AS timestamptz) - k * interval '9 minutes', "
+            "CAST(:b AS timestamptz) - k * interval '9 minutes' + interval '5 minutes', 'forecast_spike', 40, "
+            "CASE WHEN k % 3 = 0 THEN 'failed' ELSE 'succeeded' END "
+            "FROM serving_models m, generate_series(1, 6) k"), {"b": END})
+        if week_model:  # one model with a full week of runs, for the series figure
+            week_start = END - timedelta(days=7)
+            conn.execute(text(
+                "INSERT INTO forecasts (model_id, issued_at, target_minute, point, quantiles) "
+                "SELECT 'model-00001', r.t, r.t + k * interval '1 minute', 10 + k % 5, "
+                "jsonb_build_object('0.1', 5, '0.5', 10, '0.9', 20) "
+                "FROM generate_series(CAST(:a AS timestamptz), CAST(:b AS timestamptz), interval '1 minute') r(t), "
+                "generate_series(0, 59) k ON CONFLICT DO NOTHING"), {"a": week_start, "b": first_run})
+            conn.execute(text(
+                "INSERT INTO invocations (model_id, minute, count) SELECT 'model-00001', t, 7 "
+                "FROM generate_series(CAST(:a AS timestamptz), CAST(:b AS timestamptz) - interval '1 minute', "
+                "interval '1 minute') t ON CONFLICT DO NOTHING"), {"a": week_start, "b": first_run})
+            conn.execute(text("UPDATE coverage SET ranges = ranges + tstzmultirange(tstzrange(:a, :b, '[)')) "
+                              "WHERE model_id = 'model-00001'"), {"a": week_start, "b": first_run})
+        counts = {table: conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one()
+                  for table in ("serving_models", "forecasts", "invocations", "cold_starts", "actions")}
+    return counts
+
+
+def timed(client: httpx.Client, url: str, repeat: int) -> dict[str, float]:
+    client.get(url).raise_for_status()  # warm-up
+    times, size = [], 0
+    for _ in range(repeat):
+        started = time.perf_counter()
+        response = client.get(url)
+        times.append((time.perf_counter() - started) * 1000)
+        response.raise_for_status()
+        size = len(response.content)
+    times.sort()
+    return {"p50_ms": round(statistics.median(times), 1), "max_ms": round(times[-1], 1), "bytes": size}
+
+
+def run(admin_url: str, args) -> dict:
+    import uvicorn
+
+    from api.main import create_app
+
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text("DROP DATABASE IF EXISTS bench_dashboard WITH (FORCE)"))
+        conn.execute(text("CREATE DATABASE bench_dashboard"))
+    admin.dispose()
+    url = make_url(admin_url).set(database="bench_dashboard").render_as_string(hide_password=False)
+    engine = make_engine(url)
+    # Fill before the dashboard indexes exist and build them after: minutes faster than growing them row by row.
+    upgrade(engine, _revision_before_dashboard_indexes())
+    started = time.perf_counter()
+    counts = fill(engine, models=args.models, runs_min=args.runs_min, week_model=True)
+    upgrade(engine)
+    with engine.begin() as conn:
+        conn.execute(text("ANALYZE"))
+    print(f"filled and indexed in {time.perf_counter() - started:.0f} s: {counts}", flush=True)
+    token = create_token(engine, name="bench", scopes=["read"])
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = Settings(database_url=url, data_dir=Path(tmp) / "data", models_dir=Path(tmp) / "models")
+        app = create_app(settings, engine, clock=lambda: END)
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.05)
+        results = {"models": args.models, "forecast_rows": counts["forecasts"], "window_min": args.window_min}
+        try:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60,
+                              headers={"Authorization": f"Bearer {token}"}) as client:
+                for horizon in (5, 30):
+                    figure = timed(client, f"/v1/fleet?horizon={horizon}&window_min={args.window_min}", args.repeat)
+                    results[f"fleet_h{horizon}"] = figure
+                    print(f"GET /v1/fleet?horizon={horizon}&window_min={args.window_min} ({args.models} models): "
+                          f"p50 {figure['p50_ms']} ms, max {figure['max_ms']} ms, {figure['bytes']} bytes",
+                          flush=True)
+                week = (f"/v1/models/model-00001/series?horizon=5&start={(END - timedelta(days=7)).isoformat()}"
+                        f"&end={END.isoformat()}").replace("+", "%2B")
+                figure = timed(client, week, max(3, args.repeat // 4))
+                results["series_week"] = figure
+                print(f"GET /v1/models/model-00001/series (10,080 minutes): p50 {figure['p50_ms']} ms, "
+                      f"max {figure['max_ms']} ms, {figure['bytes']} bytes", flush=True)
+        finally:
+            server.should_exit = True
+            thread.join(timeout=10)
+            engine.dispose()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=int, default=1350)
+    parser.add_argument("--runs-min", type=int, default=120, help="minutes of forecast runs per model")
+    parser.add_argument("--window-min", type=int, default=60)
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    external = os.environ.get("PREWARM_BENCH_ADMIN_URL")
+    if external:
+        results = run(external, args)
+    else:
+        with tempfile.TemporaryDirectory(prefix="prewarm-bench-") as tmp:
+            os.chmod(tmp, 0o755)
+            with embedded_server(Path(tmp) / "pgdata") as admin_url:
+                results = run(admin_url, args)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

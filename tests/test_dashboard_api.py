@@ -1,0 +1,267 @@
+"""Dashboard data endpoints against a real PostgreSQL: exact values on small stored data, auth, validation."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timedelta, timezone
+
+import pandas as pd
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import text
+
+from api.main import create_app
+from forecaster.ingest.service import push_cold_starts, push_counts
+from forecaster.store.catalog import ServingModelSpec, upsert_models
+from forecaster.store.forecasts import write_forecasts
+from forecaster.store.tokens import create_token
+
+NOW = datetime(2026, 11, 29, 12, 0, 30, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 29, 11, 50, tzinfo=timezone.utc)  # first minute with a known count
+LLAMA_COUNTS = [10, 12, 0, 8, 20, 30, 25, 0, 5, 10]  # 11:50 .. 11:59
+
+
+def minute(hh_mm: str) -> datetime:
+    hours, minutes = map(int, hh_mm.split(":"))
+    return datetime(2026, 11, 29, hours, minutes, tzinfo=timezone.utc)
+
+
+def store_run(engine, model_id: str, issued_at: datetime, points: list[float], band: float | None = 100.0) -> None:
+    """One forecast run: target minutes from the issuing minute on, ``points[k]`` at horizon k."""
+    first = pd.Timestamp(issued_at).floor("min")
+    frame = pd.DataFrame({"unique_id": model_id, "ds": pd.date_range(first, periods=len(points), freq="min"),
+                          "point": points})
+    if band is not None:
+        frame["q0.1"] = frame["point"] - band
+        frame["q0.9"] = frame["point"] + band
+    write_forecasts(engine, frame, issued_at=issued_at, model_version_id=None)
+
+
+def add_action(conn, model_id: str, status: str, not_before: datetime | None, deadline: datetime | None,
+               kind: str = "prepull", benefit: float | None = None, updated_at: datetime = NOW) -> int:
+    return conn.execute(
+        text("INSERT INTO actions (kind, model_id, node_id, target, not_before, deadline, reason, expected_benefit, "
+             "status, updated_at) VALUES (:k, :m, 'n1', 'img:1', :nb, :dl, 'forecast_spike', :b, :s, :u) "
+             "RETURNING id"),
+        {"k": kind, "m": model_id, "nb": not_before, "dl": deadline, "b": benefit, "s": status, "u": updated_at},
+    ).scalar_one()
+
+
+@pytest.fixture
+def tokens(engine):
+    return {scope: create_token(engine, name=scope, scopes=[scope]) for scope in ("read", "ingest")}
+
+
+@pytest.fixture
+def client(engine, settings, tokens):
+    with TestClient(create_app(settings, engine, clock=lambda: NOW)) as client:
+        client.headers["Authorization"] = f"Bearer {tokens['read']}"
+        yield client
+
+
+@pytest.fixture
+def fleet_data(engine, settings):
+    """llama: counts 11:50-11:59 and two runs; mistral: a perfect run; phi: nothing. Cold starts and actions."""
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id=m) for m in ("llama", "mistral", "phi")])
+    rows = [{"model_id": "llama", "minute": (T0 + timedelta(minutes=i)).isoformat(), "count": c}
+            for i, c in enumerate(LLAMA_COUNTS) if i != 2]  # 11:52 left out: a zero inside the batch's window
+    rows += [{"model_id": "mistral", "minute": (T0 + timedelta(minutes=i)).isoformat(), "count": 10}
+             for i in range(10)]
+    push_counts(engine, settings, rows, now=NOW)
+    # Issued at 11:50:20 for 11:50+k (horizon k) and at 11:51:10 for 11:51+k.
+    store_run(engine, "llama", T0 + timedelta(seconds=20), [100.0 + k for k in range(10)])
+    store_run(engine, "llama", T0 + timedelta(minutes=1, seconds=10), [200.0 + k for k in range(10)])
+    store_run(engine, "mistral", T0 + timedelta(seconds=20), [10.0] * 10)
+    events = [{"model_id": "llama", "node_id": "n1", "started_at": t, "total_seconds": s}
+              for t, s in (("2026-11-29T11:52:00Z", 40.0), ("2026-11-29T11:58:00Z", 60.0),
+                           ("2026-11-29T11:30:00Z", 50.0))]
+    push_cold_starts(engine, settings, events, now=NOW)
+    with engine.begin() as conn:
+        ids = {
+            "in_window": add_action(conn, "llama", "succeeded", minute("11:53"), minute("11:58"), benefit=40.0),
+            "crosses_end": add_action(conn, "llama", "failed", minute("11:57"), minute("12:05"), benefit=30.0),
+            "before": add_action(conn, "llama", "succeeded", minute("11:20"), minute("11:25"), benefit=99.0),
+            "crosses_start": add_action(conn, "llama", "succeeded", minute("11:45"), minute("11:51")),
+            "unplanned": add_action(conn, "llama", "running", None, None, kind="scale",
+                                    updated_at=minute("11:59")),
+            "other_model": add_action(conn, "mistral", "succeeded", minute("11:55"), minute("11:56")),
+        }
+    return ids
+
+
+# --- series ------------------------------------------------------------------------
+
+
+def test_series_shows_each_forecast_at_its_own_horizon(client, fleet_data):
+    window = {"start": "2026-11-29T11:48:00", "end": "2026-11-29T12:02:00Z"}  # naive start is UTC
+    h5 = client.get("/v1/models/llama/series", params={**window, "horizon": 5}).json()
+    assert h5["t"][0] == int(minute("11:48").timestamp()) and len(h5["t"]) == 14
+    assert all(b - a == 60 for a, b in zip(h5["t"], h5["t"][1:]))
+    # unknown before 11:50 and from 12:00; 11:52 is a zero inside the pushed window
+    assert h5["actual"] == [None, None, *map(float, LLAMA_COUNTS), None, None]
+    # issued 11:50:20 for 11:55 is horizon 5; issued 11:51:10 for 11:56 is horizon 5
+    expected = [None] * 14
+    expected[7], expected[8] = 105.0, 205.0
+    assert h5["forecast"] == expected
+    assert h5["band"] == ["0.1", "0.9"]
+    assert h5["quantiles"]["0.1"][7] == 5.0 and h5["quantiles"]["0.9"][8] == 305.0
+    # 11:55: |105 - 30| = 75 (inside 5..205); 11:56: |205 - 25| = 180 (outside 105..305)
+    assert h5["error"] == {"scored_minutes": 2, "mae": 127.5, "wmape": pytest.approx(255 / 55),
+                           "band_coverage": 0.5}
+
+    h4 = client.get("/v1/models/llama/series", params={**window, "horizon": 4}).json()
+    assert h4["forecast"][7] == 204.0  # 11:55 at horizon 4 comes from the 11:51 run, not the 11:50 run's 105
+    assert h4["forecast"][6] == 104.0 and h4["forecast"][8] is None  # no run was issued at 11:52
+    h0 = client.get("/v1/models/llama/series", params={**window, "horizon": 0}).json()
+    assert h0["forecast"][2:4] == [100.0, 200.0]  # each run's own issuing minute
+
+
+def test_series_rerun_in_the_same_minute_wins_and_default_window_runs_past_now(client, engine, fleet_data):
+    store_run(engine, "llama", T0 + timedelta(seconds=40), [300.0 + k for k in range(10)], band=None)
+    body = client.get("/v1/models/llama/series", params={"horizon": 5, "span_min": 20}).json()
+    # default end: the minute after now's minute + horizon (12:00 + 5 + 1); span 20 minutes
+    assert body["end"] == "2026-11-29T12:06:00Z" and body["start"] == "2026-11-29T11:46:00Z"
+    assert body["forecast"][body["t"].index(int(minute("11:55").timestamp()))] == 305.0
+    assert body["band"] == ["0.1", "0.9"] and body["quantiles"]["0.1"][9] is None  # the re-run has no band
+
+
+def test_series_of_a_model_without_data_is_all_unknown(client, fleet_data):
+    body = client.get("/v1/models/phi/series", params={"start": "2026-11-29T11:00:00Z", "end": "2026-11-29T12:00Z",
+                                                       "horizon": 5}).json()
+    assert len(body["t"]) == 60 and set(body["actual"]) == {None} and set(body["forecast"]) == {None}
+    assert body["quantiles"] == {} and body["band"] is None
+    assert body["error"] == {"scored_minutes": 0, "mae": None, "wmape": None, "band_coverage": None}
+
+
+# --- cold starts and actions -------------------------------------------------------
+
+
+def test_cold_starts_observed_only_and_says_no_prediction_is_stored(client, fleet_data, settings):
+    window = {"start": "2026-11-29T11:50:00Z", "end": "2026-11-29T12:00:00Z"}
+    body = client.get("/v1/models/llama/coldstarts", params=window).json()
+    assert [(e["started_at"], e["total_seconds"], e["node_id"]) for e in body["observed"]] == [
+        ("2026-11-29T11:52:00Z", 40.0, "n1"), ("2026-11-29T11:58:00Z", 60.0, "n1")]
+    assert body["predicted"] == [] and body["predicted_stored"] is False and "observed only" in body["note"]
+    assert (body["lead_time_s"], body["lead_time_source"]) == (50.0, "observed_median")  # median of 40, 50, 60
+    quiet = client.get("/v1/models/mistral/coldstarts", params=window).json()
+    assert quiet["observed"] == [] and (quiet["lead_time_s"], quiet["lead_time_source"]) == (
+        settings.default_cold_start_s, "default")
+
+
+def test_action_timeline_keeps_actions_overlapping_the_window(client, fleet_data):
+    window = {"start": "2026-11-29T11:50:00Z", "end": "2026-11-29T12:00:00Z"}
+    body = client.get("/v1/models/llama/actions", params=window).json()
+    ids = fleet_data
+    assert [a["id"] for a in body["data"]] == [ids["crosses_start"], ids["in_window"], ids["crosses_end"],
+                                               ids["unplanned"]]
+    assert body["count"] == 4
+    first = body["data"][1]
+    assert (first["kind"], first["status"], first["not_before"], first["deadline"], first["expected_benefit"]) == (
+        "prepull", "succeeded", "2026-11-29T11:53:00Z", "2026-11-29T11:58:00Z", 40.0)
+    limited = client.get("/v1/models/llama/actions", params={**window, "limit": 2}).json()
+    assert len(limited["data"]) == 2 and limited["count"] == 4
+
+
+# --- fleet -------------------------------------------------------------------------
+
+
+def test_fleet_ranks_every_model_by_forecast_error(client, fleet_data):
+    params = {"horizon": 5, "window_min": 10, "end": "2026-11-29T12:00:00Z"}
+    body = client.get("/v1/fleet", params=params).json()
+    assert (body["start"], body["end"], body["count"], body["sort"]) == (
+        "2026-11-29T11:50:00Z", "2026-11-29T12:00:00Z", 3, "wmape")
+    by_id = {r["model_id"]: r for r in body["data"]}
+    assert [r["model_id"] for r in body["data"]] == ["llama", "mistral", "phi"]
+    assert [r["rank"] for r in body["data"]] == [1, 2, 3]
+    llama = by_id["llama"]
+    assert llama["error"] == {"scored_minutes": 2, "mae": 127.5, "wmape": pytest.approx(255 / 55),
+                              "band_coverage": None}
+    assert (llama["actual_total"], llama["forecast_total"], llama["cold_starts"]) == (55.0, 310.0, 2)
+    # planned in the window: 11:53 succeeded (40 s expected), 11:57 failed, 11:59 running; 11:45 and 11:20 not
+    assert (llama["actions_total"], llama["actions_succeeded"], llama["actions_failed"],
+            llama["expected_wait_avoided_s"]) == (3, 1, 1, 40.0)
+    assert llama["last_forecast_at"] == "2026-11-29T11:51:10Z"
+    assert by_id["mistral"]["error"] == {"scored_minutes": 1, "mae": 0.0, "wmape": 0.0, "band_coverage": None}
+    assert by_id["phi"]["error"]["scored_minutes"] == 0 and by_id["phi"]["last_forecast_at"] is None
+
+    h4 = client.get("/v1/fleet", params={**params, "horizon": 4}).json()["data"][0]
+    assert h4["model_id"] == "llama" and h4["error"]["mae"] == 129.0  # |104-20| and |204-30|
+    by_cold = client.get("/v1/fleet", params={**params, "sort": "cold_starts"}).json()["data"]
+    assert by_cold[0]["model_id"] == "llama" and by_cold[0]["cold_starts"] == 2
+    found = client.get("/v1/fleet", params={**params, "search": "MIS"}).json()
+    assert found["count"] == 1 and found["data"][0]["model_id"] == "mistral" and found["data"][0]["rank"] == 2
+    limited = client.get("/v1/fleet", params={**params, "limit": 1}).json()
+    assert limited["count"] == 3 and len(limited["data"]) == 1
+
+
+def test_fleet_defaults_to_the_hour_before_the_current_minute(client, fleet_data):
+    body = client.get("/v1/fleet").json()
+    assert (body["start"], body["end"], body["window_min"], body["horizon_min"]) == (
+        "2026-11-29T11:00:00Z", "2026-11-29T12:00:00Z", 60, 5)
+
+
+# --- auth, validation, index -------------------------------------------------------
+
+
+DASHBOARD_PATHS = ["/v1/fleet", "/v1/models/llama/series", "/v1/models/llama/coldstarts",
+                   "/v1/models/llama/actions"]
+
+
+@pytest.mark.parametrize("path", DASHBOARD_PATHS)
+def test_dashboard_endpoints_need_a_read_token(client, tokens, fleet_data, path):
+    assert client.get(path, headers={"Authorization": ""}).status_code == 401
+    assert client.get(path, headers={"Authorization": "Bearer pw_nope"}).status_code == 401
+    refused = client.get(path, headers={"Authorization": f"Bearer {tokens['ingest']}"})
+    assert refused.status_code == 403 and "read" in refused.json()["detail"]
+    assert client.get(path).status_code == 200
+
+
+@pytest.mark.parametrize(("path", "params", "status", "says"), [
+    ("/v1/models/nope/series", {}, 404, "not registered"),
+    ("/v1/models/nope/coldstarts", {}, 404, "not registered"),
+    ("/v1/models/nope/actions", {}, 404, "not registered"),
+    ("/v1/models/llama/series", {"start": "2026-11-29T12:00:00Z", "end": "2026-11-29T12:00:00Z"}, 422, "before end"),
+    ("/v1/models/llama/series", {"start": "2026-10-01T00:00:00Z", "end": "2026-11-29T00:00:00Z"}, 422, "31 days"),
+    ("/v1/models/llama/actions", {"start": "0001-01-01T00:00:00Z"}, 422, "between 1970 and 2200"),
+    ("/v1/models/llama/series", {"horizon": -1}, 422, None),
+    ("/v1/fleet", {"window_min": 0}, 422, None),
+    ("/v1/fleet", {"sort": "random"}, 422, None),
+])
+def test_bad_requests_are_answered_with_4xx(client, fleet_data, path, params, status, says):
+    response = client.get(path, params=params)
+    assert response.status_code == status
+    if says:
+        assert says in response.json()["detail"]
+
+
+def test_series_read_uses_the_horizon_index(engine, fleet_data):
+    from forecaster.store.dashboard import HORIZON_MIN_SQL
+
+    with engine.connect() as conn:
+        conn.execute(text("SET enable_seqscan = off"))
+        plan = "\n".join(conn.execute(text(
+            f"EXPLAIN SELECT point FROM forecasts WHERE model_id = 'llama' AND {HORIZON_MIN_SQL} = 5 "
+            "AND target_minute >= :s AND target_minute < :e"), {"s": T0, "e": NOW}).scalars())
+    assert "forecasts_model_horizon_target" in plan
+
+
+# --- the page ----------------------------------------------------------------------
+
+
+def test_dashboard_page_and_uplot_are_served_from_the_package(client):
+    moved = client.get("/dashboard", follow_redirects=False)
+    assert moved.status_code in (301, 307) and moved.headers["location"].endswith("/dashboard/")
+    page = client.get("/dashboard/", headers={"Authorization": ""})  # static files need no token
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    references = re.findall(r'(?:src|href)="([^"#]+)"', page.text)
+    assert {"vendor/uplot/uPlot.iife.min.js", "vendor/uplot/uPlot.min.css", "dashboard.js", "dashboard.css"} <= \
+        set(references)
+    for ref in references:  # every asset is served by the app itself: nothing from a CDN
+        assert not ref.startswith(("http:", "https:", "//")), ref
+        if ref.startswith("data:"):
+            continue  # inline (the empty favicon)
+        assert client.get(f"/dashboard/{ref}").status_code == 200, ref
+    script = client.get("/dashboard/dashboard.js").text
+    assert not re.search(r"https?://(?!www\.w3\.org/2000/svg)", script)
+    assert "MIT" in client.get("/dashboard/vendor/uplot/LICENSE").text

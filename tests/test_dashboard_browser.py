@@ -1,0 +1,219 @@
+"""The dashboard in a real headless Chromium, served by uvicorn from a real PostgreSQL.
+
+Needs Debian's ``chromium`` (``apt-get install -y --no-install-recommends chromium``)
+and the Python ``playwright`` package (never its browser download). Skipped when
+either is missing, except under CI (env ``CI`` set), where that is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from api.main import create_app
+from forecaster.store.catalog import ServingModelSpec, upsert_models
+from forecaster.store.partitions import ensure_partitions
+from forecaster.store.tokens import create_token
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+NOW = datetime(2026, 11, 29, 12, 0, 30, tzinfo=timezone.utc)
+END = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)  # counts known up to here
+WEEK_START = END - timedelta(days=7)
+MODELS = ("llama-7b", "mistral-7b", "phi-3")
+HORIZONS = (1, 5, 15, 60)  # target minutes stored per run (a real run stores 60; a week of that is too slow here)
+
+
+def _browser_or_skip():
+    reason = None
+    if not CHROMIUM.exists():
+        reason = f"{CHROMIUM} missing: apt-get install -y --no-install-recommends chromium"
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        reason = reason or "Python package playwright missing: pip install playwright"
+        sync_playwright = None
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(f"browser test cannot run under CI: {reason}")
+        pytest.skip(reason)
+    return sync_playwright
+
+
+def seed(engine) -> dict[str, list[int]]:
+    """A week of per-minute counts, forecasts at a few horizons, cold starts and actions for three models."""
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id=m) for m in MODELS])
+    ensure_partitions(engine, WEEK_START, END + timedelta(days=1))
+    params = {"a": WEEK_START, "b": END, "h": list(HORIZONS)}
+    with engine.begin() as conn:
+        # Daily cycle with a model-specific level; the forecast is the cycle without the noise.
+        conn.execute(text(
+            "INSERT INTO invocations (model_id, minute, count) "
+            "SELECT m.id, t, round(greatest(0, s.level * (1 + 0.8 * sin(2 * pi() * extract(epoch FROM t) / 86400)) "
+            "+ 6 * sin(extract(epoch FROM t) / 7.0))) "
+            "FROM serving_models m JOIN (VALUES ('llama-7b', 60), ('mistral-7b', 25), ('phi-3', 8)) s(id, level) "
+            "ON s.id = m.id, generate_series(CAST(:a AS timestamptz), CAST(:b AS timestamptz) - interval '1 minute', "
+            "interval '1 minute') t"), params)
+        conn.execute(text("DELETE FROM invocations WHERE count = 0"))
+        conn.execute(text(
+            "INSERT INTO coverage (model_id, source, step_seconds, ranges) SELECT id, 'browser-test', 60, "
+            "tstzmultirange(tstzrange(:a, :b, '[)')) FROM serving_models"), params)
+        conn.execute(text(
+            "INSERT INTO forecasts (model_id, issued_at, target_minute, point, p_any, quantiles) "
+            "SELECT m.id, r.t + interval '5 seconds', r.t + k * interval '1 minute', f.point, 1.0, "
+            "jsonb_build_object('0.1', 0.8 * f.point, '0.5', f.point, '0.9', 1.25 * f.point) "
+            "FROM serving_models m JOIN (VALUES ('llama-7b', 60), ('mistral-7b', 25), ('phi-3', 8)) s(id, level) "
+            "ON s.id = m.id, generate_series(CAST(:a AS timestamptz) - interval '1 hour', CAST(:b AS timestamptz), "
+            "interval '1 minute') r(t), unnest(CAST(:h AS integer[])) k, "
+            "LATERAL (SELECT s.level * (1 + 0.8 * sin(2 * pi() * extract(epoch FROM r.t + k * interval '1 minute') "
+            "/ 86400)) + 0.05 * k AS point) f"), params)
+        conn.execute(text(
+            "INSERT INTO cold_starts (model_id, node_id, started_at, total_seconds, source) "
+            "SELECT m.id, 'gpu-node-' || k, CAST(:b AS timestamptz) - k * interval '97 minutes', 38 + 3 * k, 'test' "
+            "FROM serving_models m, generate_series(1, 12) k"), params)
+        action_ids = {}
+        for model_id in MODELS:
+            action_ids[model_id] = conn.execute(text(
+                "INSERT INTO actions (kind, model_id, node_id, target, not_before, deadline, reason, "
+                "expected_benefit, status, status_reason) "
+                "SELECT (ARRAY['prepull', 'preload', 'scale', 'release'])[1 + k % 4], :m, 'gpu-node-' || k, "
+                "'registry.local/vllm:0.6', CAST(:b AS timestamptz) - k * interval '55 minutes', "
+                "CAST(:b AS timestamptz) - k * interval '55 minutes' + interval '8 minutes', 'forecast_spike', 40, "
+                "(ARRAY['succeeded', 'succeeded', 'failed', 'pending'])[1 + k % 4], "
+                "CASE WHEN k % 4 = 2 THEN 'timeout' END "
+                "FROM generate_series(1, 8) k RETURNING id"), {**params, "m": model_id}).scalars().all()
+        conn.execute(text("ANALYZE"))
+    return action_ids
+
+
+@pytest.fixture
+def served(engine, settings):
+    """The app on a free loopback port under uvicorn, in a thread, with seeded data and a read token."""
+    import uvicorn
+
+    action_ids = seed(engine)
+    token = create_token(engine, name="dashboard", scopes=["read"])
+    app = create_app(settings, engine, clock=lambda: NOW)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    yield {"base": f"http://127.0.0.1:{port}", "token": token, "action_ids": action_ids, "engine": engine}
+    server.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+
+
+SERIES_POINTS_JS = """() => {
+    const u = window.prewarm.charts.forecast;
+    return u.series.map((s, i) => [i === 0 ? "x" : s.label, u.data[i].filter(v => v != null).length]);
+}"""
+
+
+def test_dashboard_shows_forecast_actual_and_actions(served, tmp_path):
+    sync_playwright = _browser_or_skip()
+    base, token = served["base"], served["token"]
+    errors: list[str] = []
+    foreign: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1500})
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+            page.on("requestfailed", lambda req: errors.append(f"failed {req.url}"))
+            page.on("request", lambda req: foreign.append(req.url) if not req.url.startswith(base) else None)
+            page.on("response", lambda r: errors.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+
+            # The token arrives in the fragment, is kept in localStorage and leaves the address bar.
+            page.goto(f"{base}/dashboard/#token={token}")
+            page.wait_for_selector("body[data-fleet-loaded]", timeout=15_000)
+            assert page.evaluate("localStorage.getItem('prewarm.readToken')") == token
+            assert "token" not in page.url
+            rows = page.locator("#fleet-table tbody tr")
+            assert rows.count() == len(MODELS)
+            ranked = rows.evaluate_all("rs => rs.map(r => r.dataset.model)")
+            assert sorted(ranked) == sorted(MODELS)
+            page.fill("#fleet-search", "mistral")
+            page.wait_for_function("document.querySelectorAll('#fleet-table tbody tr').length === 1")
+            page.fill("#fleet-search", "")
+            page.wait_for_function(f"document.querySelectorAll('#fleet-table tbody tr').length === {len(MODELS)}")
+
+            # Pick a model: forecast chart with actual, forecast and its band.
+            page.click("#fleet-table tbody tr[data-model='llama-7b'] td.model a")
+            page.wait_for_selector("body[data-model-loaded='llama-7b']", timeout=15_000)
+            points = dict(page.evaluate(SERIES_POINTS_JS))
+            assert points["x"] == 1440  # a day of minutes, ending 5 minutes (the horizon) past now
+            assert points["actual"] == 1440 - 6 and points["forecast (h=5 min)"] == 1440
+            assert points["q0.9"] == points["q0.1"] == points["forecast (h=5 min)"]
+
+            # Another horizon: the chart is redrawn from the forecasts made 15 minutes ahead.
+            page.select_option("#model-horizon", "15")
+            page.wait_for_function("location.hash.includes('h=15')")
+            page.wait_for_selector("body[data-model-loaded='llama-7b']", timeout=15_000)
+            points = dict(page.evaluate(SERIES_POINTS_JS))
+            assert points["forecast (h=15 min)"] == 1440 and points["actual"] == 1440 - 16
+
+            # Cold starts: observed points, no stored prediction, and the page says so.
+            observed = page.evaluate("window.prewarm.charts.coldstarts.data[1].filter(v => v != null).length")
+            assert observed == 12  # one every 97 minutes over the last 19.4 hours
+            assert "no cold-start predictions are stored" in page.inner_text("#coldstart-note")
+
+            # The actions timeline draws every stored action of this model in the range.
+            drawn = page.eval_on_selector_all("#timeline rect[data-action-id]",
+                                              "rs => rs.map(r => Number(r.dataset.actionId))")
+            assert sorted(drawn) == sorted(served["action_ids"]["llama-7b"])
+            assert page.locator("#actions-table tbody tr").count() == 8
+            assert page.locator("#timeline rect.status-failed").count() == 2
+            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+            shutil.copy(tmp_path / "dashboard.png", "/tmp/dashboard.png")
+
+            # A week of minutes per chart: 10,080 points each, drawn by uPlot.
+            started = time.perf_counter()
+            page.select_option("#model-range", "10080")
+            page.wait_for_function("location.hash.includes('range=10080')")
+            page.wait_for_selector("body[data-model-loaded='llama-7b']", timeout=20_000)
+            week_s = time.perf_counter() - started
+            points = dict(page.evaluate(SERIES_POINTS_JS))
+            assert points["x"] == 10_080 and points["actual"] == 10_080 - 16
+            assert points["forecast (h=15 min)"] == 10_080
+            print(f"week view (10,080 minutes x 5 series) fetched and drawn in {week_s:.2f} s")
+
+            # A fleet of 1,350 models: one page of rows drawn, search over all of them.
+            with served["engine"].begin() as conn:
+                conn.execute(text("INSERT INTO serving_models (id) SELECT 'fleet-' || lpad(g::text, 4, '0') "
+                                  "FROM generate_series(1, 1347) g"))
+            started = time.perf_counter()
+            page.click("#back")
+            page.click("#fleet-refresh")
+            page.wait_for_selector("body[data-fleet-loaded='1350']", timeout=20_000)
+            fleet_s = time.perf_counter() - started
+            assert page.locator("#fleet-table tbody tr").count() == 50
+            assert page.inner_text("#fleet-page") == "page 1 of 27"
+            started = time.perf_counter()
+            page.fill("#fleet-search", "fleet-013")
+            page.wait_for_function("document.querySelectorAll('#fleet-table tbody tr').length === 10")
+            search_s = time.perf_counter() - started
+            page.screenshot(path=str(tmp_path / "fleet.png"))
+            shutil.copy(tmp_path / "fleet.png", "/tmp/dashboard_fleet.png")
+            print(f"fleet of 1,350 models fetched and drawn in {fleet_s:.2f} s; search answered in {search_s:.2f} s")
+        finally:
+            browser.close()
+    assert errors == []
+    assert foreign == []  # nothing fetched from anywhere but the app itself
