@@ -1,0 +1,206 @@
+"""Ensemble: failing members are skipped, weights, calibrated quantiles and probability of any invocation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from forecaster.forecast.backtest import Protocol, run_backtest
+from forecaster.forecast.ensemble import Ensemble, conformal_rank, residual_quantiles
+from forecaster.forecast.members import Member, MovingAverage, SeasonalNaive
+from forecaster.forecast.panel import Panel
+
+START = pd.Timestamp("2024-03-01 00:00", tz="UTC")
+
+
+def poisson_panel(rates: np.ndarray, n_steps: int, seed: int = 3) -> Panel:
+    rng = np.random.default_rng(seed)
+    values = rng.poisson(np.repeat(rates[:, None], n_steps, axis=1)).astype(float)
+    return Panel.from_wide([f"p{k:03d}" for k in range(len(rates))], values, start=START, step="1min")
+
+
+def mixed_panel(n_steps: int = 360) -> Panel:
+    """Two 15-minute timers and four Poisson series."""
+    rng = np.random.default_rng(11)
+    t = np.arange(n_steps)
+    rows = [np.where(t % 15 == 3, 5.0, 0.0), np.where(t % 15 == 9, 2.0, 0.0)]
+    rows += [rng.poisson(r, n_steps).astype(float) for r in (0.3, 2.0, 6.0, 15.0)]
+    ids = ["timer-a", "timer-b", "rare", "p2", "p6", "p15"]
+    return Panel.from_wide(ids, np.stack(rows), start=START, step="1min")
+
+
+class Broken(Member):
+    """A member that raises in fit (or, with ``when="forecast"``, in forecast)."""
+
+    name = "broken"
+
+    def __init__(self, when: str = "fit"):
+        self.when = when
+
+    def _fit(self, panel: Panel) -> None:
+        if self.when == "fit":
+            raise RuntimeError("cannot fit")
+
+    def _forecast(self, panel: Panel, origins, h):
+        raise RuntimeError("cannot forecast")
+
+
+class Partial(SeasonalNaive):
+    """Seasonal naive that, like ARIMA, covers only some series (NaN elsewhere)."""
+
+    def __init__(self, season_length: int = 15, covers: tuple[str, ...] = ("p15",)):
+        super().__init__(season_length)
+        self.covers = covers
+
+    @property
+    def name(self) -> str:
+        return "partial"
+
+    def _forecast(self, panel: Panel, origins, h):
+        out = super()._forecast(panel, origins, h)
+        out[~np.isin(panel.ids, self.covers)] = np.nan
+        return out
+
+
+def test_member_failing_in_fit_is_reported_and_skipped() -> None:
+    panel = mixed_panel()
+    ensemble = Ensemble([Broken(), MovingAverage(30)], horizon=10).fit(panel.to_long())
+    assert "broken" in ensemble.failures_ and "cannot fit" in ensemble.failures_["broken"]
+    assert ensemble.member_names_ == ["moving_average_30", "fallback"]
+    out = ensemble.predict(10)
+    assert len(out) == panel.n_series * 10 and np.isfinite(out["ensemble"]).all()
+
+
+def test_member_failing_at_forecast_time_leaves_the_fallback() -> None:
+    panel = mixed_panel()
+    ensemble = Ensemble([Broken("forecast")], horizon=10).fit_panel(panel)
+    assert "broken" in ensemble.failures_
+    assert ensemble.member_names_ == ["fallback"]
+    np.testing.assert_allclose(ensemble.weights_, 1.0)
+    # and when a member only starts failing after validation, forecasts still come out
+    healthy = Ensemble([MovingAverage(30)], horizon=10, weighting="inverse_error").fit_panel(panel)
+    healthy.members_[0]._forecast = lambda *args: (_ for _ in ()).throw(RuntimeError("gone"))
+    out = healthy.predict(5)
+    assert np.isfinite(out["ensemble"]).all() and "moving_average_30 (forecast)" in healthy.failures_
+
+
+def test_forecast_evaluates_a_member_only_for_the_series_that_weight_it() -> None:
+    panel = mixed_panel()
+    ensemble = Ensemble([SeasonalNaive(15), MovingAverage(60)], horizon=10, weighting="inverse_error")
+    ensemble.fit_panel(panel)
+    ensemble.weights_[:2] = [0.0, 0.0, 1.0]  # the first two series rely on the fallback alone
+    seen: list[int] = []
+    member = ensemble.members_[0]
+    original = member._forecast
+    member._forecast = lambda sub, origins, h: seen.append(sub.n_series) or original(sub, origins, h)
+    ensemble.forecast(panel, [300], 10)
+    assert seen == [panel.n_series - 2]
+    ensemble.forecast(panel, [300], 10, members=True)  # every member's forecast asked for: all series
+    assert seen[-1] == panel.n_series
+
+
+def test_every_member_failing_still_forecasts_with_the_fallback() -> None:
+    panel = mixed_panel()
+    out = Ensemble([Broken(), Broken("forecast")], horizon=5).fit_panel(panel).predict(5)
+    assert {"ensemble", "q0.1", "q0.5", "q0.9", "p_any"} <= set(out.columns)
+    assert len(out) == panel.n_series * 5
+
+
+def test_weights_favour_the_member_that_was_right_on_validation() -> None:
+    panel = mixed_panel()
+    ensemble = Ensemble(
+        [SeasonalNaive(15), MovingAverage(60)], horizon=10, weighting="inverse_error", refit=False
+    ).fit_panel(panel)
+    weights = pd.DataFrame(ensemble.weights_, index=panel.ids, columns=ensemble.member_names_)
+    assert weights.loc["timer-a", "seasonal_naive_15"] > 0.3  # shares it with the fallback, also exact
+    assert weights.loc["timer-a", "moving_average_60"] < 1e-3
+    np.testing.assert_allclose(weights.sum(axis=1), 1.0)
+    best = Ensemble([SeasonalNaive(15), MovingAverage(60)], horizon=10, weighting="best").fit_panel(panel)
+    assert set(np.unique(best.weights_)) == {0.0, 1.0}
+
+
+def test_member_covering_some_series_only_is_weighted_where_it_forecasts() -> None:
+    panel = mixed_panel()
+    ensemble = Ensemble([Partial()], horizon=10, weighting="inverse_error", refit=False).fit_panel(panel)
+    arrays = ensemble.forecast(panel, [300], 10, members=True)
+    covered = panel.ids == "p15"
+    assert np.isnan(arrays["partial"][~covered]).all() and np.isfinite(arrays["partial"][covered]).all()
+    assert np.isfinite(arrays["ensemble"]).all()
+    assert ensemble.weights_[~covered, 0].tolist() == [0.0] * 5 and ensemble.weights_[covered, 0][0] > 0
+
+
+def test_series_too_new_and_unseen_series_use_the_fallback() -> None:
+    panel = mixed_panel()
+    values = panel.values.copy()
+    values[0, :-10] = np.nan  # timer-a only known for its last 10 steps
+    young = Panel(panel.ids, panel.start, panel.step, values)
+    ensemble = Ensemble([MovingAverage(30)], horizon=5, min_history=30).fit_panel(young)
+    assert ensemble.weights_[0].tolist() == [0.0, 1.0]
+    newcomer = pd.DataFrame(
+        {"unique_id": "brand-new", "ds": panel.ds(300, 60), "y": np.ones(60)}  # the last hour only
+    )
+    out = ensemble.predict(3, history=pd.concat([panel.to_long(), newcomer]))
+    new_rows = out[out["unique_id"] == "brand-new"]
+    assert len(new_rows) == 3 and np.allclose(new_rows["ensemble"], 1.0)
+
+
+def test_output_columns_are_ordered_quantiles_and_probabilities() -> None:
+    panel = mixed_panel()
+    out = Ensemble([MovingAverage(30)], horizon=10).fit_panel(panel).predict(12, members=True)
+    assert list(out.columns[:7]) == ["unique_id", "ds", "ensemble", "q0.1", "q0.5", "q0.9", "p_any"]
+    assert "moving_average_30-q0.9" in out.columns
+    assert (out["q0.1"] <= out["q0.5"]).all() and (out["q0.5"] <= out["q0.9"]).all()
+    assert (out["q0.1"] >= 0).all() and out["p_any"].between(0, 1).all()
+    assert np.array_equal(out["ensemble"], out["q0.5"])
+
+
+# ---------------------------------------------------------------------------- calibration
+
+
+def test_conformal_level_and_quantiles_match_hand_values() -> None:
+    assert conformal_rank(0.9, 99) == 90  # ceil(100 * 0.9)
+    assert conformal_rank(0.1, 99) == 10  # floor(100 * 0.1)
+    assert conformal_rank(0.9, 19) == 18  # ceil(20 * 0.9)
+    assert conformal_rank(0.9, 5) == 5  # ceil(5.4) = 6, capped at n
+    residuals = np.arange(99.0, 0.0, -1.0)[None, None, :]  # 99..1, unsorted on purpose
+    assert residual_quantiles(residuals, (0.1, 0.5, 0.9), min_count=10)[0, 0].tolist() == [10.0, 50.0, 90.0]
+    assert residual_quantiles(residuals, (0.9,), min_count=10, conformal=False)[0, 0, 0] == 90.0  # ceil(89.1)
+    with_gaps = np.concatenate([residuals, np.full((1, 1, 7), np.nan)], axis=2)
+    assert residual_quantiles(with_gaps, (0.9,), min_count=10)[0, 0, 0] == 90.0  # NaN = no residual
+    assert np.isnan(residual_quantiles(residuals[:, :, :5], (0.9,), min_count=10)).all()
+
+
+@pytest.mark.parametrize("interval_scale", ["none", "sqrt"])
+def test_q90_covers_ninety_percent_of_poisson_counts_with_known_rates(interval_scale: str) -> None:
+    rates = np.linspace(2.0, 30.0, 40)
+    panel = poisson_panel(rates, 700)
+    protocol = Protocol("poisson", 400, tuple(range(400, 686, 15)), 15, 1.0, None, (1, 5, 15))
+    ensemble = Ensemble(
+        [MovingAverage(60)], horizon=15, validation_steps=200, stride=2, refit=False, interval_scale=interval_scale
+    )
+    arrays = run_backtest(ensemble, panel, protocol)["ensemble"]
+    actual = np.stack([panel.values[:, o : o + 15] for o in protocol.origins], axis=1)
+    coverage90 = np.mean(actual <= arrays.q90)
+    coverage10 = np.mean(actual < arrays.q10)
+    assert 0.87 <= coverage90 <= 0.93, coverage90  # 11,400 points: 2 standard errors ~ 0.006
+    assert 0.07 <= coverage10 <= 0.13, coverage10
+    # and the quantiles sit near the true Poisson quantiles of each series
+    from scipy.stats import poisson
+
+    true90 = poisson.ppf(0.9, rates)
+    assert np.median(np.abs(arrays.q90.mean(axis=(1, 2)) - true90) / true90) < 0.1
+
+
+def test_probability_of_any_invocation_matches_known_rates() -> None:
+    rates = np.repeat([0.05, 0.2, 0.5, 1.0, 2.0], 8)
+    panel = poisson_panel(rates, 900, seed=5)
+    ensemble = Ensemble([MovingAverage(60, "median")], horizon=5, validation_steps=400, stride=1, refit=False)
+    ensemble.fit_panel(panel.head(700))
+    p_any = ensemble.forecast(panel, list(range(700, 895, 5)), 5)["p_any"]
+    expected = 1 - np.exp(-rates)
+    per_series = p_any.mean(axis=(1, 2))
+    assert np.abs(per_series - expected).max() < 0.12
+    assert np.abs(per_series - expected).mean() < 0.05
+    observed = np.stack([panel.values[:, o : o + 5] >= 1 for o in range(700, 895, 5)], axis=1).mean(axis=(1, 2))
+    assert np.abs(per_series - observed).mean() < 0.05
