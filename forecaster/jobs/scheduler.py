@@ -1,8 +1,8 @@
 """The scheduler: APScheduler 3 with its job store in PostgreSQL, wiring jobs together.
 
-Jobs live in :data:`JOBS`, keyed by name. Issue-by-issue the forecast and
-nightly retrain jobs are added with :func:`register_job`; until then their
-slots are simply not scheduled (``prewarm scheduler`` says so at start).
+Jobs live in :data:`JOBS`, keyed by name: ingest (every minute), partition
+maintenance (hourly), forecast (every minute), nightly retrain; more can be
+added with :func:`register_job`.
 
 APScheduler stores jobs as pickled references, so the stored job is the
 module-level :func:`fire` with the job's name; the engine and settings are
@@ -27,7 +27,6 @@ from forecaster.settings import Settings
 log = logging.getLogger(__name__)
 
 JOBS: dict[str, JobSpec] = {}
-OPTIONAL_SLOTS = ("forecast", "retrain")
 _context: dict[str, object] = {}
 
 
@@ -52,10 +51,26 @@ def partition_job(engine: Engine, settings: Settings, now: datetime) -> dict:
     return {"created": created}
 
 
+def forecast_job(engine: Engine, settings: Settings, now: datetime) -> dict:
+    """Every minute: forecast every model with the champion and store the quantiles."""
+    from forecaster.jobs.forecasting import forecast_job as run
+
+    return run(engine, settings, now)
+
+
+def retrain_job(engine: Engine, settings: Settings, now: datetime) -> dict:
+    """Nightly: train a challenger and promote it if its backtest is not worse than the champion's."""
+    from forecaster.jobs.forecasting import retrain_job as run
+
+    return run(engine, settings, now)
+
+
 def default_jobs(settings: Settings) -> list[JobSpec]:
     return [
         JobSpec("ingest", ingest_job, every_s=settings.ingest_interval_s),
         JobSpec("partitions", partition_job, every_s=settings.partition_maintenance_interval_s),
+        JobSpec("forecast", forecast_job, every_s=settings.forecast_interval_s),
+        JobSpec("retrain", retrain_job, every_s=86_400, offset_s=settings.retrain_hour_utc * 3600),
     ]
 
 
@@ -98,7 +113,4 @@ def build_scheduler(engine: Engine, settings: Settings, scheduler: BaseScheduler
             replace_existing=True,
             misfire_grace_time=max(1, spec.every_s // 2),
         )
-    for name in OPTIONAL_SLOTS:
-        if name not in JOBS:
-            log.info("job %s: not available in this version, not scheduled", name)
     return scheduler

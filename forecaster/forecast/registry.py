@@ -1,0 +1,154 @@
+"""The model registry: trained ensembles under ``models/<version>/`` plus a row in ``model_versions``.
+
+A version folder holds two files with fixed names (after mlforecast's
+save/load): ``ensemble.pkl`` (the fitted ensemble) and ``metadata.json``
+(training window, members, failures, backtest scores, code version). At most
+one version is the ``champion``; the nightly retrain adds a ``challenger`` and
+promotes it only when its backtest is not worse than the champion's on the
+same held-out origins.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import shutil
+import subprocess
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from sqlalchemy import Engine, text
+
+from forecaster import __version__
+
+log = logging.getLogger(__name__)
+
+ENSEMBLE_FILE = "ensemble.pkl"
+METADATA_FILE = "metadata.json"
+
+
+def code_version() -> str:
+    """Package version plus the git commit when running from a checkout."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"{__version__}+{commit}" if commit else __version__
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    id: str
+    status: str
+    path: Path
+    train_start: datetime | None
+    train_end: datetime | None
+    scores: dict
+    members: list
+
+
+def save_version(
+    ensemble,
+    models_dir: Path,
+    *,
+    version_id: str,
+    train_start: datetime | None,
+    train_end: datetime | None,
+    scores: dict,
+) -> Path:
+    """Write ``ensemble`` and its metadata atomically (a temp folder renamed into place)."""
+    final = Path(models_dir) / version_id
+    if final.exists():
+        raise FileExistsError(f"model version {version_id!r} already exists at {final}")
+    staging = Path(models_dir) / f".{version_id}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    with open(staging / ENSEMBLE_FILE, "wb") as handle:
+        pickle.dump(ensemble, handle, protocol=pickle.HIGHEST_PROTOCOL)
+    metadata = {
+        "version": version_id,
+        "train_start": train_start.isoformat() if train_start else None,
+        "train_end": train_end.isoformat() if train_end else None,
+        "members": member_report(ensemble),
+        "failures": dict(getattr(ensemble, "failures_", {})),
+        "scores": scores,
+        "code_version": code_version(),
+    }
+    (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, default=str) + "\n")
+    staging.rename(final)
+    return final
+
+
+def member_report(ensemble) -> list[dict]:
+    """Each fitted member's name and the share of series that use it."""
+    members = getattr(ensemble, "members_", [])
+    weights = getattr(ensemble, "weights_", None)
+    report = []
+    for j, member in enumerate(members):
+        share = None
+        if weights is not None:
+            try:
+                share = round(float((weights[:, j] > 0).mean()), 4)
+            except (IndexError, TypeError):
+                share = None
+        report.append({"name": member.name, "series_share": share})
+    return report
+
+
+def load_ensemble(path: Path):
+    """Load a saved ensemble (only load folders this service wrote: pickle runs code)."""
+    with open(Path(path) / ENSEMBLE_FILE, "rb") as handle:
+        return pickle.load(handle)
+
+
+def register(engine: Engine, *, version_id: str, path: Path, status: str, train_start, train_end,
+             members: list, scores: dict) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            text("INSERT INTO model_versions (id, status, path, train_start, train_end, members, scores, "
+                 "code_version) VALUES (:id, :st, :p, :ts, :te, CAST(:m AS jsonb), CAST(:s AS jsonb), :cv)"),
+            {"id": version_id, "st": status, "p": str(path), "ts": train_start, "te": train_end,
+             "m": json.dumps(members), "s": json.dumps(scores, default=str), "cv": code_version()},
+        )
+
+
+def champion(engine: Engine) -> VersionInfo | None:
+    with engine.connect() as conn:
+        row = conn.execute(text("SELECT id, status, path, train_start, train_end, scores, members "
+                                "FROM model_versions WHERE status = 'champion'")).first()
+    return None if row is None else VersionInfo(row[0], row[1], Path(row[2]), row[3], row[4], row[5], row[6])
+
+
+def promote(engine: Engine, version_id: str) -> None:
+    """Make ``version_id`` the champion and retire the previous one, in one transaction."""
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE model_versions SET status = 'retired' WHERE status = 'champion'"))
+        updated = conn.execute(text("UPDATE model_versions SET status = 'champion' WHERE id = :id"),
+                               {"id": version_id}).rowcount
+        if updated != 1:
+            raise LookupError(f"no model version {version_id!r}")
+
+
+def set_status(engine: Engine, version_id: str, status: str) -> None:
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE model_versions SET status = :st WHERE id = :id"), {"st": status, "id": version_id})
+
+
+class ChampionCache:
+    """Loads the champion once per version; the forecast job asks it every minute."""
+
+    def __init__(self) -> None:
+        self._version: str | None = None
+        self._ensemble = None
+
+    def get(self, engine: Engine):
+        info = champion(engine)
+        if info is None:
+            return None, None
+        if info.id != self._version:
+            log.info("loading champion model %s from %s", info.id, info.path)
+            self._ensemble, self._version = load_ensemble(info.path), info.id
+        return info.id, self._ensemble

@@ -1,0 +1,82 @@
+"""Registry, nightly retrain (champion/challenger) and the per-minute forecast job, on a real store."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from sqlalchemy import text
+
+import forecaster.forecast.registry as registry
+from forecaster.data import AZURE2019_TOP100, sample_path
+from forecaster.forecast.ensemble import Ensemble
+from forecaster.forecast.members import MovingAverage, Naive, SeasonalNaive
+from forecaster.ingest.service import ingest_trace_file
+from forecaster.jobs.forecasting import forecast_job, retrain_job
+
+DAY_END = datetime(2019, 7, 16, tzinfo=timezone.utc)  # the shipped sample covers 2019-07-15
+
+
+class Broken(Naive):
+    name = "broken"
+
+    def _fit(self, panel):
+        raise RuntimeError("out of memory (simulated)")
+
+
+@pytest.fixture
+def ingested(engine, settings, now):
+    ingest_trace_file(engine, settings, sample_path(AZURE2019_TOP100), now=now, register=True)
+    return settings.model_copy(update={"train_window_min": 1440, "forecast_lookback_min": 240,
+                                       "retrain_holdout_min": 120})
+
+
+def small(*members, fallback=True):
+    return lambda: Ensemble(members=list(members), horizon=60, fallback=fallback)
+
+
+def test_first_retrain_becomes_champion_and_forecasts_use_it(engine, ingested, monkeypatch):
+    first = retrain_job(engine, ingested, DAY_END, cache=registry.ChampionCache(),
+                        ensemble_factory=small(MovingAverage(60), Broken()))
+    assert first["promoted"] and first["previous_champion"] is None and first["series"] == 100
+    assert "broken" in " ".join(first["failures"])  # reported and skipped, the run went on
+    folder = ingested.models_dir / first["version"]
+    assert sorted(p.name for p in folder.iterdir()) == ["ensemble.pkl", "metadata.json"]
+    metadata = json.loads((folder / "metadata.json").read_text())
+    assert metadata["scores"]["challenger"]["wql"] == pytest.approx(first["scores"]["challenger"]["wql"])
+    assert "broken" not in [m["name"] for m in metadata["members"]]
+
+    loads = []
+    original = registry.load_ensemble
+    monkeypatch.setattr(registry, "load_ensemble", lambda path: loads.append(path) or original(path))
+    cache = registry.ChampionCache()
+    for minute in range(3):
+        result = forecast_job(engine, ingested, DAY_END + timedelta(minutes=minute), cache=cache)
+        assert result["models"] == 100 and result["model_version"] == first["version"]
+    assert len(loads) == 1  # the champion is loaded once, not every minute
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT count(*), min(target_minute), max(target_minute), "
+                                 "bool_and(point >= 0), bool_and((quantiles->>'0.9')::float >= point) "
+                                 "FROM forecasts WHERE issued_at = :t"), {"t": DAY_END}).one()
+    assert rows[0] == 100 * 60 and rows[1] == DAY_END and rows[2] == DAY_END + timedelta(minutes=59)
+    assert rows[3] and rows[4]
+
+
+def test_a_worse_challenger_is_not_promoted(engine, ingested):
+    good = retrain_job(engine, ingested, DAY_END, cache=registry.ChampionCache(),
+                       ensemble_factory=small(SeasonalNaive(15)))
+    # naive without the fallback: its own conformal intervals only; on this data it scores worse wQL
+    worse = retrain_job(engine, ingested, DAY_END + timedelta(minutes=1), cache=registry.ChampionCache(),
+                        ensemble_factory=small(MovingAverage(1440), fallback=False))
+    assert good["promoted"]
+    assert worse["scores"]["challenger"]["wql"] > worse["scores"]["champion"]["wql"]
+    assert not worse["promoted"] and worse["previous_champion"] == good["version"]
+    with engine.connect() as conn:
+        statuses = dict(conn.execute(text("SELECT id, status FROM model_versions")).all())
+    assert statuses == {good["version"]: "champion", worse["version"]: "retired"}
+
+
+def test_forecast_job_without_champion_falls_back(engine, ingested):
+    result = forecast_job(engine, ingested, DAY_END, cache=registry.ChampionCache())
+    assert result["models"] == 100 and result["model_version"] is None and result["rows"] == 6000
