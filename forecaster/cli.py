@@ -296,6 +296,37 @@ def agent_cmd(
     os.execv(sys.executable, argv)
 
 
+@app.command("backtest")
+def backtest_cmd(
+    csv: Annotated[Path, typer.Option(help="Per-series, per-horizon table (and PATH.summary.csv).")]
+    = Path("backtest.csv"),
+    start: Annotated[Optional[datetime], typer.Option(help="First step (UTC); default: start of the data.")] = None,
+    end: Annotated[Optional[datetime], typer.Option(help="End (UTC, exclusive); default: end of the data.")] = None,
+    step_seconds: Annotated[int, typer.Option(help="Step of the data: 60, or 300 for 5-minute traces.")] = 60,
+    members: Annotated[Optional[str], typer.Option(
+        help="Comma-separated ensemble members (lightgbm, xgboost, random_forest, arima, lstm); default all. "
+             "The fallback member is always in.")] = None,
+) -> None:
+    """Rolling-origin backtest (EVALUATION.md protocol) of the ensemble and naive peers on the ingested data."""
+    from forecaster.jobs.backtesting import run_store_backtest, write_csv
+
+    settings = _settings()
+    start = start.replace(tzinfo=timezone.utc) if start is not None and start.tzinfo is None else start
+    end = end.replace(tzinfo=timezone.utc) if end is not None and end.tzinfo is None else end
+    with _database(settings) as engine:
+        try:
+            run_id, result = run_store_backtest(
+                engine, start=start, end=end, step_seconds=step_seconds,
+                members=None if members is None else [m.strip() for m in members.split(",") if m.strip()],
+                progress=lambda line: typer.echo(line, err=True))
+        except ValueError as exc:
+            _fail(str(exc), 2)
+        table_path, summary_path = write_csv(result, csv)
+    columns = ["method", "subset", "series", "mase_median", "wql", "coverage_q90", "spike_recall"]
+    typer.echo(result.summary[columns].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    typer.echo(f"backtest run {run_id} stored; tables in {table_path} and {summary_path}")
+
+
 @app.command("demo")
 def demo(
     trace: Annotated[Optional[Path], typer.Option(help="Trace to ingest (default: the shipped Azure 2019 sample).")]

@@ -80,3 +80,37 @@ def test_a_worse_challenger_is_not_promoted(engine, ingested):
 def test_forecast_job_without_champion_falls_back(engine, ingested):
     result = forecast_job(engine, ingested, DAY_END, cache=registry.ChampionCache())
     assert result["models"] == 100 and result["model_version"] is None and result["rows"] == 6000
+
+
+def test_backtest_command_writes_store_and_csv(engine, ingested, db_url, tmp_path):
+    from typer.testing import CliRunner
+
+    from forecaster.cli import app
+
+    csv = tmp_path / "bt.csv"
+    result = CliRunner().invoke(app, ["backtest", "--csv", str(csv), "--members", "fallback"],
+                                env={"DATABASE_URL": db_url, "PREWARM_DATA_DIR": str(tmp_path)})
+    assert result.exit_code == 0, result.output
+    assert "backtest run 1 stored" in result.output
+    import pandas as pd
+
+    table = pd.read_csv(csv)
+    summary = pd.read_csv(csv.with_suffix(".summary.csv"))
+    # generic protocol on 1,440 minutes: fit on 1,152, origins every hour, horizons 1..15
+    assert set(table["h"]) == set(range(1, 16)) and table["unique_id"].nunique() == 100
+    assert set(summary["method"]) == {"ensemble", "naive", "moving_average_60"}
+    with engine.connect() as conn:
+        stored = conn.execute(text("SELECT count(*), count(DISTINCT method) FROM backtest_results "
+                                   "WHERE run_id = 1")).one()
+        protocol = conn.execute(text("SELECT protocol->>'fit_steps' FROM backtest_runs WHERE id = 1")).scalar()
+    assert stored == (len(table), 3) and protocol == "1152"
+
+
+def test_backtest_rejects_unknown_members(engine, ingested, db_url, tmp_path):
+    from typer.testing import CliRunner
+
+    from forecaster.cli import app
+
+    result = CliRunner().invoke(app, ["backtest", "--members", "prophet"],
+                                env={"DATABASE_URL": db_url, "PREWARM_DATA_DIR": str(tmp_path)})
+    assert result.exit_code == 2 and "unknown members ['prophet']" in result.output

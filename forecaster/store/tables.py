@@ -273,3 +273,37 @@ class SchedulerJob(Base):
     id: Mapped[str] = mapped_column(String(191), primary_key=True)
     next_run_time: Mapped[float | None] = mapped_column(Float(precision=25), index=True)
     job_state: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+
+
+class BacktestRun(Base):
+    """One ``prewarm backtest`` run: protocol, data window and the aggregate rows."""
+
+    __tablename__ = "backtest_runs"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    data_start: Mapped[datetime] = mapped_column(TZ)
+    data_end: Mapped[datetime] = mapped_column(TZ)
+    step_seconds: Mapped[int] = mapped_column(Integer)
+    protocol: Mapped[dict] = mapped_column(JSONB)
+    summary: Mapped[list] = mapped_column(JSONB)
+
+
+class BacktestResult(Base):
+    """Per method, series and horizon: the backtest metrics (EVALUATION.md section 1)."""
+
+    __tablename__ = "backtest_results"
+
+    run_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("backtest_runs.id", ondelete="CASCADE"),
+                                        primary_key=True)
+    method: Mapped[str] = mapped_column(String(64), primary_key=True)
+    unique_id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    h: Mapped[int] = mapped_column(Integer, primary_key=True)
+    busy: Mapped[bool] = mapped_column(Boolean)
+    points: Mapped[int] = mapped_column(Integer)
+    mae: Mapped[float | None] = mapped_column(Float)
+    mase: Mapped[float | None] = mapped_column(Float)
+    wql: Mapped[float | None] = mapped_column(Float)
+    coverage_q90: Mapped[float | None] = mapped_column(Float)
+    spike_recall: Mapped[float | None] = mapped_column(Float)
+    spikes: Mapped[int] = mapped_column(Integer)

@@ -1,0 +1,123 @@
+"""``prewarm backtest``: the rolling-origin protocol of EVALUATION.md on whatever the store holds.
+
+Reads every registered model's counts over the ingested window, applies the
+"any other trace" protocol (fit on the first 80%, an origin every hour, 15
+one-minute or 12 five-minute horizons, no refit), scores the ensemble and the
+naive peers, and writes the per-series, per-horizon table to the store
+(``backtest_runs``, ``backtest_results``) and to CSV.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from dataclasses import asdict
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from sqlalchemy import Engine, text
+
+from forecaster.forecast.backtest import BacktestResult, evaluate, generic_protocol, run_backtest
+from forecaster.forecast.ensemble import Ensemble
+from forecaster.forecast.members import MovingAverage, Naive
+from forecaster.forecast.panel import Panel
+from forecaster.store.invocations import read_counts
+
+log = logging.getLogger(__name__)
+
+RESULT_COLUMNS = ["method", "unique_id", "h", "busy", "points", "mae", "mase", "wql", "coverage_q90",
+                  "spike_recall", "spikes"]
+
+
+def ingested_window(engine: Engine, step_seconds: int) -> tuple[datetime, datetime]:
+    """The span of all coverage at this step width."""
+    with engine.connect() as conn:
+        row = conn.execute(text("SELECT min(lower(ranges)), max(upper(ranges)) FROM coverage "
+                                "WHERE :step % step_seconds = 0"), {"step": step_seconds}).one()
+    if row[0] is None:
+        raise ValueError(f"nothing ingested at a {step_seconds} s step")
+    return row[0], row[1]
+
+
+def select_members(names: list[str] | None, horizon: int) -> list:
+    """The default members whose names are listed (None = all); the fallback is always added."""
+    from forecaster.forecast.ensemble import default_members
+
+    members = default_members(horizon)
+    if names is None:
+        return members
+    known = {m.name for m in members}
+    unknown = sorted(set(names) - known - {"fallback"})
+    if unknown:
+        raise ValueError(f"unknown members {unknown}; choose from {sorted(known)} (the fallback is always in)")
+    return [m for m in members if m.name in names]
+
+
+def run_store_backtest(
+    engine: Engine,
+    *,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    step_seconds: int = 60,
+    members: list[str] | None = None,
+    progress=log.info,
+) -> tuple[int, BacktestResult]:
+    """Backtest the ensemble (of ``members``; all by default) and the naive peers on stored data."""
+    lo, hi = ingested_window(engine, step_seconds)
+    start, end = start or lo, end or hi
+    step = pd.Timedelta(seconds=step_seconds)
+    start = pd.Timestamp(start).tz_convert("UTC").ceil(step).to_pydatetime()
+    end = pd.Timestamp(end).tz_convert("UTC").floor(step).to_pydatetime()
+    with engine.connect() as conn:
+        ids = list(conn.execute(text("SELECT id FROM serving_models ORDER BY id")).scalars())
+    frame = read_counts(engine, ids, start, end, step_seconds=step_seconds)
+    frame = frame[frame.groupby("unique_id")["y"].transform("count") > 0]
+    panel = Panel.from_long(frame)
+    protocol = generic_protocol(panel.n_steps, step_seconds / 60.0, name="store")
+    progress(f"backtest: {panel.n_series} series x {panel.n_steps} steps, fit on {protocol.fit_steps}, "
+             f"{len(protocol.origins)} origins, horizons 1..{protocol.horizon}")
+    model = Ensemble(members=select_members(members, protocol.horizon), horizon=protocol.horizon, progress=progress)
+    forecasts = run_backtest(model, panel, protocol)
+    for peer in (Naive(), MovingAverage(int(60 / (step_seconds / 60)) or 1)):
+        peer_model = Ensemble(members=[peer], horizon=protocol.horizon, fallback=False)
+        peer_forecasts = run_backtest(peer_model, panel, protocol)
+        forecasts[peer.name] = peer_forecasts[peer_model.name]
+    result = evaluate(panel, protocol, forecasts)
+    run_id = store_result(engine, result, protocol=asdict(protocol), start=start, end=end, step_seconds=step_seconds)
+    return run_id, result
+
+
+def store_result(engine: Engine, result: BacktestResult, *, protocol: dict, start: datetime, end: datetime,
+                 step_seconds: int) -> int:
+    summary = json.loads(result.summary.to_json(orient="records"))
+    table = result.table.reindex(columns=RESULT_COLUMNS).copy()
+    table = table.replace([np.inf, -np.inf], np.nan)
+    for column in ("h", "points", "spikes"):
+        table[column] = table[column].astype("int64")
+    buffer = io.StringIO()
+    with engine.begin() as conn:
+        run_id = conn.execute(
+            text("INSERT INTO backtest_runs (data_start, data_end, step_seconds, protocol, summary) "
+                 "VALUES (:s, :e, :step, CAST(:p AS jsonb), CAST(:sm AS jsonb)) RETURNING id"),
+            {"s": start, "e": end, "step": step_seconds, "p": json.dumps(protocol, default=str),
+             "sm": json.dumps(summary)},
+        ).scalar_one()
+        table.insert(0, "run_id", run_id)
+        table.to_csv(buffer, sep="\t", header=False, index=False, na_rep="\\N")
+        raw = conn.connection.driver_connection
+        with raw.cursor() as cur, cur.copy(
+            f"COPY backtest_results (run_id, {', '.join(RESULT_COLUMNS)}) FROM STDIN"
+        ) as copy:
+            copy.write(buffer.getvalue())
+    return run_id
+
+
+def write_csv(result: BacktestResult, path: Path) -> tuple[Path, Path]:
+    """``PATH`` gets the per-series table, ``PATH`` with ``.summary.csv`` the aggregate rows."""
+    path = Path(path)
+    summary_path = path.with_suffix(".summary.csv")
+    result.to_csv(str(path), str(summary_path))
+    return path, summary_path
