@@ -88,6 +88,7 @@ class Settings(BaseSettings):
     forecast_horizon_min: int = Field(default=60, ge=1, le=1440)
     forecast_lookback_min: int = Field(default=1440, ge=60, description="History the forecast job conditions on.")
     train_window_min: int = Field(default=7 * 1440, ge=240, description="History the nightly retrain learns from.")
+    plan_horizon_min: int = Field(default=10, ge=1, le=60, description="Minutes ahead the planner plans.")
     retrain_holdout_min: int = Field(default=120, ge=30, description="Held-out tail scoring challenger vs champion.")
     retrain_hour_utc: int = Field(default=3, ge=0, le=23)
 

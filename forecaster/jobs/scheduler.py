@@ -65,11 +65,19 @@ def retrain_job(engine: Engine, settings: Settings, now: datetime) -> dict:
     return run(engine, settings, now)
 
 
+def plan_job(engine: Engine, settings: Settings, now: datetime) -> dict:
+    """Every minute: plan from the stored forecasts and carry the plan out through the actuator."""
+    from forecaster.jobs.planning import plan_job as run
+
+    return run(engine, settings, now)
+
+
 def default_jobs(settings: Settings) -> list[JobSpec]:
     return [
         JobSpec("ingest", ingest_job, every_s=settings.ingest_interval_s),
         JobSpec("partitions", partition_job, every_s=settings.partition_maintenance_interval_s),
         JobSpec("forecast", forecast_job, every_s=settings.forecast_interval_s),
+        JobSpec("plan", plan_job, every_s=settings.forecast_interval_s),
         JobSpec("retrain", retrain_job, every_s=86_400, offset_s=settings.retrain_hour_utc * 3600),
     ]
 

@@ -1,0 +1,123 @@
+"""The plan job (every minute): store -> planner -> actuator.
+
+Collects what the pure planner needs from the store (the newest forecast run
+per model, the fleet: catalogue, nodes, node caches, replicas as last set by
+the actuator, and predicted cold-start latencies from the latency model
+trained on observed cold starts), plans, and hands the plan to the actuator,
+which records it and carries out what is due through the configured backend
+(``dry-run`` by default).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime, timedelta
+
+import numpy as np
+import pandas as pd
+from sqlalchemy import Engine, text
+
+from forecaster.planning.fleet import FleetState, PlannerSettings
+from forecaster.planning.planner import plan
+from forecaster.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def stored_forecast(engine: Engine, *, now: datetime, horizon_min: int) -> pd.DataFrame:
+    """The newest run per model, target minutes ``now .. now + horizon``, in the planner's format."""
+    with engine.connect() as conn:
+        rows = conn.execute(text(
+            "SELECT f.model_id, f.target_minute, f.p_any, f.quantiles FROM forecasts f "
+            "JOIN (SELECT model_id, max(issued_at) AS issued_at FROM forecasts WHERE issued_at <= :now "
+            "      GROUP BY model_id) latest USING (model_id, issued_at) "
+            "WHERE f.target_minute >= :first AND f.target_minute < :last ORDER BY 1, 2"),
+            {"now": now, "first": now.replace(second=0, microsecond=0),
+             "last": now.replace(second=0, microsecond=0) + timedelta(minutes=horizon_min)}).all()
+    if not rows:
+        return pd.DataFrame(columns=["unique_id", "ds", "p_any"])
+    frame = pd.DataFrame({"unique_id": [r[0] for r in rows], "ds": pd.to_datetime([r[1] for r in rows], utc=True),
+                          "p_any": [r[2] for r in rows]})
+    levels = sorted({k for r in rows for k in r[3]}, key=float)
+    for level in levels:
+        frame[f"q{float(level)!r}"] = [float(r[3][level]) for r in rows]
+    columns = [f"q{float(level)!r}" for level in levels]
+    # quantiles must not cross (the planner checks); tiny float noise is sorted out here
+    frame[columns] = np.maximum.accumulate(frame[columns].to_numpy(dtype="float64"), axis=1)
+    frame["p_any"] = frame["p_any"].astype("float64").clip(0.0, 1.0).fillna(1.0)
+    return frame
+
+
+def fleet_from_store(engine: Engine) -> FleetState:
+    """Catalogue, nodes and caches from the store; replicas as the actuator last set them."""
+    with engine.connect() as conn:
+        models = conn.execute(text(
+            "SELECT m.id, m.image_ref, m.image_size_bytes, m.weights_uri, m.weights_size_bytes, m.gpus_per_replica, "
+            "m.replica_rps, m.cold_start_slo_s, m.labels, "
+            "(SELECT a.replicas FROM (SELECT (spec->>'replicas')::int AS replicas, updated_at FROM actions "
+            "   WHERE model_id = m.id AND kind IN ('scale', 'release') AND status = 'succeeded' "
+            "   ORDER BY updated_at DESC, id DESC LIMIT 1) a) AS replicas "
+            "FROM serving_models m ORDER BY m.id")).all()
+        nodes = conn.execute(text("SELECT id, gpus_free, host_memory_free_bytes, disk_free_bytes FROM nodes")).all()
+        cache = conn.execute(text("SELECT node_id, artefact_kind, ref, tier FROM node_cache")).all()
+    model_rows = []
+    for (model_id, image_ref, image_bytes, weights_uri, weights_bytes, gpus, rps, slo, labels, replicas) in models:
+        model_rows.append({
+            "model_id": model_id, "image_ref": image_ref, "image_bytes": float(image_bytes or 0),
+            "weights_uri": weights_uri, "weights_bytes": float(weights_bytes or 0), "gpus": float(gpus or 1),
+            "replica_rpm": float(rps) * 60.0 if rps else 60.0,
+            "cold_cost": float((labels or {}).get("cold_cost", 1.0)),
+            "slo_s": float(slo) if slo else np.nan, "replicas": int(replicas or 0),
+        })
+    node_rows = [{"node_id": n[0], "gpus_free": int(n[1] or 0), "host_free_bytes": float(n[2] or 0),
+                  "disk_free_bytes": float(n[3] or 0)} for n in nodes]
+    by_weights = {}
+    for row in model_rows:
+        if row["weights_uri"]:
+            by_weights.setdefault(row["weights_uri"], []).append(row["model_id"])
+    cache_rows, image_rows = [], []
+    for node_id, kind, ref, tier in cache:
+        if kind == "image":
+            image_rows.append({"node_id": node_id, "image_ref": ref})
+        elif tier in ("disk", "host"):
+            cache_rows += [{"node_id": node_id, "model_id": m, "state": tier} for m in by_weights.get(ref, [])]
+    if not node_rows:
+        node_rows = [{"node_id": "-", "gpus_free": 0, "host_free_bytes": 0.0, "disk_free_bytes": 0.0}]
+    return FleetState.build(model_rows, node_rows, cache_rows, images=image_rows)
+
+
+def predicted_latency(engine: Engine, fleet: FleetState, *, now: datetime) -> pd.DataFrame:
+    """Cold-start seconds per model and start state: the latency model on observed events, else its prior."""
+    from forecaster.coldstart.model import ColdStartModel, load_cold_starts
+
+    events = load_cold_starts(engine)
+    model = ColdStartModel().fit(events if len(events) else _no_events())
+    return model.latency_table(fleet.models, hour=now.hour)
+
+
+def _no_events() -> pd.DataFrame:
+    return pd.DataFrame(columns=["model_id", "node_id", "started_at", "total_seconds", "cache_state",
+                                 "image_bytes", "weights_bytes", "concurrent_node_transfers",
+                                 "concurrent_registry_pulls"])
+
+
+def plan_job(engine: Engine, settings: Settings, now: datetime) -> dict:
+    """Plan the next minutes from the stored forecasts and carry the plan out through the actuator."""
+    from forecaster.actuation.actuator import Actuator, build_backend
+
+    started = time.perf_counter()
+    forecast = stored_forecast(engine, now=now, horizon_min=settings.plan_horizon_min)
+    if forecast.empty:
+        return {"skipped": "no forecasts yet"}
+    fleet = fleet_from_store(engine)
+    latency = predicted_latency(engine, fleet, now=now)
+    planner_settings = PlannerSettings(horizon_min=settings.plan_horizon_min,
+                                       gpu_budget=float(settings.actuator_gpu_budget) or None)
+    planned = plan(forecast, latency, fleet, planner_settings, now)
+    submitted, reports = Actuator(engine, settings, build_backend(settings)).apply(planned, now=now)
+    statuses: dict[str, int] = {}
+    for report in reports:
+        statuses[str(report.status)] = statuses.get(str(report.status), 0) + 1
+    return {"actions": len(planned.actions), "carried_out": statuses, "summary": planned.summary,
+            "seconds": round(time.perf_counter() - started, 3)}

@@ -1,0 +1,70 @@
+"""The plan job end to end on a real store: forecasts + fleet + latency model -> planner -> dry-run actuator."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pandas as pd
+from sqlalchemy import text
+
+from forecaster.planning.plan import Reason
+from forecaster.store.catalog import ServingModelSpec, upsert_models
+from forecaster.store.forecasts import write_forecasts
+from forecaster.jobs.planning import fleet_from_store, plan_job, stored_forecast
+
+NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+
+
+def _setup(engine, spike_at: int = 4):
+    with engine.begin() as conn:
+        upsert_models(conn, [
+            ServingModelSpec(id="llama", image_ref="vllm/vllm-openai:v0.5.4", image_size_bytes=9 * 10**9,
+                             weights_uri="s3://models/llama", weights_size_bytes=16 * 10**9, replica_rps=2.0),
+            ServingModelSpec(id="idle", image_ref="vllm/vllm-openai:v0.5.4", image_size_bytes=9 * 10**9,
+                             weights_uri="s3://models/idle", weights_size_bytes=2 * 10**9, replica_rps=2.0),
+        ])
+        for i in range(3):
+            conn.execute(text("INSERT INTO nodes (id, gpus_total, gpus_free, disk_free_bytes, host_memory_free_bytes) "
+                              "VALUES (:n, 8, 8, 2e12, 5e11)"), {"n": f"gpu-{i}"})
+        conn.execute(text("INSERT INTO node_cache (node_id, artefact_kind, ref, tier) "
+                          "VALUES ('gpu-0', 'image', 'vllm/vllm-openai:v0.5.4', 'image')"))
+    minutes = pd.date_range(NOW, periods=60, freq="min")
+    busy = [0.0] * spike_at + [600.0] * (60 - spike_at)
+    frame = pd.concat([
+        pd.DataFrame({"unique_id": "llama", "ds": minutes, "point": busy, "p_any": [0.05] * spike_at +
+                      [1.0] * (60 - spike_at), "q0.1": busy, "q0.5": busy, "q0.9": [v * 1.2 for v in busy]}),
+        pd.DataFrame({"unique_id": "idle", "ds": minutes, "point": 0.0, "p_any": 0.0, "q0.1": 0.0, "q0.5": 0.0,
+                      "q0.9": 0.0}),
+    ])
+    write_forecasts(engine, frame, issued_at=NOW - timedelta(seconds=20), model_version_id=None)
+
+
+def test_stored_forecast_and_fleet_are_in_the_planners_format(engine):
+    _setup(engine)
+    forecast = stored_forecast(engine, now=NOW, horizon_min=10)
+    assert set(forecast.columns) >= {"unique_id", "ds", "p_any", "q0.1", "q0.5", "q0.9"}
+    assert len(forecast) == 20 and forecast["ds"].min() == pd.Timestamp(NOW)
+    fleet = fleet_from_store(engine)
+    assert fleet.models.loc["llama", "replica_rpm"] == 120.0 and list(fleet.nodes.index) == ["gpu-0", "gpu-1", "gpu-2"]
+    assert fleet.images.to_dict("records") == [{"node_id": "gpu-0", "image_ref": "vllm/vllm-openai:v0.5.4"}]
+
+
+def test_plan_job_scales_ahead_of_the_spike_and_records_every_action(engine, settings):
+    _setup(engine)
+    result = plan_job(engine, settings, NOW)
+    assert result["actions"] > 0
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT kind, model_id, reason, status, spec FROM actions")).all()
+    assert {r[1] for r in rows} == {"llama"}  # nothing for the model forecast to stay idle
+    assert all(r[2] in {reason.value for reason in Reason} for r in rows)
+    scales = [r for r in rows if r[0] == "scale"]
+    # 600 requests/min * 1.2 at q0.9 against 120 per replica (at 80% use): several replicas, before minute 4
+    assert scales and max(r[4]["replicas"] for r in scales) >= 5
+    assert all(pd.Timestamp(r[4]["deadline"]) <= pd.Timestamp(NOW + timedelta(minutes=10)) for r in scales)
+    assert {r[3] for r in rows} <= {"succeeded", "pending"}  # dry-run carries out what is due, the rest waits
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM plans")).scalar() == 1
+
+
+def test_plan_job_without_forecasts_does_nothing(engine, settings):
+    assert plan_job(engine, settings, NOW) == {"skipped": "no forecasts yet"}
