@@ -327,21 +327,124 @@ def backtest_cmd(
     typer.echo(f"backtest run {run_id} stored; tables in {table_path} and {summary_path}")
 
 
+@app.command("simulate")
+def simulate_cmd(
+    trace: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="Trace file (any supported format).")],
+    fmt: Annotated[Optional[str], typer.Option("--format", help="Trace format; detected when omitted.")] = None,
+    policies: Annotated[str, typer.Option("--policy", help="Comma-separated: keepalive_<minutes>, hybrid_histogram, "
+                                          "reactive, prewarm, prewarm_scale_only, oracle.")]
+    = "keepalive_10,hybrid_histogram,reactive,prewarm,prewarm_scale_only,oracle",
+    nodes: Annotated[Optional[int], typer.Option(help="GPU nodes of 8 GPUs (default 160 for many models, else 16).")]
+    = None,
+    minutes: Annotated[Optional[int], typer.Option(help="Simulate only the first MINUTES minutes.")] = None,
+    warmup_minutes: Annotated[Optional[int], typer.Option(help="Minutes run but not scored (default 240 on traces "
+                                                                 "over 8 hours, else 10).")] = None,
+    cold_cost: Annotated[float, typer.Option(help="prewarm: GPU-seconds one second of cold-start wait is worth.")]
+    = 1.0,
+    model_id: Annotated[Optional[str], typer.Option(help="Model id for single-service traces.")] = None,
+    as_json: Annotated[Optional[Path], typer.Option("--json", help="Also write the figures here as JSON.")] = None,
+) -> None:
+    """Replay a trace against a simulated GPU fleet under each policy: cold starts, waits, GPU-seconds, bytes."""
+    from forecaster.simulation.config import FleetConfig
+    from forecaster.simulation.runner import format_table, models_for, run_policies, summary_table
+    from forecaster.simulation.workload import load_workload
+
+    settings = _settings()
+    try:
+        workload = load_workload(trace, fmt=fmt, model_id=model_id)
+    except (IngestError, ValueError) as exc:
+        _fail(f"{trace}: {exc}", 2)
+    if minutes:
+        workload = workload.window(0, minutes * 60.0)
+    warmup = warmup_minutes if warmup_minutes is not None else (240 if workload.duration_s > 8 * 3600 else 10)
+    config = FleetConfig(n_nodes=nodes or (160 if workload.n_models > 100 else 16),
+                         score_from_s=min(warmup * 60.0, workload.duration_s / 2))
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    if "keepalive_10" not in names:
+        names.insert(0, "keepalive_10")  # the 100 % of wasted GPU time
+    typer.echo(f"{trace.name}: {workload.n_models} models, {len(workload.times):,} requests, "
+               f"{workload.duration_s / 60:.0f} minutes; {config.n_nodes} nodes x {config.gpus_per_node} GPUs",
+               err=True)
+    try:
+        results = run_policies(workload, models_for(workload, traces_dir=settings.traces_dir), config, names,
+                               cold_cost=cold_cost,
+                               progress=lambda name, frac: typer.echo(f"  {name}: {frac:.0%}", err=True)
+                               if abs(frac * 4 - round(frac * 4)) < 0.026 else None)
+    except ValueError as exc:
+        _fail(str(exc), 2)
+    table = summary_table(results)
+    typer.echo(format_table(table))
+    if as_json:
+        as_json.write_text(json.dumps({"trace": trace.name, "policies": table}, indent=1, default=float))
+
+
 @app.command("demo")
 def demo(
     trace: Annotated[Optional[Path], typer.Option(help="Trace to ingest (default: the shipped Azure 2019 sample).")]
     = None,
-    top: Annotated[int, typer.Option(help="Models to show in the summary.")] = 15,
+    summary_only: Annotated[bool, typer.Option("--summary-only", help="Only ingest the trace and summarise it.")]
+    = False,
+    top: Annotated[int, typer.Option(help="Models to show in the summary (--summary-only).")] = 15,
+    speed: Annotated[float, typer.Option(help="Simulated seconds per wall second; 0 = as fast as possible.")] = 60.0,
+    replay_minutes: Annotated[Optional[int], typer.Option(help="Minutes to replay (default: the rest of the day).")]
+    = None,
+    members: Annotated[str, typer.Option(help="Ensemble members to train (comma-separated, or 'all').")]
+    = "lightgbm",
+    serve: Annotated[bool, typer.Option("--serve/--no-serve", help="Serve the API and dashboard meanwhile.")] = True,
+    port: Annotated[Optional[int], typer.Option(help="API port (default: PREWARM_API_PORT).")] = None,
+    exit_when_done: Annotated[bool, typer.Option("--exit-when-done", help="Stop after the replay.")] = False,
 ) -> None:
-    """Embedded database, ingest the Azure Functions 2019 day, print a summary per model."""
-    from forecaster.demo import run_demo
+    """The whole loop on the embedded database: ingest, train, replay at an accelerated clock, serve the dashboard."""
+    from forecaster.demo import SimClock, run_demo, run_loop
 
     settings = _settings()
     with _database(settings) as engine:
+        if summary_only:
+            try:
+                run_demo(engine, settings, trace=trace, top=top, now=_now(), echo=typer.echo)
+            except IngestError as exc:
+                _fail(str(exc), 2)
+            return
+        server, thread = None, None
+        clock = SimClock(_now())
+
+        def start_serving(sim_clock: SimClock) -> None:
+            nonlocal server, thread
+            if not serve:
+                return
+            import threading
+
+            import uvicorn
+
+            from api.main import create_app
+            from forecaster.store.tokens import create_token
+
+            token = create_token(engine, name=f"demo-{_now():%Y%m%dT%H%M%S%f}", scopes=["read"])
+            bind_port = port or settings.api_port
+            app_ = create_app(settings.model_copy(update={"api_snapshot_refresh_s": 1.0}), engine, clock=sim_clock)
+            server = uvicorn.Server(uvicorn.Config(app_, host=settings.api_host, port=bind_port, log_level="warning"))
+            thread = threading.Thread(target=server.run, name="demo-api", daemon=True)
+            thread.start()
+            typer.echo(f"dashboard: http://{settings.api_host}:{bind_port}/dashboard/#token={token}")
+            typer.echo(f"API:       http://{settings.api_host}:{bind_port}/docs  (read token above)")
+
         try:
-            run_demo(engine, settings, trace=trace, top=top, now=_now(), echo=typer.echo)
+            summary = run_loop(engine, settings, clock=clock, trace=trace, replay_minutes=replay_minutes,
+                               speed=speed, members=None if members == "all" else members.split(","),
+                               echo=typer.echo, on_ready=start_serving)
+            typer.echo(f"replay done: {summary['replayed_minutes']} minutes, {summary['forecast_rows']:,} forecast "
+                       f"rows, {summary['actions']:,} actions planned (dry-run)")
+            if server is not None and not exit_when_done:
+                typer.echo("serving until Ctrl-C")
+                thread.join()
+        except (KeyboardInterrupt, SystemExit):
+            pass
         except IngestError as exc:
             _fail(str(exc), 2)
+        finally:
+            if server is not None:
+                server.should_exit = True
+                thread.join(timeout=10)
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -30,9 +30,10 @@ def runner() -> CliRunner:
 
 
 @pytest.fixture
-def cli(runner, db_url):
+def cli(runner, db_url, tmp_path):
     def invoke(*args: str, **env: str):
-        return runner.invoke(app, list(args), env={"DATABASE_URL": db_url, **env})
+        return runner.invoke(app, list(args), env={"DATABASE_URL": db_url, "PREWARM_MODELS_DIR": str(tmp_path / "models"),
+                                                   "PREWARM_DATA_DIR": str(tmp_path / "data"), **env})
 
     return invoke
 
@@ -166,7 +167,7 @@ def test_ingest_missing_file_is_a_usage_error(cli):
 
 
 def test_demo_ingests_once(cli, engine):
-    first = cli("demo", "--top", "3")
+    first = cli("demo", "--summary-only", "--top", "3")
     assert first.exit_code == 0, first.output
     lines = first.stdout.splitlines()
     assert lines[0] == (f"ingested {AZURE2019_TOP100}: 100 models, 662,115 invocations, 144,000 model-steps "
@@ -177,7 +178,7 @@ def test_demo_ingests_once(cli, engine):
     assert table_counts(engine) == {"serving_models": 100, "invocations": 114_269, "coverage": 100,
                                     "ingest_batches": 1}
 
-    second = cli("demo", "--top", "3")
+    second = cli("demo", "--summary-only", "--top", "3")
     assert second.exit_code == 0, second.output
     assert second.stdout.splitlines()[0] == (
         f"ingested {AZURE2019_TOP100}: 100 models, 662,115 invocations, 144,000 model-steps covered; "
@@ -236,3 +237,15 @@ def test_missing_settings_file_exits_2(cli, tmp_path):
     result = cli("db", "current", PREWARM_SETTINGS_FILE=str(missing))
     assert result.exit_code == 2
     assert result.stderr == f"error: PREWARM_SETTINGS_FILE={str(missing)!r}: no such file\n"
+
+
+def test_demo_loop_trains_forecasts_plans_and_records_actions(cli, engine):
+    result = cli("demo", "--replay-minutes", "3", "--speed", "0", "--no-serve", "--members", "fallback")
+    assert result.exit_code == 0, result.output
+    assert "replay done: 3 minutes" in result.stdout
+    with engine.connect() as conn:
+        champion = conn.execute(text("SELECT count(*) FROM model_versions WHERE status = 'champion'")).scalar()
+        issued = conn.execute(text("SELECT count(DISTINCT issued_at), count(DISTINCT model_id) FROM forecasts")).one()
+        plans = conn.execute(text("SELECT count(*) FROM plans")).scalar()
+        replayed = conn.execute(text("SELECT count(*) FROM ingest_batches WHERE source = 'demo-replay'")).scalar()
+    assert champion == 1 and tuple(issued) == (3, 100) and plans == 3 and replayed == 3

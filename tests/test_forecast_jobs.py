@@ -89,7 +89,8 @@ def test_backtest_command_writes_store_and_csv(engine, ingested, db_url, tmp_pat
 
     csv = tmp_path / "bt.csv"
     result = CliRunner().invoke(app, ["backtest", "--csv", str(csv), "--members", "fallback"],
-                                env={"DATABASE_URL": db_url, "PREWARM_DATA_DIR": str(tmp_path)})
+                                env={"DATABASE_URL": db_url, "PREWARM_DATA_DIR": str(tmp_path),
+                                     "PREWARM_MODELS_DIR": str(tmp_path / "models")})
     assert result.exit_code == 0, result.output
     assert "backtest run 1 stored" in result.output
     import pandas as pd
@@ -112,5 +113,6 @@ def test_backtest_rejects_unknown_members(engine, ingested, db_url, tmp_path):
     from forecaster.cli import app
 
     result = CliRunner().invoke(app, ["backtest", "--members", "prophet"],
-                                env={"DATABASE_URL": db_url, "PREWARM_DATA_DIR": str(tmp_path)})
+                                env={"DATABASE_URL": db_url, "PREWARM_DATA_DIR": str(tmp_path),
+                                     "PREWARM_MODELS_DIR": str(tmp_path / "models")})
     assert result.exit_code == 2 and "unknown members ['prophet']" in result.output

@@ -44,7 +44,7 @@ def test_stored_forecast_and_fleet_are_in_the_planners_format(engine):
     forecast = stored_forecast(engine, now=NOW, horizon_min=10)
     assert set(forecast.columns) >= {"unique_id", "ds", "p_any", "q0.1", "q0.5", "q0.9"}
     assert len(forecast) == 20 and forecast["ds"].min() == pd.Timestamp(NOW)
-    fleet = fleet_from_store(engine)
+    fleet = fleet_from_store(engine, now=NOW)
     assert fleet.models.loc["llama", "replica_rpm"] == 120.0 and list(fleet.nodes.index) == ["gpu-0", "gpu-1", "gpu-2"]
     assert fleet.images.to_dict("records") == [{"node_id": "gpu-0", "image_ref": "vllm/vllm-openai:v0.5.4"}]
 
@@ -68,3 +68,18 @@ def test_plan_job_scales_ahead_of_the_spike_and_records_every_action(engine, set
 
 def test_plan_job_without_forecasts_does_nothing(engine, settings):
     assert plan_job(engine, settings, NOW) == {"skipped": "no forecasts yet"}
+
+
+def test_what_the_actuator_did_is_not_planned_again(engine, settings):
+    _setup(engine)
+    first = plan_job(engine, settings, NOW)
+    with engine.connect() as conn:
+        warmed = conn.execute(text("SELECT count(*) FROM actions WHERE kind IN ('prepull', 'preload') "
+                                   "AND status = 'succeeded'")).scalar()
+    second = plan_job(engine, settings, NOW + timedelta(minutes=1))
+    with engine.connect() as conn:
+        again = conn.execute(text("SELECT count(*) FROM actions WHERE kind IN ('prepull', 'preload') "
+                                  "AND plan_id = (SELECT max(id) FROM plans)")).scalar()
+    assert warmed > 0 and first["actions"] > 0
+    assert again == 0  # the images and weights it warmed a minute ago count as warm now
+    assert second["actions"] < first["actions"]

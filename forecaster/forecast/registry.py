@@ -66,8 +66,13 @@ def save_version(
     staging = Path(models_dir) / f".{version_id}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    with open(staging / ENSEMBLE_FILE, "wb") as handle:
-        pickle.dump(ensemble, handle, protocol=pickle.HIGHEST_PROTOCOL)
+    progress = getattr(ensemble, "progress", None)
+    try:
+        ensemble.progress = None  # a logging callback is not part of the model (and may not pickle)
+        with open(staging / ENSEMBLE_FILE, "wb") as handle:
+            pickle.dump(ensemble, handle, protocol=pickle.HIGHEST_PROTOCOL)
+    finally:
+        ensemble.progress = progress
     metadata = {
         "version": version_id,
         "train_start": train_start.isoformat() if train_start else None,

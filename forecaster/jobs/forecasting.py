@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from datetime import datetime, timedelta, timezone
 
 import pandas as pd
@@ -108,6 +109,8 @@ def retrain_job(engine: Engine, settings: Settings, now: datetime, *, cache: Cha
     frame = frame[frame.groupby("unique_id")["y"].transform("count") > 0]
     if frame.empty:
         return {"skipped": "no history to train on"}
+    first_known = frame.loc[frame["y"].notna(), "ds"].min()
+    frame = frame[frame["ds"] >= first_known]  # no point learning from days before any data
     panel = Panel.from_long(frame)
     protocol = _holdout_protocol(panel.n_steps, settings.retrain_holdout_min, horizon=15)
     factory = ensemble_factory or (lambda: Ensemble(horizon=settings.forecast_horizon_min,
@@ -124,7 +127,7 @@ def retrain_job(engine: Engine, settings: Settings, now: datetime, *, cache: Cha
             log.warning("champion %s could not forecast the holdout: %s", champion_id, error)
     result = evaluate(panel, protocol, candidates)
     scores = {name: _scores(result, name) for name in candidates}
-    version_id = end.strftime("%Y%m%dT%H%M%S")
+    version_id = f"{end:%Y%m%dT%H%M}-{uuid.uuid4().hex[:6]}"  # data time + a suffix: reruns never collide
     path = save_version(challenger, settings.models_dir, version_id=version_id,
                         train_start=panel.start.to_pydatetime(),
                         train_end=(panel.start + protocol.fit_steps * panel.step).to_pydatetime(), scores=scores)

@@ -49,7 +49,7 @@ def stored_forecast(engine: Engine, *, now: datetime, horizon_min: int) -> pd.Da
     return frame
 
 
-def fleet_from_store(engine: Engine) -> FleetState:
+def fleet_from_store(engine: Engine, *, now: datetime) -> FleetState:
     """Catalogue, nodes and caches from the store; replicas as the actuator last set them."""
     with engine.connect() as conn:
         models = conn.execute(text(
@@ -61,6 +61,13 @@ def fleet_from_store(engine: Engine) -> FleetState:
             "FROM serving_models m ORDER BY m.id")).all()
         nodes = conn.execute(text("SELECT id, gpus_free, host_memory_free_bytes, disk_free_bytes FROM nodes")).all()
         cache = conn.execute(text("SELECT node_id, artefact_kind, ref, tier FROM node_cache")).all()
+        # What the actuator reports done also counts as warm: with the dry-run backend (or before an
+        # agent's next state report) nothing else says so, and the planner would ask for it again.
+        cache += conn.execute(text(
+            "SELECT DISTINCT node_id, CASE kind WHEN 'prepull' THEN 'image' ELSE 'weights' END, target, "
+            "CASE kind WHEN 'prepull' THEN 'image' ELSE spec->>'tier' END FROM actions "
+            "WHERE kind IN ('prepull', 'preload') AND status = 'succeeded' AND node_id IS NOT NULL "
+            "AND updated_at >= :since"), {"since": now - timedelta(days=1)}).all()
     model_rows = []
     for (model_id, image_ref, image_bytes, weights_uri, weights_bytes, gpus, rps, slo, labels, replicas) in models:
         model_rows.append({
@@ -110,7 +117,7 @@ def plan_job(engine: Engine, settings: Settings, now: datetime) -> dict:
     forecast = stored_forecast(engine, now=now, horizon_min=settings.plan_horizon_min)
     if forecast.empty:
         return {"skipped": "no forecasts yet"}
-    fleet = fleet_from_store(engine)
+    fleet = fleet_from_store(engine, now=now)
     latency = predicted_latency(engine, fleet, now=now)
     planner_settings = PlannerSettings(horizon_min=settings.plan_horizon_min,
                                        gpu_budget=float(settings.actuator_gpu_budget) or None)
