@@ -167,6 +167,29 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
                        batch.covered_steps)
 
 
+def _count_cells(conn: Connection, params: dict) -> np.ndarray:
+    """Stored counts as ``(model index, step index, count)`` int64 rows, streamed with COPY.
+
+    Indexes are computed in SQL (model position in ``params["ids"]``, step
+    number from ``start``), so that 100,000s of rows need no Python objects.
+    """
+    raw = conn.connection.driver_connection
+    query = (
+        "COPY (SELECT w.i - 1, floor(extract(epoch FROM i.minute - %(start)s) / %(step)s)::bigint AS step, "
+        "sum(i.count) FROM invocations i JOIN unnest(%(ids)s::text[]) WITH ORDINALITY AS w(id, i) ON w.id = i.model_id "
+        "WHERE i.minute >= %(start)s AND i.minute < %(end)s GROUP BY 1, 2) TO STDOUT"
+    )
+    buffer = io.BytesIO()
+    with raw.cursor() as cur, cur.copy(query, {"start": params["start"], "end": params["end"],
+                                               "step": params["step"], "ids": params["ids"]}) as copy:
+        for block in copy:
+            buffer.write(block)
+    if not buffer.tell():
+        return np.empty((0, 3), dtype=np.int64)
+    buffer.seek(0)
+    return np.loadtxt(buffer, dtype=np.int64, delimiter="\t", ndmin=2)
+
+
 def read_counts(
     engine: Engine | Connection,
     model_ids: list[str],
@@ -209,16 +232,13 @@ def read_counts(
         "  WHERE model_id = ANY(CAST(:ids AS text[])) AND :step % step_seconds = 0 GROUP BY model_id"
         ") AS merged WHERE r && tstzrange(:start, :end, '[)')"
     )
-    counts_sql = text(
-        "SELECT model_id, date_bin(:interval, minute, CAST(:start AS timestamptz)) AS ds, sum(count) AS y "
-        "FROM invocations WHERE model_id = ANY(CAST(:ids AS text[])) AND minute >= :start AND minute < :end "
-        "GROUP BY 1, 2"
-    )
     if isinstance(engine, Connection):
-        ranges, rows = engine.execute(coverage_sql, params).all(), engine.execute(counts_sql, params).all()
+        ranges = engine.execute(coverage_sql, params).all()
+        cells = _count_cells(engine, params)
     else:
         with engine.connect() as conn:
-            ranges, rows = conn.execute(coverage_sql, params).all(), conn.execute(counts_sql, params).all()
+            ranges = conn.execute(coverage_sql, params).all()
+            cells = _count_cells(conn, params)
 
     # Fill a (model x step) grid: NaN unknown, 0 inside coverage, then the stored counts.
     position = {model_id: i for i, model_id in enumerate(ids)}
@@ -231,11 +251,8 @@ def read_counts(
         hi = n_steps if upper is None else min(n_steps, int(np.floor((upper.timestamp() - origin) / step_s)))
         if hi > lo:
             grid[position[model_id], lo:hi] = 0.0
-    if rows:
-        row_idx = np.fromiter((position[r[0]] for r in rows), dtype=np.int64, count=len(rows))
-        col_idx = np.fromiter(((r[1].timestamp() - origin) / step_s for r in rows), dtype=np.float64,
-                              count=len(rows)).astype(np.int64)
-        values = np.fromiter((r[2] for r in rows), dtype=np.float64, count=len(rows))
+    if len(cells):
+        row_idx, col_idx, values = cells[:, 0], cells[:, 1], cells[:, 2].astype(np.float64)
         known = ~np.isnan(grid[row_idx, col_idx])  # a count in a partly covered step stays unknown
         grid[row_idx[known], col_idx[known]] = values[known]
     result["y"] = grid.reshape(-1)
