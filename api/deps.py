@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request, status
+from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
@@ -38,7 +39,7 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 ClockDep = Annotated[Callable[[], datetime], Depends(get_clock)]
 
 
-def _authenticate(request: Request, credentials: HTTPAuthorizationCredentials | None) -> TokenInfo:
+async def _authenticate(request: Request, credentials: HTTPAuthorizationCredentials | None) -> TokenInfo:
     if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing bearer token",
                             headers={"WWW-Authenticate": "Bearer"})
@@ -49,7 +50,7 @@ def _authenticate(request: Request, credentials: HTTPAuthorizationCredentials | 
         info = hit[1]
     else:
         try:
-            info = lookup_token(request.app.state.engine, token)
+            info = await run_in_threadpool(lookup_token, request.app.state.engine, token)
         except OperationalError:
             if hit is not None and hit[1] is not None:
                 info = hit[1]  # database away: a token verified before still counts (reads stay up)
@@ -66,9 +67,10 @@ def _authenticate(request: Request, credentials: HTTPAuthorizationCredentials | 
 def require(scope: str) -> Callable[..., TokenInfo]:
     """Dependency: a valid token holding ``scope`` (``admin`` holds every scope)."""
 
-    def dependency(request: Request,
-                   credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> TokenInfo:
-        info = _authenticate(request, credentials)
+    async def dependency(request: Request,
+                         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> TokenInfo:
+        # async: a cached token costs no thread hop; only a cache miss asks the database (in a thread)
+        info = await _authenticate(request, credentials)
         if scope not in info.scopes and "admin" not in info.scopes:
             raise HTTPException(status.HTTP_403_FORBIDDEN, f"token {info.name!r} lacks scope {scope!r}")
         return info

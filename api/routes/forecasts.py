@@ -10,6 +10,7 @@ from fastapi import APIRouter, HTTPException, Query
 from sqlalchemy.exc import OperationalError
 
 from fastapi import Request
+from fastapi.concurrency import run_in_threadpool
 
 from api.deps import ClockDep, EngineDep, ReadToken, SettingsDep
 from api.schemas import ForecastPoint, ForecastPublic, RecommendationPublic
@@ -79,17 +80,18 @@ def get_forecast(model_id: str, request: Request, engine: EngineDep, clock: Cloc
 
 @router.get("/{model_id}/recommendation", response_model=RecommendationPublic,
             responses={404: {"description": "Unknown model"}, 503: {"description": "Database unavailable"}})
-def get_recommendation(model_id: str, request: Request, settings: SettingsDep, clock: ClockDep, _: ReadToken,
+async def get_recommendation(model_id: str, request: Request, settings: SettingsDep, clock: ClockDep, _: ReadToken,
                        quantile: float | None = Query(None, gt=0, lt=1,
                                                       description="Demand quantile; default the setting.")
                        ) -> RecommendationPublic:
     """Replicas to have ready now and at the cold-start lead time, from the newest forecast run in memory."""
+    # async and in memory: the hot path takes no thread hop; refreshes run in a worker thread
     snapshot = request.app.state.snapshot
     if settings.api_snapshot_refresh_s == 0 or snapshot.newest_issued_at is None:
-        snapshot.refresh_if_due()
+        await run_in_threadpool(snapshot.refresh_if_due)
     view = snapshot.get(model_id)
     if view is None and snapshot.healthy:
-        snapshot.refresh()  # registered since the last refresh?
+        await run_in_threadpool(snapshot.refresh)  # registered since the last refresh?
         view = snapshot.get(model_id)
     if view is None:
         if snapshot.healthy:

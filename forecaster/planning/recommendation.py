@@ -13,6 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 
+import numpy as np
 import pandas as pd
 
 from forecaster.store.forecasts import StoredForecast, quantile_columns
@@ -48,16 +49,33 @@ def replicas_for(demand_per_min: float, replica_rps: float | None) -> int:
     return max(1, math.ceil(demand_per_min / (replica_rps * 60.0) - 1e-9))
 
 
-def _pick_quantile(frame: pd.DataFrame, quantile: float) -> tuple[str, float]:
-    levels = quantile_columns(frame)
-    if not levels:
-        return "point", float("nan")
-    column = min(levels, key=lambda c: (abs(levels[c] - quantile), -levels[c]))
-    return column, levels[column]
+@dataclass(frozen=True)
+class MinuteQuantiles:
+    """One forecast run of one model as arrays: what a recommendation reads, cheap to keep for 100,000 models."""
+
+    issued_at: datetime
+    model_version_id: str | None
+    minutes_s: np.ndarray  # (T,) target minute starts, epoch seconds
+    levels: tuple[float, ...]  # quantile levels of the columns of ``values``
+    values: np.ndarray  # (T, L) invocations per minute
+    point: np.ndarray  # (T,)
+
+    @classmethod
+    def from_stored(cls, forecast: StoredForecast) -> "MinuteQuantiles":
+        columns = quantile_columns(forecast.frame)
+        minutes = pd.to_datetime(forecast.frame["target_minute"], utc=True)
+        return cls(
+            issued_at=forecast.issued_at,
+            model_version_id=forecast.model_version_id,
+            minutes_s=minutes.dt.tz_convert(None).to_numpy().astype("datetime64[s]").astype("int64"),
+            levels=tuple(columns.values()),
+            values=forecast.frame[list(columns)].to_numpy(dtype="float64") if columns else np.empty((len(minutes), 0)),
+            point=forecast.frame["point"].to_numpy(dtype="float64"),
+        )
 
 
 def recommend(
-    forecast: StoredForecast | None,
+    forecast: StoredForecast | MinuteQuantiles | None,
     *,
     model_id: str,
     now: datetime,
@@ -68,24 +86,29 @@ def recommend(
     """Replicas to have ready now and at ``now + lead_time_s``.
 
     The demand at lead time is the largest forecast over the minute in which a
-    replica started now would become ready, so a ramp inside that minute is
-    covered.
+    replica started now would become ready and the one after, so a ramp there
+    is covered.
     """
-    if forecast is None or forecast.frame.empty:
+    if isinstance(forecast, StoredForecast):
+        forecast = MinuteQuantiles.from_stored(forecast) if not forecast.frame.empty else None
+    if forecast is None or not len(forecast.minutes_s):
         return Recommendation(model_id, None, None, lead_time_s, None, None, None, "no_forecast", None, None, None)
-    frame = forecast.frame
-    column, level = _pick_quantile(frame, quantile)
-    minutes = pd.to_datetime(frame["target_minute"], utc=True)
-    now_ts = pd.Timestamp(now).tz_convert("UTC")
-    age_s = (now_ts - pd.Timestamp(forecast.issued_at).tz_convert("UTC")).total_seconds()
-    current = now_ts.floor("min")
-    ready_at = (now_ts + timedelta(seconds=lead_time_s)).floor("min")
-    values = frame[column].astype(float).to_numpy()
-    at_now = values[(minutes == current).to_numpy()]
-    at_lead = values[((minutes >= ready_at) & (minutes <= ready_at + pd.Timedelta(minutes=1))).to_numpy()]
+    if forecast.levels:
+        column = min(range(len(forecast.levels)),
+                     key=lambda j: (abs(forecast.levels[j] - quantile), -forecast.levels[j]))
+        level: float | None = forecast.levels[column]
+        values = forecast.values[:, column]
+    else:
+        level, values = None, forecast.point
+    now_s = now.timestamp()
+    age_s = now_s - forecast.issued_at.timestamp()
+    current = now_s // 60 * 60
+    ready_at = (now_s + lead_time_s) // 60 * 60
+    at_now = values[forecast.minutes_s == current]
+    at_lead = values[(forecast.minutes_s >= ready_at) & (forecast.minutes_s <= ready_at + 60)]
     if len(at_lead) == 0:
-        return Recommendation(model_id, None, None, lead_time_s, None if column == "point" else level, None, None,
-                              "forecast_expired", forecast.issued_at, age_s, forecast.model_version_id)
+        return Recommendation(model_id, None, None, lead_time_s, level, None, None, "forecast_expired",
+                              forecast.issued_at, age_s, forecast.model_version_id)
     demand_now = float(at_now[0]) if len(at_now) else float(values[0])
     demand_lead = float(at_lead.max())
     return Recommendation(
@@ -93,7 +116,7 @@ def recommend(
         replicas_now=replicas_for(demand_now, replica_rps),
         replicas_at_lead_time=replicas_for(demand_lead, replica_rps),
         lead_time_s=lead_time_s,
-        quantile=None if column == "point" else level,
+        quantile=level,
         demand_now_per_min=demand_now,
         demand_at_lead_time_per_min=demand_lead,
         reason="forecast",
