@@ -1,0 +1,375 @@
+"""The planner's forecast input: a small protocol, plus an oracle and a simple causal source.
+
+Contract (what the ensemble of issue 3 must offer to plug in)::
+
+    class ForecastSource(Protocol):
+        def quantiles(self, now: datetime, horizon_min: int) -> pd.DataFrame: ...
+
+``quantiles(now, H)`` returns one row per model and target minute, long format:
+
+* ``unique_id`` (str): the serving model;
+* ``ds`` (UTC timestamp): start of the target minute; ``now`` is a minute
+  boundary and horizon ``h = 1..H`` targets the minute starting at
+  ``now + (h - 1) min`` (EVALUATION.md section 1: origin ``o`` = the first
+  forecast step, only data before ``now`` may be used);
+* one column per quantile level of the per-minute invocation count, named
+  ``q<level>`` with the level written as Python's ``repr`` of the float
+  (``q0.5``, ``q0.9``, ``q0.99``); at least one level, non-decreasing in the
+  level, clipped at 0;
+* optional ``p_any``: probability of at least one invocation in that minute.
+  Without it the planner derives a coarse one from the quantiles
+  (:func:`p_any_from_quantiles`).
+
+Models missing from the frame are treated as "no forecast": the planner plans
+nothing ahead for them (the reactive path still serves them).
+
+Two sources live here so that the simulator and the benchmark run without the
+ensemble: :class:`OracleForecast` (perfect knowledge of the future counts, the
+bound) and :class:`EmpiricalForecast` (causal: trailing empirical quantiles of
+the non-zero minutes plus an empirical-Bayes idle-time hazard for ``p_any``).
+Both read a :class:`CountPanel`; each call at ``now`` looks only at columns
+before ``now`` (the oracle, by design, also at the ones after).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import pandas as pd
+
+QUANTILE_COLUMN = re.compile(r"q(0(?:\.\d+)?|1(?:\.0+)?)$")
+DEFAULT_LEVELS = (0.1, 0.5, 0.9, 0.99)
+
+
+@runtime_checkable
+class ForecastSource(Protocol):
+    """Anything that yields per-minute quantile forecasts of invocation counts."""
+
+    def quantiles(self, now: datetime, horizon_min: int) -> pd.DataFrame:  # pragma: no cover - protocol
+        ...
+
+
+def quantile_column(level: float) -> str:
+    """Column name of a quantile level: ``0.9 -> "q0.9"``."""
+    return f"q{float(level)!r}"
+
+
+def quantile_levels(frame: pd.DataFrame) -> list[tuple[float, str]]:
+    """``(level, column)`` pairs of the quantile columns of ``frame``, sorted by level."""
+    found = []
+    for column in frame.columns:
+        match = QUANTILE_COLUMN.fullmatch(str(column))
+        if match:
+            found.append((float(match.group(1)), str(column)))
+    return sorted(found)
+
+
+def p_any_from_quantiles(levels: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Coarse P(count > 0) from quantiles: one minus the highest level whose quantile is 0.
+
+    Args:
+        levels: (Q,) quantile levels, increasing.
+        values: (..., Q) quantile values.
+
+    Returns:
+        (...) probabilities; 1 - max{level : q_level <= 0}, or 1 - levels[0] / 2
+        when even the lowest quantile is positive (nothing says it can be 0).
+    """
+    zero = values <= 0
+    highest_zero = np.where(zero, levels, 0.0).max(axis=-1)
+    p = 1.0 - highest_zero
+    return np.where(zero.any(axis=-1), p, 1.0 - levels[0] / 2.0)
+
+
+def validate_forecast(frame: pd.DataFrame) -> list[tuple[float, str]]:
+    """Check a forecast frame against the contract; returns its quantile columns.
+
+    Raises:
+        ValueError: naming the first problem (missing column, no quantile, a
+            negative value, p_any outside [0, 1]).
+    """
+    for column in ("unique_id", "ds"):
+        if column not in frame.columns:
+            raise ValueError(f"forecast lacks column {column!r}; has {list(frame.columns)}")
+    levels = quantile_levels(frame)
+    if not levels:
+        raise ValueError(f"forecast has no quantile column (q0.5, q0.9, ...); has {list(frame.columns)}")
+    values = frame[[c for _, c in levels]].to_numpy(dtype="float64")
+    if np.isnan(values).any() or (values < 0).any():
+        raise ValueError("forecast quantiles must be finite and >= 0")
+    if "p_any" in frame.columns:
+        p = frame["p_any"].to_numpy(dtype="float64")
+        if np.isnan(p).any() or (p < 0).any() or (p > 1).any():
+            raise ValueError("p_any must lie in [0, 1]")
+    return levels
+
+
+# --------------------------------------------------------------------------- the panel the sources read
+
+
+@dataclass(frozen=True)
+class CountPanel:
+    """Per-minute invocation counts of many models on one time axis.
+
+    Attributes:
+        ids: (N,) model ids.
+        start: UTC time of column 0 (a minute boundary).
+        counts: (N, T) non-negative counts per minute.
+    """
+
+    ids: np.ndarray
+    start: pd.Timestamp
+    counts: np.ndarray
+
+    @classmethod
+    def from_long(cls, frame: pd.DataFrame) -> "CountPanel":
+        """From a long ``unique_id, ds, y`` frame at a one-minute step; gaps are zeros."""
+        ds = pd.to_datetime(frame["ds"], utc=True)
+        start = ds.min()
+        col = ((ds - start) // pd.Timedelta(minutes=1)).to_numpy(dtype="int64")
+        ids, row = np.unique(frame["unique_id"].astype(str).to_numpy(), return_inverse=True)
+        counts = np.zeros((len(ids), int(col.max()) + 1 if len(col) else 0))
+        np.add.at(counts, (row, col), frame["y"].to_numpy(dtype="float64"))
+        return cls(ids=ids.astype(object), start=start, counts=counts)
+
+    @property
+    def n_minutes(self) -> int:
+        return int(self.counts.shape[1])
+
+    def minute_index(self, moment: datetime) -> int:
+        """Column of the minute starting at ``moment`` (may lie outside the panel)."""
+        return int((pd.Timestamp(moment) - self.start) // pd.Timedelta(minutes=1))
+
+    def frame(self, first_col: int, values: dict[str, np.ndarray]) -> pd.DataFrame:
+        """Long forecast frame from (N, H) arrays, target minutes ``first_col .. first_col + H - 1``."""
+        n, h = next(iter(values.values())).shape
+        ds = self.start + pd.to_timedelta(np.arange(first_col, first_col + h), unit="min")
+        out = {"unique_id": np.repeat(self.ids, h), "ds": np.tile(ds, n)}
+        out.update({name: np.asarray(v, dtype="float64").reshape(-1) for name, v in values.items()})
+        return pd.DataFrame(out)
+
+
+def _future(counts: np.ndarray, first: int, h: int) -> np.ndarray:
+    """Columns ``first .. first + h - 1`` of ``counts``; zeros beyond the panel."""
+    n, t = counts.shape
+    out = np.zeros((n, h))
+    lo, hi = max(first, 0), min(first + h, t)
+    if hi > lo:
+        out[:, lo - first:hi - first] = counts[:, lo:hi]
+    return out
+
+
+class OracleForecast:
+    """Perfect knowledge of the future: every quantile equals the actual count, ``p_any`` is 0 or 1."""
+
+    def __init__(self, panel: CountPanel, levels: tuple[float, ...] = DEFAULT_LEVELS):
+        self.panel = panel
+        self.levels = tuple(levels)
+
+    def quantiles(self, now: datetime, horizon_min: int) -> pd.DataFrame:
+        return self.frame_at(self.panel.minute_index(now), horizon_min)
+
+    def frame_at(self, col: int, horizon_min: int) -> pd.DataFrame:
+        actual = _future(self.panel.counts, col, horizon_min)
+        values = {quantile_column(q): actual for q in self.levels}
+        values["p_any"] = (actual > 0).astype("float64")
+        return self.panel.frame(col, values)
+
+
+# --------------------------------------------------------------------------- the causal source
+
+
+def _age_bin(age: np.ndarray) -> np.ndarray:
+    """Half-octave bins of minutes since the last invocation (1, 1.4, 2, 2.8, ... capped)."""
+    return np.minimum(np.floor(np.log2(np.maximum(age, 1)) * 2).astype(np.int64), 25)
+
+
+def _activity_bin(active_minutes: np.ndarray) -> np.ndarray:
+    """Bins of how many invocation minutes a model has had so far (0, 1, 2-3, ...)."""
+    return np.minimum(np.floor(np.log2(active_minutes + 1) * 1.5).astype(np.int64), 19)
+
+
+class EmpiricalForecast:
+    """Causal forecasts from each model's own history, with a pooled prior for short histories.
+
+    * ``p_any`` for minute ``t + k``: an idle-time (renewal) model. The hazard at
+      age ``a`` (minutes since the last invocation minute) is the model's own
+      empirical one, ``#{IT = a} / #{IT >= a}`` over its idle times ``IT``
+      (1-minute bins up to ``max_age``), shrunk towards a pooled hazard of all
+      models in the same (activity, age) bin with weight ``prior_weight``
+      pseudo-observations. Periodic timers get a sharp hazard at their period,
+      bursty models a decreasing one, models never seen the pooled rate of
+      never-seen models. Minutes beyond ``t`` chain the hazard through the
+      renewal equation.
+    * quantiles: ``p_any`` mixed with the empirical distribution of the
+      non-zero counts of the last ``window`` minutes (all history when fewer
+      than ``min_nonzero`` non-zero minutes fall in the window).
+
+    Calls must come with non-decreasing ``now`` for the incremental state; an
+    earlier ``now`` rebuilds it from the start (still causal).
+    """
+
+    def __init__(
+        self,
+        panel: CountPanel,
+        *,
+        levels: tuple[float, ...] = DEFAULT_LEVELS,
+        window: int = 60,
+        min_nonzero: int = 5,
+        max_age: int = 240,
+        prior_weight: float = 3.0,
+    ):
+        self.panel = panel
+        self.levels = tuple(levels)
+        self.window = window
+        self.min_nonzero = min_nonzero
+        self.max_age = max_age
+        self.prior_weight = prior_weight
+        self._reset()
+
+    # ------------------------------------------------------------------ state
+    def _reset(self) -> None:
+        n = len(self.panel.ids)
+        self.t_ = 0  # columns 0..t_-1 have been absorbed
+        self.hist_ = np.zeros((n, self.max_age + 2))  # idle times 1..max_age, overflow at max_age + 1
+        self.excess_ = np.zeros(n)  # sum over overflow idle times of (IT - max_age)
+        self.last_ = np.full(n, -1, dtype=np.int64)
+        self.active_ = np.zeros(n)
+        self.pool_events_ = np.full((20, 26), 0.1)
+        self.pool_exposure_ = np.ones((20, 26))
+
+    def _ages(self, t: int) -> np.ndarray:
+        """Minutes from the last invocation minute to ``t``; never seen = older than the range."""
+        return np.where(self.last_ >= 0, t - self.last_, t + 1 + self.max_age)
+
+    def _advance(self, until: int) -> None:
+        """Absorb columns ``t_ .. until - 1``: idle-time histograms and pooled hazards."""
+        if until < self.t_:
+            self._reset()
+        counts = self.panel.counts
+        rows = np.arange(len(self.panel.ids))
+        for t in range(self.t_, min(until, counts.shape[1])):
+            invoked = counts[:, t] > 0
+            age = self._ages(t)
+            cell = (_activity_bin(self.active_), _age_bin(age))
+            np.add.at(self.pool_exposure_, cell, 1.0)
+            np.add.at(self.pool_events_, cell, invoked.astype("float64"))
+            seen = invoked & (self.last_ >= 0)
+            self.hist_[rows[seen], np.minimum(age[seen], self.max_age + 1)] += 1
+            over = seen & (age > self.max_age)
+            self.excess_[over] += age[over] - self.max_age
+            self.last_ = np.where(invoked, t, self.last_)
+            self.active_ += invoked
+        self.t_ = max(self.t_, until)
+
+    # ------------------------------------------------------------------ forecasts
+    def hazard(self, ages: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
+        """P(invocation at age ``a`` | none since the last one), per model; ``ages`` is (N,) or (N, K)."""
+        ages = np.asarray(ages)
+        two_d = ages.ndim == 2
+        a2 = ages if two_d else ages[:, None]
+        act = self.active_ if active is None else active
+        pooled = self.pool_events_ / self.pool_exposure_
+        h0 = pooled[_activity_bin(act)[:, None], _age_bin(a2)]
+        survival = np.cumsum(self.hist_[:, ::-1], axis=1)[:, ::-1]
+        idx = np.minimum(np.maximum(a2, 1), self.max_age + 1)
+        rows = np.arange(len(self.panel.ids))[:, None]
+        num = self.hist_[rows, idx]
+        den = survival[rows, idx]
+        h = (num + self.prior_weight * h0) / (den + self.prior_weight)
+        # beyond the histogram's range: geometric tail fitted to the overflow idle times (MLE n / sum of excess)
+        n_over = self.hist_[:, self.max_age + 1][:, None]
+        tail = (n_over + self.prior_weight * h0) / (self.excess_[:, None] + self.prior_weight / np.maximum(h0, 1e-6))
+        h = np.where(a2 > self.max_age, tail, h)
+        return h if two_d else h[:, 0]
+
+    def p_any_at(self, col: int, horizon_min: int) -> np.ndarray:
+        """(N, H) P(at least one invocation) in minutes ``col .. col + H - 1``, from data before ``col``."""
+        self._advance(col)
+        age0 = self._ages(col)
+        k = np.arange(horizon_min)
+        # first-event probabilities from the current age: f(k) = h(a+k) * prod_{j<k} (1 - h(a+j))
+        h_now = self.hazard(age0[:, None] + k[None, :])
+        survive = np.cumprod(np.concatenate([np.ones((len(age0), 1)), 1 - h_now[:, :-1]], axis=1), axis=1)
+        first = h_now * survive
+        if horizon_min == 1:
+            return first
+        # renewal: u(k) = first(k) + sum_{j<k} u(j) * g(k - j), g = hazard chain from age 0 after an event
+        active_after = self.active_ + 1
+        h_new = self.hazard(np.tile(k[None, :] + 1, (len(age0), 1)), active_after)
+        s_new = np.cumprod(np.concatenate([np.ones((len(age0), 1)), 1 - h_new[:, :-1]], axis=1), axis=1)
+        g = h_new * s_new  # g[:, d-1] = P(next event d minutes after an event)
+        u = np.zeros_like(first)
+        for step in range(horizon_min):
+            u[:, step] = first[:, step] + sum(u[:, j] * g[:, step - j - 1] for j in range(step))
+        return np.clip(u, 0.0, 1.0)
+
+    def quantiles(self, now: datetime, horizon_min: int) -> pd.DataFrame:
+        col = self.panel.minute_index(now)
+        return self.frame_at(col, horizon_min)
+
+    def frame_at(self, col: int, horizon_min: int) -> pd.DataFrame:
+        p_any = self.p_any_at(col, horizon_min)
+        top = max(self.levels)
+        rows = np.flatnonzero((p_any > 1.0 - top).any(axis=1))  # only these can have a positive quantile
+        positive = self._positive_quantiles(col, rows)
+        values: dict[str, np.ndarray] = {}
+        for level in self.levels:
+            # P(count <= x) = (1 - p) + p * F+(x): the level falls in the positive part when level > 1 - p
+            q = np.zeros_like(p_any)
+            if len(rows):
+                p = p_any[rows]
+                inner = (level - (1.0 - p)) / np.maximum(p, 1e-12)
+                q[rows] = np.where(inner > 0, self._interp_positive(positive, inner), 0.0)
+            values[quantile_column(level)] = q
+        values["p_any"] = p_any
+        return self.panel.frame(col, values)
+
+    # ------------------------------------------------------------------ helpers
+    _GRID = np.linspace(0.0, 1.0, 21)
+
+    def _positive_quantiles(self, col: int, rows: np.ndarray) -> np.ndarray:
+        """(len(rows), 21) quantiles of the non-zero counts of the last ``window`` minutes.
+
+        Rows with fewer than ``min_nonzero`` non-zero minutes there use the last
+        ``4 * window`` minutes; rows with none at all get 1 (a lone request).
+        """
+        out = np.ones((len(rows), len(self._GRID)))
+        if not len(rows) or col <= 0:
+            return out
+        long = self.panel.counts[rows, max(col - 4 * self.window, 0):col]
+        short = long[:, -self.window:]
+        q_short, n_short = self._nonzero_quantiles(short)
+        q_long, n_long = self._nonzero_quantiles(long)
+        use_short = n_short >= self.min_nonzero
+        out = np.where(use_short[:, None], q_short, q_long)
+        return np.where(((n_short > 0) | (n_long > 0))[:, None], out, 1.0)
+
+    def _nonzero_quantiles(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per row, quantiles on :attr:`_GRID` of the non-zero entries, and how many there are."""
+        ordered = np.sort(values, axis=1)
+        width = ordered.shape[1]
+        n = (ordered > 0).sum(axis=1)
+        pos = (width - n)[:, None] + self._GRID[None, :] * np.maximum(n - 1, 0)[:, None]
+        lo = np.clip(np.floor(pos).astype(np.int64), 0, width - 1)
+        hi = np.clip(lo + 1, 0, width - 1)
+        frac = pos - np.floor(pos)
+        q = np.take_along_axis(ordered, lo, 1) * (1 - frac) + np.take_along_axis(ordered, hi, 1) * frac
+        return q, n
+
+    def _interp_positive(self, table: np.ndarray, level: np.ndarray) -> np.ndarray:
+        """Interpolate each row's quantile table (R, 21) at levels (R, H)."""
+        pos = np.clip(level, 0.0, 1.0) * (len(self._GRID) - 1)
+        lo = np.floor(pos).astype(np.int64)
+        hi = np.minimum(lo + 1, len(self._GRID) - 1)
+        frac = pos - lo
+        return np.take_along_axis(table, lo, 1) * (1 - frac) + np.take_along_axis(table, hi, 1) * frac
+
+
+def horizon_minutes(now: datetime, horizon_min: int) -> list[datetime]:
+    """Starts of the target minutes of a forecast made at ``now`` (a minute boundary)."""
+    return [now + timedelta(minutes=k) for k in range(horizon_min)]

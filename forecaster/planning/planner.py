@@ -1,0 +1,605 @@
+"""The pre-warm planner: forecasts + predicted cold starts + fleet state + costs + ``now`` -> a plan.
+
+A pure function (:func:`plan`): it reads its arguments, returns a
+:class:`~forecaster.planning.plan.Plan`, and never acts. Per model and minute
+of the horizon it decides, with costs in GPU-seconds:
+
+1. **Warm or not** (newsvendor on a binary event). Keep at least one replica
+   ready in minute ``h`` when ``p_any(h) * C_cold >= (1 - p_any(h)) * C_idle``:
+   ``C_idle`` = GPUs x 60 s x ``gpu_second_cost``; ``C_cold`` = the model's
+   ``cold_cost`` (value of a second of wait, its SLO weight) x the wait a cold
+   start causes, ``D + lambda D^2 / 2`` (first request waits ``D``, those that
+   queue behind it ``D / 2`` on average), with ``D`` the predicted cold start
+   from the warmest cache state the model can start from.
+2. **How many replicas** (newsvendor on the count). Size for the demand
+   quantile at the critical level ``c_u / (c_u + c_o)``: ``c_u`` = wait cost of
+   a request that finds no capacity (``cold_cost x D / 2``), ``c_o`` = idle cost
+   of one request's worth of capacity (``C_idle / capacity``).
+3. **Which cheaper tier** (when ``settings.tiers``): for the replicas the
+   forecast may need beyond those warm, pre-pull the image and pre-load the
+   weights to disk or host memory on the nodes where they would start, when
+   the expected wait avoided exceeds the bytes moved and memory held.
+4. **When**: each action starts at least its predicted latency (plus a margin)
+   before the minute it serves; tier actions as early as the concurrency limits
+   allow, scale actions as late as they can (a warm replica burns GPU-seconds).
+5. **Limits**: the GPU budget is shared between models by expected wait
+   avoided per GPU-second; concurrent pulls per node and per registry/bucket
+   never exceed their limits (actions that do not fit in time are deferred to a
+   later plan, and counted in the summary).
+
+Every action carries a :class:`~forecaster.planning.plan.Reason`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import numpy as np
+import pandas as pd
+
+from forecaster.planning.fleet import START_STATES, STATE_RANK, FleetState, PlannerSettings, latency_table, \
+    registry_of
+from forecaster.planning.forecasts import p_any_from_quantiles, validate_forecast
+from forecaster.planning.plan import Action, ActionKind, Plan, Reason, Tier
+
+MINUTE = timedelta(minutes=1)
+_TIER_OF_STATE = {"disk": Tier.DISK, "host": Tier.HOST}
+
+
+# --------------------------------------------------------------------------- forecast arrays
+
+
+@dataclass(frozen=True)
+class ForecastArrays:
+    """The forecast frame as arrays aligned to the fleet's models and the horizon."""
+
+    levels: np.ndarray  # (L,)
+    values: np.ndarray  # (N, H, L) quantiles of the per-minute count
+    p_any: np.ndarray  # (N, H)
+    known: np.ndarray  # (N,) the model has a forecast
+
+    def quantile(self, level: np.ndarray | float) -> np.ndarray:
+        """(N, H) quantile at ``level`` (scalar, (N,) or (N, H)), linear between levels, clamped at the ends."""
+        level = np.asarray(level, dtype="float64")
+        if level.ndim == 0:
+            level = np.full(self.p_any.shape, float(level))
+        elif level.ndim == 1:
+            level = np.repeat(level[:, None], self.p_any.shape[1], axis=1)
+        if len(self.levels) == 1:
+            return self.values[..., 0]
+        pos = np.interp(level, self.levels, np.arange(len(self.levels)))
+        lo = np.floor(pos).astype(np.int64)
+        hi = np.minimum(lo + 1, len(self.levels) - 1)
+        frac = pos - lo
+        v_lo = np.take_along_axis(self.values, lo[..., None], axis=2)[..., 0]
+        v_hi = np.take_along_axis(self.values, hi[..., None], axis=2)[..., 0]
+        return v_lo * (1 - frac) + v_hi * frac
+
+    def row(self, i: int) -> "ForecastArrays":
+        return ForecastArrays(levels=self.levels, values=self.values[i:i + 1], p_any=self.p_any[i:i + 1],
+                              known=self.known[i:i + 1])
+
+    def exceed(self, x: np.ndarray) -> np.ndarray:
+        """(N, H) P(count > x) from the quantiles (piecewise linear CDF); ``x`` is (N, H)."""
+        n, h, _ = self.values.shape
+        out = np.empty((n, h))
+        flat_v = self.values.reshape(n * h, -1)
+        flat_x = np.asarray(x, dtype="float64").reshape(-1)
+        lv = self.levels
+        # below the lowest quantile: at most 1 - level[0]; above the highest: at most 1 - level[-1]
+        below = flat_x < flat_v[:, 0]
+        above = flat_x >= flat_v[:, -1]
+        cdf = np.empty(n * h)
+        cdf[below] = lv[0] * np.clip(flat_x[below] / np.maximum(flat_v[below, 0], 1e-12), 0, 1)
+        cdf[above] = lv[-1]
+        mid = ~(below | above)
+        if mid.any():
+            v = flat_v[mid]
+            xs = flat_x[mid]
+            k = (v <= xs[:, None]).sum(axis=1) - 1
+            k = np.clip(k, 0, len(lv) - 2)
+            v0 = v[np.arange(len(k)), k]
+            v1 = v[np.arange(len(k)), k + 1]
+            frac = np.where(v1 > v0, (xs - v0) / np.where(v1 > v0, v1 - v0, 1), 1.0)
+            cdf[mid] = lv[k] + frac * (lv[k + 1] - lv[k])
+        out.reshape(-1)[:] = 1.0 - cdf
+        return out
+
+
+def forecast_arrays(forecast: pd.DataFrame, model_ids: pd.Index, now: datetime, horizon: int) -> ForecastArrays:
+    """Pivot the long forecast to (N, H, L) arrays; minutes outside ``[now, now + H)`` are ignored."""
+    columns = validate_forecast(forecast)
+    levels = np.array([lv for lv, _ in columns])
+    n = len(model_ids)
+    values = np.zeros((n, horizon, len(levels)))
+    p_any = np.zeros((n, horizon))
+    known = np.zeros(n, dtype=bool)
+    if len(forecast):
+        ds = pd.to_datetime(forecast["ds"], utc=True)
+        h = ((ds - pd.Timestamp(now)) // pd.Timedelta(minutes=1)).to_numpy(dtype="int64")
+        row = model_ids.get_indexer(forecast["unique_id"].astype(str))
+        ok = (row >= 0) & (h >= 0) & (h < horizon)
+        row, h = row[ok], h[ok]
+        vals = np.maximum.accumulate(forecast[[c for _, c in columns]].to_numpy(dtype="float64")[ok], axis=1)
+        values[row, h] = np.maximum(vals, 0.0)
+        if "p_any" in forecast.columns:
+            p_any[row, h] = forecast["p_any"].to_numpy(dtype="float64")[ok]
+        else:
+            p_any[row, h] = p_any_from_quantiles(levels, vals)
+        known[row] = True
+    return ForecastArrays(levels=levels, values=values, p_any=p_any, known=known)
+
+
+# --------------------------------------------------------------------------- concurrency
+
+
+class ConcurrencyLedger:
+    """Planned and running transfers per resource (a node, a registry), as time intervals in seconds."""
+
+    def __init__(self, limits: dict[str, int]):
+        self.limits = limits  # resource kind prefix ("node", "registry") -> limit
+        self.intervals: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        self._arrays: dict[str, tuple[np.ndarray, ...]] = {}
+
+    def _limit(self, resource: str) -> int:
+        return self.limits[resource.split(":", 1)[0]]
+
+    def add(self, resources: list[str], start: float, end: float) -> None:
+        for r in resources:
+            self.intervals[r].append((start, end))
+            self._arrays.pop(r, None)
+
+    def _peak(self, resource: str, starts: np.ndarray, duration: float) -> np.ndarray:
+        """Most intervals of ``resource`` running at once inside ``[c, c + duration)``, per candidate ``c``."""
+        if not self.intervals[resource]:
+            return np.zeros(len(starts), dtype=np.int64)
+        if resource not in self._arrays:
+            arr = np.array(self.intervals[resource], dtype="float64")
+            s_sorted, e_sorted = np.sort(arr[:, 0]), np.sort(arr[:, 1])
+            cover_at_starts = (np.searchsorted(s_sorted, arr[:, 0], side="right")
+                               - np.searchsorted(e_sorted, arr[:, 0], side="right"))
+            self._arrays[resource] = (arr[:, 0], s_sorted, e_sorted, cover_at_starts)
+        s_arr, s_sorted, e_sorted, cover_at_starts = self._arrays[resource]
+        at_start = np.searchsorted(s_sorted, starts, side="right") - np.searchsorted(e_sorted, starts, side="right")
+        inside = (s_arr[None, :] > starts[:, None]) & (s_arr[None, :] < starts[:, None] + duration)
+        later = np.where(inside, cover_at_starts[None, :], 0).max(axis=1)
+        return np.maximum(at_start, later)
+
+    def place(self, resources: list[str], duration: float, earliest: float, latest: float,
+              prefer_late: bool) -> float | None:
+        """A start in ``[earliest, latest]`` where every resource stays under its limit, or None.
+
+        Candidates are both ends of the window and the edges of the intervals
+        already booked (a slot opens when one ends; a late slot ends where one
+        begins); the first that fits, in the preferred order, wins.
+        """
+        if latest < earliest:
+            return None
+        candidates = [earliest, latest]
+        for r in resources:
+            for s, e in self.intervals[r]:
+                candidates.extend((e, s - duration))
+        starts = np.unique(np.array(candidates))
+        starts = starts[(starts >= earliest) & (starts <= latest)]
+        if prefer_late:
+            starts = starts[::-1]
+        fits = np.ones(len(starts), dtype=bool)
+        for r in resources:
+            fits &= self._peak(r, starts, duration) < self._limit(r)
+        if not fits.any():
+            return None
+        start = float(starts[np.argmax(fits)])
+        self.add(resources, start, start + duration)
+        return start
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def _wait_seconds(d: np.ndarray, rate_per_s: np.ndarray, queued: bool) -> np.ndarray:
+    """Total request-seconds of wait caused by one cold start of ``d`` seconds."""
+    d = np.nan_to_num(np.asarray(d, dtype="float64"), nan=0.0)
+    return d + (rate_per_s * d * d / 2.0 if queued else 0.0)
+
+
+def _best_states(fleet: FleetState, gpus: np.ndarray) -> tuple[np.ndarray, dict[str, list[tuple[int, str]]]]:
+    """Per model, the warmest start state on a node with room for a replica; and each model's cached nodes.
+
+    A node holding the model's image counts as state ``image``; weights on disk
+    or in host memory as ``disk`` / ``host``.
+    """
+    models = fleet.models
+    best = np.zeros(len(models), dtype=np.int64)
+    by_model: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    free = fleet.nodes["gpus_free"]
+    if len(fleet.images):
+        # the image part: any node with room holding the model's image
+        room_images = fleet.images[free.reindex(fleet.images["node_id"]).fillna(-1).to_numpy() >= 0]
+        for ref, group in room_images.groupby("image_ref"):
+            node_free = free.reindex(group["node_id"]).to_numpy(dtype="float64")
+            rows = np.flatnonzero(models["image_ref"].to_numpy() == ref)
+            if len(rows):
+                fits = node_free.max() >= gpus[rows]
+                best[rows[fits]] = np.maximum(best[rows[fits]], STATE_RANK["image"])
+    if len(fleet.cache):
+        cache = fleet.cache[fleet.cache["state"].isin(START_STATES)]
+        rank = cache["state"].map(STATE_RANK).to_numpy(dtype=np.int64)
+        row = models.index.get_indexer(cache["model_id"].astype(str))
+        node_free = free.reindex(cache["node_id"]).to_numpy(dtype="float64")
+        ok = (row >= 0) & (np.nan_to_num(node_free, nan=-1) >= gpus[np.maximum(row, 0)])
+        np.maximum.at(best, row[ok], rank[ok])
+        for model_id, node_id, r in zip(cache["model_id"].to_numpy(), cache["node_id"].to_numpy(), rank):
+            by_model[str(model_id)].append((int(r), str(node_id)))
+    return best, by_model
+
+
+def plan(
+    forecast: pd.DataFrame,
+    latency: pd.DataFrame,
+    fleet: FleetState,
+    settings: PlannerSettings,
+    now: datetime,
+) -> Plan:
+    """Plan pre-warm actions for the next ``settings.horizon_min`` minutes.
+
+    Args:
+        forecast: per-minute quantile forecasts (see :mod:`forecaster.planning.forecasts`).
+        latency: predicted cold-start seconds per model and start state (see :mod:`forecaster.planning.fleet`).
+        fleet: the fleet as it stands at ``now``.
+        settings: costs and guardrails.
+        now: planning time (UTC); forecast horizon 1 is the minute starting at ``now``.
+
+    Returns:
+        The plan; ``summary`` counts actions per kind and reason, late actions
+        (demand closer than the lead time), actions deferred by the concurrency
+        limits, and replicas denied by the GPU budget.
+    """
+    h_count = settings.horizon_min
+    models = fleet.models
+    ids = models.index.astype(str)
+    n = len(ids)
+    gpus = models["gpus"].to_numpy(dtype="float64")
+    burst = models["burst_factor"].to_numpy(dtype="float64") if "burst_factor" in models.columns else np.ones(n)
+    # requests per minute a replica can take when the minute's requests come at the burst's peak rate
+    cap = np.maximum(models["replica_rpm"].to_numpy(dtype="float64") * settings.replica_utilisation
+                     / np.maximum(np.nan_to_num(burst, nan=1.0), 1.0), 1e-9)
+    cold_cost = models["cold_cost"].to_numpy(dtype="float64")
+    slo = models["slo_s"].to_numpy(dtype="float64")
+    current = models["replicas"].to_numpy(dtype="float64").astype(np.int64)
+    fa = forecast_arrays(forecast, pd.Index(ids), now, h_count)
+    lat = latency_table(latency, pd.Index(ids))
+    starts = np.array([(now + k * MINUTE) for k in range(h_count)], dtype=object)
+    start_s = np.arange(h_count) * 60.0  # minute starts, seconds after now
+
+    c_idle = gpus * 60.0 * settings.gpu_second_cost  # one replica-minute
+    # demand given any request: the median of the positive part of the distribution
+    q_given_any = fa.quantile(np.clip(1.0 - fa.p_any / 2.0, 0.0, 1.0))
+    rate = np.maximum(q_given_any, 1.0) / 60.0
+
+    best_state, cached_nodes = _best_states(fleet, gpus)
+    d_by_state = np.stack([np.nan_to_num(lat[s], nan=0.0) for s in START_STATES], axis=1)  # (N, 4)
+
+    def scale_levels(state_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Desired ready replicas (N, H) when a new replica starts from ``state_idx``; benefits per unit."""
+        d = d_by_state[np.arange(n), state_idx]
+        c_cold = np.broadcast_to(cold_cost[:, None] * _wait_seconds(d[:, None], rate, settings.count_queued_wait),
+                                 (n, h_count)).copy()
+        warm = fa.p_any * c_cold >= (1.0 - fa.p_any) * c_idle[:, None]
+        c_u = cold_cost * np.maximum(d, 1e-9) / 2.0
+        c_o = c_idle / cap
+        level = c_u / (c_u + c_o)
+        size = np.ceil(np.maximum(fa.quantile(level), 0.0) / cap[:, None] - 1e-9)
+        desired = np.where(warm & fa.known[:, None], np.maximum(size, 1.0), 0.0).astype(np.int64)
+        return desired, c_cold, d
+
+    desired, c_cold, d_now = scale_levels(best_state)
+
+    # ---------------------------------------------------------------- tiers
+    ledger = ConcurrencyLedger({"node": settings.max_transfers_per_node,
+                                "registry": settings.max_transfers_per_registry})
+    for t in fleet.transfers.itertuples(index=False):
+        end = (pd.Timestamp(t.ends_at) - pd.Timestamp(now)).total_seconds()
+        if end > 0:
+            ledger.add([f"node:{t.node_id}", f"registry:{t.registry}"], 0.0, end)
+    actions: list[Action] = []
+    deferred = 0
+    late = 0
+    tier_state = best_state.copy()
+    tier_ready_s = np.zeros(n)
+    if settings.tiers:
+        tier_actions, tier_state, tier_ready_s, tier_deferred = _plan_tiers(
+            fa, fleet, settings, now, desired, cap, gpus, cold_cost, rate, d_by_state, lat, best_state,
+            cached_nodes, ledger)
+        actions.extend(tier_actions)
+        deferred += tier_deferred
+        improved = tier_state > best_state
+        if improved.any():
+            desired_t, c_cold_t, d_t = scale_levels(tier_state)
+            # a tier only helps minutes it is ready for
+            ready = start_s[None, :] >= tier_ready_s[:, None]
+            use = improved[:, None] & ready
+            desired = np.where(use, desired_t, desired)
+            c_cold = np.where(use, c_cold_t, c_cold)
+    start_state = np.where(tier_state > best_state, tier_state, best_state)
+    d_start = d_by_state[np.arange(n), start_state]
+    lead = np.asarray(settings.lead(d_start), dtype="float64")
+
+    # ---------------------------------------------------------------- GPU budget
+    target = desired.max(axis=1)
+    budget = settings.gpu_budget
+    if budget is None:
+        held = float((current * gpus).sum())
+        free = float(fleet.nodes["gpus_free"].to_numpy(dtype="float64").sum())
+        budget = held + free - settings.gpu_headroom * (held + free)
+    granted = _share_budget(fa, target, cap, c_cold, c_idle, gpus, budget)
+    budget_denied = int((target - granted).clip(min=0).sum())
+    desired = np.minimum(desired, granted[:, None])
+
+    # ---------------------------------------------------------------- scale and release
+    # keep a replica through a lull when idling until the demand returns costs less than restarting it:
+    # look ahead at least the lead time, and as many minutes as one restart's wait cost buys of idling
+    bridge_minutes = np.floor(c_cold.max(axis=1) / np.maximum(c_idle, 1e-12))
+    lead_minutes = np.maximum(np.ceil(lead / 60.0), np.minimum(bridge_minutes, h_count - 1)).astype(np.int64)
+    lead_minutes = lead_minutes + settings.release_hold_min
+    registry_img = models["image_ref"].map(lambda r: registry_of(r)).to_numpy()
+    pull_s = np.nan_to_num(lat.get("none:image_pull_s", np.zeros(n)), nan=0.0)
+    for i in np.flatnonzero((desired.max(axis=1) > 0) | (current > 0)):
+        model_id = ids[i]
+        window = desired[i, :max(1, min(h_count, int(lead_minutes[i]) + 1))]
+        keep = int(window.max()) if len(window) else 0
+        level = int(current[i])
+        if keep < level:
+            reason = Reason.BUDGET_PREEMPT if granted[i] < target[i] and granted[i] < level else Reason.IDLE_RELEASE
+            actions.append(Action(kind=ActionKind.RELEASE, model_id=model_id, reason=reason, not_before=now,
+                                  deadline=now + MINUTE, replicas=level - keep,
+                                  expected_cost=-float((level - keep) * c_idle[i] * h_count)))
+            level = keep
+        for h in range(h_count):
+            want = int(desired[i, h])
+            if want <= level:
+                continue
+            serves_at = start_s[h]
+            wanted_start = serves_at - float(lead[i])
+            reason = Reason.FORECAST_DEMAND if level == 0 else Reason.FORECAST_SPIKE
+            if not math.isnan(slo[i]) and d_start[i] > slo[i]:
+                reason = Reason.SLO_COVER
+            start = max(0.0, wanted_start)
+            if start_state[i] == 0 and pull_s[i] > 0:
+                # a start from nothing pulls the image: book the registry, latest slot first
+                booked = ledger.place([f"registry:{registry_img[i]}"], float(pull_s[i]), 0.0, max(0.0, wanted_start),
+                                      prefer_late=True)
+                if booked is None:
+                    deferred += 1
+                    break
+                start = booked
+            if wanted_start < 0:
+                late += 1
+            units = want - level
+            benefit = float(units * c_cold[i, h] * fa.p_any[i, h])
+            cost = float(units * gpus[i] * ((h_count - h) * 60.0 + (serves_at - start)) * settings.gpu_second_cost)
+            actions.append(Action(kind=ActionKind.SCALE, model_id=model_id, reason=reason,
+                                  not_before=now + timedelta(seconds=start),
+                                  deadline=starts[h] + MINUTE, replicas=want,
+                                  expected_benefit_s=benefit, expected_cost=cost))
+            level = want
+
+    actions.sort(key=lambda a: (a.not_before, a.kind != ActionKind.RELEASE, a.model_id))
+    summary = {
+        "actions": len(actions),
+        "by_kind": {k.value: sum(a.kind is k for a in actions) for k in ActionKind},
+        "by_reason": {r.value: sum(a.reason is r for a in actions) for r in Reason if any(a.reason is r
+                                                                                         for a in actions)},
+        "late": late,
+        "deferred": deferred,
+        "budget_gpus": budget,
+        "budget_denied_replicas": budget_denied,
+        "warm_gpus_planned": float((np.maximum(desired.max(axis=1), 0) * gpus).sum()),
+        "models_forecast": int(fa.known.sum()),
+    }
+    return Plan(planned_at=now, actions=tuple(actions), summary=summary)
+
+
+def _share_budget(fa: ForecastArrays, target: np.ndarray, cap: np.ndarray, c_cold: np.ndarray,
+                  c_idle: np.ndarray, gpus: np.ndarray, budget: float) -> np.ndarray:
+    """Replicas granted per model: units (model, k-th replica) by expected wait avoided per GPU-second."""
+    if float((target * gpus).sum()) <= budget + 1e-9:
+        return target.copy()
+    rows = np.repeat(np.arange(len(target)), target)
+    k = np.concatenate([np.arange(1, t + 1) for t in target]) if len(rows) else np.zeros(0, dtype=np.int64)
+    if not len(rows):
+        return target.copy()
+    # P(the k-th replica is needed) at its most likely minute
+    x = ((k - 1) * cap[rows])[:, None] * np.ones((1, fa.p_any.shape[1]))
+    sub = ForecastArrays(levels=fa.levels, values=fa.values[rows], p_any=fa.p_any[rows], known=fa.known[rows])
+    need = np.where(k[:, None] == 1, fa.p_any[rows], sub.exceed(x))
+    value = (need * c_cold[rows]).max(axis=1) / np.maximum(c_idle[rows], 1e-12)
+    order = np.lexsort((k, -value))
+    spent = np.cumsum(gpus[rows][order])
+    take = order[spent <= budget + 1e-9]
+    granted = np.zeros_like(target)
+    np.add.at(granted, rows[take], 1)
+    return granted
+
+
+def _plan_tiers(fa, fleet, settings, now, desired, cap, gpus, cold_cost, rate, d_by_state, lat, best_state,
+                cached_nodes, ledger) -> tuple[list[Action], np.ndarray, np.ndarray, int]:
+    """Prepull/preload actions for replicas the forecast may need beyond the warm ones.
+
+    Returns the actions, each model's warmest state after them, the seconds
+    after ``now`` when that state is ready, and how many were deferred.
+    """
+    models = fleet.models
+    ids = models.index.astype(str)
+    n, h_count = fa.p_any.shape
+    horizon_s = h_count * 60.0
+    # P(a replica beyond the planned warm ones is needed) per node rank j = 1.. (the j-th extra replica)
+    warm = desired.astype("float64")
+    p_first = np.where(warm == 0, fa.p_any, fa.exceed(warm * cap[:, None]))
+    p_new = p_first.max(axis=1)
+    top = fa.quantile(float(fa.levels[-1]))
+    current = models["replicas"].to_numpy(dtype="float64")
+    # replicas this plan will start (their start gets shorter), then the ones the top quantile may still need
+    scale_ups = np.maximum(warm.max(axis=1) - current, 0.0).astype(np.int64)
+    overflow = np.ceil(np.maximum(top / cap[:, None] - warm, 0.0) - 1e-9).max(axis=1)
+    overflow = np.maximum(overflow, (p_new > 0).astype("float64"))
+    extra = np.clip(scale_ups + overflow, 0, settings.max_tier_nodes).astype(np.int64)
+    rate_max = rate.max(axis=1)
+    queued = settings.count_queued_wait
+    wait = lambda d: _wait_seconds(d, rate_max, queued)  # noqa: E731
+    image_bytes = models["image_bytes"].to_numpy(dtype="float64")
+    weights_bytes = models["weights_bytes"].to_numpy(dtype="float64")
+
+    nodes = fleet.nodes
+    free_gpus = nodes["gpus_free"].to_numpy(dtype="float64")
+    host_free = nodes["host_free_bytes"].to_numpy(dtype="float64").copy()
+    disk_free = nodes["disk_free_bytes"].to_numpy(dtype="float64").copy()
+    node_ids = nodes.index.astype(str).to_numpy()
+    node_pos = {nid: k for k, nid in enumerate(node_ids)}
+    image_on_node: dict[str, set[str]] = defaultdict(set)
+    image_of = models["image_ref"].to_dict()
+    for ref, node_id in zip(fleet.images["image_ref"].to_numpy(), fleet.images["node_id"].to_numpy()):
+        image_on_node[str(ref)].add(str(node_id))
+    for model_id, entries in cached_nodes.items():
+        for rank, node_id in entries:
+            if rank >= 1 and image_of.get(model_id):
+                image_on_node[str(image_of[model_id])].add(node_id)
+    for t in fleet.transfers.itertuples(index=False):
+        if t.kind == "prepull" and image_of.get(t.model_id):
+            image_on_node[str(image_of[t.model_id])].add(str(t.node_id))
+    in_flight = {(str(t.model_id), str(t.node_id)) for t in fleet.transfers.itertuples(index=False)}
+
+    tier_state = best_state.copy()
+    ready_s = np.zeros(n)
+    actions: list[Action] = []
+    deferred = 0
+    node_load = np.zeros(len(node_ids))  # tiers planned per node in this plan: spread them
+    # an upper bound of each model's gain, to try the most valuable first and skip the hopeless
+    host_nodes = np.array([sum(1 for rank, _ in cached_nodes.get(m, []) if rank >= 3) for m in ids])
+    d_gap = np.maximum(d_by_state[:, 0] - d_by_state[:, 3], 0.0)
+    upper = np.maximum(p_new * cold_cost * wait(d_by_state[:, 0]) - p_new * cold_cost * wait(d_by_state[:, 3]),
+                       np.where(scale_ups > 0, gpus * settings.gpu_second_cost * d_gap, 0.0))
+    floor_cost = np.minimum(weights_bytes, image_bytes) * settings.byte_cost
+    wanted = (extra > host_nodes) & (p_new > 0) & fa.known & (upper > floor_cost)
+    value_order = [i for i in np.argsort(-upper, kind="stable") if wanted[i]]
+    for i in value_order:
+        if len(actions) >= settings.max_tier_actions:
+            deferred += 1
+            continue
+        model_id = ids[i]
+        image_ref = models["image_ref"].iat[i]
+        weights_uri = models["weights_uri"].iat[i]
+        have = {node_id: rank for rank, node_id in cached_nodes.get(model_id, [])}
+        first_need = int(np.argmax(p_first[i] > 0))
+        deadline_s = first_need * 60.0
+        # candidate nodes: room for a replica, the model's own warm nodes first, then images, then emptiest
+        room = np.flatnonzero(free_gpus >= gpus[i])
+        if not len(room):
+            continue
+        warmth = np.array([have.get(node_ids[k], 0) for k in room], dtype="float64")
+        has_image = np.array([node_ids[k] in image_on_node.get(str(image_ref), ()) for k in room], dtype="float64")
+        order = room[np.lexsort((-free_gpus[room], node_load[room], -has_image, -warmth))]
+        chosen = 0
+        for k in order:
+            if chosen >= extra[i]:
+                break
+            node_id = node_ids[k]
+            if (model_id, node_id) in in_flight:
+                chosen += 1
+                continue
+            state_now = have.get(node_id, 1 if node_id in image_on_node.get(str(image_ref), ()) else 0)
+            # a replica the plan starts anyway saves its start-up GPU-seconds; one beyond the warm ones saves
+            # the wait of the requests it serves, if it is needed (P of the j-th extra replica)
+            planned_start = chosen < scale_ups[i]
+            beyond = chosen - scale_ups[i]
+            p_j = 1.0 if planned_start else (p_new[i] if beyond == 0 else float(
+                fa.row(i).exceed(np.full((1, h_count), (warm[i, :].max() + beyond) * cap[i])).max()))
+            best_net, best_target = 0.0, state_now
+            for target_state in (1, 2, 3):
+                if target_state <= state_now:
+                    continue
+                moved = (image_bytes[i] if state_now < 1 else 0.0) + (weights_bytes[i] if state_now < 2 else 0.0)
+                held = weights_bytes[i] if target_state == 3 else 0.0
+                if held > host_free[k] or moved - (image_bytes[i] if state_now < 1 else 0.0) > disk_free[k] + held:
+                    continue
+                if planned_start:
+                    gain = gpus[i] * settings.gpu_second_cost * (d_by_state[i, state_now] - d_by_state[i, target_state])
+                else:
+                    rate_i = rate_max[i]
+                    gain = p_j * cold_cost[i] * (_wait_seconds(d_by_state[i, state_now], rate_i, queued)
+                                                 - _wait_seconds(d_by_state[i, target_state], rate_i, queued))
+                cost = moved * settings.byte_cost + held * horizon_s * settings.host_byte_second_cost
+                if gain - cost > best_net:
+                    best_net, best_target = gain - cost, target_state
+            if best_target <= state_now:
+                break  # nodes further down the order only cost more
+            new_actions, ready, reached = _tier_actions(
+                i, model_id, node_id, image_ref, weights_uri, state_now, best_target, lat, ledger, now, deadline_s,
+                p_j, cold_cost[i], d_by_state[i], image_bytes[i], weights_bytes[i], settings)
+            if not new_actions:
+                deferred += 1
+                break  # no slot in time on the best node: the registry or bucket is busy, try a later plan
+            actions.extend(new_actions)
+            chosen += 1
+            node_load[k] += 1
+            if reached == 3:
+                host_free[k] -= weights_bytes[i]
+            if reached >= 2:
+                disk_free[k] -= weights_bytes[i]
+            if state_now < 1:
+                image_on_node[str(image_ref)].add(node_id)
+            if chosen == 1 and reached > tier_state[i]:
+                # the next replica of the model starts from here once the transfers are done
+                tier_state[i] = reached
+                ready_s[i] = ready
+    return actions, tier_state, ready_s, deferred
+
+
+def _tier_actions(i, model_id, node_id, image_ref, weights_uri, state_now, target_state, lat, ledger, now,
+                  deadline_s, p_j, cold_cost, d_row, image_bytes, weights_bytes, settings):
+    """The prepull and/or preload bringing ``node_id`` from ``state_now`` to ``target_state``, booked in the ledger.
+
+    Returns ``(actions, ready_seconds_after_now, state_reached)``; no actions
+    when the concurrency limits leave no slot in time for the first step (a
+    preload that does not fit leaves the prepull alone, state ``image``).
+    """
+    def phase(state: str, name: str) -> float:
+        value = lat.get(f"{state}:{name}")
+        return float(np.nan_to_num(value[i], nan=0.0)) if value is not None else 0.0
+
+    pull_s = phase("none", "image_pull_s") if state_now < 1 else 0.0
+    fetch_s = phase("image", "weight_fetch_s") if state_now < 2 else 0.0
+    # disk -> host copy: about the disk load time
+    copy_s = phase("disk", "weight_load_s") if target_state == 3 else 0.0
+    latest_end = max(deadline_s, 0.0) + 60.0 * settings.horizon_min  # a late tier still shortens later starts
+    node_r = f"node:{node_id}"
+    out: list[Action] = []
+    t = 0.0
+    wait = lambda d: _wait_seconds(d, 0.0, False)  # noqa: E731
+    gain = float(p_j * cold_cost * (wait(d_row[state_now]) - wait(d_row[target_state])))
+    if state_now < 1:
+        start = ledger.place([node_r, f"registry:{registry_of(image_ref)}"], max(pull_s, 1.0), t,
+                             latest_end - max(pull_s, 1.0), prefer_late=False)
+        if start is None:
+            return [], 0.0, state_now
+        t = start + pull_s
+        out.append(Action(kind=ActionKind.PREPULL, model_id=model_id, reason=Reason.CACHE_WARM,
+                          not_before=now + timedelta(seconds=start), deadline=now + timedelta(seconds=max(
+                              deadline_s, start + pull_s)), node_id=node_id, target=str(image_ref or model_id),
+                          expected_benefit_s=gain if target_state == 1 else 0.0, expected_cost=float(image_bytes)))
+    if target_state >= 2:
+        duration = max(fetch_s + copy_s, 1.0)
+        resources = [node_r] + ([f"registry:{registry_of(weights_uri)}"] if fetch_s > 0 else [])
+        start = ledger.place(resources, duration, t, latest_end - duration, prefer_late=False)
+        if start is None:
+            return out, t, (1 if out else state_now)
+        t = start + duration
+        out.append(Action(kind=ActionKind.PRELOAD, model_id=model_id, reason=Reason.CACHE_WARM,
+                          not_before=now + timedelta(seconds=start),
+                          deadline=now + timedelta(seconds=max(deadline_s, t)), node_id=node_id,
+                          target=str(weights_uri or model_id), tier=_TIER_OF_STATE["host" if target_state == 3
+                                                                                  else "disk"],
+                          expected_benefit_s=gain, expected_cost=float(weights_bytes if fetch_s > 0 else 0.0)))
+    return out, t, (target_state if target_state >= 2 else 1)

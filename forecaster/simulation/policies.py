@@ -1,0 +1,292 @@
+"""Policies the fleet simulator runs, all through one interface.
+
+A policy has ``name``, ``decide_every_s`` (how often ``decide`` is called),
+``idle_grace_s`` (the serving layer keeps an idle replica at least this long
+after its last request), ``reactive_overload`` (whether the serving layer adds
+replicas when a backlog outgrows the ready ones) and
+``decide(view) -> Decision | None`` returning replicas wanted per model
+(``floor``) and/or planned actions. Every policy also gets the serving layer's
+activator: a request that finds no replica, ready or starting, starts one.
+
+* :class:`KeepAlivePolicy`: fixed keep-alive of ``K`` minutes after the last request.
+* :class:`HybridHistogramPolicy`: "Serverless in the Wild" (Shahrad et al., ATC'20), see
+  :class:`HybridHistogram`.
+* :class:`KnativePolicy`: Knative's KPA: concurrency target, 60 s stable and
+  6 s panic windows, panic at 200 %, scale to zero after a 30 s grace.
+* :class:`PlannerPolicy`: prewarm's planner with any forecast source (tiered,
+  scale-only, or the oracle with :class:`~forecaster.planning.forecasts.OracleForecast`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+
+import numpy as np
+import pandas as pd
+
+from forecaster.planning.fleet import FleetState, PlannerSettings
+from forecaster.planning.forecasts import ForecastSource
+from forecaster.planning.planner import plan
+from forecaster.simulation.engine import Decision, SimView
+
+HISTOGRAM_RANGE_MIN = 240
+
+
+class HybridHistogram:
+    """The hybrid histogram keep-alive policy's state for ``n`` functions (minute resolution).
+
+    After each invocation minute ``t`` a function gets a loaded window
+    ``[t + s, t + e]`` from its idle-time (IT) histogram, 1-minute bins over
+    ``range_min`` minutes (EVALUATION.md section 2):
+
+    * most ITs out of range: predict the next IT as the mean of the last three
+      out-of-range ITs (the paper fits ARIMA to them; with at most a handful of
+      such ITs in a day the mean is what an ARIMA(0,0,0) would give) and load
+      from 85 % to 115 % of it;
+    * fewer than ``min_its`` ITs, or the bin counts' coefficient of variation
+      below ``cv_threshold``: fixed keep-alive of ``range_min`` minutes;
+    * else pre-warm at 90 % of the 5th-percentile IT and keep alive until 110 %
+      of the 99th (``s >= 1``: at least the minute after the invocation).
+    """
+
+    def __init__(self, n: int, range_min: int = HISTOGRAM_RANGE_MIN, min_its: int = 5, cv_threshold: float = 2.0):
+        self.range_min = range_min
+        self.min_its = min_its
+        self.cv_threshold = cv_threshold
+        self.hist = np.zeros((n, range_min + 1))
+        self.oob: list[list[int]] = [[] for _ in range(n)]
+        self.last = np.full(n, -1, dtype=np.int64)
+        self.s = np.ones(n, dtype=np.int64)
+        self.e = np.full(n, range_min, dtype=np.int64)
+
+    def observe(self, t: int, invoked: np.ndarray) -> None:
+        """Absorb minute ``t``: idle times of the functions invoked in it, and their new windows."""
+        rows = np.flatnonzero(invoked)
+        if not len(rows):
+            return
+        seen = rows[self.last[rows] >= 0]
+        it = t - self.last[seen]
+        inside = it <= self.range_min
+        self.hist[seen[inside], it[inside]] += 1
+        for i, gap in zip(seen[~inside], it[~inside]):
+            self.oob[i].append(int(gap))
+        self.last[rows] = t
+        self._windows(rows)
+
+    def _windows(self, rows: np.ndarray) -> None:
+        hist = self.hist[rows, 1:]
+        n_in = hist.sum(axis=1)
+        n_oob = np.array([len(self.oob[i]) for i in rows])
+        n_all = n_in + n_oob
+        mean = hist.mean(axis=1)
+        cv = np.where(mean > 0, hist.std(axis=1) / np.where(mean > 0, mean, 1), 0.0)
+        s = np.ones(len(rows), dtype=np.int64)
+        e = np.full(len(rows), self.range_min, dtype=np.int64)
+        cdf = np.cumsum(hist, axis=1) / np.maximum(n_in, 1)[:, None]
+        p5 = np.argmax(cdf >= 0.05, axis=1) + 1
+        p99 = np.argmax(cdf >= 0.99, axis=1) + 1
+        histogram = (n_all >= self.min_its) & (cv >= self.cv_threshold) & (n_in > 0)
+        # (the small offsets keep 1.1 * 100 = 110.00000000000001 from rounding up to 111)
+        s = np.where(histogram, np.maximum(1, np.floor(0.9 * p5 + 1e-9)).astype(np.int64), s)
+        e = np.where(histogram, np.maximum(s, np.ceil(1.1 * p99 - 1e-9)).astype(np.int64), e)
+        mostly_oob = (n_all > 0) & (n_oob > n_all / 2)
+        for j in np.flatnonzero(mostly_oob):
+            predicted = float(np.mean(self.oob[rows[j]][-3:]))
+            s[j] = max(1, int(np.floor(0.85 * predicted + 1e-9)))
+            e[j] = max(s[j], int(np.ceil(1.15 * predicted - 1e-9)))
+        self.s[rows] = s
+        self.e[rows] = e
+
+    def loaded(self, t: int) -> np.ndarray:
+        """(n,) whether each function is loaded during minute ``t`` (after its last invocation)."""
+        age = t - self.last
+        return (self.last >= 0) & (age >= self.s) & (age <= self.e)
+
+
+# --------------------------------------------------------------------------- fleet policies
+
+
+def _replicas_for(counts_per_min: np.ndarray, rps: np.ndarray) -> np.ndarray:
+    """Replicas a minute's requests keep busy: ceil(count / (rps * 60)), at least 1 when any."""
+    return np.where(counts_per_min > 0, np.maximum(1, np.ceil(counts_per_min / (rps[:, None] * 60.0))), 0)
+
+
+class KeepAlivePolicy:
+    """Keep each model's replicas for ``minutes`` after its last request (as many as any minute in it needed)."""
+
+    reactive_overload = True
+    idle_grace_s = 0.0
+
+    def __init__(self, minutes: int, decide_every_s: float = 1.0):
+        self.minutes = minutes
+        self.name = f"keepalive_{minutes}"
+        self.decide_every_s = decide_every_s
+        self._minute = -1
+        self._window_need: np.ndarray | None = None
+
+    def decide(self, view: SimView) -> Decision:
+        rps = view.models["replica_rps"].to_numpy(dtype="float64")
+        if view.minute != self._minute:
+            self._minute = view.minute
+            window = view.counts[:, max(0, view.minute - self.minutes):view.minute]
+            self._window_need = (_replicas_for(window, rps).max(axis=1).astype(np.int64) if window.shape[1]
+                                 else np.zeros(len(rps), dtype=np.int64))
+        alive = view.now_s - view.last_arrival_s <= self.minutes * 60.0
+        return Decision(floor=np.where(alive, np.maximum(self._window_need, 1), 0))
+
+
+class HybridHistogramPolicy:
+    """The hybrid histogram policy on the fleet: windows anchored at each model's last request."""
+
+    reactive_overload = True
+    idle_grace_s = 0.0
+    name = "hybrid_histogram"
+
+    def __init__(self, decide_every_s: float = 1.0, **histogram_args):
+        self.decide_every_s = decide_every_s
+        self.histogram_args = histogram_args
+        self._state: HybridHistogram | None = None
+        self._minute = 0
+
+    def decide(self, view: SimView) -> Decision:
+        n = len(view.models)
+        if self._state is None:
+            self._state = HybridHistogram(n, **self.histogram_args)
+        while self._minute < view.minute:
+            self._state.observe(self._minute, view.counts[:, self._minute] > 0)
+            self._minute += 1
+        age_min = (view.now_s - view.last_arrival_s) / 60.0
+        st = self._state
+        loaded = np.isfinite(view.last_arrival_s) & (age_min >= st.s - 1) & (age_min <= st.e)
+        # the window opens at the start of minute t + s, i.e. (s - 1) minutes after the invocation minute ends
+        return Decision(floor=loaded.astype(np.int64))
+
+
+class KnativePolicy:
+    """Knative's pod autoscaler (KPA), on observed concurrency (in service + queued at the activator).
+
+    Args:
+        target_utilisation: of a replica's concurrency capacity (``replica_rps x request_s``); Knative's
+            default container-concurrency target utilisation is 70 %.
+        stable_window_s: 60 s; the panic window is ``panic_window_pct`` % of it (10 % = 6 s).
+        panic_threshold: panic when the panic-window desired replicas reach this multiple of the ready ones.
+        scale_to_zero_grace_s: keep the last replica this long after the desired count reaches zero.
+        tick_s: how often the autoscaler evaluates (2 s, as Knative).
+    """
+
+    reactive_overload = False
+    idle_grace_s = 0.0
+    name = "reactive"
+
+    def __init__(self, target_utilisation: float = 0.7, stable_window_s: float = 60.0,
+                 panic_window_pct: float = 10.0, panic_threshold: float = 2.0,
+                 scale_to_zero_grace_s: float = 30.0, tick_s: float = 2.0):
+        self.target_utilisation = target_utilisation
+        self.stable_n = max(1, int(round(stable_window_s / tick_s)))
+        self.panic_n = max(1, int(round(stable_window_s * panic_window_pct / 100.0 / tick_s)))
+        self.panic_threshold = panic_threshold
+        self.grace_s = scale_to_zero_grace_s
+        self.decide_every_s = tick_s
+        self._samples: np.ndarray | None = None
+        self._k = 0
+        self._panic_until: np.ndarray | None = None
+        self._zero_since: np.ndarray | None = None
+        self._desired: np.ndarray | None = None
+
+    def decide(self, view: SimView) -> Decision:
+        models = view.models
+        n = len(models)
+        rps = models["replica_rps"].to_numpy(dtype="float64")
+        request_s = models["request_s"].to_numpy(dtype="float64")
+        if self._samples is None:
+            self._samples = np.zeros((n, self.stable_n))
+            self._panic_until = np.full(n, -1.0)
+            self._zero_since = np.full(n, np.nan)
+            self._desired = np.zeros(n, dtype=np.int64)
+        tick = view.config.tick_s
+        concurrency = view.served_last_tick / tick * request_s + view.queue
+        self._samples[:, self._k % self.stable_n] = concurrency
+        self._k += 1
+        filled = min(self._k, self.stable_n)
+        recent = [(self._k - 1 - j) % self.stable_n for j in range(min(self.panic_n, filled))]
+        stable = self._samples[:, :filled].mean(axis=1)  # the ring fills from slot 0
+        panic = self._samples[:, recent].mean(axis=1)
+        per_replica = np.maximum(self.target_utilisation * rps * request_s, 1e-9)
+        want_stable = np.ceil(stable / per_replica - 1e-9).astype(np.int64)
+        want_panic = np.ceil(panic / per_replica - 1e-9).astype(np.int64)
+        ready = view.ready
+        now = view.now_s
+        entering = want_panic >= self.panic_threshold * np.maximum(ready, 1)
+        entering &= want_panic > ready
+        self._panic_until = np.where(entering, now + self.stable_n * self.decide_every_s, self._panic_until)
+        in_panic = now < self._panic_until
+        desired = np.where(in_panic, np.maximum(self._desired, want_panic), want_stable)
+        # scale to zero only after the grace period
+        zero = desired == 0
+        self._zero_since = np.where(zero & np.isnan(self._zero_since), now, self._zero_since)
+        self._zero_since = np.where(~zero, np.nan, self._zero_since)
+        hold = zero & (now - np.nan_to_num(self._zero_since, nan=now) < self.grace_s) & (view.ready + view.starting > 0)
+        desired = np.where(hold, 1, desired)
+        self._desired = desired
+        return Decision(floor=desired)
+
+
+LatencyProvider = Callable[[SimView], pd.DataFrame]
+
+
+class PlannerPolicy:
+    """prewarm's planner in the loop: once a minute, forecast -> latency -> fleet snapshot -> plan -> actions.
+
+    Args:
+        source: a :class:`~forecaster.planning.forecasts.ForecastSource`.
+        latency: ``view -> latency frame`` (``model_id, state, total_s, <phases>``).
+        settings: planner settings (``tiers=False`` for scale-ahead only).
+        name: reported policy name.
+        cold_cost: value of one second of cold-start wait, GPU-seconds.
+        normalise_by_rate: scale each model's cold cost by 1 / its observed
+            requests per minute (so every model's cold-start percentage weighs
+            the same, as a per-model SLO does).
+    """
+
+    reactive_overload = True
+    decide_every_s = 60.0
+    idle_grace_s = 60.0  # keep an on-demand replica until the next plan decides
+
+    def __init__(self, source: ForecastSource, latency: LatencyProvider, settings: PlannerSettings = PlannerSettings(),
+                 *, name: str = "prewarm", cold_cost: float = 1.0, normalise_by_rate: bool = False):
+        self.source = source
+        self.latency = latency
+        self.settings = settings
+        self.name = name
+        self.cold_cost = cold_cost
+        self.normalise_by_rate = normalise_by_rate
+        self.summaries: list[dict] = []
+
+    def model_frame(self, view: SimView) -> pd.DataFrame:
+        m = view.models
+        cold = np.full(len(m), self.cold_cost)
+        if self.normalise_by_rate:
+            minute = max(view.minute, 1)
+            per_min = (view.counts[:, :minute].sum(axis=1) + 1.0) / (minute + 1.0)
+            cold = cold / per_min
+        return pd.DataFrame({
+            "image_ref": m["image_ref"].to_numpy(), "image_bytes": m["image_bytes"].to_numpy(),
+            "weights_uri": m["weights_uri"].to_numpy(), "weights_bytes": m["weights_bytes"].to_numpy(),
+            "gpus": m["gpus"].to_numpy(dtype="float64"), "replica_rpm": m["replica_rps"].to_numpy() * 60.0,
+            "cold_cost": cold, "slo_s": np.nan, "replicas": view.ready + view.starting,
+            "burst_factor": view.burst_factor,
+        }, index=m.index.astype(str))
+
+    def decide(self, view: SimView) -> Decision:
+        start = view.start
+        now = (start + pd.Timedelta(seconds=view.now_s)).to_pydatetime()
+        forecast = self.source.quantiles(now, self.settings.horizon_min)
+        frames = view.fleet_frames()
+        transfers = frames["transfers"].assign(
+            ends_at=[now + timedelta(seconds=s - view.now_s) for s in frames["transfers"]["ends_at_s"]])
+        fleet = FleetState(models=self.model_frame(view), nodes=frames["nodes"], cache=frames["cache"],
+                           transfers=transfers.drop(columns="ends_at_s"), images=frames["images"])
+        result = plan(forecast, self.latency(view), fleet, self.settings, now)
+        self.summaries.append(result.summary)
+        return Decision(actions=result.actions)

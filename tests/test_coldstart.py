@@ -1,0 +1,178 @@
+"""The cold-start latency model: physics prior, training from the cold_starts table, baselines, Lambda check."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from forecaster.coldstart.lambda_perf import LambdaLatencyModel, evaluate_lambda, lag_features, load_lambda
+from forecaster.coldstart.model import ColdStartModel, baseline_predictions, load_cold_starts
+from forecaster.coldstart.physics import phase_seconds, physics_latency_table
+from forecaster.ingest.coldstarts import PHASES
+from forecaster.ingest.service import push_cold_starts
+from forecaster.simulation.config import FleetConfig
+from forecaster.store.catalog import ServingModelSpec, upsert_models
+
+UTC = timezone.utc
+SMALL_TREES = {"n_estimators": 60, "learning_rate": 0.1, "num_leaves": 7, "min_child_samples": 5}
+
+
+def test_physics_phases_are_bytes_over_shared_bandwidth():
+    cfg = FleetConfig(peak_slowdown=1.0)
+    out = phase_seconds(np.array([10e9, 10e9]), np.array([16e9, 16e9]), np.array([0, 3]),
+                        concurrent=np.array([0.0, 0.0]), config=cfg)
+    # none: pull 10 GB at 0.2 GB/s, fetch 16 GB at 0.6 GB/s, load 16 GB from disk at 2 GB/s
+    assert out["image_pull_s"][0] == pytest.approx(50.0)
+    assert out["weight_fetch_s"][0] == pytest.approx(16 / 0.6)
+    assert out["weight_load_s"].tolist() == pytest.approx([8.0, 16 / 12])
+    assert out["total_s"][1] == pytest.approx(16 / 12 + 10.3 + 2.0)
+    # a node NIC shared by 30 other transfers drops the pull below its 0.2 GB/s cap
+    crowded = phase_seconds(np.array([10e9]), np.array([16e9]), np.array([0]), concurrent=30.0, config=cfg)
+    assert crowded["image_pull_s"][0] == pytest.approx(10e9 / (3.125e9 / 31))
+    table = physics_latency_table(pd.DataFrame({"image_bytes": [10e9], "weights_bytes": [16e9]},
+                                               index=pd.Index(["m"], name="model_id")), config=cfg)
+    assert table.sort_values("total_s")["state"].tolist() == ["host", "disk", "image", "none"]
+
+
+def synthetic_events(n: int, seed: int = 0, start: datetime = datetime(2026, 11, 20, tzinfo=UTC),
+                     drift_after: int | None = None) -> pd.DataFrame:
+    """Cold starts from the physics with contention, a slow hour and noise; optionally a registry that slows later."""
+    rng = np.random.default_rng(seed)
+    cfg = FleetConfig()
+    sizes = {"small": (9e9, 1e9), "mid": (12.6e9, 16e9), "big": (12.6e9, 141e9)}
+    rows = []
+    for k in range(n):
+        model = rng.choice(list(sizes))
+        image, weights = sizes[model]
+        state = int(rng.integers(0, 4))
+        busy = float(rng.integers(0, 6))
+        when = start + timedelta(minutes=37 * k)
+        phases = phase_seconds(np.array([image]), np.array([weights]), np.array([state]), concurrent=busy,
+                               hour=when.hour, config=cfg)
+        slow = 1.6 if drift_after is not None and k >= drift_after else 1.0
+        values = {p: float(phases[p][0]) * rng.lognormal(0, 0.08) * (slow if p == "image_pull_s" else 1.0)
+                  for p in PHASES}
+        rows.append({"model_id": model, "node_id": f"node-{k % 5}", "started_at": when,
+                     "total_seconds": sum(values.values()), **values,
+                     "cache_state": ("none", "image", "disk", "host")[state], "image_bytes": image,
+                     "weights_bytes": weights, "concurrent_node_transfers": busy, "concurrent_registry_pulls": 0.0})
+    return pd.DataFrame(rows)
+
+
+def small_model(**kw) -> ColdStartModel:
+    return ColdStartModel(tree_params=SMALL_TREES, **kw)
+
+
+def test_model_beats_last_value_and_trailing_median_on_held_out_starts():
+    events = synthetic_events(240, seed=1)
+    train, test = events.iloc[:160], events.iloc[160:]
+    model = small_model().fit(train)
+    predicted = model.predict(test)["total_seconds"].to_numpy()
+    base = baseline_predictions(train, test)
+    actual = test["total_seconds"].to_numpy()
+    mae = np.abs(predicted - actual).mean()
+    assert mae < np.abs(base["last_value"] - base["actual"]).mean()
+    assert mae < np.abs(base["trailing_median"] - base["actual"]).mean()
+    # per tier the warmer start is faster, for every model
+    table = model.latency_table(pd.DataFrame({"image_bytes": [12.6e9], "weights_bytes": [16e9]},
+                                             index=pd.Index(["mid"])), hour=3)
+    assert table.set_index("state").loc[["none", "image", "disk", "host"], "total_s"].is_monotonic_decreasing
+
+
+def test_recent_member_tracks_a_slower_registry_without_refit():
+    """Image pulls get 60 % slower after event 200; observing newer starts (no refit) cuts the error."""
+    events = synthetic_events(360, seed=2, drift_after=200)
+    model = small_model().fit(events.iloc[:200])
+    late = events.iloc[200:].reset_index(drop=True)
+    cold = late.index[late["cache_state"] == "none"]
+    split = cold[len(cold) // 2]
+    judged = late.iloc[split:]
+    judged = judged[judged["cache_state"] == "none"]
+
+    def error() -> float:
+        return float(np.abs(model.predict(judged)["total_seconds"] - judged["total_seconds"].to_numpy()).mean())
+
+    before = error()
+    model.observe(late.iloc[:split])
+    assert error() < before
+
+
+def test_too_few_events_fall_back_to_the_physics_prior_and_save_load_round_trips(tmp_path):
+    few = synthetic_events(10)
+    model = ColdStartModel().fit(few)
+    assert model.trees_ is None
+    models = pd.DataFrame({"image_bytes": [9e9], "weights_bytes": [1e9]}, index=pd.Index(["small"]))
+    prior = physics_latency_table(models)
+    table = model.latency_table(models, hour=0)
+    assert table["total_s"].to_numpy() == pytest.approx(prior["total_s"].to_numpy())
+    trained = small_model().fit(synthetic_events(80))
+    again = ColdStartModel.load(trained.save(tmp_path / "coldstart"))
+    pd.testing.assert_frame_equal(trained.latency_table(models, hour=5), again.latency_table(models, hour=5))
+
+
+def test_trained_from_the_cold_starts_table(engine, settings, now):
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id="small", image_size_bytes=int(9e9), weights_size_bytes=int(1e9)),
+                             ServingModelSpec(id="mid", image_size_bytes=int(12.6e9), weights_size_bytes=int(16e9)),
+                             ServingModelSpec(id="big", image_size_bytes=int(12.6e9),
+                                              weights_size_bytes=int(141e9))])
+    events = synthetic_events(60, start=now - timedelta(days=3))
+    payload = [{"model_id": r.model_id, "node_id": r.node_id, "started_at": r.started_at.isoformat(),
+                "total_seconds": r.total_seconds, "cache_state": r.cache_state,
+                **{p: getattr(r, p) for p in PHASES}} for r in events.itertuples()]
+    push_cold_starts(engine, settings, payload, now=now)
+    loaded = load_cold_starts(engine)
+    assert len(loaded) == 60
+    assert set(loaded.columns) >= {"image_bytes", "weights_bytes", "concurrent_node_transfers", *PHASES}
+    assert loaded.loc[loaded.model_id == "big", "weights_bytes"].iloc[0] == 141e9
+    # starts 37 minutes apart on 5 nodes: a start from nothing that lasts longer overlaps the next ones
+    assert (loaded["concurrent_registry_pulls"] >= 0).all()
+    model = small_model().fit(loaded)
+    assert model.trees_ is not None and model.n_events_ == 60
+    table = model.latency_table(pd.DataFrame({"image_bytes": [12.6e9, 9e9], "weights_bytes": [141e9, 1e9]},
+                                             index=pd.Index(["big", "small"])), hour=12)
+    none = table[table.state == "none"].set_index("model_id")["total_s"]
+    assert none["big"] > none["small"]
+
+
+# --------------------------------------------------------------------------- AWS Lambda
+
+
+def _lambda_csv(path, days: int = 60, seed: int = 0):
+    """A small file in the real schema: two configurations, one drifting upwards, one flat."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for d in range(days):
+        date = (datetime(2025, 1, 1) + timedelta(days=d)).strftime("%Y-%m-%d")
+        for rid, mem, base, slope in (("lambda-perf-python312", 128, 120.0, 1.5), ("lambda-perf-nodejs20", 512, 140.0,
+                                                                                  0.0)):
+            samples = base + slope * d + rng.normal(0, 4, size=10)
+            rows.append({"date": date, "runtime_id": rid, "display_name": "", "package_type": "zip",
+                         "memory_mb": mem, "architecture": "x86_64", "n_samples": 10,
+                         "init_durations_ms": ";".join(f"{v:.2f}" for v in samples),
+                         "avg_cold_start_ms": samples.mean(), "avg_duration_ms": 1.0, "avg_memory_used_mb": 40})
+    pd.DataFrame(rows).to_csv(path, index=False)
+
+
+def test_lambda_rows_target_the_next_measured_day_with_causal_lags(tmp_path):
+    _lambda_csv(tmp_path / "lambda.csv")
+    frame = load_lambda(tmp_path / "lambda.csv")
+    rows = lag_features(frame)
+    one = rows[rows["config"].str.startswith("lambda-perf-python312")].reset_index(drop=True)
+    assert (one["target_date"] - one["date"]).dt.days.eq(1).all()
+    assert one["target"].iloc[0] == pytest.approx(one["log_last"].pipe(np.exp).iloc[1])
+    assert one["log_med7"].iloc[6] == pytest.approx(np.log(np.median(np.exp(one["log_last"].iloc[:7]))))
+
+
+def test_lambda_trees_beat_both_baselines_on_a_drift(tmp_path):
+    _lambda_csv(tmp_path / "lambda.csv", days=160)
+    result = evaluate_lambda(tmp_path / "lambda.csv", split_date="2025-04-15",
+                             model=LambdaLatencyModel(n_estimators=80, min_child_samples=5, num_leaves=7))
+    methods = result["methods"]
+    assert result["rows_test"] > 0 and result["configs"] == 2
+    best = min(methods["trees"]["mae_ms"], methods["ensemble"]["mae_ms"])
+    assert best < methods["trailing_median"]["mae_ms"]
+    assert best < methods["last_value"]["mae_ms"]

@@ -1,0 +1,40 @@
+"""``prewarm simulate`` on the shipped LLM sample: every policy runs, the table and JSON come out."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from forecaster.cli import app
+from forecaster.data import AZURE_LLM2023_CODE_HEAD, sample_path
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch, tmp_path):
+    for name in list(os.environ):
+        if name.startswith("PREWARM_") or name == "DATABASE_URL":
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("PREWARM_DATA_DIR", str(tmp_path / "data"))
+
+
+def test_simulate_prints_the_table_and_writes_json(tmp_path):
+    out = tmp_path / "sim.json"
+    result = CliRunner().invoke(app, ["simulate", str(sample_path(AZURE_LLM2023_CODE_HEAD)), "--policy",
+                                      "reactive,prewarm,oracle", "--nodes", "4", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    for name in ("keepalive_10", "reactive", "prewarm", "oracle"):
+        assert name in result.stdout
+    figures = json.loads(out.read_text())
+    assert set(figures["policies"]) == {"keepalive_10", "reactive", "prewarm", "oracle"}
+    assert figures["policies"]["keepalive_10"]["wasted_norm_pct"] == pytest.approx(100.0)
+    for row in figures["policies"].values():
+        assert row["requests"] > 0 and 0.0 <= row["slo_attainment"] <= 1.0 and row["gpu_seconds"] > 0
+
+
+def test_simulate_rejects_an_unknown_policy(tmp_path):
+    result = CliRunner().invoke(app, ["simulate", str(sample_path(AZURE_LLM2023_CODE_HEAD)), "--policy", "magic"])
+    assert result.exit_code == 2
+    assert "unknown policy 'magic'" in result.output
