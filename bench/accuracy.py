@@ -15,8 +15,10 @@ validation tail) and the peers measured in the same run:
   conformal code as the ensemble, with the peer as its only member);
 * ``seasonal_naive`` where the protocol has a season (Huawei: one day);
 * ``autoarima``, ``autoets`` (statsforecast) and ``lightgbm_global``
-  (mlforecast) when the ``bench`` extra is installed; otherwise they are
-  listed as skipped.
+  (mlforecast) when the ``bench`` extra is installed (``bench/peers.py``:
+  fitted once, ``forward`` / ``update`` at each origin, failed fits fall back
+  to naive and are counted); otherwise, or with ``--skip-library-peers``,
+  they are listed as skipped.
 
 Then the targets of issue 3 (ensemble vs best peer), a paired per-series
 comparison, and two speed figures: 60-minute quantile forecasts for 10,000
@@ -54,16 +56,18 @@ from forecaster.forecast.backtest import (  # noqa: E402
     run_backtest,
 )
 from forecaster.forecast.ensemble import Ensemble, default_members  # noqa: E402
-from forecaster.forecast.members import MovingAverage, Naive, SeasonalNaive  # noqa: E402
+from forecaster.forecast.members import MovingAverage, Naive, SeasonalNaive, actuals  # noqa: E402
 from forecaster.forecast.panel import Panel  # noqa: E402
 from forecaster.ingest.traces import read_trace  # noqa: E402
 from forecaster.ingest.validate import build_count_batch  # noqa: E402
+
+from bench.peers import missing_libraries, run_peers  # noqa: E402
 
 DATASETS = {
     "azure": ("azure_functions_2019_sample1350/invocations_per_function_1day_1350fn.csv.gz", "azure2019"),
     "huawei_dc4": ("huawei_cloud_5min_dc4/datacentre_4.csv.gz", "huawei5min"),
 }
-PEERS_NOT_INSTALLED = ("autoarima", "autoets", "lightgbm_global")
+LIBRARY_PEERS = ("autoarima", "autoets", "lightgbm_global")
 COLUMNS = ["mase_median", "mase", "mase_h{a}", "mase_h{b}", "mase_h{c}", "wql", "coverage_q90", "spike_recall",
            "seconds_per_1000_series"]
 
@@ -115,7 +119,7 @@ def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run_dataset(name: str, panel: Panel, refit: bool) -> tuple[BacktestResult, dict]:
+def run_dataset(name: str, panel: Panel, refit: bool, library_peers: bool = True) -> tuple[BacktestResult, dict]:
     protocol = protocol_for(name, panel)
     say(f"[{name}] {panel.n_series} series x {panel.n_steps} steps; fit {protocol.fit_steps} steps, "
         f"{len(protocol.origins)} origins, horizons 1..{protocol.horizon}")
@@ -127,14 +131,30 @@ def run_dataset(name: str, panel: Panel, refit: bool) -> tuple[BacktestResult, d
         started = time.perf_counter()
         forecasts[peer_name] = run_backtest(peer, panel, protocol)["ensemble"]
         say(f"[{name}] peer {peer_name}: {time.perf_counter() - started:.1f} s")
+    if library_peers and not missing_libraries():
+        forecasts |= run_peers(panel, protocol, forecasts["naive"], say=lambda m: say(f"[{name}] {m}"))
+    skipped = [p for p in LIBRARY_PEERS if p not in forecasts]
     result = evaluate(panel, protocol, forecasts)
     extra = {
         "ensemble": ensemble,
         "protocol": protocol,
         "forecasts": forecasts,
         "fit_seconds": forecasts["ensemble"].extra["fit_seconds"],
+        "skipped_peers": skipped,
+        "peer_failures": {p: forecasts[p].extra.get("failed_series", 0) for p in LIBRARY_PEERS if p in forecasts},
     }
     return result, extra
+
+
+def zero_coverage(panel: Panel, protocol: Protocol, forecasts, subset_mask: np.ndarray) -> str:
+    """Coverage of q0.9 split into steps with no invocation (covered by any bound >= 0) and the others."""
+    actual = actuals(panel.values, protocol.origins, protocol.horizon)[subset_mask]
+    q90 = forecasts.q90[subset_mask]
+    known = ~np.isnan(actual)
+    zero = known & (actual == 0)
+    nonzero = known & (actual > 0)
+    return (f"coverage_q90 where actual > 0: {np.mean(actual[nonzero] <= q90[nonzero]):.3f}; share of points with "
+            f"actual = 0 (covered by any bound >= 0): {zero.sum() / known.sum():.3f}")
 
 
 def paired(panel: Panel, protocol: Protocol, result: BacktestResult, subset_mask: np.ndarray, peer: str) -> str:
@@ -157,14 +177,23 @@ def print_tables(name: str, panel: Panel, result: BacktestResult, extra: dict, f
     a, b, c = protocol.report_horizons
     columns = [col.format(a=a, b=b, c=c) for col in COLUMNS]
     busy = (result.table.drop_duplicates("unique_id").set_index("unique_id").loc[panel.ids, "busy"]).to_numpy()
-    peer_names = [p for p in ("naive", "moving_average_60", "seasonal_naive") if p in extra["forecasts"]]
+    peer_names = [p for p in ("naive", "moving_average_60", "seasonal_naive", *LIBRARY_PEERS)
+                  if p in extra["forecasts"]]
     for subset in ("all", "busy"):
         rows = result.summary[result.summary["subset"] == subset].set_index("method")
         key = f"{name}/{subset}"
         print(f"\n## {key}: {int(rows.loc['ensemble', 'series'])} series, {len(protocol.origins)} origins x "
               f"{protocol.horizon} horizons (fit once on steps 0..{protocol.fit_steps - 1}, no refit at origins)")
         print(rows[columns].to_string(float_format=lambda v: f"{v:.4f}"))
-        print("peers not installed (bench extra), skipped: " + ", ".join(PEERS_NOT_INSTALLED))
+        if extra["skipped_peers"]:
+            print("library peers skipped (bench extra not installed, failed, or --skip-library-peers): "
+                  + ", ".join(extra["skipped_peers"]))
+        if extra["peer_failures"]:
+            print("library peers, series that fell back to naive (failed fit or forecast): " + ", ".join(
+                f"{p} {k}" for p, k in extra["peer_failures"].items()))
+        fastest = min(peer_names, key=lambda p: rows.loc[p, "seconds_per_1000_series"])
+        print(f"time per 1000 series: ensemble {rows.loc['ensemble', 'seconds_per_1000_series']:.1f} s, "
+              f"fastest peer {fastest} {rows.loc[fastest, 'seconds_per_1000_series']:.1f} s")
         # JSON keys are fixed (mase_h1, mase_h5, mase_h15) and hold the protocol's three report horizons
         json_key = dict(zip(columns, [c.format(a=1, b=5, c=15) for c in COLUMNS], strict=True))
         figures[key] = {
@@ -185,6 +214,7 @@ def print_tables(name: str, panel: Panel, result: BacktestResult, extra: dict, f
               f"{ens['spike_recall']:.3f} vs best peer {best_spike} {rows.loc[best_spike, 'spike_recall']:.3f} "
               f"({100 * (ens['spike_recall'] - rows.loc[best_spike, 'spike_recall']):+.1f} points; target +10)")
         mask = busy if subset == "busy" else np.ones(panel.n_series, dtype=bool)
+        print("         " + zero_coverage(panel, protocol, extra["forecasts"]["ensemble"], mask))
         print("         " + paired(panel, protocol, result, mask, best_mase))
 
 
@@ -226,21 +256,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the figures as JSON here")
     parser.add_argument("--no-refit", action="store_true", help="keep the members fitted before the validation tail")
     parser.add_argument("--speed-series", type=int, default=10_000)
+    parser.add_argument("--skip-library-peers", action="store_true",
+                        help="leave out autoarima, autoets and lightgbm_global (minutes on the Azure day)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
     jobs = [(args.trace.name.split(".")[0], args.trace, args.fmt)] if args.trace else [
         (name, args.traces / DATASETS[name][0], DATASETS[name][1]) for name in args.datasets.split(",")
     ]
-    figures: dict = {"datasets": {}, "speed": {}, "retrain_seconds": {}, "members": {}}
+    figures: dict = {"datasets": {}, "speed": {}, "retrain_seconds": {}, "members": {}, "peer_failures": {}}
     for name, path, fmt in jobs:
         panel = load_panel(path, fmt)
-        result, extra = run_dataset(name, panel, refit=not args.no_refit)
+        result, extra = run_dataset(name, panel, refit=not args.no_refit, library_peers=not args.skip_library_peers)
         print_tables(name, panel, result, extra, figures["datasets"])
         ensemble = extra["ensemble"]
         figures["retrain_seconds"][name] = extra["fit_seconds"]
+        figures["peer_failures"][name] = extra["peer_failures"]
         figures["members"][name] = {
             "fit_seconds": ensemble.fit_seconds_, "failures": ensemble.failures_,
+            "quantile_method": ensemble.quantile_method_, "quantile_scores": ensemble.quantile_scores_,
+            "head_series_share": float(ensemble.head_series_.mean()),
             "mean_weight": dict(zip(ensemble.member_names_, ensemble.weights_.mean(axis=0).round(4).tolist(),
                                     strict=True)),
         }
@@ -248,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{extra['fit_seconds']:.1f} s; per member: "
               + ", ".join(f"{k} {v:.1f} s" for k, v in ensemble.fit_seconds_.items()))
         print("failures: " + (json.dumps(ensemble.failures_) if ensemble.failures_ else "none"))
+        scores = ", ".join(f"{k} {v:.4g}" for k, v in ensemble.quantile_scores_.items())
+        print(f"quantile bounds: {ensemble.quantile_method_} on {ensemble.head_series_.mean():.1%} of the series, "
+              f"residual quantiles on the rest (chosen per series on the validation tail; cross-fitted pinball loss "
+              f"q0.1 + q0.9 per point: {scores or 'no heads'})")
         print("share of series per chosen member: " + ", ".join(
             f"{k} {v:.3f}" for k, v in figures["members"][name]["mean_weight"].items()))
         if args.speed_series and panel.step_minutes <= 1:

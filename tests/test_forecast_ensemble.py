@@ -10,6 +10,7 @@ from forecaster.forecast.backtest import Protocol, run_backtest
 from forecaster.forecast.ensemble import Ensemble, conformal_rank, residual_quantiles
 from forecaster.forecast.members import Member, MovingAverage, SeasonalNaive
 from forecaster.forecast.panel import Panel
+from forecaster.forecast.trees import LightGBMMember
 
 START = pd.Timestamp("2024-03-01 00:00", tz="UTC")
 
@@ -171,13 +172,14 @@ def test_conformal_level_and_quantiles_match_hand_values() -> None:
     assert np.isnan(residual_quantiles(residuals[:, :, :5], (0.9,), min_count=10)).all()
 
 
-@pytest.mark.parametrize("interval_scale", ["none", "sqrt"])
-def test_q90_covers_ninety_percent_of_poisson_counts_with_known_rates(interval_scale: str) -> None:
+@pytest.mark.parametrize("interval_scale,heads", [("none", False), ("sqrt", False), ("none", True)])
+def test_q90_covers_ninety_percent_of_poisson_counts_with_known_rates(interval_scale: str, heads: bool) -> None:
     rates = np.linspace(2.0, 30.0, 40)
     panel = poisson_panel(rates, 700)
     protocol = Protocol("poisson", 400, tuple(range(400, 686, 15)), 15, 1.0, None, (1, 5, 15))
     ensemble = Ensemble(
-        [MovingAverage(60)], horizon=15, validation_steps=200, stride=2, refit=False, interval_scale=interval_scale
+        [MovingAverage(60)], horizon=15, validation_steps=200, stride=2, refit=False, interval_scale=interval_scale,
+        quantile_heads=small_head() if heads else False,
     )
     arrays = run_backtest(ensemble, panel, protocol)["ensemble"]
     actual = np.stack([panel.values[:, o : o + 15] for o in protocol.origins], axis=1)
@@ -204,3 +206,93 @@ def test_probability_of_any_invocation_matches_known_rates() -> None:
     assert np.abs(per_series - expected).mean() < 0.05
     observed = np.stack([panel.values[:, o : o + 5] >= 1 for o in range(700, 895, 5)], axis=1).mean(axis=(1, 2))
     assert np.abs(per_series - observed).mean() < 0.05
+
+
+# ---------------------------------------------------------------------------- quantile heads
+
+
+def small_head() -> LightGBMMember:
+    """A light LightGBM whose settings the quantile heads copy (fast enough for tests)."""
+    return LightGBMMember(horizon=15, params={"n_estimators": 60})
+
+
+def burst_panel(n: int = 30, n_steps: int = 900, seed: int = 7) -> tuple[Panel, np.ndarray]:
+    """Poisson counts whose rate is 20x higher at minute 7 of every quarter hour (a timer with variable load)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(n_steps)
+    rate = np.where(t % 15 == 7, 20.0, 1.0)[None, :] * rng.uniform(0.5, 1.5, (n, 1))
+    values = rng.poisson(rate).astype(float)
+    return Panel.from_wide([f"b{k:02d}" for k in range(n)], values, start=START, step="1min"), rate
+
+
+def test_quantile_heads_follow_bursts_that_residual_quantiles_average_away() -> None:
+    from scipy.stats import poisson
+
+    panel, rate = burst_panel()
+    protocol = Protocol("bursts", 600, tuple(range(600, 886, 15)), 15, 1.0, None, (1, 5, 15))
+    actual = np.stack([panel.values[:, o : o + 15] for o in protocol.origins], axis=1)
+    true90 = poisson.ppf(0.9, np.stack([rate[:, o : o + 15] for o in protocol.origins], axis=1))
+    burst = (np.arange(900)[protocol.origins[0] : protocol.origins[0] + 15] % 15 == 7)[None, None, :]
+    burst = np.broadcast_to(burst, actual.shape)  # origins are 15 apart: the same phase at every origin
+
+    coverage = {}
+    for heads in (False, small_head()):
+        ensemble = Ensemble([MovingAverage(60)], horizon=15, refit=False, quantile_heads=heads)
+        arrays = run_backtest(ensemble, panel, protocol)["ensemble"]
+        covered = actual <= arrays.q90
+        coverage[bool(heads)] = (covered[burst].mean(), covered[~burst].mean(), covered.mean())
+        if heads:
+            assert ensemble.quantile_method_ in ("heads", "heads_empirical")
+            assert ensemble.quantile_scores_[ensemble.quantile_method_] < ensemble.quantile_scores_["residuals"]
+            assert set(ensemble.heads_) == {0.1, 0.9} and ensemble.heads_[0.9].name == "lightgbm_q0.9"
+            assert ensemble.head_series_.mean() >= 0.9  # chosen per series, on validation: nearly all here
+            # the high bound sits on the true quantile at the burst minutes, and stays low elsewhere
+            assert 0.85 <= np.median(arrays.q90[burst] / true90[burst]) <= 1.15
+            assert np.median(arrays.q90[~burst] - true90[~burst]) <= 1.0
+            assert (arrays.q10 <= arrays.point).all() and (arrays.point <= arrays.q90).all()
+            assert 0.03 <= np.mean(actual < arrays.q10) <= 0.13
+    residual_burst, _, _ = coverage[False]
+    head_burst, head_quiet, head_all = coverage[True]
+    assert residual_burst < 0.8  # one bound per horizon mixes burst and quiet minutes
+    assert head_burst >= 0.8 and head_burst > residual_burst + 0.07
+    assert 0.85 <= head_quiet <= 0.97 and 0.87 <= head_all <= 0.95
+
+
+def test_failing_quantile_head_is_reported_and_residual_quantiles_remain(monkeypatch) -> None:
+    monkeypatch.setattr(LightGBMMember, "quantile_head", lambda self, tau: Broken())
+    panel = mixed_panel()
+    ensemble = Ensemble([MovingAverage(30)], horizon=10, quantile_heads=True).fit_panel(panel)
+    assert "cannot fit" in ensemble.failures_["broken"]
+    assert ensemble.quantile_method_ == "residuals" and ensemble.heads_ == {}
+    out = ensemble.predict(10)
+    assert np.isfinite(out[["q0.1", "q0.9"]]).all().all() and (out["q0.9"] >= out["q0.5"]).all()
+
+
+def test_quantile_heads_are_on_only_with_a_lightgbm_member() -> None:
+    panel = mixed_panel()
+    plain = Ensemble([MovingAverage(30)], horizon=10, refit=False).fit_panel(panel)
+    assert plain.heads_ == {} and plain.quantile_scores_ == {}
+    ensemble = Ensemble([LightGBMMember(horizon=10, params={"n_estimators": 20})], horizon=10, refit=False)
+    ensemble.fit_panel(panel)
+    assert set(ensemble.quantile_scores_) == {"residuals", "heads", "heads_empirical", "per_series_choice"}
+    assert ensemble.quantile_scores_["per_series_choice"] <= min(ensemble.quantile_scores_.values()) + 1e-12
+    assert {"lightgbm_q0.1", "lightgbm_q0.9"} <= set(ensemble.fit_seconds_)
+
+
+def test_heads_are_chosen_per_series_and_exact_series_keep_residual_bounds() -> None:
+    bursts, _ = burst_panel(n=12, n_steps=600)
+    t = np.arange(600)
+    timers = np.stack([np.where(t % 15 == 3, 5.0, 0.0), np.where(t % 15 == 9, 2.0, 0.0)])
+    panel = Panel.from_wide([*bursts.ids, "timer-a", "timer-b"], np.vstack([bursts.values, timers]),
+                            start=START, step="1min")
+    ensemble = Ensemble([MovingAverage(60)], horizon=15, refit=False, quantile_heads=small_head())
+    ensemble.fit_panel(panel.head(540))
+    chosen = pd.Series(ensemble.head_series_, index=panel.ids)
+    assert not chosen[["timer-a", "timer-b"]].any()  # the fallback forecasts them exactly: nothing to gain
+    assert chosen.drop(["timer-a", "timer-b"]).mean() >= 0.9
+    arrays = ensemble.forecast(panel, [540, 555], 15)
+    timer_rows = np.isin(panel.ids, ["timer-a", "timer-b"])
+    actual = np.stack([panel.values[:, 540:555], panel.values[:, 555:570]], axis=1)
+    for column in ("q0.1", "ensemble", "q0.9"):  # exact forecasts, zero-width residual bounds
+        np.testing.assert_array_equal(arrays[column][timer_rows], actual[timer_rows])
+    assert (arrays["q0.9"][~timer_rows] > arrays["ensemble"][~timer_rows]).mean() > 0.5

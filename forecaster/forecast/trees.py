@@ -219,6 +219,22 @@ class LightGBMMember(GlobalTreeMember):
         )
         return lightgbm.LGBMRegressor(**(params | (self.params or {})))
 
+    def quantile_head(self, tau: float) -> LightGBMMember:
+        """The same model with LightGBM's quantile objective at level ``tau`` (named ``lightgbm_q<tau>``).
+
+        Its forecast estimates the conditional ``tau`` quantile from the same
+        features (recent level, volatility, time since the last invocation,
+        target phase), so the ensemble can widen its bounds where bursts are
+        likely and narrow them where they are not.
+        """
+        head = LightGBMMember(
+            strategy=self.strategy, horizon=self.horizon, max_train_rows=self.max_train_rows, n_jobs=self.n_jobs,
+            random_state=self.random_state, params=(self.params or {}) | {"objective": "quantile", "alpha": tau},
+            local_level=self.local_level,
+        )
+        head.name = f"{self.name}_q{tau:g}"
+        return head
+
 
 class XGBoostMember(GlobalTreeMember):
     """Global XGBoost (hist), absolute-error objective.
