@@ -61,7 +61,8 @@ def _started_seconds(events: pd.DataFrame) -> np.ndarray:
     return (started - pd.Timestamp(0, tz="UTC")).dt.total_seconds().to_numpy()
 
 
-def prepare_events(events: pd.DataFrame, config: FleetConfig = FleetConfig()) -> pd.DataFrame:
+def prepare_events(events: pd.DataFrame, config: FleetConfig = FleetConfig(), *, history: bool = True
+                   ) -> pd.DataFrame:
     """Sort events by start, fill optional columns, and add the features of :data:`FEATURES` (causal).
 
     History features use only earlier events of the same model and tier: the
@@ -96,9 +97,14 @@ def prepare_events(events: pd.DataFrame, config: FleetConfig = FleetConfig()) ->
     frame["log_prior_total"] = np.log1p(prior["total_s"])
     for phase in PHASES:
         frame[f"prior_{phase}"] = prior[phase]
-    group = frame.groupby(["model_id", "cache_state"], sort=False)["total_seconds"]
-    frame["log_last_total"] = np.log1p(group.shift(1))
-    frame["log_median_total"] = np.log1p(group.transform(lambda s: s.shift(1).rolling(5, min_periods=1).median()))
+    if not history:
+        return frame
+    keys = [frame["model_id"], frame["cache_state"]]
+    group = frame.groupby(keys, sort=False)["total_seconds"]
+    previous = group.shift(1)
+    frame["log_last_total"] = np.log1p(previous)
+    median = previous.groupby(keys, sort=False).rolling(5, min_periods=1).median()
+    frame["log_median_total"] = np.log1p(median.reset_index(level=[0, 1], drop=True).sort_index())
     frame["n_previous"] = group.cumcount().astype("float64")
     return frame
 
@@ -251,7 +257,7 @@ class ColdStartModel:
         new["cache_state"] = new["cache_state"].fillna("none").astype(str)
         if not new.duplicated(keys).any():
             # each (model, tier) once: history statistics straight from what was seen (the planner's case)
-            prepared = prepare_events(new, self.config)
+            prepared = prepare_events(new, self.config, history=False)
             seen = self.history_.sort_values("started_s", kind="stable")
             stats = seen.groupby(keys)["total_seconds"].agg(last="last", n="size")
             stats["median"] = seen.groupby(keys).tail(5).groupby(keys)["total_seconds"].median()

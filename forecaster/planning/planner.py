@@ -205,35 +205,71 @@ def _wait_seconds(d: np.ndarray, rate_per_s: np.ndarray, queued: bool) -> np.nda
     return d + (rate_per_s * d * d / 2.0 if queued else 0.0)
 
 
-def _best_states(fleet: FleetState, gpus: np.ndarray) -> tuple[np.ndarray, dict[str, list[tuple[int, str]]]]:
-    """Per model, the warmest start state on a node with room for a replica; and each model's cached nodes.
+@dataclass
+class CacheIndex:
+    """Weights cache entries as arrays: model row, node position and state rank, grouped by model row."""
+
+    node_ids: np.ndarray  # (K,) node ids of the fleet, in ``fleet.nodes`` order
+    model_row: np.ndarray  # (C,) per cache entry
+    node_pos: np.ndarray  # (C,)
+    rank: np.ndarray  # (C,)
+    by_model: dict  # model row -> entry indices
+    image_nodes: dict  # image ref -> (K,) bool: node holds the image
+
+    def warmth(self, i: int) -> np.ndarray:
+        """(K,) state rank of model ``i`` on each node (0 none .. 3 host; images not included)."""
+        out = np.zeros(len(self.node_ids), dtype=np.int64)
+        idx = self.by_model.get(i)
+        if idx is not None and len(idx):
+            np.maximum.at(out, self.node_pos[idx], self.rank[idx])
+        return out
+
+
+def _best_states(fleet: FleetState, gpus: np.ndarray) -> tuple[np.ndarray, CacheIndex]:
+    """Per model, the warmest start state on a node with room for a replica; and the cache as arrays.
 
     A node holding the model's image counts as state ``image``; weights on disk
     or in host memory as ``disk`` / ``host``.
     """
     models = fleet.models
     best = np.zeros(len(models), dtype=np.int64)
-    by_model: dict[str, list[tuple[int, str]]] = defaultdict(list)
     free = fleet.nodes["gpus_free"]
+    node_ids = fleet.nodes.index.astype(str).to_numpy()
+    node_index = pd.Index(node_ids)
+    image_refs = models["image_ref"].astype(str).to_numpy()
+    image_nodes: dict[str, np.ndarray] = {}
     if len(fleet.images):
-        # the image part: any node with room holding the model's image
-        room_images = fleet.images[free.reindex(fleet.images["node_id"]).fillna(-1).to_numpy() >= 0]
-        for ref, group in room_images.groupby("image_ref"):
-            node_free = free.reindex(group["node_id"]).to_numpy(dtype="float64")
-            rows = np.flatnonzero(models["image_ref"].to_numpy() == ref)
-            if len(rows):
-                fits = node_free.max() >= gpus[rows]
-                best[rows[fits]] = np.maximum(best[rows[fits]], STATE_RANK["image"])
+        pos = node_index.get_indexer(fleet.images["node_id"].astype(str))
+        for ref, rows in pd.Series(pos).groupby(fleet.images["image_ref"].astype(str).to_numpy()).indices.items():
+            mask = np.zeros(len(node_ids), dtype=bool)
+            valid = pos[rows][pos[rows] >= 0]
+            mask[valid] = True
+            image_nodes[ref] = mask
+            node_free = free.to_numpy(dtype="float64")[valid] if len(valid) else np.zeros(0)
+            model_rows = np.flatnonzero(image_refs == ref)
+            if len(model_rows) and len(node_free):
+                fits = node_free.max() >= gpus[model_rows]
+                best[model_rows[fits]] = np.maximum(best[model_rows[fits]], STATE_RANK["image"])
+    model_row = np.zeros(0, dtype=np.int64)
+    node_pos = np.zeros(0, dtype=np.int64)
+    rank = np.zeros(0, dtype=np.int64)
     if len(fleet.cache):
         cache = fleet.cache[fleet.cache["state"].isin(START_STATES)]
         rank = cache["state"].map(STATE_RANK).to_numpy(dtype=np.int64)
-        row = models.index.get_indexer(cache["model_id"].astype(str))
-        node_free = free.reindex(cache["node_id"]).to_numpy(dtype="float64")
-        ok = (row >= 0) & (np.nan_to_num(node_free, nan=-1) >= gpus[np.maximum(row, 0)])
-        np.maximum.at(best, row[ok], rank[ok])
-        for model_id, node_id, r in zip(cache["model_id"].to_numpy(), cache["node_id"].to_numpy(), rank):
-            by_model[str(model_id)].append((int(r), str(node_id)))
-    return best, by_model
+        model_row = models.index.get_indexer(cache["model_id"].astype(str))
+        node_pos = node_index.get_indexer(cache["node_id"].astype(str))
+        node_free = np.where(node_pos >= 0, free.to_numpy(dtype="float64")[np.maximum(node_pos, 0)], -1.0)
+        ok = (model_row >= 0) & (node_pos >= 0) & (node_free >= gpus[np.maximum(model_row, 0)])
+        np.maximum.at(best, model_row[ok], rank[ok])
+        keep = (model_row >= 0) & (node_pos >= 0)
+        model_row, node_pos, rank = model_row[keep], node_pos[keep], rank[keep]
+        # a node with the model's weights holds its image too
+        for ref in np.unique(image_refs[model_row]) if len(model_row) else ():
+            mask = image_nodes.setdefault(ref, np.zeros(len(node_ids), dtype=bool))
+            mask[node_pos[image_refs[model_row] == ref]] = True
+    by_model = pd.Series(np.arange(len(model_row))).groupby(model_row).indices if len(model_row) else {}
+    return best, CacheIndex(node_ids=node_ids, model_row=model_row, node_pos=node_pos, rank=rank,
+                            by_model=by_model, image_nodes=image_nodes)
 
 
 def plan(
@@ -279,7 +315,7 @@ def plan(
     q_given_any = fa.quantile(np.clip(1.0 - fa.p_any / 2.0, 0.0, 1.0))
     rate = np.maximum(q_given_any, 1.0) / 60.0
 
-    best_state, cached_nodes = _best_states(fleet, gpus)
+    best_state, cache_index = _best_states(fleet, gpus)
     d_by_state = np.stack([np.nan_to_num(lat[s], nan=0.0) for s in START_STATES], axis=1)  # (N, 4)
 
     def scale_levels(state_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -312,7 +348,7 @@ def plan(
     if settings.tiers:
         tier_actions, tier_state, tier_ready_s, tier_deferred = _plan_tiers(
             fa, fleet, settings, now, desired, cap, gpus, cold_cost, rate, d_by_state, lat, best_state,
-            cached_nodes, ledger)
+            cache_index, ledger)
         actions.extend(tier_actions)
         deferred += tier_deferred
         improved = tier_state > best_state
@@ -425,7 +461,7 @@ def _share_budget(fa: ForecastArrays, target: np.ndarray, cap: np.ndarray, c_col
 
 
 def _plan_tiers(fa, fleet, settings, now, desired, cap, gpus, cold_cost, rate, d_by_state, lat, best_state,
-                cached_nodes, ledger) -> tuple[list[Action], np.ndarray, np.ndarray, int]:
+                cache_index, ledger) -> tuple[list[Action], np.ndarray, np.ndarray, int]:
     """Prepull/preload actions for replicas the forecast may need beyond the warm ones.
 
     Returns the actions, each model's warmest state after them, the seconds
@@ -456,20 +492,22 @@ def _plan_tiers(fa, fleet, settings, now, desired, cap, gpus, cold_cost, rate, d
     free_gpus = nodes["gpus_free"].to_numpy(dtype="float64")
     host_free = nodes["host_free_bytes"].to_numpy(dtype="float64").copy()
     disk_free = nodes["disk_free_bytes"].to_numpy(dtype="float64").copy()
-    node_ids = nodes.index.astype(str).to_numpy()
-    node_pos = {nid: k for k, nid in enumerate(node_ids)}
-    image_on_node: dict[str, set[str]] = defaultdict(set)
-    image_of = models["image_ref"].to_dict()
-    for ref, node_id in zip(fleet.images["image_ref"].to_numpy(), fleet.images["node_id"].to_numpy()):
-        image_on_node[str(ref)].add(str(node_id))
-    for model_id, entries in cached_nodes.items():
-        for rank, node_id in entries:
-            if rank >= 1 and image_of.get(model_id):
-                image_on_node[str(image_of[model_id])].add(node_id)
-    for t in fleet.transfers.itertuples(index=False):
-        if t.kind == "prepull" and image_of.get(t.model_id):
-            image_on_node[str(image_of[t.model_id])].add(str(t.node_id))
-    in_flight = {(str(t.model_id), str(t.node_id)) for t in fleet.transfers.itertuples(index=False)}
+    node_ids = cache_index.node_ids
+    image_refs = models["image_ref"].astype(str).to_numpy()
+    weights_uris = models["weights_uri"].to_numpy()
+    image_nodes = {ref: mask.copy() for ref, mask in cache_index.image_nodes.items()}
+    node_index = pd.Index(node_ids)
+    model_index = pd.Index(ids)
+    in_flight: set[tuple[int, int]] = set()
+    if len(fleet.transfers):
+        t_node = node_index.get_indexer(fleet.transfers["node_id"].astype(str))
+        t_model = model_index.get_indexer(fleet.transfers["model_id"].astype(str))
+        for node_k, row, kind in zip(t_node, t_model, fleet.transfers["kind"].to_numpy()):
+            if node_k < 0 or row < 0:
+                continue
+            in_flight.add((int(row), int(node_k)))
+            if kind == "prepull":
+                image_nodes.setdefault(image_refs[row], np.zeros(len(node_ids), dtype=bool))[node_k] = True
 
     tier_state = best_state.copy()
     ready_s = np.zeros(n)
@@ -477,7 +515,7 @@ def _plan_tiers(fa, fleet, settings, now, desired, cap, gpus, cold_cost, rate, d
     deferred = 0
     node_load = np.zeros(len(node_ids))  # tiers planned per node in this plan: spread them
     # an upper bound of each model's gain, to try the most valuable first and skip the hopeless
-    host_nodes = np.array([sum(1 for rank, _ in cached_nodes.get(m, []) if rank >= 3) for m in ids])
+    host_nodes = np.bincount(cache_index.model_row[cache_index.rank >= 3], minlength=n)
     d_gap = np.maximum(d_by_state[:, 0] - d_by_state[:, 3], 0.0)
     upper = np.maximum(p_new * cold_cost * wait(d_by_state[:, 0]) - p_new * cold_cost * wait(d_by_state[:, 3]),
                        np.where(scale_ups > 0, gpus * settings.gpu_second_cost * d_gap, 0.0))
@@ -489,27 +527,26 @@ def _plan_tiers(fa, fleet, settings, now, desired, cap, gpus, cold_cost, rate, d
             deferred += 1
             continue
         model_id = ids[i]
-        image_ref = models["image_ref"].iat[i]
-        weights_uri = models["weights_uri"].iat[i]
-        have = {node_id: rank for rank, node_id in cached_nodes.get(model_id, [])}
+        image_ref = image_refs[i]
+        weights_uri = weights_uris[i]
         first_need = int(np.argmax(p_first[i] > 0))
         deadline_s = first_need * 60.0
         # candidate nodes: room for a replica, the model's own warm nodes first, then images, then emptiest
         room = np.flatnonzero(free_gpus >= gpus[i])
         if not len(room):
             continue
-        warmth = np.array([have.get(node_ids[k], 0) for k in room], dtype="float64")
-        has_image = np.array([node_ids[k] in image_on_node.get(str(image_ref), ()) for k in room], dtype="float64")
-        order = room[np.lexsort((-free_gpus[room], node_load[room], -has_image, -warmth))]
+        image_mask = image_nodes.setdefault(image_ref, np.zeros(len(node_ids), dtype=bool))
+        state_on = np.maximum(cache_index.warmth(i), image_mask.astype(np.int64))
+        order = room[np.lexsort((-free_gpus[room], node_load[room], -state_on[room]))]
         chosen = 0
         for k in order:
             if chosen >= extra[i]:
                 break
-            node_id = node_ids[k]
-            if (model_id, node_id) in in_flight:
+            node_id = str(node_ids[k])
+            if (int(i), int(k)) in in_flight:
                 chosen += 1
                 continue
-            state_now = have.get(node_id, 1 if node_id in image_on_node.get(str(image_ref), ()) else 0)
+            state_now = int(max(state_on[k], 1 if image_mask[k] else 0))
             # a replica the plan starts anyway saves its start-up GPU-seconds; one beyond the warm ones saves
             # the wait of the requests it serves, if it is needed (P of the j-th extra replica)
             planned_start = chosen < scale_ups[i]
@@ -549,7 +586,7 @@ def _plan_tiers(fa, fleet, settings, now, desired, cap, gpus, cold_cost, rate, d
             if reached >= 2:
                 disk_free[k] -= weights_bytes[i]
             if state_now < 1:
-                image_on_node[str(image_ref)].add(node_id)
+                image_mask[k] = True
             if chosen == 1 and reached > tier_state[i]:
                 # the next replica of the model starts from here once the transfers are done
                 tier_state[i] = reached

@@ -277,6 +277,10 @@ class FleetSimulator:
         self.disk_used = np.zeros(k)
         self.host_used = np.zeros(k)
         self.running_on: list[dict[int, int]] = [defaultdict(int) for _ in range(k)]  # model -> replicas on node
+        self.state = np.zeros((k, n), dtype=np.int8)  # node_state() of every (node, model), kept up to date
+        self.models_of_image = {ref: np.flatnonzero(self.image_ref == ref) for ref in np.unique(self.image_ref)}
+        self._per_node: dict[int, int] = {}
+        self._per_source: dict[str, int] = {}
         # events, transfers
         self.now = 0.0
         self._heap: list[tuple[float, int, str, object]] = []
@@ -314,12 +318,17 @@ class FleetSimulator:
     # ------------------------------------------------------------------ caches
     def node_state(self, node: int, model: int) -> int:
         """0 none, 1 image, 2 weights on disk, 3 weights in host memory."""
-        if self.image_ref[model] not in self.images[node]:
-            return 0  # weights without the image still wait for the pull: count it as cold
-        entry = self.weights[node].get(model)
-        if entry is not None:
-            return 3 if entry[0] == "host" else 2
-        return 1
+        return int(self.state[node, model])
+
+    def _refresh_state(self, node: int, models) -> None:
+        """Recompute :meth:`node_state` after a cache change (weights without the image count as cold)."""
+        for model in np.atleast_1d(models):
+            model = int(model)
+            if self.image_ref[model] not in self.images[node]:
+                self.state[node, model] = 0
+                continue
+            entry = self.weights[node].get(model)
+            self.state[node, model] = 1 if entry is None else (3 if entry[0] == "host" else 2)
 
     def _touch(self, node: int, model: int) -> None:
         if self.image_ref[model] in self.images[node]:
@@ -338,6 +347,7 @@ class FleetSimulator:
                 if tier == "host" and not self.running_on[node].get(model):
                     self.weights[node][model][0] = "disk"
                     self.host_used[node] -= self.weights_bytes[model]
+                    self._refresh_state(node, model)
             if self.host_used[node] + host > cfg.host_bytes:
                 return False
         if disk > 0:
@@ -352,6 +362,7 @@ class FleetSimulator:
                 in_use = any(self.image_ref[m] == ref and c for m, c in self.running_on[node].items())
                 if not in_use:
                     self.disk_used[node] -= self.images[node].pop(ref)
+                    self.state[node, self.models_of_image[ref]] = 0
             if self.disk_used[node] + disk > cfg.disk_bytes:
                 return False
         return True
@@ -363,6 +374,7 @@ class FleetSimulator:
         self.disk_used[node] -= self.weights_bytes[model]
         if entry[0] == "host":
             self.host_used[node] -= self.weights_bytes[model]
+        self._refresh_state(node, model)
 
     def _add_image(self, node: int, model: int) -> None:
         ref = self.image_ref[model]
@@ -370,6 +382,11 @@ class FleetSimulator:
             self._make_room(node, disk=self.image_bytes[model])
             self.images[node][ref] = self.image_bytes[model]
             self.disk_used[node] += self.image_bytes[model]
+            rows = self.models_of_image[ref]
+            with_weights = [m for m in rows if m in self.weights[node]]
+            self.state[node, rows] = np.maximum(self.state[node, rows], 1)
+            if with_weights:
+                self._refresh_state(node, with_weights)
 
     def _add_weights(self, node: int, model: int, tier: str, pinned: bool) -> None:
         entry = self.weights[node].get(model)
@@ -383,6 +400,7 @@ class FleetSimulator:
         if tier == "host" and entry[0] != "host" and self._make_room(node, host=size):
             entry[0] = "host"
             self.host_used[node] += size
+        self._refresh_state(node, model)
 
     def warm_cache(self, node: int, model: int, state: str) -> None:
         """Seed a node's cache before the run: ``image``, ``disk`` or ``host`` (pinned, like a pre-load)."""
@@ -425,6 +443,7 @@ class FleetSimulator:
             cap = cfg.image_pull_bytes_per_s if t.kind == "image" else cfg.weight_fetch_bytes_per_s
             t.rate = min(cap * factor, cfg.node_nic_bytes_per_s / per_node[t.node], source_bw / per_source[t.source])
         self.peak_pulls = max(self.peak_pulls, sum(per_node.values()))
+        self._per_node, self._per_source = dict(per_node), dict(per_source)
         self._transfer_version += 1
         if self.transfers:
             soonest = min(self.now + t.left / max(t.rate, 1e-9) for t in self.transfers.values())
@@ -494,7 +513,7 @@ class FleetSimulator:
         room = np.flatnonzero(self.gpus_free >= self.gpus[model])
         if not len(room):
             return None
-        warmth = np.array([self.node_state(k, model) for k in room])
+        warmth = self.state[room, model]
         best = np.lexsort((-self.gpus_free[room], -warmth))[0]
         return int(room[best])
 
@@ -506,8 +525,8 @@ class FleetSimulator:
             return False
         self.gpus_free[node] -= self.gpus[model]
         state = self.node_state(node, model)
-        network = sum(1 for t in self.transfers.values() if t.node == node and t.source is not None)
-        registry_pulls = sum(1 for t in self.transfers.values() if t.source == self.registry[model])
+        network = self._per_node.get(node, 0)
+        registry_pulls = self._per_source.get(self.registry[model], 0)
         r = Replica(rid=next(self._rid), model=model, node=node, started_at=self.now, cache_state=STATE_NAMES[state],
                     contention=network, registry_pulls=registry_pulls, phase="image", phase_started=self.now)
         self.replicas[r.rid] = r
