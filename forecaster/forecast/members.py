@@ -22,6 +22,7 @@ the other members.
 
 from __future__ import annotations
 
+import abc
 import warnings
 from collections.abc import Sequence
 
@@ -35,7 +36,7 @@ class NotFittedError(RuntimeError):
     """``predict``/``forecast`` called before ``fit``."""
 
 
-class Member:
+class Member(abc.ABC):
     """Base class: the long-frame contract on top of :meth:`_fit` and :meth:`_forecast`.
 
     Subclasses implement ``_fit(panel)`` and ``_forecast(panel, origins, h)``.
@@ -86,11 +87,13 @@ class Member:
         return np.clip(values, 0.0, None)
 
     # ------------------------------------------------------------------ subclass hooks
-    def _fit(self, panel: Panel) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _fit(self, panel: Panel) -> None:
+        """Estimate the member's parameters on ``panel`` (the fit window)."""
 
-    def _forecast(self, panel: Panel, origins: list[int], h: int) -> np.ndarray:  # pragma: no cover
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _forecast(self, panel: Panel, origins: list[int], h: int) -> np.ndarray:
+        """Point forecasts ``(N, len(origins), h)`` conditioning on data before each origin."""
 
     # ------------------------------------------------------------------ helpers
     def _check_fitted(self) -> None:

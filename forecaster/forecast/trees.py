@@ -29,6 +29,8 @@ default) scored 0.0124 / 0.699.
 
 from __future__ import annotations
 
+import abc
+
 from typing import Any
 
 import numpy as np
@@ -90,8 +92,9 @@ class GlobalTreeMember(Member):
         self.local_level = local_level
 
     # ------------------------------------------------------------------ fit
-    def _estimator(self) -> Any:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _estimator(self) -> Any:
+        """A fresh, unfitted regressor of the member's library."""
 
     def _fit(self, panel: Panel) -> None:
         if self.strategy not in ("direct", "recursive"):
