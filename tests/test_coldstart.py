@@ -7,6 +7,7 @@ from datetime import datetime, timedelta, timezone
 import numpy as np
 import pandas as pd
 import pytest
+from sqlalchemy import text
 
 from forecaster.coldstart.lambda_perf import LambdaLatencyModel, evaluate_lambda, lag_features, load_lambda
 from forecaster.coldstart.model import ColdStartModel, baseline_predictions, load_cold_starts
@@ -119,6 +120,9 @@ def test_trained_from_the_cold_starts_table(engine, settings, now):
                              ServingModelSpec(id="mid", image_size_bytes=int(12.6e9), weights_size_bytes=int(16e9)),
                              ServingModelSpec(id="big", image_size_bytes=int(12.6e9),
                                               weights_size_bytes=int(141e9))])
+        for k in range(5):  # node-4 never reported its bandwidth
+            conn.execute(text("INSERT INTO nodes (id, gpus_total, gpus_free, network_bytes_per_s) "
+                              "VALUES (:id, 8, 8, :bw)"), {"id": f"node-{k}", "bw": None if k == 4 else 3.125e9})
     events = synthetic_events(60, start=now - timedelta(days=3))
     payload = [{"model_id": r.model_id, "node_id": r.node_id, "started_at": r.started_at.isoformat(),
                 "total_seconds": r.total_seconds, "cache_state": r.cache_state,
@@ -128,6 +132,8 @@ def test_trained_from_the_cold_starts_table(engine, settings, now):
     assert len(loaded) == 60
     assert set(loaded.columns) >= {"image_bytes", "weights_bytes", "concurrent_node_transfers", *PHASES}
     assert loaded.loc[loaded.model_id == "big", "weights_bytes"].iloc[0] == 141e9
+    assert loaded.loc[loaded.node_id == "node-0", "node_bytes_per_s"].eq(3.125e9).all()
+    assert loaded.loc[loaded.node_id == "node-4", "node_bytes_per_s"].isna().all()
     # starts 37 minutes apart on 5 nodes: a start from nothing that lasts longer overlaps the next ones
     assert (loaded["concurrent_registry_pulls"] >= 0).all()
     model = small_model().fit(loaded)

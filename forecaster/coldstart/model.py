@@ -4,7 +4,8 @@ Events (one row per observed cold start) carry ``model_id``, ``node_id``,
 ``started_at`` (UTC) or ``started_s``, ``total_seconds``, the phases of
 :data:`~forecaster.ingest.coldstarts.PHASES` (NaN when not reported),
 ``cache_state`` (none, image, disk, host, gpu, sleeping), ``image_bytes``,
-``weights_bytes`` and, when known, ``concurrent_node_transfers`` and
+``weights_bytes`` and, when known, ``node_bytes_per_s`` (the node's network
+bandwidth), ``concurrent_node_transfers`` and
 ``concurrent_registry_pulls`` (pulls/fetches already running on the node, and
 against the same registry, when the start began). :func:`load_cold_starts`
 builds this frame from the store, deriving the concurrency from overlapping
@@ -14,7 +15,7 @@ Members (the ensemble's member kinds, STYLE.md contract: ``__init__`` stores
 settings, ``fit`` returns ``self``, fitted state ends in ``_``):
 
 * :class:`TreePhaseMember`: one LightGBM per target (each phase and the
-  total) on log seconds, features: cache tier, log sizes, concurrency, hour,
+  total) on log seconds, features: cache tier, log sizes, node bandwidth, concurrency, hour,
   the bandwidth prior of :mod:`forecaster.coldstart.physics`, and the last and
   median recent cold start of the same model and tier;
 * :class:`RecentLatencyMember`: per (model, tier), an exponentially weighted
@@ -45,9 +46,12 @@ from forecaster.simulation.config import FleetConfig
 
 TARGETS = (*PHASES, "total_seconds")
 STATE_RANKS = {"none": 0, "image": 1, "disk": 2, "host": 3, "gpu": 4, "sleeping": 4}
-FEATURES = ("state_rank", "log_image_bytes", "log_weights_bytes", "concurrent_node_transfers",
-            "concurrent_registry_pulls", "hour_sin", "hour_cos", "log_prior_total", "log_prior_phase",
-            "log_last_total", "log_median_total", "n_previous")
+SHARED_FEATURES = ("state_rank", "log_image_bytes", "log_weights_bytes", "log_node_bandwidth",
+                   "concurrent_node_transfers", "concurrent_registry_pulls", "hour_sin", "hour_cos",
+                   "log_prior_total")
+HISTORY_FEATURES = ("log_last_total", "log_median_total", "n_previous")
+#: Per target: the shared features, the log prior of that target, the history of the same model and tier.
+FEATURES = (*SHARED_FEATURES, "log_prior_phase", *HISTORY_FEATURES)
 FILE_NAMES = {"metadata": "metadata.json", "booster": "{target}.txt"}
 
 
@@ -87,13 +91,19 @@ def prepare_events(events: pd.DataFrame, config: FleetConfig = FleetConfig(), *,
     frame["state_rank"] = frame["cache_state"].map(STATE_RANKS).fillna(0).astype("float64")
     frame["log_image_bytes"] = np.log1p(frame["image_bytes"].fillna(0).astype("float64"))
     frame["log_weights_bytes"] = np.log1p(frame["weights_bytes"].fillna(0).astype("float64"))
+    if "node_bytes_per_s" not in frame.columns:
+        frame["node_bytes_per_s"] = np.nan
+    frame["node_bytes_per_s"] = pd.to_numeric(frame["node_bytes_per_s"], errors="coerce").astype("float64") \
+        .fillna(config.node_nic_bytes_per_s)
+    frame["log_node_bandwidth"] = np.log(frame["node_bytes_per_s"])
     frame["hour_sin"] = np.sin(2 * np.pi * frame["hour"] / 24.0)
     frame["hour_cos"] = np.cos(2 * np.pi * frame["hour"] / 24.0)
     prior = phase_seconds(frame["image_bytes"].fillna(0).to_numpy(), frame["weights_bytes"].fillna(0).to_numpy(),
                           np.minimum(frame["state_rank"].to_numpy(), 3).astype(np.int64),
                           concurrent=frame["concurrent_node_transfers"].to_numpy(),
                           registry_pulls=frame["concurrent_registry_pulls"].to_numpy(),
-                          hour=frame["hour"].to_numpy(), config=config)
+                          hour=frame["hour"].to_numpy(), node_bytes_per_s=frame["node_bytes_per_s"].to_numpy(),
+                          config=config)
     frame["log_prior_total"] = np.log1p(prior["total_s"])
     for phase in PHASES:
         frame[f"prior_{phase}"] = prior[phase]
@@ -132,8 +142,8 @@ class TreePhaseMember:
     def _matrix(self, frame: pd.DataFrame, target: str) -> np.ndarray:
         """The :data:`FEATURES`, with ``log_prior_phase`` the prior of ``target`` itself."""
         prior = frame[f"prior_{target}"] if target in PHASES else np.expm1(frame["log_prior_total"])
-        shared = frame[list(FEATURES[:8])].to_numpy(dtype="float64")
-        history = frame[list(FEATURES[9:])].to_numpy(dtype="float64")
+        shared = frame[list(SHARED_FEATURES)].to_numpy(dtype="float64")
+        history = frame[list(HISTORY_FEATURES)].to_numpy(dtype="float64")
         return np.column_stack([shared, np.log1p(np.asarray(prior, dtype="float64")), history])
 
     def fit(self, frame: pd.DataFrame) -> "TreePhaseMember":
@@ -380,7 +390,8 @@ def baseline_predictions(train: pd.DataFrame, test: pd.DataFrame) -> pd.DataFram
 def load_cold_starts(engine: Engine) -> pd.DataFrame:
     """Events for :meth:`ColdStartModel.fit` from the ``cold_starts`` table.
 
-    Sizes come from ``serving_models``; concurrency is derived from the table
+    Sizes come from ``serving_models``, node bandwidth from ``nodes`` (when
+    the node reported one); concurrency is derived from the table
     itself: ``concurrent_node_transfers`` = earlier cold starts on the same node
     still running at this one's start, ``concurrent_registry_pulls`` = cold
     starts from nothing (which pull the image) running fleet-wide at that time.
@@ -388,8 +399,10 @@ def load_cold_starts(engine: Engine) -> pd.DataFrame:
     query = text(
         "SELECT c.model_id, c.node_id, c.started_at, c.total_seconds, c.image_pull_s, c.weight_fetch_s, "
         "c.weight_load_s, c.runtime_init_s, c.registration_s, c.cache_state, "
-        "COALESCE(m.image_size_bytes, 0) AS image_bytes, COALESCE(m.weights_size_bytes, 0) AS weights_bytes "
-        "FROM cold_starts c JOIN serving_models m ON m.id = c.model_id ORDER BY c.started_at, c.id")
+        "COALESCE(m.image_size_bytes, 0) AS image_bytes, COALESCE(m.weights_size_bytes, 0) AS weights_bytes, "
+        "n.network_bytes_per_s AS node_bytes_per_s "
+        "FROM cold_starts c JOIN serving_models m ON m.id = c.model_id LEFT JOIN nodes n ON n.id = c.node_id "
+        "ORDER BY c.started_at, c.id")
     with engine.connect() as conn:
         frame = pd.DataFrame(conn.execute(query).mappings().all())
     if frame.empty:
@@ -402,6 +415,6 @@ def load_cold_starts(engine: Engine) -> pd.DataFrame:
     running = (s[None, :] < s[:, None]) & (e[None, :] > s[:, None])  # j running when i starts
     frame["concurrent_node_transfers"] = (running & (node[None, :] == node[:, None])).sum(axis=1).astype("float64")
     frame["concurrent_registry_pulls"] = (running & pulling[None, :]).sum(axis=1).astype("float64")
-    for column in ("total_seconds", *PHASES, "image_bytes", "weights_bytes"):
+    for column in ("total_seconds", *PHASES, "image_bytes", "weights_bytes", "node_bytes_per_s"):
         frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("float64")
     return frame

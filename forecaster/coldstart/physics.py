@@ -20,7 +20,8 @@ from forecaster.simulation.config import FleetConfig
 
 def phase_seconds(image_bytes: np.ndarray, weights_bytes: np.ndarray, state: np.ndarray, *,
                   concurrent: np.ndarray | float = 0.0, registry_pulls: np.ndarray | float = 0.0,
-                  hour: np.ndarray | int = 0, config: FleetConfig = FleetConfig()) -> dict[str, np.ndarray]:
+                  hour: np.ndarray | int = 0, node_bytes_per_s: np.ndarray | float | None = None,
+                  config: FleetConfig = FleetConfig()) -> dict[str, np.ndarray]:
     """Expected seconds per phase (dict of (N,) arrays keyed by phase name, plus ``total_s``).
 
     Args:
@@ -29,6 +30,7 @@ def phase_seconds(image_bytes: np.ndarray, weights_bytes: np.ndarray, state: np.
         concurrent: other network transfers running on the node.
         registry_pulls: other pulls running against the same registry, fleet-wide.
         hour: UTC hour of the start (registries are slower in ``config.peak_hours_utc``).
+        node_bytes_per_s: the node's network bandwidth (default ``config.node_nic_bytes_per_s``).
     """
     image_bytes = np.asarray(image_bytes, dtype="float64")
     weights_bytes = np.asarray(weights_bytes, dtype="float64")
@@ -36,13 +38,15 @@ def phase_seconds(image_bytes: np.ndarray, weights_bytes: np.ndarray, state: np.
     lo, hi = config.peak_hours_utc
     hour = np.asarray(hour)
     factor = np.where((hour >= lo) & (hour < hi), 1.0 / config.peak_slowdown, 1.0)
+    nic = np.asarray(config.node_nic_bytes_per_s if node_bytes_per_s is None else node_bytes_per_s,
+                     dtype="float64")
     share = 1.0 + np.asarray(concurrent, dtype="float64")
     reg_share = 1.0 + np.asarray(registry_pulls, dtype="float64")
     pull_rate = np.minimum.reduce([np.full_like(image_bytes, config.image_pull_bytes_per_s) * factor,
-                                   config.node_nic_bytes_per_s / share + 0 * image_bytes,
+                                   nic / share + 0 * image_bytes,
                                    config.registry_bytes_per_s * factor / reg_share + 0 * image_bytes])
     fetch_rate = np.minimum.reduce([np.full_like(image_bytes, config.weight_fetch_bytes_per_s) * factor,
-                                    config.node_nic_bytes_per_s / share + 0 * image_bytes,
+                                    nic / share + 0 * image_bytes,
                                     config.bucket_bytes_per_s * factor / reg_share + 0 * image_bytes])
     out = {
         "image_pull_s": np.where(state < 1, image_bytes / pull_rate, 0.0),
