@@ -13,8 +13,9 @@ next measured day. Members:
   from lags (last, median and mean of 7 and 28, spread, EWMA, the day's own
   samples' spread), the gap in days, weekday, memory, package type,
   architecture and runtime family;
-* ``ensemble``: trees and recent averaged in log space with the weight that
-  does best on the last 10 % of the fit period.
+* ``ensemble``: trees, recent and the trailing median averaged in log space,
+  with the weights (a grid of quarters) that do best on the last 10 % of the
+  fit period.
 
 Protocol (EVALUATION.md section 1 in spirit): parameters are fitted once on
 targets before ``split_date``; later forecasts condition on the latest lags but
@@ -112,14 +113,20 @@ class LambdaLatencyModel:
         cut = rows["target_date"].quantile(1 - self.validation_share)
         head, tail = rows[rows["target_date"] < cut], rows[rows["target_date"] >= cut]
         trees = self._booster(head)
-        best_w, best = 1.0, np.inf
-        base = trees.predict(self._x(tail)) + tail["log_med7"].to_numpy()
-        for w in (0.0, 0.25, 0.5, 0.75, 1.0):
-            pred = np.exp(w * base + (1 - w) * tail["log_ewma"].to_numpy())
-            err = np.mean(np.abs(pred - tail["target"].to_numpy()))
-            if err < best:
-                best_w, best = w, err
-        self.weight_ = best_w
+        members = np.column_stack([trees.predict(self._x(tail)) + tail["log_med7"].to_numpy(),
+                                   tail["log_ewma"].to_numpy(), tail["log_med7"].to_numpy()])
+        best_w, best = (1.0, 0.0, 0.0), np.inf
+        quarters = [w / 4 for w in range(5)]
+        for w_trees in quarters:
+            for w_recent in quarters:
+                w = (w_trees, w_recent, 1.0 - w_trees - w_recent)
+                if w[2] < -1e-9:
+                    continue
+                err = np.mean(np.abs(np.exp(members @ np.array(w)) - tail["target"].to_numpy()))
+                if err < best - 1e-12:
+                    best_w, best = w, err
+        self.weights_ = best_w
+        self.weight_ = best_w[0]
         self.booster_ = self._booster(rows)
         return self
 
@@ -137,7 +144,8 @@ class LambdaLatencyModel:
             rows[c] = pd.Categorical(rows[c].astype(str), categories=cats)
         trees = np.exp(self.booster_.predict(self._x(rows)) + rows["log_med7"].to_numpy())
         recent = np.exp(rows["log_ewma"].to_numpy())
-        ensemble = np.exp(self.weight_ * np.log(trees) + (1 - self.weight_) * np.log(recent))
+        w_trees, w_recent, w_median = self.weights_
+        ensemble = np.exp(w_trees * np.log(trees) + w_recent * np.log(recent) + w_median * rows["log_med7"].to_numpy())
         return pd.DataFrame({"trees": trees, "recent": recent, "ensemble": ensemble,
                              "last_value": np.exp(rows["log_last"].to_numpy()),
                              "trailing_median": np.exp(rows["log_med7"].to_numpy())}, index=rows.index)
@@ -169,5 +177,6 @@ def evaluate_lambda(path: str | Path, *, split_date: str = "2025-06-01", configs
             "win_rate_vs_median": float((err[name] < err["trailing_median"]).mean()),
         }
     return {"rows_fit": int(len(fit_rows)), "rows_test": int(len(test_rows)),
-            "configs": int(frame["config"].nunique()), "split_date": split_date, "weight_trees": model.weight_,
+            "configs": int(frame["config"].nunique()), "split_date": split_date,
+            "ensemble_weights": dict(zip(("trees", "recent", "trailing_median"), model.weights_)),
             "methods": methods}
