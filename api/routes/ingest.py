@@ -33,27 +33,26 @@ def _unavailable(settings) -> HTTPException:
                          headers={"Retry-After": str(settings.ingest_retry_after_s)})
 
 
-@router.post("/invocations", response_model=IngestResultPublic, responses=_PROBLEMS)
-def post_invocations(body: InvocationBatch, engine: EngineDep, settings: SettingsDep, clock: ClockDep,
-                     _: IngestToken):
+def _push(push, engine, settings, items, now, source):
+    """Run one push with few, quick retries: a 422 for bad input, a 503 (raised) when the database is away."""
     fast = settings.model_copy(update={"db_retry_attempts": 2, "db_retry_base_delay_s": 0.2})
     try:
-        result = push_counts(engine, fast, body.rows, now=clock(), source=body.source)
+        return push(engine, fast, items, now=now, source=source)
     except IngestError as exc:
         return _rejected(exc)
     except (DatabaseUnavailable, OperationalError):
         raise _unavailable(settings) from None
-    return IngestResultPublic(**result.as_dict())
+
+
+@router.post("/invocations", response_model=IngestResultPublic, responses=_PROBLEMS)
+def post_invocations(body: InvocationBatch, engine: EngineDep, settings: SettingsDep, clock: ClockDep,
+                     _: IngestToken):
+    outcome = _push(push_counts, engine, settings, body.rows, clock(), body.source)
+    return outcome if isinstance(outcome, JSONResponse) else IngestResultPublic(**outcome.as_dict())
 
 
 @router.post("/coldstarts", response_model=ColdStartResultPublic, responses=_PROBLEMS)
 def post_coldstarts(body: ColdStartBatch, engine: EngineDep, settings: SettingsDep, clock: ClockDep,
                     _: IngestToken):
-    fast = settings.model_copy(update={"db_retry_attempts": 2, "db_retry_base_delay_s": 0.2})
-    try:
-        result = push_cold_starts(engine, fast, body.events, now=clock(), source=body.source)
-    except IngestError as exc:
-        return _rejected(exc)
-    except (DatabaseUnavailable, OperationalError):
-        raise _unavailable(settings) from None
-    return ColdStartResultPublic(**result)
+    outcome = _push(push_cold_starts, engine, settings, body.events, clock(), body.source)
+    return outcome if isinstance(outcome, JSONResponse) else ColdStartResultPublic(**outcome)
