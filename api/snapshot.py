@@ -10,7 +10,6 @@ from what it holds, and says the answer is stale.
 
 from __future__ import annotations
 
-import io
 import logging
 import threading
 import time
@@ -18,11 +17,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 import numpy as np
-import pandas as pd
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import OperationalError
 
 from forecaster.planning.recommendation import MinuteQuantiles
+from forecaster.store.forecasts import read_newest_runs
 
 log = logging.getLogger(__name__)
 
@@ -99,52 +98,21 @@ class ForecastSnapshot:
 
 
 def _newer_runs(conn, since: datetime | None) -> dict[str, MinuteQuantiles]:
-    """Each model's newest run issued after ``since``, streamed with COPY into arrays."""
-    bound = "issued_at > %(since)s" if since is not None else "true"
-    levels = [row[0] for row in conn.exec_driver_sql(
-        "SELECT DISTINCT jsonb_object_keys(quantiles) FROM (SELECT quantiles FROM forecasts "
-        f"WHERE {bound} LIMIT 1000) AS sample", {"since": since} if since is not None else {}).all()]
-    levels = sorted(levels, key=float)
-    quantile_sql = "".join(f", (f.quantiles->>'{lvl}')::float8" for lvl in levels if _is_level(lvl))
-    levels = [lvl for lvl in levels if _is_level(lvl)]
-    query = (
-        "COPY (SELECT f.model_id, extract(epoch FROM f.issued_at), extract(epoch FROM f.target_minute)::bigint, "
-        f"coalesce(f.model_version_id, ''), f.point{quantile_sql} FROM forecasts f "
-        "JOIN (SELECT model_id, max(issued_at) AS issued_at FROM forecasts "
-        f"      WHERE {bound} GROUP BY model_id) newest USING (model_id, issued_at) "
-        "ORDER BY f.model_id, f.target_minute) TO STDOUT"
-    )
-    buffer = io.BytesIO()
-    raw = conn.connection.driver_connection
-    with raw.cursor() as cur, cur.copy(query, {"since": since} if since is not None else None) as copy:
-        for block in copy:
-            buffer.write(block)
-    if not buffer.tell():
-        return {}
-    buffer.seek(0)
-    frame = pd.read_csv(buffer, sep="\t", header=None, na_values=["\\N"], keep_default_na=False,
-                        dtype={0: str, 3: str})
-    ids = frame[0].to_numpy()
-    bounds = np.flatnonzero(ids[1:] != ids[:-1]) + 1
-    starts = np.concatenate([[0], bounds])
-    ends = np.concatenate([bounds, [len(frame)]])
-    issued = frame[1].to_numpy(dtype="float64")
-    minutes = frame[2].to_numpy(dtype="int64")
-    versions = frame[3].to_numpy()
-    point = frame[4].to_numpy(dtype="float64")
-    values = frame[list(range(5, 5 + len(levels)))].to_numpy(dtype="float64")
-    level_values = tuple(float(lvl) for lvl in levels)
-    runs = {}
-    for lo, hi in zip(starts, ends):
-        runs[ids[lo]] = MinuteQuantiles(
-            issued_at=datetime.fromtimestamp(issued[lo], tz=timezone.utc),
-            model_version_id=versions[lo] or None,
-            minutes_s=minutes[lo:hi], levels=level_values, values=values[lo:hi], point=point[lo:hi])
-    return runs
-
-
-def _is_level(text_level: str) -> bool:
-    try:
-        return 0.0 < float(text_level) < 1.0
-    except ValueError:
-        return False
+    """Each model's newest run issued after ``since`` (all models' newest without it), streamed with COPY."""
+    runs = read_newest_runs(conn, issued_after=since)
+    out = {}
+    minutes_all = runs.target_minutes_s()
+    for i, model_id in enumerate(runs.model_ids):
+        lo, hi = runs.offsets[i], runs.offsets[i + 1]
+        point = runs.point[lo:hi]
+        known = ~np.isnan(point)
+        levels = runs.levels[i]
+        keep = [j for j, level in enumerate(levels) if 0.0 < level < 1.0]
+        values = runs.quantiles(i)[:, keep] if len(keep) < len(levels) else runs.quantiles(i)
+        if not known.all():  # NULL elements (runs converted from the row layout with gaps): no forecast there
+            point, values = point[known], values[known]
+        out[model_id] = MinuteQuantiles(
+            issued_at=datetime.fromtimestamp(runs.issued_at_s[i], tz=timezone.utc),
+            model_version_id=runs.model_version_ids[i],
+            minutes_s=minutes_all[lo:hi][known], levels=tuple(levels[j] for j in keep), values=values, point=point)
+    return out

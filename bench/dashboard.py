@@ -5,7 +5,7 @@ Usage:
 
 A fresh database (embedded PostgreSQL unless PREWARM_BENCH_ADMIN_URL names a
 server) is filled in SQL: N models, one forecast run per model per minute for
-``--runs-min`` minutes with 60 target minutes each (as the forecast job writes
+``--runs-min`` minutes with 60 target minutes each, one row per run (as the forecast job writes
 them), per-minute counts with coverage, cold starts and actions. The app runs
 under uvicorn in this process on loopback; each figure is the wall time of a
 full HTTP request (query, JSON encoding, transfer), after one warm-up request.
@@ -14,7 +14,6 @@ full HTTP request (query, JSON encoding, transfer), after one warm-up request.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import socket
@@ -35,6 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from forecaster.settings import Settings  # noqa: E402
 from forecaster.store.db import embedded_server, make_engine, upgrade  # noqa: E402
+from forecaster.store.forecasts import ensure_forecast_partitions  # noqa: E402
 from forecaster.store.partitions import ensure_partitions  # noqa: E402
 from forecaster.store.tokens import create_token  # noqa: E402
 
@@ -47,27 +47,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _revision_before_dashboard_indexes() -> str:
-    path = next((REPO / "migrations" / "versions").glob("*_dashboard_indexes.py"))
-    spec = importlib.util.spec_from_file_location("dashboard_indexes", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.down_revision
-
-
 def fill(engine, *, models: int, runs_min: int, week_model: bool) -> dict[str, int]:
     """Fill the store in SQL; returns row counts."""
     first_run = END - timedelta(minutes=runs_min)
     ensure_partitions(engine, END - timedelta(days=8), END + timedelta(days=1))
+    ensure_forecast_partitions(engine, [(END - timedelta(days=d)).date() for d in range(9)])
     with engine.begin() as conn:
         conn.execute(text("INSERT INTO serving_models (id) SELECT 'model-' || lpad(g::text, 5, '0') "
                           "FROM generate_series(1, :n) g"), {"n": models})
+        # One row per model and run, 60 target minutes as arrays (as write_forecasts stores them).
         conn.execute(text(
-            "INSERT INTO forecasts (model_id, issued_at, target_minute, point, p_any, quantiles) "
-            "SELECT m.id, r.t, r.t + k * interval '1 minute', 10 + (hashtext(m.id) & 7) + k % 5, 0.9, "
-            "jsonb_build_object('0.1', 5 + k % 5, '0.5', 10 + k % 5, '0.9', 20 + k % 5) "
+            "INSERT INTO forecasts (model_id, issued_at, first_target, point, p_any, quantile_levels, quantiles) "
+            "SELECT m.id, r.t, r.t, ARRAY(SELECT CAST(10 + (hashtext(m.id) & 7) + k % 5 AS real) "
+            "                            FROM generate_series(0, 59) k), "
+            "array_fill(CAST(0.9 AS real), ARRAY[60]), CAST('{0.1,0.5,0.9}' AS real[]), p.q "
             "FROM serving_models m, generate_series(CAST(:a AS timestamptz), CAST(:b AS timestamptz), "
-            "interval '1 minute') r(t), generate_series(0, 59) k"), {"a": first_run, "b": END})
+            "interval '1 minute') r(t), "
+            "(SELECT ARRAY[ARRAY(SELECT CAST(5 + k % 5 AS real) FROM generate_series(0, 59) k), "
+            "              ARRAY(SELECT CAST(10 + k % 5 AS real) FROM generate_series(0, 59) k), "
+            "              ARRAY(SELECT CAST(20 + k % 5 AS real) FROM generate_series(0, 59) k)] AS q) p"),
+            {"a": first_run, "b": END})
         conn.execute(text(
             "INSERT INTO invocations (model_id, minute, count) SELECT m.id, t, 5 + (hashtext(m.id || t::text) & 15) "
             "FROM serving_models m, generate_series(CAST(:a AS timestamptz), CAST(:b AS timestamptz) - "
@@ -89,11 +88,12 @@ def fill(engine, *, models: int, runs_min: int, week_model: bool) -> dict[str, i
         if week_model:  # one model with a full week of runs, for the series figure
             week_start = END - timedelta(days=7)
             conn.execute(text(
-                "INSERT INTO forecasts (model_id, issued_at, target_minute, point, quantiles) "
-                "SELECT 'model-00001', r.t, r.t + k * interval '1 minute', 10 + k % 5, "
-                "jsonb_build_object('0.1', 5, '0.5', 10, '0.9', 20) "
-                "FROM generate_series(CAST(:a AS timestamptz), CAST(:b AS timestamptz), interval '1 minute') r(t), "
-                "generate_series(0, 59) k ON CONFLICT DO NOTHING"), {"a": week_start, "b": first_run})
+                "INSERT INTO forecasts (model_id, issued_at, first_target, point, quantile_levels, quantiles) "
+                "SELECT 'model-00001', r.t, r.t, ARRAY(SELECT CAST(10 + k % 5 AS real) FROM generate_series(0, 59) k), "
+                "CAST('{0.1,0.5,0.9}' AS real[]), array_cat(array_cat(array_fill(CAST(5 AS real), ARRAY[1, 60]), "
+                "array_fill(CAST(10 AS real), ARRAY[1, 60])), array_fill(CAST(20 AS real), ARRAY[1, 60])) "
+                "FROM generate_series(CAST(:a AS timestamptz), CAST(:b AS timestamptz), interval '1 minute') r(t) "
+                "ON CONFLICT DO NOTHING"), {"a": week_start, "b": first_run})
             conn.execute(text(
                 "INSERT INTO invocations (model_id, minute, count) SELECT 'model-00001', t, 7 "
                 "FROM generate_series(CAST(:a AS timestamptz), CAST(:b AS timestamptz) - interval '1 minute', "
@@ -130,14 +130,12 @@ def run(admin_url: str, args) -> dict:
     admin.dispose()
     url = make_url(admin_url).set(database="bench_dashboard").render_as_string(hide_password=False)
     engine = make_engine(url)
-    # Fill before the dashboard indexes exist and build them after: minutes faster than growing them row by row.
-    upgrade(engine, _revision_before_dashboard_indexes())
+    upgrade(engine)
     started = time.perf_counter()
     counts = fill(engine, models=args.models, runs_min=args.runs_min, week_model=True)
-    upgrade(engine)
     with engine.begin() as conn:
         conn.execute(text("ANALYZE"))
-    print(f"filled and indexed in {time.perf_counter() - started:.0f} s: {counts}", flush=True)
+    print(f"filled in {time.perf_counter() - started:.0f} s: {counts}", flush=True)
     token = create_token(engine, name="bench", scopes=["read"])
     with tempfile.TemporaryDirectory() as tmp:
         settings = Settings(database_url=url, data_dir=Path(tmp) / "data", models_dir=Path(tmp) / "models")
@@ -148,7 +146,7 @@ def run(admin_url: str, args) -> dict:
         thread.start()
         while not server.started:
             time.sleep(0.05)
-        results = {"models": args.models, "forecast_rows": counts["forecasts"], "window_min": args.window_min}
+        results = {"models": args.models, "forecast_runs": counts["forecasts"], "window_min": args.window_min}
         try:
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60,
                               headers={"Authorization": f"Bearer {token}"}) as client:

@@ -61,6 +61,13 @@ class Settings(BaseSettings):
     auto_register_models: bool = False
     max_future_skew_s: float = Field(default=300.0, ge=0)
     partition_days_ahead: int = Field(default=7, ge=1, le=366)
+    # Retention of invocations (forecaster.store.retention): whole UTC days before today.
+    invocations_minute_days: int = Field(default=7, ge=1, description="Days of per-minute counts kept as ingested.")
+    invocations_5min_days: int = Field(
+        default=35, ge=1, description="Days after which 5-minute buckets are rolled up to hourly ones.")
+    invocations_retention_days: int = Field(
+        default=400, ge=1, description="Days after which invocations and their coverage are dropped entirely.")
+    retention_interval_s: int = Field(default=3600, ge=60, description="How often the retention job runs.")
 
     # --- Prometheus -----------------------------------------------------
     prometheus_url: str | None = None
@@ -87,10 +94,25 @@ class Settings(BaseSettings):
     forecast_interval_s: int = Field(default=60, ge=1)
     forecast_horizon_min: int = Field(default=60, ge=1, le=1440)
     forecast_lookback_min: int = Field(default=1440, ge=60, description="History the forecast job conditions on.")
+    forecast_retention_days: int = Field(
+        default=2, ge=1,
+        description="Days of forecast runs kept: whole daily partitions older than this are dropped. The table "
+                    "grows by about 1.3 KB per model per minute (60 minutes x point, p_any, 3 quantiles as real).")
     train_window_min: int = Field(default=7 * 1440, ge=240, description="History the nightly retrain learns from.")
     plan_horizon_min: int = Field(default=10, ge=1, le=60, description="Minutes ahead the planner plans.")
     retrain_holdout_min: int = Field(default=120, ge=30, description="Held-out tail scoring challenger vs champion.")
     retrain_hour_utc: int = Field(default=3, ge=0, le=23)
+
+    # --- scale-out (forecaster.distributed) -------------------------------
+    dask_scheduler_address: str | None = Field(
+        default=None,
+        description="tcp://host:8786 of a Dask scheduler: retrain, backtests and the forecast job run as Dask tasks "
+                    "per shard of series. Unset: a local process pool of shard_workers (1 = in this process).")
+    dask_connect_timeout_s: float = Field(default=30.0, gt=0)
+    shard_workers: int = Field(default=1, ge=1, le=256, description="Local worker processes when no Dask is set.")
+    shard_max_series: int = Field(
+        default=5000, ge=1, description="Series per shard; each shard of similar series gets its own ensemble.")
+    shard_retries: int = Field(default=2, ge=0, le=20, description="Extra attempts for a shard that fails.")
 
     # --- actuator (forecaster.actuation) ---------------------------------
     actuator_backend: Literal["dry-run", "agent", "kubernetes"] = "dry-run"
@@ -151,6 +173,16 @@ class Settings(BaseSettings):
             )
         return value
 
+    @field_validator("dask_scheduler_address")
+    @classmethod
+    def _dask_address(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None  # unset or empty (docker compose passes ""): no Dask
+        value = value.strip()
+        if "://" not in value:
+            raise ValueError(f"must be a scheduler address such as tcp://host:8786, got {value!r}")
+        return value
+
     @field_validator("prometheus_query_template")
     @classmethod
     def _template_names_model(cls, value: str) -> str:
@@ -164,6 +196,15 @@ class Settings(BaseSettings):
         if "{node}" not in value and "{" in value:
             raise ValueError(f"may only use the placeholder {{node}}, got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _retention_ages_ascend(self) -> "Settings":
+        if not self.invocations_minute_days <= self.invocations_5min_days <= self.invocations_retention_days:
+            raise ValueError(
+                "retention ages must satisfy PREWARM_INVOCATIONS_MINUTE_DAYS <= PREWARM_INVOCATIONS_5MIN_DAYS <= "
+                f"PREWARM_INVOCATIONS_RETENTION_DAYS, got {self.invocations_minute_days} / "
+                f"{self.invocations_5min_days} / {self.invocations_retention_days}")
+        return self
 
     @model_validator(mode="after")
     def _production_needs_database(self) -> "Settings":

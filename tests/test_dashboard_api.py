@@ -235,15 +235,24 @@ def test_bad_requests_are_answered_with_4xx(client, fleet_data, path, params, st
         assert says in response.json()["detail"]
 
 
-def test_series_read_uses_the_horizon_index(engine, fleet_data):
-    from forecaster.store.dashboard import HORIZON_MIN_SQL
+def test_series_read_scans_the_primary_key(engine, fleet_data):
+    """The forecasts made h minutes ahead of a window are one primary-key range scan of the model's runs."""
+    from forecaster.store.dashboard import _SERIES_SQL, _issued_bounds
 
+    others = [f"model-{i:03d}" for i in range(300)]  # a fleet: the issued_at index alone would read all of it
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id=m) for m in others])
+    for k in range(15):
+        issued = T0 - timedelta(minutes=5) + k * timedelta(minutes=1)
+        write_forecasts(engine, pd.DataFrame({"unique_id": [m for m in others for _ in range(60)],
+                                              "ds": list(pd.date_range(issued, periods=60, freq="min")) * 300,
+                                              "point": 1.0}), issued_at=issued, model_version_id=None)
     with engine.connect() as conn:
+        conn.execute(text("ANALYZE forecasts"))
         conn.execute(text("SET enable_seqscan = off"))
-        plan = "\n".join(conn.execute(text(
-            f"EXPLAIN SELECT point FROM forecasts WHERE model_id = 'llama' AND {HORIZON_MIN_SQL} = 5 "
-            "AND target_minute >= :s AND target_minute < :e"), {"s": T0, "e": NOW}).scalars())
-    assert "forecasts_model_horizon_target" in plan
+        plan = "\n".join(conn.exec_driver_sql("EXPLAIN " + _SERIES_SQL, {
+            "m": "llama", "h": 5, "s": T0, "e": NOW, **_issued_bounds(T0, NOW, 5)}).scalars())
+    assert "forecasts_20261129_pkey" in plan, plan
 
 
 # --- the page ----------------------------------------------------------------------

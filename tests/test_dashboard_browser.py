@@ -20,6 +20,7 @@ from sqlalchemy import text
 
 from api.main import create_app
 from forecaster.store.catalog import ServingModelSpec, upsert_models
+from forecaster.store.forecasts import ensure_forecast_partitions
 from forecaster.store.partitions import ensure_partitions
 from forecaster.store.tokens import create_token
 
@@ -30,7 +31,7 @@ NOW = datetime(2026, 11, 29, 12, 0, 30, tzinfo=timezone.utc)
 END = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)  # counts known up to here
 WEEK_START = END - timedelta(days=7)
 MODELS = ("llama-7b", "mistral-7b", "phi-3")
-HORIZONS = (1, 5, 15, 60)  # target minutes stored per run (a real run stores 60; a week of that is too slow here)
+HORIZONS = (1, 5, 15, 60)  # horizons the test looks at; each run stores target minutes 0 .. 60
 
 
 def _browser_or_skip():
@@ -54,7 +55,10 @@ def seed(engine) -> dict[str, list[int]]:
     with engine.begin() as conn:
         upsert_models(conn, [ServingModelSpec(id=m) for m in MODELS])
     ensure_partitions(engine, WEEK_START, END + timedelta(days=1))
-    params = {"a": WEEK_START, "b": END, "h": list(HORIZONS)}
+    first_day = (WEEK_START - timedelta(hours=1)).date()
+    ensure_forecast_partitions(engine, [first_day + timedelta(days=i)
+                                        for i in range((END.date() - first_day).days + 1)])
+    params = {"a": WEEK_START, "b": END, "max_h": max(HORIZONS)}
     with engine.begin() as conn:
         # Daily cycle with a model-specific level; the forecast is the cycle without the noise.
         conn.execute(text(
@@ -68,15 +72,18 @@ def seed(engine) -> dict[str, list[int]]:
         conn.execute(text(
             "INSERT INTO coverage (model_id, source, step_seconds, ranges) SELECT id, 'browser-test', 60, "
             "tstzmultirange(tstzrange(:a, :b, '[)')) FROM serving_models"), params)
+        # One run per model and minute: target minutes 0 .. max(HORIZONS) ahead as arrays.
         conn.execute(text(
-            "INSERT INTO forecasts (model_id, issued_at, target_minute, point, p_any, quantiles) "
-            "SELECT m.id, r.t + interval '5 seconds', r.t + k * interval '1 minute', f.point, 1.0, "
-            "jsonb_build_object('0.1', 0.8 * f.point, '0.5', f.point, '0.9', 1.25 * f.point) "
+            "INSERT INTO forecasts (model_id, issued_at, first_target, point, p_any, quantile_levels, quantiles) "
+            "SELECT m.id, r.t + interval '5 seconds', r.t, array_agg(f.point ORDER BY k), "
+            "array_agg(CAST(1.0 AS real) ORDER BY k), CAST('{0.1,0.5,0.9}' AS real[]), "
+            "ARRAY[array_agg(0.8 * f.point ORDER BY k), array_agg(f.point ORDER BY k), "
+            "array_agg(1.25 * f.point ORDER BY k)] "
             "FROM serving_models m JOIN (VALUES ('llama-7b', 60), ('mistral-7b', 25), ('phi-3', 8)) s(id, level) "
             "ON s.id = m.id, generate_series(CAST(:a AS timestamptz) - interval '1 hour', CAST(:b AS timestamptz), "
-            "interval '1 minute') r(t), unnest(CAST(:h AS integer[])) k, "
-            "LATERAL (SELECT s.level * (1 + 0.8 * sin(2 * pi() * extract(epoch FROM r.t + k * interval '1 minute') "
-            "/ 86400)) + 0.05 * k AS point) f"), params)
+            "interval '1 minute') r(t), generate_series(0, :max_h) k, "
+            "LATERAL (SELECT CAST(s.level * (1 + 0.8 * sin(2 * pi() * extract(epoch FROM r.t + k * interval "
+            "'1 minute') / 86400)) + 0.05 * k AS real) AS point) f GROUP BY m.id, r.t"), params)
         conn.execute(text(
             "INSERT INTO cold_starts (model_id, node_id, started_at, total_seconds, source) "
             "SELECT m.id, 'gpu-node-' || k, CAST(:b AS timestamptz) - k * interval '97 minutes', 38 + 3 * k, 'test' "

@@ -56,9 +56,15 @@ def test_first_retrain_becomes_champion_and_forecasts_use_it(engine, ingested, m
         assert result["models"] == 100 and result["model_version"] == first["version"]
     assert len(loads) == 1  # the champion is loaded once, not every minute
     with engine.connect() as conn:
-        rows = conn.execute(text("SELECT count(*), min(target_minute), max(target_minute), "
-                                 "bool_and(point >= 0), bool_and((quantiles->>'0.9')::float >= point) "
-                                 "FROM forecasts WHERE issued_at = :t"), {"t": DAY_END}).one()
+        runs = conn.execute(text("SELECT count(*), count(DISTINCT model_id), bool_and(model_version_id = :v) "
+                                 "FROM forecasts WHERE issued_at = :t"), {"t": DAY_END, "v": first["version"]}).one()
+        rows = conn.execute(text(
+            "SELECT count(*), min(f.first_target + (u.k - 1) * f.step_seconds * interval '1 second'), "
+            "max(f.first_target + (u.k - 1) * f.step_seconds * interval '1 second'), bool_and(u.point >= 0), "
+            "bool_and(f.quantiles[array_position(f.quantile_levels, CAST(0.9 AS real))][u.k] >= u.point) "
+            "FROM forecasts f CROSS JOIN LATERAL unnest(f.point) WITH ORDINALITY AS u(point, k) "
+            "WHERE f.issued_at = :t"), {"t": DAY_END}).one()
+    assert tuple(runs) == (100, 100, True)  # one row per model and run
     assert rows[0] == 100 * 60 and rows[1] == DAY_END and rows[2] == DAY_END + timedelta(minutes=59)
     assert rows[3] and rows[4]
 

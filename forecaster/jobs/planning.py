@@ -21,30 +21,41 @@ from sqlalchemy import Engine, text
 from forecaster.planning.fleet import FleetState, PlannerSettings
 from forecaster.planning.planner import plan
 from forecaster.settings import Settings
+from forecaster.store.forecasts import read_newest_runs
 
 log = logging.getLogger(__name__)
 
 
 def stored_forecast(engine: Engine, *, now: datetime, horizon_min: int) -> pd.DataFrame:
-    """The newest run per model, target minutes ``now .. now + horizon``, in the planner's format."""
+    """The newest run per model issued at or before ``now``, minutes ``now .. now + horizon``, for the planner.
+
+    Each model's run is one primary-key probe; only the planned minutes of its
+    arrays are read (see :func:`forecaster.store.forecasts.read_newest_runs`).
+    Quantile columns are the levels every run has.
+    """
+    first = now.replace(second=0, microsecond=0)
     with engine.connect() as conn:
-        rows = conn.execute(text(
-            "SELECT f.model_id, f.target_minute, f.p_any, f.quantiles FROM forecasts f "
-            "JOIN (SELECT model_id, max(issued_at) AS issued_at FROM forecasts WHERE issued_at <= :now "
-            "      GROUP BY model_id) latest USING (model_id, issued_at) "
-            "WHERE f.target_minute >= :first AND f.target_minute < :last ORDER BY 1, 2"),
-            {"now": now, "first": now.replace(second=0, microsecond=0),
-             "last": now.replace(second=0, microsecond=0) + timedelta(minutes=horizon_min)}).all()
-    if not rows:
+        runs = read_newest_runs(conn, issued_at_most=now, targets_from=first,
+                                targets_before=first + timedelta(minutes=horizon_min), with_p_any=True)
+    if not len(runs) or not runs.offsets[-1]:
         return pd.DataFrame(columns=["unique_id", "ds", "p_any"])
-    frame = pd.DataFrame({"unique_id": [r[0] for r in rows], "ds": pd.to_datetime([r[1] for r in rows], utc=True),
-                          "p_any": [r[2] for r in rows]})
-    levels = sorted({k for r in rows for k in r[3]}, key=float)
-    for level in levels:
-        frame[f"q{float(level)!r}"] = [float(r[3][level]) for r in rows]
-    columns = [f"q{float(level)!r}" for level in levels]
+    common = sorted(set.intersection(*(set(levels) for levels in runs.levels)))
+    if any(len(levels) != len(common) for levels in runs.levels):
+        log.warning("forecast runs disagree on quantile levels; planning with the common ones %s", common)
+    run = np.repeat(np.arange(len(runs)), runs.lengths)
+    frame = pd.DataFrame({"unique_id": np.asarray(runs.model_ids, dtype=object)[run],
+                          "ds": pd.to_datetime(runs.target_minutes_s(), unit="s", utc=True),
+                          "p_any": runs.p_any})
+    # element e of run r, level l sits at quantile_offsets[r] + column(l) * T[r] + (e - offsets[r])
+    within = np.arange(int(runs.offsets[-1])) - runs.offsets[:-1][run]
+    columns = [f"q{level!r}" for level in common]
+    for name, level in zip(columns, common):
+        column = np.array([levels.index(level) for levels in runs.levels], dtype=np.int64)
+        frame[name] = runs.quantile_values[runs.quantile_offsets[:-1][run] + column[run] * runs.lengths[run] + within]
+    frame = frame[~np.isnan(runs.point)].sort_values(["unique_id", "ds"], ignore_index=True)
     # quantiles must not cross (the planner checks); tiny float noise is sorted out here
-    frame[columns] = np.maximum.accumulate(frame[columns].to_numpy(dtype="float64"), axis=1)
+    if columns:
+        frame[columns] = np.maximum.accumulate(frame[columns].to_numpy(dtype="float64"), axis=1)
     frame["p_any"] = frame["p_any"].astype("float64").clip(0.0, 1.0).fillna(1.0)
     return frame
 

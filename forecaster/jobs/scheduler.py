@@ -1,8 +1,8 @@
 """The scheduler: APScheduler 3 with its job store in PostgreSQL, wiring jobs together.
 
 Jobs live in :data:`JOBS`, keyed by name: ingest (every minute), partition
-maintenance (hourly), forecast (every minute), nightly retrain; more can be
-added with :func:`register_job`.
+maintenance (hourly), retention (hourly), forecast (every minute), nightly
+retrain; more can be added with :func:`register_job`.
 
 APScheduler stores jobs as pickled references, so the stored job is the
 module-level :func:`fire` with the job's name; the engine and settings are
@@ -51,6 +51,21 @@ def partition_job(engine: Engine, settings: Settings, now: datetime) -> dict:
     return {"created": created}
 
 
+def retention_job(engine: Engine, settings: Settings, now: datetime) -> dict:
+    """Hourly: keep forecast partitions ahead and pruned; roll old invocation days up, drop the oldest.
+
+    Forecast partitions go first: they are cheap and the forecast job needs the
+    coming days' partitions even when an invocation day fails to roll up.
+    """
+    from forecaster.store.forecasts import maintain_forecast_partitions
+    from forecaster.store.retention import apply_retention
+
+    detail: dict = {"forecasts": maintain_forecast_partitions(
+        engine, now=now, days_ahead=settings.partition_days_ahead, retention_days=settings.forecast_retention_days)}
+    detail["invocations"] = apply_retention(engine, now=now, settings=settings)
+    return detail
+
+
 def forecast_job(engine: Engine, settings: Settings, now: datetime) -> dict:
     """Every minute: forecast every model with the champion and store the quantiles."""
     from forecaster.jobs.forecasting import forecast_job as run
@@ -76,6 +91,7 @@ def default_jobs(settings: Settings) -> list[JobSpec]:
     return [
         JobSpec("ingest", ingest_job, every_s=settings.ingest_interval_s),
         JobSpec("partitions", partition_job, every_s=settings.partition_maintenance_interval_s),
+        JobSpec("retention", retention_job, every_s=settings.retention_interval_s),
         JobSpec("forecast", forecast_job, every_s=settings.forecast_interval_s),
         JobSpec("plan", plan_job, every_s=settings.forecast_interval_s),
         JobSpec("retrain", retrain_job, every_s=86_400, offset_s=settings.retrain_hour_utc * 3600),

@@ -1,12 +1,14 @@
 """Reads behind the dashboard: forecast vs actual per model, cold starts, the action timeline, the fleet ranking.
 
-Horizon: a forecast row issued at ``issued_at`` for ``target_minute`` has
-horizon ``ceil((target_minute - issued_at) / 1 min)`` minutes, i.e. the
+Horizon: the element of a forecast run issued at ``issued_at`` that targets
+minute ``t`` has horizon ``ceil((t - issued_at) / 1 min)`` minutes, i.e. the
 target minute's distance from the minute the run was issued in (a run issued
 at 12:00:30 for 12:05 has horizon 5; its first target minute, 12:00, has
-horizon 0). Migration 0003 indexes ``forecasts`` on exactly this expression,
-so reading "the forecast made h minutes ahead" for a week of target minutes
-touches one index entry per minute instead of every run's 60.
+horizon 0). So the forecast made ``h`` minutes ahead of minute ``t`` is
+element ``t - first_target`` (in steps, 1-based) of a run issued during minute
+``t - h``: reading it for a week of target minutes reads one run per minute,
+found by a range scan of the primary key (model_id, issued_at) over the days'
+partitions, and takes one array element of each (:func:`_at_horizon_sql`).
 
 Actual counts come from :func:`forecaster.store.invocations.read_counts`
 semantics: a minute outside every source's coverage is unknown (NaN) and is
@@ -16,6 +18,7 @@ left out of every error figure.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -25,8 +28,6 @@ from sqlalchemy import Connection, text
 from forecaster.store.coldstarts import recent_cold_start_seconds
 from forecaster.store.invocations import read_counts
 
-#: Horizon of a forecast row in minutes; must match the expression indexed by migration 0003 word for word.
-HORIZON_MIN_SQL = "CAST(ceil(EXTRACT(EPOCH FROM (target_minute - issued_at)) / 60) AS integer)"
 #: When an action happens on the timeline (planned start, else its last status change); indexed by 0003.
 ACTION_TIME_SQL = "coalesce(not_before, updated_at)"
 #: Actions that began this long before a window still show in it when their deadline falls inside.
@@ -37,6 +38,53 @@ MINUTE = timedelta(minutes=1)
 
 def model_exists(conn: Connection, *, model_id: str) -> bool:
     return conn.execute(text("SELECT 1 FROM serving_models WHERE id = :m"), {"m": model_id}).first() is not None
+
+
+def _at_horizon_sql(where: str, param: Callable[[str], str]) -> str:
+    """Runs issued in ``[lo, hi)`` (and matching ``where``), each with the element it forecast ``h`` minutes ahead.
+
+    Columns: ``model_id``, ``target_minute`` (the issuing minute plus ``h``
+    minutes; ``target_s`` the same in Unix seconds), ``issued_at``, ``k``
+    (1-based element), ``point_at`` (``point[k]`` as double precision), and
+    the run's ``quantile_levels`` and ``quantiles``. Runs that do not reach
+    that far are left out. With ``lo``/``hi`` from :func:`_issued_bounds`,
+    exactly the runs whose target minute falls in the window qualify, so the
+    planner estimates the rows from ``issued_at`` alone. ``param`` spells a
+    bind parameter (``:h`` for SQLAlchemy, ``%(h)s`` for psycopg).
+    """
+    # integer seconds (date_part is double precision): numeric arithmetic would cost microseconds per run
+    target_s = (f"CAST(floor(date_part('epoch', f.issued_at) / 60) AS bigint) * 60 "
+                f"+ 60 * CAST({param('h')} AS bigint)")
+    offset_s = f"({target_s} - CAST(date_part('epoch', f.first_target) AS bigint))"
+    return f"""
+        SELECT r.model_id, to_timestamp(r.target_s) AS target_minute, r.target_s, r.issued_at, r.k,
+               CAST(r.point[r.k] AS double precision) AS point_at, r.quantile_levels, r.quantiles
+        FROM (SELECT f.model_id, f.issued_at, f.point, f.quantile_levels, f.quantiles, {target_s} AS target_s,
+                     CASE WHEN mod({offset_s}, f.step_seconds) = 0
+                          THEN CAST({offset_s} / f.step_seconds AS integer) + 1 END AS k
+              FROM forecasts f
+              WHERE {where} f.issued_at >= {param("lo")} AND f.issued_at < {param("hi")}) r
+        WHERE r.point[r.k] IS NOT NULL"""
+
+
+def _issued_bounds(start: datetime, end: datetime, horizon_min: int) -> dict:
+    """``lo``/``hi``: the runs issued in ``[lo, hi)`` are those that target minutes of ``[start, end)`` ``horizon_min`` ahead.
+
+    A run issued during minute ``m`` targets ``m + horizon``; target minutes
+    are whole minutes, so the window's bounds round up to one.
+    """
+    first, stop = (t if t == t.replace(second=0, microsecond=0) else t.replace(second=0, microsecond=0) + MINUTE
+                   for t in (start, end))
+    return {"lo": first - horizon_min * MINUTE, "hi": stop - horizon_min * MINUTE}
+
+
+#: Per target minute: the forecast made ``h`` minutes ahead (the later run of a minute wins).
+#: psycopg placeholders: it is run on a binary cursor, which parses the arrays twice as fast as text.
+_SERIES_SQL = f"""
+SELECT DISTINCT ON (target_s) target_s, point_at, CAST(quantile_levels AS text[]), quantiles[:][k:k]
+FROM ({_at_horizon_sql("f.model_id = %(m)s AND", lambda name: f"%({name})s")}) x
+ORDER BY target_s, issued_at DESC
+"""
 
 
 @dataclass(frozen=True)
@@ -129,25 +177,28 @@ def read_forecast_series(conn: Connection, *, model_id: str, start: datetime, en
     minutes = origin + 60.0 * np.arange(n)
     counts = read_counts(conn, [model_id], start, end)
     actual = counts["y"].to_numpy(dtype="float64")
-    rows = conn.execute(
-        text(f"SELECT DISTINCT ON (target_minute) target_minute, point, quantiles FROM forecasts "
-             f"WHERE model_id = :m AND {HORIZON_MIN_SQL} = :h AND target_minute >= :s AND target_minute < :e "
-             "ORDER BY target_minute, issued_at DESC"),
-        {"m": model_id, "h": horizon_min, "s": start, "e": end},
-    ).all()
+    with conn.connection.driver_connection.cursor(binary=True) as cur:
+        cur.execute(_SERIES_SQL, {"m": model_id, "h": horizon_min, **_issued_bounds(start, end, horizon_min)})
+        rows = cur.fetchall()
     point = np.full(n, np.nan)
     quantiles: dict[str, np.ndarray] = {}
-    for target, value, levels in rows:
-        i = int(round((target.timestamp() - origin) / 60.0))
-        if not 0 <= i < n:
-            continue  # defensive: the query keeps targets inside the window
-        point[i] = value
-        for level, q in (levels or {}).items():
-            if level not in quantiles:
+    if rows:
+        index = np.rint((np.array([r[0] for r in rows], dtype=np.float64) - origin) / 60.0).astype(np.int64)
+        inside = (index >= 0) & (index < n)  # defensive: the query keeps targets inside the window
+        point[index[inside]] = np.array([r[1] for r in rows], dtype=np.float64)[inside]
+        by_levels: dict[tuple[str, ...], list[int]] = {}
+        for j, row in enumerate(rows):  # runs share their levels, as a rule: one group
+            by_levels.setdefault(tuple(row[2] or ()), []).append(j)
+        for levels, members in by_levels.items():
+            members = np.asarray(members)[inside[members]]
+            if not levels or not len(members):
+                continue
+            # (runs, levels) from each run's [[q_level1], [q_level2], ...]; NULL elements become NaN
+            values = np.array([rows[j][3] for j in members], dtype=np.float64).reshape(len(members), len(levels))
+            for column, level in enumerate(levels):
                 if not _is_level(level):
                     continue  # not a quantile level ("0.9"): nothing to draw it as
-                quantiles[level] = np.full(n, np.nan)
-            quantiles[level][i] = q
+                quantiles.setdefault(level, np.full(n, np.nan))[index[members]] = values[:, column]
     return ForecastSeries(model_id=model_id, start=start, end=end, horizon_min=horizon_min,
                           minutes=minutes.astype(np.int64), actual=actual, point=point,
                           quantiles=dict(sorted(quantiles.items(), key=lambda kv: float(kv[0]))))
@@ -248,30 +299,32 @@ class FleetRow:
     last_forecast_at: datetime | None
 
 
+# The forecasts at the horizon are read for the whole fleet at once: the window's runs lie together in the
+# newest pages, which one scan reads once; a probe per model would visit each page once per run on it.
 _FLEET_SQL = f"""
 WITH cov AS (
     SELECT model_id, range_agg(ranges) AS ranges FROM coverage
     WHERE 60 % step_seconds = 0 AND ranges && tstzrange(:s, :e, '[)') GROUP BY model_id
+), f AS MATERIALIZED (
+    SELECT DISTINCT ON (model_id, target_minute) model_id, target_minute, point_at AS point
+    FROM ({_at_horizon_sql("", lambda name: f":{name}")}) x
+    ORDER BY model_id, target_minute, issued_at DESC
+), err AS (
+    SELECT f.model_id, count(*) AS n, sum(abs(f.point - coalesce(i.count, 0))) AS abs_err,
+           sum(coalesce(i.count, 0)) AS actual, sum(f.point) AS forecast
+    FROM f JOIN cov ON cov.model_id = f.model_id
+    -- One range read of the window's counts, merged with the forecast minutes (not one probe per minute).
+    LEFT JOIN (
+        SELECT model_id, minute, sum(count) AS count FROM invocations
+        WHERE minute >= :s AND minute < :e GROUP BY model_id, minute
+    ) i ON i.model_id = f.model_id AND i.minute = f.target_minute
+    WHERE cov.ranges @> tstzrange(f.target_minute, f.target_minute + interval '1 minute', '[)')
+    GROUP BY f.model_id
 )
 SELECT m.id, err.n, err.abs_err, err.actual, err.forecast, cs.n AS cold_starts,
        ac.total, ac.succeeded, ac.failed, ac.benefit, lf.issued_at
 FROM serving_models m
-LEFT JOIN cov ON cov.model_id = m.id
-LEFT JOIN LATERAL (
-    SELECT count(*) AS n, sum(abs(f.point - coalesce(i.count, 0))) AS abs_err,
-           sum(coalesce(i.count, 0)) AS actual, sum(f.point) AS forecast
-    FROM (
-        SELECT DISTINCT ON (target_minute) target_minute, point FROM forecasts
-        WHERE model_id = m.id AND {HORIZON_MIN_SQL} = :h AND target_minute >= :s AND target_minute < :e
-        ORDER BY target_minute, issued_at DESC
-    ) f
-    -- One range read of the model's counts, merged with the forecast minutes (not one probe per minute).
-    LEFT JOIN (
-        SELECT minute, sum(count) AS count FROM invocations
-        WHERE model_id = m.id AND minute >= :s AND minute < :e GROUP BY minute
-    ) i ON i.minute = f.target_minute
-    WHERE cov.ranges @> tstzrange(f.target_minute, f.target_minute + interval '1 minute', '[)')
-) err ON true
+LEFT JOIN err ON err.model_id = m.id
 LEFT JOIN LATERAL (
     SELECT count(*) AS n FROM cold_starts c WHERE c.model_id = m.id AND c.started_at >= :s AND c.started_at < :e
 ) cs ON true
@@ -295,7 +348,8 @@ def read_fleet(conn: Connection, *, end: datetime, window_min: int, horizon_min:
     order is left to the caller.
     """
     start = end - window_min * MINUTE
-    rows = conn.execute(text(_FLEET_SQL), {"h": horizon_min, "s": start, "e": end}).all()
+    rows = conn.execute(text(_FLEET_SQL), {"h": horizon_min, "s": start, "e": end,
+                                           **_issued_bounds(start, end, horizon_min)}).all()
     out = []
     for (model_id, n, abs_err, actual, forecast, cold, total, succeeded, failed, benefit, last) in rows:
         n = int(n or 0)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import io
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import date, datetime
 
 import numpy as np
 import pandas as pd
@@ -25,6 +25,7 @@ from sqlalchemy import Connection, Engine, text
 from forecaster.ingest.batch import CountBatch, IngestError
 from forecaster.store.catalog import missing_model_ids, register_missing
 from forecaster.store.partitions import ensure_partitions
+from forecaster.store.retention import lock_days_for_write, rolled_up_steps
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,39 @@ def _window_arrays(batch: CountBatch) -> dict[str, list]:
     }
 
 
+def _window_days(batch: CountBatch) -> list[date]:
+    """The UTC days any of the batch's windows touches, ascending."""
+    w = batch.windows
+    spans = pd.DataFrame({"first": w["start"].dt.floor("D"),
+                          "last": (w["end"] - pd.Timedelta(microseconds=1)).dt.floor("D")}).drop_duplicates()
+    days: set[date] = set()
+    for first, last in spans.itertuples(index=False):
+        days.update(d.date() for d in pd.date_range(first, last, freq="D"))
+    return sorted(days)
+
+
+def _reject_finer_than_rollups(conn: Connection, batch: CountBatch) -> None:
+    """Refuse a batch finer than the buckets a touched day was rolled up to (see forecaster.store.retention).
+
+    Takes the days' shared locks first, so a roll-up of one of them either
+    finished before (and is seen here) or waits until this batch committed.
+    """
+    days = _window_days(batch)
+    lock_days_for_write(conn, days)
+    coarser = {day: step for day, step in rolled_up_steps(conn, days).items() if step > batch.step_seconds}
+    if coarser:
+        day = min(coarser)
+        more = f" (and {len(coarser) - 1} more days)" if len(coarser) > 1 else ""
+        raise IngestError(
+            "rolled_up",
+            f"day {day.isoformat()}{more} is rolled up to {coarser[day]} s steps; a batch at "
+            f"step_seconds={batch.step_seconds} is finer than the store keeps there. Send it at "
+            f"{coarser[day]} s or coarser",
+            field="ds",
+            value=day.isoformat(),
+        )
+
+
 def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: bool = False) -> WriteResult:
     """Write one validated batch atomically; a batch seen before is a no-op.
 
@@ -94,7 +128,8 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
     Raises:
         IngestError: ``unknown_model`` when a model is not registered and
             ``register_models`` is false; ``bad_step`` for steps that are not
-            whole minutes.
+            whole minutes; ``rolled_up`` when a window touches a day already
+            rolled up to a coarser step than the batch's (nothing is written).
     """
     if batch.step_seconds % 60:
         raise IngestError("bad_step", f"the store keeps whole-minute steps, got step_seconds={batch.step_seconds}")
@@ -113,6 +148,7 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
         if previous is not None:
             return WriteResult(previous, True, len(arrays["ids"]), 0, batch.total_invocations, batch.covered_steps)
 
+        _reject_finer_than_rollups(conn, batch)
         if register_models:
             register_missing(conn, arrays["ids"], labels={"registered_by": batch.source})
         missing = missing_model_ids(conn, arrays["ids"])
@@ -171,15 +207,30 @@ def _count_cells(conn: Connection, params: dict) -> np.ndarray:
     """Stored counts as ``(model index, step index, count)`` int64 rows, streamed with COPY.
 
     Indexes are computed in SQL (model position in ``params["ids"]``, step
-    number from ``start``), so that 100,000s of rows need no Python objects.
+    number from ``start``), so that millions of rows need no Python objects;
+    the text is parsed by pyarrow's CSV reader. At a one-minute step there is
+    at most one row per model and step (the primary key), so the sum per step
+    is only computed for coarser steps.
     """
+    import pyarrow as pa
+    import pyarrow.csv as pa_csv
+
     raw = conn.connection.driver_connection
+    if int(params["step"]) == 60:
+        select = ("SELECT w.i - 1, extract(epoch FROM i.minute - %(start)s)::bigint / 60, i.count ")
+        group = ""
+    else:
+        select = ("SELECT w.i - 1, floor(extract(epoch FROM i.minute - %(start)s) / %(step)s)::bigint AS step, "
+                  "sum(i.count) ")
+        group = " GROUP BY 1, 2"
     query = (
-        "COPY (SELECT w.i - 1, floor(extract(epoch FROM i.minute - %(start)s) / %(step)s)::bigint AS step, "
-        "sum(i.count) FROM invocations i JOIN unnest(%(ids)s::text[]) WITH ORDINALITY AS w(id, i) ON w.id = i.model_id "
-        "WHERE i.minute >= %(start)s AND i.minute < %(end)s GROUP BY 1, 2) TO STDOUT"
+        f"COPY ({select}FROM invocations i JOIN unnest(%(ids)s::text[]) WITH ORDINALITY AS w(id, i) "
+        f"ON w.id = i.model_id WHERE i.minute >= %(start)s AND i.minute < %(end)s{group}) TO STDOUT"
     )
     buffer = io.BytesIO()
+    with raw.cursor() as cur:
+        # reading every model joins ~100,000 ids to millions of rows: keep the hash join in memory
+        cur.execute("SET LOCAL work_mem = '256MB'")
     with raw.cursor() as cur, cur.copy(query, {"start": params["start"], "end": params["end"],
                                                "step": params["step"], "ids": params["ids"]}) as copy:
         for block in copy:
@@ -187,7 +238,11 @@ def _count_cells(conn: Connection, params: dict) -> np.ndarray:
     if not buffer.tell():
         return np.empty((0, 3), dtype=np.int64)
     buffer.seek(0)
-    return np.loadtxt(buffer, dtype=np.int64, delimiter="\t", ndmin=2)
+    table = pa_csv.read_csv(
+        buffer, read_options=pa_csv.ReadOptions(column_names=["row", "step", "count"]),
+        parse_options=pa_csv.ParseOptions(delimiter="\t"),
+        convert_options=pa_csv.ConvertOptions(column_types={c: pa.int64() for c in ("row", "step", "count")}))
+    return np.column_stack([table.column(c).to_numpy() for c in ("row", "step", "count")])
 
 
 def read_counts(
@@ -208,17 +263,38 @@ def read_counts(
         Long frame ``unique_id, ds, y`` (float64; NaN = unknown), one row per
         model and step, sorted.
     """
+    ids, grid_ds, grid = read_grid(engine, model_ids, start, end, step_seconds=step_seconds)
+    return pd.DataFrame(
+        {"unique_id": np.repeat(ids, len(grid_ds)),
+         "ds": pd.to_datetime(np.tile(grid_ds.as_unit("ns").asi8, len(ids)), utc=True),
+         "y": grid.reshape(-1)}
+    )
+
+
+def read_grid(
+    engine: Engine | Connection,
+    model_ids: list[str],
+    start: datetime,
+    end: datetime,
+    *,
+    step_seconds: int = 60,
+) -> tuple[list[str], pd.DatetimeIndex, np.ndarray]:
+    """The same counts as :func:`read_counts` as a ``(models x steps)`` float64 grid.
+
+    At 100,000 models a long frame of every cell costs gigabytes of Python-side
+    columns; the forecast job reads this grid (one float per cell) instead.
+
+    Returns:
+        ``(sorted model ids, step start times, grid)`` with NaN = unknown.
+    """
     step = pd.Timedelta(seconds=step_seconds)
     start_ts, end_ts = pd.Timestamp(start).tz_convert("UTC"), pd.Timestamp(end).tz_convert("UTC")
     if start_ts.floor(step) != start_ts or end_ts.floor(step) != end_ts:
         raise ValueError(f"start and end must be aligned to {step_seconds} s")
     grid_ds = pd.date_range(start_ts, end_ts, freq=step, inclusive="left")
     ids = sorted(set(model_ids))
-    result = pd.DataFrame(
-        {"unique_id": np.repeat(ids, len(grid_ds)), "ds": pd.to_datetime(np.tile(grid_ds.as_unit("ns").asi8, len(ids)), utc=True), "y": np.nan}
-    )
     if not ids or not len(grid_ds):
-        return result
+        return ids, grid_ds, np.full((len(ids), len(grid_ds)), np.nan)
     params = {
         "ids": ids,
         "step": step_seconds,
@@ -255,5 +331,4 @@ def read_counts(
         row_idx, col_idx, values = cells[:, 0], cells[:, 1], cells[:, 2].astype(np.float64)
         known = ~np.isnan(grid[row_idx, col_idx])  # a count in a partly covered step stays unknown
         grid[row_idx[known], col_idx[known]] = values[known]
-    result["y"] = grid.reshape(-1)
-    return result
+    return ids, grid_ds, grid

@@ -2,7 +2,8 @@
 
 Ingest creates the partitions a batch needs before it writes (historical traces
 land in the past); the maintenance job creates ``days_ahead`` days in advance
-so that live ingest never waits on DDL.
+so that live ingest never waits on DDL. Old partitions are rolled up to
+coarser steps, and finally dropped, by :mod:`forecaster.store.retention`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ from sqlalchemy import Connection, Engine, text
 
 def partition_name(day: date) -> str:
     return f"invocations_{day:%Y%m%d}"
+
+
+def day_bounds(day: date) -> tuple[datetime, datetime]:
+    """``[start, end)`` of the UTC ``day``: the bounds of its partition."""
+    lo = datetime(day.year, day.month, day.day, tzinfo=timezone.utc)
+    return lo, lo + timedelta(days=1)
 
 
 def _days(start: datetime, end: datetime) -> list[date]:
@@ -32,6 +39,16 @@ def existing_partitions(conn: Connection) -> set[str]:
     return {r[0] for r in rows}
 
 
+def partition_days(conn: Connection) -> list[date]:
+    """The days that have a partition, ascending (from the names ``invocations_YYYYMMDD``)."""
+    days = []
+    for name in existing_partitions(conn):
+        suffix = name.removeprefix("invocations_")
+        if len(suffix) == 8 and suffix.isdigit():
+            days.append(datetime.strptime(suffix, "%Y%m%d").date())
+    return sorted(days)
+
+
 def ensure_partitions(engine: Engine, start: datetime, end: datetime) -> list[str]:
     """Create the daily partitions covering ``[start, end)``; return the names created.
 
@@ -47,8 +64,7 @@ def ensure_partitions(engine: Engine, start: datetime, end: datetime) -> list[st
         name = partition_name(day)
         if name in present:
             continue
-        lo = datetime(day.year, day.month, day.day, tzinfo=timezone.utc)
-        hi = lo + timedelta(days=1)
+        lo, hi = day_bounds(day)
         with engine.begin() as conn:
             # A concurrent ingest may have created it meanwhile: IF NOT EXISTS.
             conn.execute(

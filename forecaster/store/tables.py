@@ -10,11 +10,13 @@ from __future__ import annotations
 from datetime import datetime
 
 from sqlalchemy import (
+    REAL,
     BigInteger,
     Boolean,
     DateTime,
     Float,
     ForeignKey,
+    Index,
     Integer,
     LargeBinary,
     String,
@@ -169,7 +171,13 @@ class ModelVersion(Base):
 
 
 class Forecast(Base):
-    """Forecast of one model's invocations in ``target_minute``, issued at ``issued_at``."""
+    """One forecast run of one model: its target minutes as arrays (range-partitioned by day of ``issued_at``).
+
+    Element ``k`` (1-based) of ``point``, ``p_any`` and of each row of
+    ``quantiles`` is target minute ``first_target + (k - 1) * step_seconds``;
+    ``quantiles`` holds one row per level, in the order of ``quantile_levels``.
+    Values are invocations per minute (``real``); a NaN ``p_any`` element is unknown.
+    """
 
     __tablename__ = "forecasts"
 
@@ -177,11 +185,18 @@ class Forecast(Base):
         String(256), ForeignKey("serving_models.id", ondelete="CASCADE"), primary_key=True
     )
     issued_at: Mapped[datetime] = mapped_column(TZ, primary_key=True)
-    target_minute: Mapped[datetime] = mapped_column(TZ, primary_key=True)
+    first_target: Mapped[datetime] = mapped_column(TZ, doc="Target minute of element 1.")
+    step_seconds: Mapped[int] = mapped_column(Integer, default=60, server_default="60")
     model_version_id: Mapped[str | None] = mapped_column(String(64), ForeignKey("model_versions.id"))
-    point: Mapped[float] = mapped_column(Float)
-    p_any: Mapped[float | None] = mapped_column(Float, doc="Probability of at least one invocation.")
-    quantiles: Mapped[dict] = mapped_column(JSONB, default=dict)  # {"0.1": x, "0.5": y, "0.9": z}
+    point: Mapped[list[float]] = mapped_column(ARRAY(REAL))
+    p_any: Mapped[list[float] | None] = mapped_column(ARRAY(REAL), doc="Probability of at least one invocation.")
+    quantile_levels: Mapped[list[float]] = mapped_column(ARRAY(REAL), doc="Ascending, e.g. [0.1, 0.5, 0.9].")
+    quantiles: Mapped[list[list[float]]] = mapped_column(ARRAY(REAL, dimensions=2), doc="One row per level.")
+
+    __table_args__ = (
+        Index("forecasts_issued_at", "issued_at"),  # "newest run" queries
+        {"postgresql_partition_by": "RANGE (issued_at)"},
+    )
 
 
 class Plan(Base):
