@@ -318,7 +318,7 @@ def backtest_cmd(
             run_id, result = run_store_backtest(
                 engine, start=start, end=end, step_seconds=step_seconds,
                 members=None if members is None else [m.strip() for m in members.split(",") if m.strip()],
-                progress=lambda line: typer.echo(line, err=True))
+                progress=lambda line: typer.echo(line, err=True), settings=settings)
         except ValueError as exc:
             _fail(str(exc), 2)
         table_path, summary_path = write_csv(result, csv)
@@ -445,6 +445,68 @@ def demo(
             if server is not None:
                 server.should_exit = True
                 thread.join(timeout=10)
+
+
+# --- fleet ----------------------------------------------------------------
+
+fleet_app = typer.Typer(help="Synthetic fleets resampled from real traces, for scale benchmarks.",
+                        no_args_is_help=True)
+app.add_typer(fleet_app, name="fleet")
+
+
+@fleet_app.command("generate")
+def fleet_generate(
+    models: Annotated[int, typer.Option("--models", min=1, help="Number of models (fleet-000000 ...).")],
+    out: Annotated[Path, typer.Option("--out", dir_okay=False, help="Long Parquet to write (unique_id, ds, y).")],
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Random seed; the same seed gives the same fleet.")] = 0,
+    minutes: Annotated[int, typer.Option("--minutes", min=1, max=1440, help="Minutes per series (<= one day).")]
+    = 1440,
+    start: Annotated[Optional[datetime], typer.Option(help="Time of minute 0 (UTC); default 2024-01-01T00:00Z.")]
+    = None,
+    summary: Annotated[bool, typer.Option("--summary", help="Print the fleet's realism summary as JSON.")] = False,
+    metadata: Annotated[Optional[Path], typer.Option(
+        help="Also write per-model metadata (source series, shift, scale, mix) to this .csv or .parquet.")] = None,
+    pools: Annotated[Optional[str], typer.Option(
+        help="Pool weights, e.g. 'azure2019=0.9,huawei5min=0.08,llm=0.02' (the default).")] = None,
+    chunk_models: Annotated[int, typer.Option(min=1, help="Models generated (and written) at a time.")] = 10_000,
+    edge_zeros: Annotated[bool, typer.Option(
+        "--edge-zeros/--no-edge-zeros",
+        help="Keep a zero row at each model's first and last minute so 'prewarm ingest trace' covers the whole "
+             "span (default); --no-edge-zeros omits every zero.")] = True,
+    traces_dir: Annotated[Optional[Path], typer.Option(
+        help="Public traces folder (default: the traces_dir setting, PREWARM_TRACES_DIR).")] = None,
+) -> None:
+    """Generate a deterministic fleet resampled from the real traces (docs/fleet-generator.md)."""
+    import time
+
+    from forecaster.simulation.fleetgen import FleetgenWarning, generate_fleet, write_fleet_parquet
+
+    weights = None
+    if pools:
+        try:
+            weights = {k.strip(): float(v) for k, v in (p.split("=", 1) for p in pools.split(",") if p.strip())}
+        except ValueError:
+            _fail(f"--pools: expected name=weight pairs separated by commas, got {pools!r}", 2)
+    if start is not None and start.tzinfo is None:
+        start = start.replace(tzinfo=timezone.utc)
+    directory = traces_dir if traces_dir is not None else _settings().traces_dir
+    began = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FleetgenWarning)
+        try:
+            chunks = generate_fleet(models, seed=seed, minutes=minutes, start=start, traces_dir=directory,
+                                    chunk_models=chunk_models, pools=weights)
+        except ValueError as exc:
+            _fail(str(exc), 2)
+    for warning in caught:
+        typer.echo(f"warning: {warning.message}", err=True)
+    result = write_fleet_parquet(
+        out, chunks, edge_zeros=edge_zeros, metadata_path=metadata,
+        progress=lambda c: typer.echo(f"  {c.first + len(c.ids):,}/{models:,} models", err=True))
+    typer.echo(f"wrote {result['rows']:,} rows for {models:,} models x {minutes} minutes to {out} "
+               f"in {time.perf_counter() - began:.1f} s", err=True)
+    if summary:
+        typer.echo(json.dumps(result["summary"]))
 
 
 def main() -> None:  # pragma: no cover - console entry
