@@ -143,7 +143,7 @@ def run_backtest(model: Any, panel: Panel, protocol: Protocol, *, members: bool 
     started = time.perf_counter()
     model.fit_panel(panel.head(protocol.fit_steps))
     fitted = time.perf_counter()
-    if hasattr(model, "members_"):
+    if hasattr(model, "members_") or hasattr(model, "shard_of_"):  # an ensemble, sharded or not
         arrays = model.forecast(panel, protocol.origins, protocol.horizon, members=members)
         seconds = time.perf_counter() - started
         out = {model.name: MethodForecasts(arrays[model.name], arrays.get("q0.1"), arrays.get("q0.9"), seconds)}

@@ -463,7 +463,8 @@ class Ensemble:
             shifted = point + self._spread(point) * offsets[:, None, :, j]
             bound = np.maximum(point, shifted) if tau > 0.5 else np.minimum(point, shifted)
             missing = np.isnan(bound)
-            bound[missing] = np.broadcast_to(poisson_quantile(point, tau), bound.shape)[missing]
+            if missing.any():  # scipy's ppf is slow: only where there are no residual quantiles
+                bound[missing] = poisson_quantile(np.broadcast_to(point, bound.shape)[missing], tau)
             if tau in getattr(self, "heads_", {}):
                 bound = self._head_bound(panel, origins, h, tau, point, bound)
             result[f"q{tau:g}"] = np.clip(bound, 0.0, None)
@@ -573,7 +574,7 @@ def _crossfit_bound(base, scale, actual, point, tau: float, min_count: int, conf
         bound = np.maximum(point, shifted) if tau > 0.5 else np.minimum(point, shifted)
         out[:, fold != f] = bound[:, fold != f]
     missing = np.isnan(out)
-    out[missing] = poisson_quantile(point, tau)[missing]
+    out[missing] = poisson_quantile(point[missing], tau)
     return np.clip(out, 0.0, None)
 
 
@@ -581,5 +582,5 @@ def _bounded(point: np.ndarray, offset: np.ndarray, tau: float) -> np.ndarray:
     shifted = point + offset
     bound = np.maximum(point, shifted) if tau > 0.5 else np.minimum(point, shifted)
     missing = np.isnan(bound) & ~np.isnan(point)
-    bound[missing] = poisson_quantile(point, tau)[missing]
+    bound[missing] = poisson_quantile(point[missing], tau)
     return np.clip(bound, 0.0, None)

@@ -69,6 +69,8 @@ def save_version(
     progress = getattr(ensemble, "progress", None)
     try:
         ensemble.progress = None  # a logging callback is not part of the model (and may not pickle)
+        if hasattr(ensemble, "save_shards"):  # a sharded ensemble: one file per shard, loaded by its workers
+            ensemble.save_shards(staging)
         with open(staging / ENSEMBLE_FILE, "wb") as handle:
             pickle.dump(ensemble, handle, protocol=pickle.HIGHEST_PROTOCOL)
     finally:
@@ -89,6 +91,8 @@ def save_version(
 
 def member_report(ensemble) -> list[dict]:
     """Each fitted member's name and the share of series that use it."""
+    if hasattr(ensemble, "member_report"):  # sharded: aggregated over its shards
+        return ensemble.member_report()
     members = getattr(ensemble, "members_", [])
     weights = getattr(ensemble, "weights_", None)
     report = []
@@ -106,7 +110,10 @@ def member_report(ensemble) -> list[dict]:
 def load_ensemble(path: Path):
     """Load a saved ensemble (only load folders this service wrote: pickle runs code)."""
     with open(Path(path) / ENSEMBLE_FILE, "rb") as handle:
-        return pickle.load(handle)
+        ensemble = pickle.load(handle)
+    if hasattr(ensemble, "attach"):  # a sharded ensemble reads its shard files from this folder
+        ensemble.attach(Path(path))
+    return ensemble
 
 
 def register(engine: Engine, *, version_id: str, path: Path, status: str, train_start, train_end,

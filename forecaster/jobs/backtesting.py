@@ -9,6 +9,8 @@ naive peers, and writes the per-series, per-horizon table to the store
 
 from __future__ import annotations
 
+import functools
+
 import io
 import json
 import logging
@@ -64,8 +66,14 @@ def run_store_backtest(
     step_seconds: int = 60,
     members: list[str] | None = None,
     progress=log.info,
+    settings=None,
 ) -> tuple[int, BacktestResult]:
-    """Backtest the ensemble (of ``members``; all by default) and the naive peers on stored data."""
+    """Backtest the ensemble (of ``members``; all by default) and the naive peers on stored data.
+
+    With ``settings``, the ensemble is sharded (``shard_max_series``) and its
+    shards run on the executor those settings name (Dask, a process pool, or
+    in-process), exactly as in the nightly retrain.
+    """
     lo, hi = ingested_window(engine, step_seconds)
     start, end = start or lo, end or hi
     step = pd.Timedelta(seconds=step_seconds)
@@ -79,7 +87,16 @@ def run_store_backtest(
     protocol = generic_protocol(panel.n_steps, step_seconds / 60.0, name="store")
     progress(f"backtest: {panel.n_series} series x {panel.n_steps} steps, fit on {protocol.fit_steps}, "
              f"{len(protocol.origins)} origins, horizons 1..{protocol.horizon}")
-    model = Ensemble(members=select_members(members, protocol.horizon), horizon=protocol.horizon, progress=progress)
+    if settings is None:
+        model = Ensemble(members=select_members(members, protocol.horizon), horizon=protocol.horizon,
+                         progress=progress)
+    else:
+        from forecaster.distributed.executor import executor_for
+        from forecaster.forecast.sharded import ShardedEnsemble
+
+        model = ShardedEnsemble(
+            functools.partial(Ensemble, members=select_members(members, protocol.horizon), horizon=protocol.horizon),
+            shard_max_series=settings.shard_max_series, executor=executor_for(settings), progress=progress)
     forecasts = run_backtest(model, panel, protocol)
     for peer in (Naive(), MovingAverage(int(60 / (step_seconds / 60)) or 1)):
         peer_model = Ensemble(members=[peer], horizon=protocol.horizon, fallback=False)

@@ -12,25 +12,31 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
 from datetime import datetime, timedelta, timezone
 
+import numpy as np
 import pandas as pd
 from sqlalchemy import Engine, text
 
+from forecaster.distributed.executor import executor_for
 from forecaster.forecast.backtest import MethodForecasts, Protocol, evaluate
 from forecaster.forecast.ensemble import Ensemble
-from forecaster.forecast.panel import Panel
+from forecaster.forecast.panel import Panel, forecast_frame
 from forecaster.forecast.registry import ChampionCache, promote, register, save_version, set_status
+from forecaster.forecast.sharded import ShardedEnsemble
+from forecaster.jobs.history import HistoryCache
 from forecaster.settings import Settings
 from forecaster.store.forecasts import write_forecasts
-from forecaster.store.invocations import read_counts
+from forecaster.store.invocations import read_grid
 
 log = logging.getLogger(__name__)
 
 _champions = ChampionCache()
+_history = HistoryCache()
 
 
 def _minute(now: datetime) -> datetime:
@@ -42,9 +48,14 @@ def model_ids(engine: Engine) -> list[str]:
         return list(conn.execute(text("SELECT id FROM serving_models ORDER BY id")).scalars())
 
 
-def history(engine: Engine, ids: list[str], *, end: datetime, minutes: int) -> pd.DataFrame:
-    """Per-minute counts of ``ids`` over the ``minutes`` before ``end`` (NaN = unknown)."""
-    return read_counts(engine, ids, end - timedelta(minutes=minutes), end)
+def history(engine: Engine, ids: list[str], *, end: datetime, minutes: int) -> Panel:
+    """Per-minute counts of ``ids`` over the ``minutes`` before ``end`` as a panel (NaN = unknown).
+
+    Models with no known minute in the window are left out.
+    """
+    ids, grid_ds, grid = read_grid(engine, ids, end - timedelta(minutes=minutes), end)
+    known = ~np.isnan(grid).all(axis=1)
+    return Panel(np.asarray(ids, dtype=object)[known], grid_ds[0], pd.Timedelta(minutes=1), grid[known])
 
 
 def _to_store_frame(predicted: pd.DataFrame, name: str) -> pd.DataFrame:
@@ -53,30 +64,64 @@ def _to_store_frame(predicted: pd.DataFrame, name: str) -> pd.DataFrame:
     return frame[keep]
 
 
-def forecast_job(engine: Engine, settings: Settings, now: datetime, *, cache: ChampionCache = _champions) -> dict:
-    """Forecast every registered model ``settings.forecast_horizon_min`` minutes ahead and store it."""
+def _with_executor(model, settings: Settings):
+    """A sharded model runs its shards on the executor of these settings (Dask, pool or inline)."""
+    if isinstance(model, ShardedEnsemble):
+        model.executor = executor_for(settings)
+    return model
+
+
+def default_model(settings: Settings, *, progress=None) -> ShardedEnsemble:
+    """The production challenger: the default ensemble on shards of <= ``shard_max_series`` similar series."""
+    return ShardedEnsemble(functools.partial(Ensemble, horizon=settings.forecast_horizon_min),
+                           shard_max_series=settings.shard_max_series, executor=executor_for(settings),
+                           progress=progress)
+
+
+_fallbacks: dict[str, tuple[datetime, Ensemble]] = {}  # database#horizon -> (fitted at, model)
+FALLBACK_REFIT = timedelta(hours=1)
+
+
+def _fallback_model(engine: Engine, panel: Panel, end: datetime, horizon: int) -> Ensemble:
+    """The no-champion model: the fallback member alone, refitted hourly (its fit is what costs)."""
+    key = f"{engine.url.render_as_string(hide_password=True)}#{horizon}"
+    fitted_at, model = _fallbacks.get(key, (None, None))
+    if model is None or not timedelta(0) <= end - fitted_at < FALLBACK_REFIT:
+        model = Ensemble(members=[], horizon=horizon, progress=lambda line: log.debug(line)).fit_panel(panel)
+        _fallbacks[key] = (end, model)
+    return model
+
+
+def forecast_job(engine: Engine, settings: Settings, now: datetime, *, cache: ChampionCache = _champions,
+                 history_cache: HistoryCache = _history) -> dict:
+    """Forecast every registered model ``settings.forecast_horizon_min`` minutes ahead and store it.
+
+    The history comes from ``history_cache`` (re-read incrementally, see
+    :mod:`forecaster.jobs.history`); a sharded champion forecasts its shards on
+    the executor of ``settings`` (Dask, a local pool, or in this process).
+    """
     started = time.perf_counter()
     ids = model_ids(engine)
     if not ids:
         return {"models": 0, "skipped": "no models registered"}
     end = _minute(now)
-    frame = history(engine, ids, end=end, minutes=settings.forecast_lookback_min)
-    known = frame.groupby("unique_id")["y"].count()
-    without_data = sorted(known[known == 0].index)
-    frame = frame[~frame["unique_id"].isin(without_data)]
-    if frame.empty:
+    panel = history_cache.panel(engine, ids, end=end, minutes=settings.forecast_lookback_min)
+    if not panel.n_series:
         return {"models": 0, "skipped": f"no known history for any of {len(ids)} models"}
     read_s = time.perf_counter() - started
     version, ensemble = cache.get(engine)
     if ensemble is None:
-        # No champion yet (first day): the fallback member alone, fitted on what we have.
-        ensemble = Ensemble(members=[], horizon=settings.forecast_horizon_min,
-                            progress=lambda line: log.debug(line)).fit(frame)
-    predicted = ensemble.predict(settings.forecast_horizon_min, frame)
+        # No champion yet (first day): the fallback member alone, fitted on what we have, once an hour.
+        ensemble = _fallback_model(engine, panel, end, settings.forecast_horizon_min)
+    h = settings.forecast_horizon_min
+    arrays = _with_executor(ensemble, settings).forecast(panel, [panel.n_steps], h)
+    predicted = forecast_frame(panel, panel.n_steps, {k: v[:, 0, :] for k, v in arrays.items()})
+    forecast_s = time.perf_counter() - started - read_s
     rows = write_forecasts(engine, _to_store_frame(predicted, ensemble.name), issued_at=now,
                            model_version_id=version)
-    return {"models": int(predicted["unique_id"].nunique()), "rows": rows, "model_version": version,
-            "no_history": len(without_data), "read_s": round(read_s, 3),
+    return {"models": panel.n_series, "rows": rows, "model_version": version,
+            "no_history": len(ids) - panel.n_series, "read_s": round(read_s, 3), "read": history_cache.last_read,
+            "forecast_s": round(forecast_s, 3), "shards": getattr(ensemble, "forecast_run_", None),
             "seconds": round(time.perf_counter() - started, 3)}
 
 
@@ -105,23 +150,22 @@ def retrain_job(engine: Engine, settings: Settings, now: datetime, *, cache: Cha
     started = time.perf_counter()
     ids = model_ids(engine)
     end = _minute(now)
-    frame = history(engine, ids, end=end, minutes=settings.train_window_min)
-    frame = frame[frame.groupby("unique_id")["y"].transform("count") > 0]
-    if frame.empty:
+    panel = history(engine, ids, end=end, minutes=settings.train_window_min)
+    if not panel.n_series:
         return {"skipped": "no history to train on"}
-    first_known = frame.loc[frame["y"].notna(), "ds"].min()
-    frame = frame[frame["ds"] >= first_known]  # no point learning from days before any data
-    panel = Panel.from_long(frame)
+    first_known = int(np.flatnonzero(~np.isnan(panel.values).all(axis=0))[0])
+    # no point learning from days before any data
+    panel = Panel(panel.ids, panel.start + first_known * panel.step, panel.step, panel.values[:, first_known:])
     protocol = _holdout_protocol(panel.n_steps, settings.retrain_holdout_min, horizon=15)
-    factory = ensemble_factory or (lambda: Ensemble(horizon=settings.forecast_horizon_min,
-                                                    progress=lambda line: log.info("retrain: %s", line)))
-    challenger = factory().fit_panel(panel.head(protocol.fit_steps))
+    factory = ensemble_factory or functools.partial(
+        default_model, settings, progress=lambda line: log.info("retrain: %s", line))
+    challenger = _with_executor(factory(), settings).fit_panel(panel.head(protocol.fit_steps))
     arrays = challenger.forecast(panel, protocol.origins, protocol.horizon)
     candidates = {"challenger": MethodForecasts(arrays[challenger.name], arrays.get("q0.1"), arrays.get("q0.9"))}
     champion_id, champion = cache.get(engine)
     if champion is not None:
         try:
-            theirs = champion.forecast(panel, protocol.origins, protocol.horizon)
+            theirs = _with_executor(champion, settings).forecast(panel, protocol.origins, protocol.horizon)
             candidates["champion"] = MethodForecasts(theirs[champion.name], theirs.get("q0.1"), theirs.get("q0.9"))
         except Exception as error:  # a champion that cannot forecast these series loses by default
             log.warning("champion %s could not forecast the holdout: %s", champion_id, error)
@@ -143,6 +187,7 @@ def retrain_job(engine: Engine, settings: Settings, now: datetime, *, cache: Cha
         set_status(engine, version_id, "retired")
     return {"version": version_id, "promoted": promoted, "previous_champion": champion_id, "scores": scores,
             "failures": dict(getattr(challenger, "failures_", {})), "series": panel.n_series,
+            "shards": getattr(challenger, "fit_run_", None),
             "seconds": round(time.perf_counter() - started, 1)}
 
 

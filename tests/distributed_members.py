@@ -1,0 +1,57 @@
+"""Members used by tests/test_distributed.py: importable by pool processes and Dask workers (pickled by reference)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from forecaster.forecast.ensemble import Ensemble
+from forecaster.forecast.members import Naive
+
+
+class SlowNaive(Naive):
+    """Naive that announces its worker's pid in ``marker_dir`` and then takes ``seconds`` to fit."""
+
+    name = "slow_naive"
+
+    def __init__(self, marker_dir: str, seconds: float):
+        self.marker_dir = marker_dir
+        self.seconds = seconds
+
+    def _fit(self, panel) -> None:
+        Path(self.marker_dir, f"{os.getpid()}-{panel.ids[0]}").touch()
+        time.sleep(self.seconds)
+
+
+class PoisonedEnsemble(Ensemble):
+    """An ensemble whose fit raises (outside any member) when its shard holds a series named in ``poison``."""
+
+    def __init__(self, *args, poison: tuple[str, ...] = (), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.poison = poison
+
+    def fit_panel(self, panel):
+        if set(self.poison) & set(panel.ids):
+            raise MemoryError(f"worker out of memory on {sorted(set(self.poison) & set(panel.ids))} (simulated)")
+        return super().fit_panel(panel)
+
+
+def flaky_square(marker: str, x: int) -> int:
+    """Fails (exception) the first time it sees a fresh ``marker`` path, then squares."""
+    if marker and not os.path.exists(marker):
+        Path(marker).touch()
+        raise RuntimeError("transient failure (simulated)")
+    return x * x
+
+
+def dies_once(marker: str, x: int) -> int:
+    """Kills its own process the first time it sees a fresh ``marker`` path, then squares."""
+    if marker and not os.path.exists(marker):
+        Path(marker).touch()
+        os._exit(3)
+    return x * x
+
+
+def always_fails(x: int) -> int:
+    raise ValueError(f"shard {x} is broken (simulated)")

@@ -1,0 +1,284 @@
+"""Sharded training and forecasting on executors: in-process, a local process pool, and a real Dask cluster.
+
+The Dask tests start a real ``dask.distributed`` LocalCluster (worker processes
+with nannies) and kill a worker with SIGKILL while it runs a shard.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import threading
+import time
+from datetime import datetime, timezone
+
+import numpy as np
+import pandas as pd
+import pytest
+from sqlalchemy import text
+
+import forecaster.forecast.registry as registry
+from forecaster.data import AZURE2019_TOP100, sample_path
+from forecaster.distributed.executor import DaskExecutor, InlineExecutor, PoolExecutor, close_executors
+from forecaster.forecast.ensemble import Ensemble
+from forecaster.forecast.members import MovingAverage, Naive
+from forecaster.forecast.panel import Panel
+from forecaster.forecast.sharded import ShardedEnsemble, plan_shards, series_levels
+from forecaster.ingest.service import ingest_trace_file
+from forecaster.jobs.forecasting import forecast_job, retrain_job
+from tests.distributed_members import PoisonedEnsemble, SlowNaive, always_fails, dies_once, flaky_square
+
+DAY_END = datetime(2019, 7, 16, tzinfo=timezone.utc)  # the shipped sample covers 2019-07-15
+
+
+def _panel(n_series: int = 40, n_steps: int = 400, seed: int = 0) -> Panel:
+    rng = np.random.default_rng(seed)
+    rates = rng.gamma(0.5, 5.0, size=(n_series, 1))
+    values = rng.poisson(rates, size=(n_series, n_steps)).astype(float)
+    ids = np.array([f"m{i:03d}" for i in range(n_series)], dtype=object)
+    return Panel(ids, pd.Timestamp("2024-01-01", tz="UTC"), pd.Timedelta(minutes=1), values)
+
+
+def _factory():
+    return functools.partial(Ensemble, members=[Naive(), MovingAverage(30)], horizon=15)
+
+
+@pytest.fixture(autouse=True)
+def _no_cached_executors():
+    yield
+    close_executors()
+
+
+# ------------------------------------------------------------------ shards
+
+
+def test_shards_hold_similar_series_and_are_balanced():
+    panel = _panel(103)
+    plan = plan_shards(panel, 25)
+    assert len(plan) == 5 and sorted(len(rows) for rows in plan.values()) == [20, 20, 21, 21, 21]
+    assert sorted(np.concatenate(list(plan.values()))) == list(range(103))  # every series exactly once
+    level, _ = series_levels(panel.values)
+    ranges = [(level[rows].min(), level[rows].max()) for rows in plan.values()]
+    assert all(hi <= lo2 for (_, hi), (lo2, _) in zip(ranges, ranges[1:]))  # shards are contiguous in level
+
+
+def test_one_shard_forecasts_exactly_like_the_plain_ensemble():
+    panel = _panel()
+    plain = _factory()().fit_panel(panel.head(300)).forecast(panel, [300, 350], 15)
+    sharded = ShardedEnsemble(_factory(), shard_max_series=1000).fit_panel(panel.head(300))
+    ours = sharded.forecast(panel, [300, 350], 15)
+    assert set(ours) == set(plain)
+    for column in plain:
+        np.testing.assert_allclose(ours[column], plain[column])
+
+
+def test_many_shards_cover_every_series_and_route_new_ones():
+    panel = _panel(40)
+    model = ShardedEnsemble(_factory(), shard_max_series=7).fit_panel(panel.head(300))
+    assert model.fit_run_["shards"] == 6 and not model.fit_run_["failed_shards"]
+    bigger = Panel(np.append(panel.ids, "new-model"), panel.start, panel.step,
+                   np.vstack([panel.values, np.full((1, panel.n_steps), 3.0)]))
+    arrays = model.forecast(bigger, [350], 15)
+    assert arrays["ensemble"].shape == (41, 1, 15) and not np.isnan(arrays["ensemble"]).any()
+    assert (arrays["q0.9"] >= arrays["ensemble"]).all()
+    # the new series (never trained on) is forecast by its shard's fallback: last value 3
+    np.testing.assert_allclose(arrays["ensemble"][-1], 3.0)
+
+
+def test_saved_sharded_model_loads_shard_files_lazily(tmp_path):
+    panel = _panel(30)
+    model = ShardedEnsemble(_factory(), shard_max_series=10).fit_panel(panel.head(300))
+    expected = model.forecast(panel, [320], 15)["ensemble"]
+    folder = registry.save_version(model, tmp_path, version_id="v1", train_start=None, train_end=None, scores={})
+    assert sorted(p.name for p in (folder / "shards").iterdir()) == ["s0.pkl", "s1.pkl", "s2.pkl"]
+    # the model file refers to its shards instead of containing them
+    assert (folder / "ensemble.pkl").stat().st_size < min(p.stat().st_size for p in (folder / "shards").iterdir())
+    loaded = registry.load_ensemble(folder)
+    assert all(shard is None for shard in loaded.shards_.values())
+    np.testing.assert_allclose(loaded.forecast(panel, [320], 15)["ensemble"], expected)
+    assert {m["name"] for m in registry.member_report(loaded)} == {"naive", "moving_average_30", "fallback"}
+
+
+# ------------------------------------------------------------------ executors
+
+
+@pytest.mark.parametrize("make", [lambda: InlineExecutor(retries=1), lambda: PoolExecutor(2, retries=1)],
+                         ids=["inline", "pool"])
+def test_a_failing_shard_is_retried_and_never_costs_the_others(make, tmp_path):
+    executor = make()
+    try:
+        run = executor.run(flaky_square, {f"k{i}": (str(tmp_path / f"flaky-{i}") if i % 2 else "", i)
+                                          for i in range(6)})
+        assert run.results == {f"k{i}": i * i for i in range(6)} and not run.failures
+        assert run.summary()["retried_shards"] == ["k1", "k3", "k5"]
+        broken = executor.run(always_fails, {"a": (1,), "b": (2,)})
+        assert not broken.results and set(broken.failures) == {"a", "b"}
+        assert broken.attempts == {"a": 2, "b": 2} and "shard 2 is broken" in broken.failures["b"]
+    finally:
+        executor.close()
+
+
+def test_pool_survives_a_worker_process_dying(tmp_path):
+    executor = PoolExecutor(2, retries=2)
+    try:
+        run = executor.run(dies_once, {f"k{i}": (str(tmp_path / "died") if i == 3 else "", i) for i in range(6)})
+        # the dead process took its own task and possibly its neighbours'; all are run again
+        assert run.results == {f"k{i}": i * i for i in range(6)} and not run.failures
+        assert run.attempts["k3"] == 2
+    finally:
+        executor.close()
+
+
+# ------------------------------------------------------------------ a real Dask cluster
+
+
+@pytest.fixture(scope="module")
+def dask_cluster():
+    distributed = pytest.importorskip("distributed")
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                       dashboard_address=None, silence_logs=40)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def ingested(engine, settings, now):
+    ingest_trace_file(engine, settings, sample_path(AZURE2019_TOP100), now=now, register=True)
+    return settings.model_copy(update={"train_window_min": 1440, "forecast_lookback_min": 240,
+                                       "retrain_holdout_min": 120, "forecast_horizon_min": 30,
+                                       "shard_max_series": 25})
+
+
+def _forecast_models(engine, issued_at) -> int:
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT count(DISTINCT model_id) FROM forecasts WHERE issued_at = :t"),
+                            {"t": issued_at}).scalar()
+
+
+def test_dask_executor_retries_on_a_real_cluster(dask_cluster, tmp_path):
+    executor = DaskExecutor(dask_cluster.scheduler_address, retries=1)
+    try:
+        assert executor.workers == 2
+        run = executor.run(flaky_square, {f"k{i}": (str(tmp_path / f"f{i}") if i < 2 else "", i) for i in range(4)})
+        assert run.results == {"k0": 0, "k1": 1, "k2": 4, "k3": 9} and run.backend == "dask"
+        broken = executor.run(always_fails, {"a": (7,)})
+        assert broken.failures and "shard 7 is broken" in broken.failures["a"] and broken.attempts["a"] == 2
+    finally:
+        executor.close()
+
+
+def test_retrain_and_forecast_on_dask_survive_a_killed_worker(engine, ingested, dask_cluster, tmp_path):
+    settings = ingested.model_copy(update={"dask_scheduler_address": dask_cluster.scheduler_address})
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    factory = functools.partial(
+        ShardedEnsemble,
+        functools.partial(Ensemble, members=[SlowNaive(str(markers), 1.5), MovingAverage(60)], horizon=30),
+        shard_max_series=25)
+    killed: list[int] = []
+
+    def kill_first_worker_seen() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            started = sorted(markers.iterdir(), key=lambda p: p.stat().st_mtime)
+            if started:
+                pid = int(started[0].name.split("-")[0])
+                os.kill(pid, signal.SIGKILL)  # mid-fit: the worker dies with its shard unfinished
+                killed.append(pid)
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_first_worker_seen)
+    killer.start()
+    cache = registry.ChampionCache()
+    result = retrain_job(engine, settings, DAY_END, cache=cache, ensemble_factory=factory)
+    killer.join()
+    assert killed, "no shard started on a worker"
+    assert result["shards"]["backend"] == "dask" and result["shards"]["shards"] == 4
+    assert result["shards"]["failed_shards"] == {}  # the killed worker's shard ran again elsewhere
+    assert not any("(fit)" in name for name in result["failures"])
+    assert result["promoted"] and result["series"] == 100
+    assert sorted(p.name for p in (settings.models_dir / result["version"] / "shards").iterdir()) == [
+        "s0.pkl", "s1.pkl", "s2.pkl", "s3.pkl"]
+
+    outcome = forecast_job(engine, settings, DAY_END, cache=cache)
+    assert outcome["models"] == 100 and outcome["shards"]["backend"] == "dask"
+    assert outcome["shards"]["failed_shards"] == {}
+    assert _forecast_models(engine, DAY_END) == 100
+
+
+def test_a_shard_failing_everywhere_is_reported_and_the_rest_are_kept(engine, ingested, dask_cluster):
+    settings = ingested.model_copy(update={"dask_scheduler_address": dask_cluster.scheduler_address,
+                                           "shard_retries": 1})
+    with engine.connect() as conn:
+        victim = conn.execute(text("SELECT id FROM serving_models ORDER BY id LIMIT 1")).scalar()
+    factory = functools.partial(
+        ShardedEnsemble,
+        functools.partial(PoisonedEnsemble, members=[MovingAverage(60)], horizon=30, poison=(victim,)),
+        shard_max_series=25)
+    cache = registry.ChampionCache()
+    result = retrain_job(engine, settings, DAY_END, cache=cache, ensemble_factory=factory)
+    failed = result["shards"]["failed_shards"]
+    assert len(failed) == 1 and "out of memory" in next(iter(failed.values()))
+    assert result["shards"]["shards"] == 4 and result["series"] == 100
+    # the failed shard's series fall back to the fallback member; the three others keep their models
+    model = registry.load_ensemble(settings.models_dir / result["version"])
+    (bad,) = failed
+    assert [m.name for m in model_shard(model, bad).members_] == ["fallback"]
+    assert all("moving_average_60" in [m.name for m in model_shard(model, k).members_]
+               for k in model.shard_ids_ if k != bad)
+    forecast_job(engine, settings, DAY_END, cache=cache)
+    assert _forecast_models(engine, DAY_END) == 100
+
+
+def model_shard(model: ShardedEnsemble, key: str) -> Ensemble:
+    from forecaster.forecast.sharded import load_shard
+
+    return load_shard(model._shard_ref(key))
+
+
+def test_inline_and_pool_retrain_give_the_same_model(engine, ingested):
+    """The same code on a local process pool (no Dask) trains the same model as in this process."""
+    scores, forecasts = {}, {}
+    for workers in (1, 2):
+        settings = ingested.model_copy(update={"shard_workers": workers})
+        factory = functools.partial(ShardedEnsemble, functools.partial(
+            Ensemble, members=[Naive(), MovingAverage(60)], horizon=30), shard_max_series=25)
+        cache = registry.ChampionCache()
+        result = retrain_job(engine, settings, DAY_END, cache=cache, ensemble_factory=factory)
+        assert result["shards"]["backend"] == ("inline" if workers == 1 else "pool")
+        assert result["shards"]["shards"] == 4 and not result["shards"]["failed_shards"]
+        scores[workers] = result["scores"]["challenger"]
+        model = registry.load_ensemble(settings.models_dir / result["version"])
+        panel = history_panel(engine)
+        forecasts[workers] = model.forecast(panel, [panel.n_steps], 30)["ensemble"]
+    assert scores[1] == pytest.approx(scores[2])
+    np.testing.assert_allclose(forecasts[1], forecasts[2])
+
+
+def history_panel(engine) -> Panel:
+    from forecaster.jobs.forecasting import history, model_ids
+
+    return history(engine, model_ids(engine), end=DAY_END, minutes=240)
+
+
+def test_backtest_of_a_sharded_ensemble_scores_every_series(tmp_path):
+    from forecaster.forecast.backtest import evaluate, generic_protocol, run_backtest
+
+    panel = _panel(30, 600)
+    protocol = generic_protocol(panel.n_steps, 1.0, name="synthetic")
+    sharded = ShardedEnsemble(_factory(), shard_max_series=10, executor=PoolExecutor(2))
+    try:
+        forecasts = run_backtest(sharded, panel, protocol)
+    finally:
+        sharded.executor.close()
+    plain = run_backtest(_factory()(), panel, protocol)
+    result = evaluate(panel, protocol, {"sharded": forecasts["ensemble"], "plain": plain["ensemble"]})
+    assert forecasts["ensemble"].point.shape == plain["ensemble"].point.shape
+    assert forecasts["ensemble"].q90 is not None and not np.isnan(forecasts["ensemble"].point).any()
+    summary = result.summary.set_index(["method", "subset"])
+    # three shards of ten similar series each score close to one ensemble of all thirty
+    assert summary.loc[("sharded", "all"), "wql"] == pytest.approx(summary.loc[("plain", "all"), "wql"], rel=0.2)
