@@ -104,6 +104,15 @@ def test_fit_returns_self_and_fitted_state_ends_in_underscore(fitted) -> None:
     assert settings == {k: repr(v) for k, v in vars(twin).items()}  # fit never touches settings
 
 
+def test_a_fitted_member_survives_pickle_with_the_same_forecasts(fitted, panel) -> None:
+    """Saved models and shards sent to workers are pickled: every member must come back forecasting the same."""
+    import pickle
+
+    member, _, _ = fitted
+    expected = member.forecast(panel, [240, 260], 10)
+    np.testing.assert_allclose(pickle.loads(pickle.dumps(member)).forecast(panel, [240, 260], 10), expected)
+
+
 def test_init_only_stores_settings() -> None:
     for factory in member_factories():
         member = factory()

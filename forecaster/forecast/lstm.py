@@ -193,6 +193,27 @@ class LSTMMember(Member):
         self.network_ = network.eval()
         self.fit_seconds_ = time.perf_counter() - started
 
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self) -> dict:
+        """The network's class is built inside :func:`_network` (torch is imported lazily), so plain pickle
+        cannot name it: keep its weights and shape instead and rebuild it on load."""
+        state = dict(self.__dict__)
+        network = state.pop("network_", None)
+        if network is not None:
+            state["network_weights_"] = {k: v.detach().cpu() for k, v in network.state_dict().items()}
+            state["network_shape_"] = (self.hidden, self.horizon, 2 + self.horizon * len(self.seasons_))
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        weights = state.pop("network_weights_", None)
+        shape = state.pop("network_shape_", None)
+        self.__dict__.update(state)
+        if weights is not None:
+            self.device_ = pick_device(self.device)  # saved on a GPU machine, loaded where there may be none
+            network = _network(*shape)
+            network.load_state_dict(weights)
+            self.network_ = network.to(self.device_).eval()
+
     # ------------------------------------------------------------------ forecast
     def _forecast(self, panel: Panel, origins: list[int], h: int) -> np.ndarray:
         import torch
