@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -105,27 +106,27 @@ async def drive(url: str, token: str, model_ids: list[str], clients: int, second
     return latencies, errors
 
 
-def run(admin_url: str, n_models: int, clients: int, seconds: float) -> dict:
-    url, token = prepare(admin_url, n_models)
+@contextlib.contextmanager
+def serving(url: str, token: str, probe_model: str, *, timeout_s: float = 120.0):
+    """``prewarm serve`` on a free port against ``url``; yields its base URL once a recommendation answers."""
     port = free_port()
     env = {**os.environ, "DATABASE_URL": url}
     server = subprocess.Popen([sys.executable, "-m", "forecaster.cli", "serve", "--port", str(port),
                               "--no-scheduler"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + timeout_s
         while True:
             try:
-                if httpx.get(f"{base}/v1/models/model-000000/recommendation",
-                             headers={"Authorization": f"Bearer {token}"}, timeout=5).status_code == 200:
+                if httpx.get(f"{base}/v1/models/{probe_model}/recommendation",
+                             headers={"Authorization": f"Bearer {token}"}, timeout=30).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError("server did not come up")
             time.sleep(0.5)
-        ids = [f"model-{i:06d}" for i in range(n_models)]
-        latencies, errors = asyncio.run(drive(base, token, ids, clients, seconds, warmup_s=3.0))
+        yield base
     finally:
         server.terminate()
         try:
@@ -133,6 +134,13 @@ def run(admin_url: str, n_models: int, clients: int, seconds: float) -> dict:
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+def run(admin_url: str, n_models: int, clients: int, seconds: float) -> dict:
+    url, token = prepare(admin_url, n_models)
+    ids = [f"model-{i:06d}" for i in range(n_models)]
+    with serving(url, token, ids[0]) as base:
+        latencies, errors = asyncio.run(drive(base, token, ids, clients, seconds, warmup_s=3.0))
     ms = np.array(latencies) * 1000.0
     return {
         "p50_ms": round(float(np.percentile(ms, 50)), 2),
