@@ -7,12 +7,13 @@ Times are ``timestamptz`` in UTC; sizes in bytes; durations in seconds.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import date, datetime
 
 from sqlalchemy import (
     REAL,
     BigInteger,
     Boolean,
+    Date,
     DateTime,
     Float,
     ForeignKey,
@@ -84,6 +85,18 @@ class Coverage(Base):
     step_seconds: Mapped[int] = mapped_column(Integer, primary_key=True)
     ranges = mapped_column(TSTZMULTIRANGE, nullable=False)
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class Rollup(Base):
+    """A day of ``invocations`` aggregated to ``step_seconds`` buckets by the retention job (one row per day)."""
+
+    __tablename__ = "rollups"
+
+    day: Mapped[date] = mapped_column(Date, primary_key=True)
+    step_seconds: Mapped[int] = mapped_column(Integer)
+    rolled_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    rows_before: Mapped[int] = mapped_column(BigInteger)
+    rows_after: Mapped[int] = mapped_column(BigInteger)
 
 
 class IngestBatch(Base):
