@@ -17,6 +17,7 @@ from forecaster.store.forecasts import (
     latest_forecast,
     maintain_forecast_partitions,
     read_newest_runs,
+    write_forecast_arrays,
     write_forecasts,
 )
 
@@ -242,3 +243,30 @@ def test_runs_without_quantiles_with_unknown_p_any_and_non_ascii_ids(engine):
     assert list(llama.frame.columns) == ["target_minute", "point", "p_any"]
     assert llama.frame["p_any"].tolist()[::2] == [0.5, 1.0] and np.isnan(llama.frame["p_any"][1])
     assert sorted(runs.model_ids) == ["Mödell-β", "llama"] and all(levels == () for levels in runs.levels)
+
+
+def test_arrays_and_long_frame_store_the_same_run(models):
+    """The forecast job writes arrays; the result equals writing the same forecasts as a long frame."""
+    first = datetime(2026, 11, 29, 12, 1, tzinfo=timezone.utc)
+    points = {"llama": [5.0, 6.0, 7.5], "mistral": [0.0, 1.0, 2.0]}
+    frame = pd.concat([run_frame(m, first, v, p_any=0.25) for m, v in points.items()], ignore_index=True)
+    long_rows = write_forecasts(models, frame, issued_at=NOW, model_version_id=None)
+    with models.connect() as conn:
+        expected = {m: latest_forecast(conn, model_id=m).frame for m in points}
+    later = NOW + MINUTE
+    point = np.array(list(points.values()))
+    columns = {"point": point, "p_any": np.full_like(point, 0.25), "q0.9": point + 10, "q0.1": point - 10,
+               "q0.5": point}
+    assert write_forecast_arrays(models, list(points), first, columns, issued_at=later,
+                                 model_version_id=None) == long_rows == 6
+    with models.connect() as conn:
+        for m in points:
+            stored = latest_forecast(conn, model_id=m)
+            assert stored.issued_at == later
+            pd.testing.assert_frame_equal(stored.frame, expected[m])
+    columns["q0.9"] = columns["q0.9"] * np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        write_forecast_arrays(models, list(points), first, columns, issued_at=later + MINUTE, model_version_id=None)
+    with pytest.raises(ValueError, match="whole minutes"):
+        write_forecast_arrays(models, list(points), first + timedelta(seconds=30), {"point": point},
+                              issued_at=later + MINUTE, model_version_id=None)

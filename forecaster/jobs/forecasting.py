@@ -25,12 +25,12 @@ from sqlalchemy import Engine, text
 from forecaster.distributed.executor import executor_for
 from forecaster.forecast.backtest import MethodForecasts, Protocol, evaluate
 from forecaster.forecast.ensemble import Ensemble
-from forecaster.forecast.panel import Panel, forecast_frame
+from forecaster.forecast.panel import Panel
 from forecaster.forecast.registry import ChampionCache, promote, register, save_version, set_status
 from forecaster.forecast.sharded import ShardedEnsemble
 from forecaster.jobs.history import HistoryCache
 from forecaster.settings import Settings
-from forecaster.store.forecasts import write_forecasts
+from forecaster.store.forecasts import write_forecast_arrays
 from forecaster.store.invocations import read_grid
 
 log = logging.getLogger(__name__)
@@ -56,12 +56,6 @@ def history(engine: Engine, ids: list[str], *, end: datetime, minutes: int) -> P
     ids, grid_ds, grid = read_grid(engine, ids, end - timedelta(minutes=minutes), end)
     known = ~np.isnan(grid).all(axis=1)
     return Panel(np.asarray(ids, dtype=object)[known], grid_ds[0], pd.Timedelta(minutes=1), grid[known])
-
-
-def _to_store_frame(predicted: pd.DataFrame, name: str) -> pd.DataFrame:
-    frame = predicted.rename(columns={name: "point"})
-    keep = ["unique_id", "ds", "point", "p_any"] + [c for c in frame.columns if c.startswith("q")]
-    return frame[keep]
 
 
 def _with_executor(model, settings: Settings):
@@ -115,10 +109,11 @@ def forecast_job(engine: Engine, settings: Settings, now: datetime, *, cache: Ch
         ensemble = _fallback_model(engine, panel, end, settings.forecast_horizon_min)
     h = settings.forecast_horizon_min
     arrays = _with_executor(ensemble, settings).forecast(panel, [panel.n_steps], h)
-    predicted = forecast_frame(panel, panel.n_steps, {k: v[:, 0, :] for k, v in arrays.items()})
     forecast_s = time.perf_counter() - started - read_s
-    rows = write_forecasts(engine, _to_store_frame(predicted, ensemble.name), issued_at=now,
-                           model_version_id=version)
+    columns = {("point" if k == ensemble.name else k): v[:, 0, :] for k, v in arrays.items()
+               if k in (ensemble.name, "p_any") or k.startswith("q")}
+    rows = write_forecast_arrays(engine, list(panel.ids), (panel.start + panel.n_steps * panel.step).to_pydatetime(),
+                                 columns, issued_at=now, model_version_id=version)
     return {"models": panel.n_series, "rows": rows, "model_version": version,
             "no_history": len(ids) - panel.n_series, "read_s": round(read_s, 3), "read": history_cache.last_read,
             "forecast_s": round(forecast_s, 3), "shards": getattr(ensemble, "forecast_run_", None),
