@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 from forecaster.coldstart.lambda_perf import LAMBDA_FILE, evaluate_lambda  # noqa: E402
 from forecaster.coldstart.model import ColdStartModel, baseline_predictions  # noqa: E402
 from forecaster.settings import load_settings  # noqa: E402
-from forecaster.simulation.config import FleetConfig  # noqa: E402
+from forecaster.contracts.fleetconfig import FleetConfig  # noqa: E402
 from forecaster.simulation.runner import models_for, run_policies  # noqa: E402
 from forecaster.simulation.workload import load_workload  # noqa: E402
 

@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO))
 
 from forecaster.coldstart.model import ColdStartModel  # noqa: E402
 from forecaster.settings import load_settings  # noqa: E402
-from forecaster.simulation.config import FleetConfig  # noqa: E402
+from forecaster.contracts.fleetconfig import FleetConfig  # noqa: E402
 from forecaster.simulation.minute import (  # noqa: E402
     WARMUP_MIN, hybrid_loaded, keepalive_loaded, oracle_loaded, planner_loaded, reactive_loaded, score_loaded)
 from forecaster.simulation.runner import LatencyInput, format_table, models_for, run_policies, summary_table  # noqa: E402

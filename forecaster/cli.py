@@ -18,7 +18,7 @@ import warnings
 warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
 from sqlalchemy import Engine
 
-from forecaster.ingest.batch import IngestError
+from forecaster.contracts.batches import IngestError
 from forecaster.settings import Settings, SettingsError, load_settings
 from forecaster.store.db import DatabaseUnavailable, current_revision, downgrade, open_database, upgrade, \
     wait_for_database
@@ -345,7 +345,7 @@ def simulate_cmd(
     as_json: Annotated[Optional[Path], typer.Option("--json", help="Also write the figures here as JSON.")] = None,
 ) -> None:
     """Replay a trace against a simulated GPU fleet under each policy: cold starts, waits, GPU-seconds, bytes."""
-    from forecaster.simulation.config import FleetConfig
+    from forecaster.contracts.fleetconfig import FleetConfig
     from forecaster.simulation.runner import format_table, models_for, run_policies, summary_table
     from forecaster.simulation.workload import load_workload
 

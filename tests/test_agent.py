@@ -30,7 +30,7 @@ from forecaster.agent.cache import WeightsCache
 from forecaster.agent.cri import CriImageService
 from forecaster.agent.service import NodeAgent
 from forecaster.agent.weights import S3WeightsSource
-from forecaster.planning.plan import Action, ActionKind, ActionStatus, FailureReason, Plan, Reason, Tier
+from forecaster.contracts.actions import Action, ActionKind, ActionStatus, FailureReason, Plan, Reason, Tier
 from tests import runtime_fixtures
 from tests.runtime_fixtures import S3Server, free_port, stop_process, wait_until
 

@@ -12,9 +12,9 @@ from sqlalchemy import text
 from forecaster.coldstart.lambda_perf import LambdaLatencyModel, evaluate_lambda, lag_features, load_lambda
 from forecaster.coldstart.model import ColdStartModel, baseline_predictions, load_cold_starts
 from forecaster.coldstart.physics import phase_seconds, physics_latency_table
-from forecaster.ingest.coldstarts import PHASES
+from forecaster.contracts.phases import PHASES
 from forecaster.ingest.service import push_cold_starts
-from forecaster.simulation.config import FleetConfig
+from forecaster.contracts.fleetconfig import FleetConfig
 from forecaster.store.catalog import ServingModelSpec, upsert_models
 
 UTC = timezone.utc

@@ -9,8 +9,9 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
-from forecaster.ingest.batch import IngestError
-from forecaster.ingest.coldstarts import CACHE_STATES, PHASES, validate_cold_starts
+from forecaster.contracts.batches import IngestError
+from forecaster.contracts.phases import CACHE_STATES, PHASES
+from forecaster.ingest.coldstarts import validate_cold_starts
 from forecaster.ingest.service import push_cold_starts
 from forecaster.store.catalog import ServingModelSpec, upsert_models
 

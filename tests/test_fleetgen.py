@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from forecaster.cli import app
 from forecaster.data import AZURE2019_TOP100, sample_path
-from forecaster.ingest.batch import CountBatch
+from forecaster.contracts.batches import CountBatch
 from forecaster.ingest.traces import read_trace
 from forecaster.ingest.validate import build_count_batch
 from forecaster.simulation.fleetgen import (

@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 from sqlalchemy import text
 
-from forecaster.ingest.batch import IngestError
+from forecaster.contracts.batches import IngestError
 from forecaster.ingest.service import push_counts
 from forecaster.ingest.validate import build_count_batch
 from forecaster.store.catalog import ServingModelSpec, upsert_models

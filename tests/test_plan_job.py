@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 import pandas as pd
 from sqlalchemy import text
 
-from forecaster.planning.plan import Reason
+from forecaster.contracts.actions import Reason
 from forecaster.store.catalog import ServingModelSpec, upsert_models
 from forecaster.store.forecasts import write_forecasts
 from forecaster.jobs.planning import fleet_from_store, plan_job, stored_forecast

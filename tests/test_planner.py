@@ -14,10 +14,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from forecaster.ingest.coldstarts import PHASES
-from forecaster.planning.fleet import START_STATES, FleetState, PlannerSettings, registry_of
-from forecaster.planning.forecasts import CountPanel, EmpiricalForecast, OracleForecast, validate_forecast
-from forecaster.planning.plan import Action, ActionKind, Reason, Tier
+from forecaster.contracts.fleet import FleetState, registry_of
+from forecaster.contracts.forecast import validate_forecast
+from forecaster.contracts.phases import PHASES, START_STATES
+from forecaster.planning.fleet import PlannerSettings
+from forecaster.planning.forecasts import CountPanel, EmpiricalForecast, OracleForecast
+from forecaster.contracts.actions import Action, ActionKind, Reason, Tier
 from forecaster.planning.planner import ConcurrencyLedger, plan
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)

@@ -14,7 +14,7 @@ from forecaster.coldstart.physics import physics_latency_table
 from forecaster.planning.fleet import PlannerSettings
 from forecaster.planning.forecasts import OracleForecast
 from forecaster.simulation.catalog import AZURE_SHARES, assign_models, load_catalog
-from forecaster.simulation.config import FleetConfig
+from forecaster.contracts.fleetconfig import FleetConfig
 from forecaster.simulation.engine import Decision, FleetSimulator
 from forecaster.simulation.policies import HybridHistogramPolicy, KeepAlivePolicy, KnativePolicy, PlannerPolicy
 from forecaster.simulation.workload import Workload

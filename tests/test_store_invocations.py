@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 from sqlalchemy import text
 
-from forecaster.ingest.batch import IngestError
+from forecaster.contracts.batches import IngestError
 from forecaster.ingest.validate import build_count_batch
 from forecaster.store.catalog import ServingModelSpec, upsert_models
 from forecaster.store.invocations import read_counts, write_count_batch

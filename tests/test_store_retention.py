@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from sqlalchemy import text
 
-from forecaster.ingest.batch import IngestError
+from forecaster.contracts.batches import IngestError
 from forecaster.ingest.validate import build_count_batch
 from forecaster.jobs.runs import run_once
 from forecaster.jobs.scheduler import default_jobs

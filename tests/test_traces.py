@@ -30,7 +30,7 @@ from forecaster.data import (
     SAMPLE_FILES,
     sample_path,
 )
-from forecaster.ingest.batch import IngestError
+from forecaster.contracts.batches import IngestError
 from forecaster.ingest.traces import TRACE_FORMATS, RawTrace, detect_format, read_trace
 from forecaster.ingest.validate import build_count_batch
 

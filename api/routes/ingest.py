@@ -13,7 +13,7 @@ from sqlalchemy.exc import OperationalError
 
 from api.deps import ClockDep, EngineDep, IngestToken, SettingsDep
 from api.schemas import ColdStartBatch, ColdStartResultPublic, IngestResultPublic, InvocationBatch, ProblemPublic
-from forecaster.ingest.batch import IngestError
+from forecaster.contracts.batches import IngestError
 from forecaster.ingest.service import push_cold_starts, push_counts
 from forecaster.store.db import DatabaseUnavailable
 

@@ -25,7 +25,7 @@ from sqlalchemy import Engine, text
 
 from forecaster.actuation import guardrails, records
 from forecaster.actuation.backends.base import Backend, ModelTarget, Outcome
-from forecaster.planning.plan import Action, ActionKind, ActionStatus, FailureReason, Plan
+from forecaster.contracts.actions import Action, ActionKind, ActionStatus, FailureReason, Plan
 from forecaster.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -235,7 +235,7 @@ class Actuator:
         return self._store_observations(events, now) if events else {"inserted": 0, "updated": 0}
 
     def _store_observations(self, events: list[dict], now: datetime) -> dict:
-        from forecaster.ingest.batch import IngestError
+        from forecaster.contracts.batches import IngestError
         from forecaster.ingest.service import push_cold_starts
 
         try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from forecaster.actuation.backends.base import ReplicaState
-from forecaster.planning.plan import Action, ActionKind, FailureReason
+from forecaster.contracts.actions import Action, ActionKind, FailureReason
 
 MAX_BACKOFF_S = 300.0
 

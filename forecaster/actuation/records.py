@@ -2,7 +2,7 @@
 
 Plain functions over a connection, each a small piece of one transaction; the
 actuator composes them. Statuses and reasons are the fixed sets of
-:mod:`forecaster.planning.plan`.
+:mod:`forecaster.contracts.actions`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import Connection, Engine, text
 
-from forecaster.planning.plan import Action, ActionKind, ActionStatus, FailureReason, Plan
+from forecaster.contracts.actions import Action, ActionKind, ActionStatus, FailureReason, Plan
 
 OPEN = (ActionStatus.PENDING, ActionStatus.RUNNING)
 ACTION_COLUMNS = ("id, plan_id, kind, model_id, node_id, target, spec, not_before, deadline, reason, status, "

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, field_validator
 
 from forecaster.agent.service import NodeAgent, WorkResult
-from forecaster.planning.plan import FailureReason
+from forecaster.contracts.actions import FailureReason
 
 STATUS_BY_REASON = {
     FailureReason.NOT_FOUND: 404,

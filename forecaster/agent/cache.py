@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forecaster.agent.errors import AgentError
-from forecaster.planning.plan import FailureReason
+from forecaster.contracts.actions import FailureReason
 
 
 def entry_key(uri: str) -> str:

@@ -23,7 +23,7 @@ import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
 
 from forecaster.agent.errors import AgentError
-from forecaster.planning.plan import FailureReason
+from forecaster.contracts.actions import FailureReason, classify_pull_message
 
 _F = descriptor_pb2.FieldDescriptorProto
 _PACKAGE = "runtime.v1"
@@ -129,23 +129,6 @@ def registry_auth(auth_file: Path | None, image: str) -> dict | None:
                 user, _, password = base64.b64decode(entry["auth"]).decode().partition(":")
                 return {"username": user, "password": password, "server_address": server}
     return None
-
-
-def classify_pull_message(detail: str, *, not_found_code: bool = False) -> tuple[FailureReason, bool]:
-    """(reason, temporary) for a runtime's pull error text (CRI status details, kubelet ErrImagePull messages)."""
-    text = detail.lower()
-    if "no space left" in text:
-        return FailureReason.NO_SPACE, False
-    if any(s in text for s in ("401 unauthorized", "403 forbidden", "unauthorized", "authorization failed",
-                               "authentication required", "denied")):
-        return FailureReason.UNAUTHORISED, False
-    if not_found_code or ": not found" in text or "manifest unknown" in text or "name unknown" in text \
-            or "notfound" in text:
-        return FailureReason.NOT_FOUND, False
-    if any(s in text for s in ("connection refused", "i/o timeout", "connection reset", "tls handshake timeout",
-                               "503 service unavailable", "502 bad gateway", "eof", "deadline exceeded")):
-        return FailureReason.INTERNAL, True
-    return FailureReason.INTERNAL, False
 
 
 def _classify(exc: grpc.RpcError, what: str) -> AgentError:

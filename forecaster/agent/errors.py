@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from forecaster.planning.plan import FailureReason
+from forecaster.contracts.actions import FailureReason
 
 # Reasons that are worth retrying unless an error says otherwise.
 TEMPORARY_REASONS = frozenset({FailureReason.TIMEOUT, FailureReason.RUNTIME_UNAVAILABLE})
@@ -12,7 +12,7 @@ class AgentError(Exception):
     """A pre-pull or pre-load failed for ``reason``.
 
     Args:
-        reason: one of :class:`~forecaster.planning.plan.FailureReason`.
+        reason: one of :class:`~forecaster.contracts.actions.FailureReason`.
         message: what happened, for people.
         temporary: True when the same request may succeed later (network, a busy
             runtime, a deadline); defaults to whether ``reason`` is usually temporary.

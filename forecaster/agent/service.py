@@ -2,7 +2,7 @@
 
 Every request is idempotent (an image already present or weights already
 cached is a no-op that says so), has a deadline, and fails with a reason from
-:class:`~forecaster.planning.plan.FailureReason`. Requests for the same image,
+:class:`~forecaster.contracts.actions.FailureReason`. Requests for the same image,
 or the same weights, while one is in flight join it instead of starting a
 second transfer; a later joiner's deadline extends the transfer's. At most
 ``max_concurrent_pulls`` pulls and ``max_concurrent_preloads`` pre-loads run at
@@ -40,7 +40,7 @@ from forecaster.agent.cache import WeightsCache, entry_key
 from forecaster.agent.cri import CriImageService, registry_auth
 from forecaster.agent.errors import AgentError
 from forecaster.agent.weights import S3WeightsSource, classify_s3_error
-from forecaster.planning.plan import FailureReason, Tier
+from forecaster.contracts.actions import FailureReason, Tier
 
 log = logging.getLogger(__name__)
 

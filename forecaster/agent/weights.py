@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from forecaster.agent.errors import AgentError
-from forecaster.planning.plan import FailureReason
+from forecaster.contracts.actions import FailureReason
 
 _MD5_ETAG = re.compile(r"^[0-9a-f]{32}$")
 

@@ -2,7 +2,7 @@
 
 Events (one row per observed cold start) carry ``model_id``, ``node_id``,
 ``started_at`` (UTC) or ``started_s``, ``total_seconds``, the phases of
-:data:`~forecaster.ingest.coldstarts.PHASES` (NaN when not reported),
+:data:`~forecaster.contracts.phases.PHASES` (NaN when not reported),
 ``cache_state`` (none, image, disk, host, gpu, sleeping), ``image_bytes``,
 ``weights_bytes`` and, when known, ``node_bytes_per_s`` (the node's network
 bandwidth), ``concurrent_node_transfers`` and
@@ -40,9 +40,8 @@ import pandas as pd
 from sqlalchemy import Engine, text
 
 from forecaster.coldstart.physics import phase_seconds
-from forecaster.ingest.coldstarts import PHASES
-from forecaster.planning.fleet import START_STATES
-from forecaster.simulation.config import FleetConfig
+from forecaster.contracts.phases import PHASES, START_STATES
+from forecaster.contracts.fleetconfig import FleetConfig
 
 TARGETS = (*PHASES, "total_seconds")
 STATE_RANKS = {"none": 0, "image": 1, "disk": 2, "host": 3, "gpu": 4, "sleeping": 4}

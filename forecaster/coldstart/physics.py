@@ -1,9 +1,9 @@
 """Bandwidth arithmetic for cold-start phases: the prior the learned model starts from.
 
 ``phase_seconds`` gives, for each start state, the expected seconds of each
-phase (``forecaster.ingest.coldstarts.PHASES``) when ``concurrent`` other
+phase (``forecaster.contracts.phases.PHASES``) when ``concurrent`` other
 network transfers share the node and the registry. It uses the same
-parameters as the simulator (:class:`forecaster.simulation.config.FleetConfig`),
+parameters as the simulator (:class:`forecaster.contracts.fleetconfig.FleetConfig`),
 so on simulated fleets it is the "known physics" baseline, and on a real fleet
 it is a prior whose errors the learned model corrects.
 """
@@ -13,9 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from forecaster.ingest.coldstarts import PHASES
-from forecaster.planning.fleet import START_STATES
-from forecaster.simulation.config import FleetConfig
+from forecaster.contracts.phases import PHASES, START_STATES
+from forecaster.contracts.fleetconfig import FleetConfig
 
 
 def phase_seconds(image_bytes: np.ndarray, weights_bytes: np.ndarray, state: np.ndarray, *,

@@ -8,11 +8,10 @@ from datetime import datetime, timedelta
 
 import pandas as pd
 
-from forecaster.ingest.batch import IngestError
+from forecaster.contracts.batches import IngestError
+from forecaster.contracts.phases import CACHE_STATES, PHASES
 from forecaster.ingest.validate import MAX_ID_LENGTH
 
-PHASES = ("image_pull_s", "weight_fetch_s", "weight_load_s", "runtime_init_s", "registration_s")
-CACHE_STATES = ("none", "image", "disk", "host", "gpu", "sleeping")
 REQUIRED = ("model_id", "node_id", "started_at", "total_seconds")
 KNOWN_FIELDS = frozenset((*REQUIRED, *PHASES, "cache_state"))
 # Phases may overlap a little with each other (streamed loads); more than this is a bad event.

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 from sqlalchemy import Engine, text
 
-from forecaster.ingest.batch import CountBatch, IngestError
+from forecaster.contracts.batches import CountBatch, IngestError
 from forecaster.ingest.coldstarts import validate_cold_starts
 from forecaster.ingest.validate import build_count_batch
 from forecaster.settings import Settings

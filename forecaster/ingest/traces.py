@@ -5,7 +5,7 @@ Each reader turns one trace file into a :class:`RawTrace`: a *raw* long frame
 and a source name. Nothing here judges the counts: the raw frame goes to
 :func:`forecaster.ingest.validate.build_count_batch`, which rejects NaN,
 negative, fractional or duplicate counts and names the source row and column.
-Readers only raise :class:`~forecaster.ingest.batch.IngestError` for problems
+Readers only raise :class:`~forecaster.contracts.batches.IngestError` for problems
 that the raw frame cannot express (an unreadable timestamp, a broken JSON line,
 a missing column), so every cell of a wide file reaches validation, zeros
 included.
@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from forecaster.ingest.batch import COUNT_COLUMNS, IngestError
+from forecaster.contracts.batches import COUNT_COLUMNS, IngestError
 
 TRACE_FORMATS = ("azure2019", "huawei5min", "azure_llm2023", "mooncake", "azure2021", "long")
 

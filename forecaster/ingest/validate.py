@@ -2,8 +2,8 @@
 
 Every ingest path (trace files, Prometheus, pushed batches) turns its input into
 a *raw* long frame and hands it to :func:`build_count_batch`, which either
-returns a :class:`~forecaster.ingest.batch.CountBatch` or raises
-:class:`~forecaster.ingest.batch.IngestError` naming the first bad row and field.
+returns a :class:`~forecaster.contracts.batches.CountBatch` or raises
+:class:`~forecaster.contracts.batches.IngestError` naming the first bad row and field.
 Nothing is dropped silently: the only rows removed are zero counts, which the
 batch's coverage window still speaks for.
 """
@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 import numpy as np
 import pandas as pd
 
-from forecaster.ingest.batch import COUNT_COLUMNS, CountBatch, IngestError
+from forecaster.contracts.batches import COUNT_COLUMNS, CountBatch, IngestError
 
 
 #: Largest count per step accepted: exact in float64 and far above any real service.

@@ -18,7 +18,8 @@ import numpy as np
 import pandas as pd
 from sqlalchemy import Engine, text
 
-from forecaster.planning.fleet import FleetState, PlannerSettings
+from forecaster.contracts.fleet import FleetState
+from forecaster.planning.fleet import PlannerSettings
 from forecaster.planning.planner import plan
 from forecaster.settings import Settings
 from forecaster.store.forecasts import read_newest_runs

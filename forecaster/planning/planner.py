@@ -1,7 +1,7 @@
 """The pre-warm planner: forecasts + predicted cold starts + fleet state + costs + ``now`` -> a plan.
 
 A pure function (:func:`plan`): it reads its arguments, returns a
-:class:`~forecaster.planning.plan.Plan`, and never acts. Per model and minute
+:class:`~forecaster.contracts.actions.Plan`, and never acts. Per model and minute
 of the horizon it decides, with costs in GPU-seconds:
 
 1. **Warm or not** (newsvendor on a binary event). Keep at least one replica
@@ -27,7 +27,7 @@ of the horizon it decides, with costs in GPU-seconds:
    never exceed their limits (actions that do not fit in time are deferred to a
    later plan, and counted in the summary).
 
-Every action carries a :class:`~forecaster.planning.plan.Reason`.
+Every action carries a :class:`~forecaster.contracts.actions.Reason`.
 """
 
 from __future__ import annotations
@@ -40,10 +40,11 @@ from datetime import datetime, timedelta
 import numpy as np
 import pandas as pd
 
-from forecaster.planning.fleet import START_STATES, STATE_RANK, FleetState, PlannerSettings, latency_table, \
-    registry_of
-from forecaster.planning.forecasts import p_any_from_quantiles, validate_forecast
-from forecaster.planning.plan import Action, ActionKind, Plan, Reason, Tier
+from forecaster.contracts.actions import Action, ActionKind, Plan, Reason, Tier
+from forecaster.contracts.fleet import FleetState, registry_of
+from forecaster.contracts.forecast import p_any_from_quantiles, validate_forecast
+from forecaster.contracts.phases import START_STATES, STATE_RANK
+from forecaster.planning.fleet import PlannerSettings, latency_table
 
 MINUTE = timedelta(minutes=1)
 _TIER_OF_STATE = {"disk": Tier.DISK, "host": Tier.HOST}

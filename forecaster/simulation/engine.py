@@ -11,7 +11,7 @@ Replica start-ups, transfers and planned actions are events on a heap:
   with most free GPUs; it reserves its GPUs from placement to release;
 * it pulls the image (registry), fetches the weights (object store), loads
   them into GPU memory, starts the runtime and registers (see
-  :mod:`forecaster.simulation.config`); transfers share the node's NIC and the
+  :mod:`forecaster.contracts.fleetconfig`); transfers share the node's NIC and the
   registry's or bucket's egress equally among those running (processor
   sharing, recomputed whenever a transfer starts or ends);
 * pre-pulls and pre-loads requested by a policy are the same transfers, kept
@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from forecaster.planning.fleet import registry_of
-from forecaster.planning.plan import Action, ActionKind, Tier
-from forecaster.simulation.config import FleetConfig
+from forecaster.contracts.fleet import registry_of
+from forecaster.contracts.actions import Action, ActionKind, Tier
+from forecaster.contracts.fleetconfig import FleetConfig
 from forecaster.simulation.workload import Workload
 
 log = logging.getLogger(__name__)

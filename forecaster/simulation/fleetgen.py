@@ -27,7 +27,7 @@ size never changes a series.
 
 The fleet comes out in chunks (:func:`generate_fleet`), so 100,000 x 1,440 is
 never one array; :func:`fleet_batches` turns chunks into
-:class:`~forecaster.ingest.batch.CountBatch` objects for
+:class:`~forecaster.contracts.batches.CountBatch` objects for
 :func:`forecaster.store.invocations.write_count_batch`, and
 :func:`write_fleet_parquet` into the generic long format (``unique_id, ds, y``)
 that ``prewarm ingest trace`` reads.
@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from forecaster.ingest.batch import CountBatch
+from forecaster.contracts.batches import CountBatch
 from forecaster.ingest.traces import read_trace
 
 DAY_MINUTES = 1440

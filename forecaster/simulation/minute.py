@@ -31,9 +31,11 @@ from datetime import timedelta
 import numpy as np
 import pandas as pd
 
-from forecaster.planning.fleet import START_STATES, FleetState, PlannerSettings
+from forecaster.contracts.fleet import FleetState
+from forecaster.contracts.phases import START_STATES
+from forecaster.planning.fleet import PlannerSettings
 from forecaster.planning.forecasts import CountPanel, EmpiricalForecast
-from forecaster.planning.plan import ActionKind
+from forecaster.contracts.actions import ActionKind
 from forecaster.planning.planner import plan
 from forecaster.simulation.policies import HybridHistogram
 

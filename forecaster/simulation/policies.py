@@ -25,8 +25,9 @@ from datetime import timedelta
 import numpy as np
 import pandas as pd
 
-from forecaster.planning.fleet import FleetState, PlannerSettings
-from forecaster.planning.forecasts import ForecastSource
+from forecaster.contracts.fleet import FleetState
+from forecaster.contracts.forecast import ForecastSource
+from forecaster.planning.fleet import PlannerSettings
 from forecaster.planning.planner import plan
 from forecaster.simulation.engine import Decision, SimView
 

@@ -18,7 +18,7 @@ from forecaster.coldstart.physics import physics_latency_table
 from forecaster.planning.fleet import PlannerSettings
 from forecaster.planning.forecasts import EmpiricalForecast, OracleForecast
 from forecaster.simulation.catalog import assign_models
-from forecaster.simulation.config import FleetConfig
+from forecaster.contracts.fleetconfig import FleetConfig
 from forecaster.simulation.engine import FleetSimulator, SimResult, SimView
 from forecaster.simulation.policies import HybridHistogramPolicy, KeepAlivePolicy, KnativePolicy, PlannerPolicy
 from forecaster.simulation.workload import Workload

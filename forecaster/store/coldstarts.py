@@ -5,8 +5,8 @@ from __future__ import annotations
 import pandas as pd
 from sqlalchemy import Engine, text
 
-from forecaster.ingest.batch import IngestError
-from forecaster.ingest.coldstarts import PHASES
+from forecaster.contracts.batches import IngestError
+from forecaster.contracts.phases import PHASES
 from forecaster.store.catalog import missing_model_ids, register_missing
 
 

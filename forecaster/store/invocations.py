@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 from sqlalchemy import Connection, Engine, text
 
-from forecaster.ingest.batch import CountBatch, IngestError
+from forecaster.contracts.batches import CountBatch, IngestError
 from forecaster.store.catalog import missing_model_ids, register_missing
 from forecaster.store.partitions import ensure_partitions
 from forecaster.store.retention import lock_days_for_write, rolled_up_steps

@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 
 from forecaster.actuation.backends.base import ModelTarget, Outcome, ReplicaState, unsupported
-from forecaster.planning.plan import Action, ActionKind, ActionStatus, FailureReason
+from forecaster.contracts.actions import Action, ActionKind, ActionStatus, FailureReason
 
 PHASES = ("image_pull_s", "weight_fetch_s", "weight_load_s")
 

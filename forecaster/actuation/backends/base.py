@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from forecaster.planning.plan import Action, ActionStatus, FailureReason
+from forecaster.contracts.actions import Action, ActionStatus, FailureReason
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from forecaster.actuation.backends.base import ModelTarget, Outcome, ReplicaState
-from forecaster.planning.plan import Action, ActionKind
+from forecaster.contracts.actions import Action, ActionKind
 
 
 class DryRunBackend:

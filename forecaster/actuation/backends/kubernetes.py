@@ -30,7 +30,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 
 from forecaster.actuation.backends.base import ModelTarget, Outcome, ReplicaState, unsupported
-from forecaster.planning.plan import Action, ActionKind, FailureReason
+from forecaster.contracts.actions import Action, ActionKind, FailureReason
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +285,7 @@ class KubernetesBackend:
 
     def _pull_error(self, job: str):
         """(reason, temporary, message) when the Job's pod cannot pull its image, else None."""
-        from forecaster.agent.cri import classify_pull_message
+        from forecaster.contracts.actions import classify_pull_message
 
         pods = self.core.list_namespaced_pod(self.namespace, label_selector=f"job-name={job}").items
         for pod in pods:

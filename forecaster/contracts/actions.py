@@ -142,3 +142,20 @@ class Plan:
 
     def with_actions(self, actions: tuple[Action, ...]) -> "Plan":
         return replace(self, actions=actions)
+
+
+def classify_pull_message(detail: str, *, not_found_code: bool = False) -> tuple[FailureReason, bool]:
+    """(reason, temporary) for a runtime's pull error text (CRI status details, kubelet ErrImagePull messages)."""
+    text = detail.lower()
+    if "no space left" in text:
+        return FailureReason.NO_SPACE, False
+    if any(s in text for s in ("401 unauthorized", "403 forbidden", "unauthorized", "authorization failed",
+                               "authentication required", "denied")):
+        return FailureReason.UNAUTHORISED, False
+    if not_found_code or ": not found" in text or "manifest unknown" in text or "name unknown" in text \
+            or "notfound" in text:
+        return FailureReason.NOT_FOUND, False
+    if any(s in text for s in ("connection refused", "i/o timeout", "connection reset", "tls handshake timeout",
+                               "503 service unavailable", "502 bad gateway", "eof", "deadline exceeded")):
+        return FailureReason.INTERNAL, True
+    return FailureReason.INTERNAL, False
