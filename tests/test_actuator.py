@@ -11,7 +11,7 @@ from forecaster.actuation import guardrails
 from forecaster.actuation.actuator import Actuator, build_backend
 from forecaster.actuation.backends.base import ModelTarget, Outcome, ReplicaState
 from forecaster.actuation.backends.dryrun import DryRunBackend
-from forecaster.actuation.records import is_paused, list_actions, set_paused
+from forecaster.store.actions import is_paused, list_actions, set_paused
 from forecaster.contracts.actions import Action, ActionKind, ActionStatus, FailureReason, Plan, Reason, Tier
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)

@@ -25,7 +25,7 @@ from sqlalchemy import text
 
 from forecaster.actuation.actuator import Actuator
 from forecaster.actuation.backends.agent import AgentBackend
-from forecaster.actuation.records import list_actions
+from forecaster.store.actions import list_actions
 from forecaster.agent.cache import WeightsCache
 from forecaster.agent.cri import CriImageService
 from forecaster.agent.service import NodeAgent

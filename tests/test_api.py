@@ -189,7 +189,7 @@ def test_openapi_is_served_and_versioned(client):
 
 
 def test_kill_switch_pause_and_resume(client, engine, tokens):
-    from forecaster.actuation.records import is_paused
+    from forecaster.store.actions import is_paused
 
     assert client.get("/v1/actuator", headers=auth(tokens["read"])).json()["paused"] is False
     paused = client.post("/v1/actuator/pause", json={"reason": "incident 42"}, headers=auth(tokens["admin"])).json()

@@ -13,7 +13,7 @@ from forecaster.actuation.actuator import Actuator
 from forecaster.actuation.backends.base import ModelTarget
 from forecaster.actuation.backends.kubernetes import KubernetesBackend, job_name, prepull_job_manifest
 from forecaster.actuation.kube_coldstarts import cold_starts_from_k8s, load_k8s_export, parse_go_duration
-from forecaster.actuation.records import list_actions
+from forecaster.store.actions import list_actions
 from forecaster.contracts.actions import Action, ActionKind, ActionStatus, FailureReason, Plan, Reason
 from tests.kube_fixtures import (
     FakeKubeApi,

@@ -9,7 +9,7 @@ from pydantic import BaseModel
 from sqlalchemy import text
 
 from api.deps import AdminToken, ClockDep, EngineDep, ReadToken
-from forecaster.actuation.records import set_paused
+from forecaster.store.actions import set_paused
 from api.schemas import ListPublic
 
 router = APIRouter(prefix="/v1", tags=["audit"])

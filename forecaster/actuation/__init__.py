@@ -12,7 +12,7 @@ GPU budget, the reactive autoscaler's floor, deadlines). Backends:
 
 from forecaster.actuation.actuator import Actuator, build_backend
 from forecaster.actuation.backends.base import Backend, ModelTarget, Outcome, ReplicaState
-from forecaster.actuation.records import is_paused, set_paused
+from forecaster.store.actions import is_paused, set_paused
 
 __all__ = ["Actuator", "Backend", "ModelTarget", "Outcome", "ReplicaState", "build_backend", "is_paused",
            "set_paused"]

@@ -1,5 +1,9 @@
 """The actuator: record a plan's actions, then carry out those that are due, through one backend.
 
+The records live in an :class:`~forecaster.actuation.ledger.ActionLedger`: the store in production
+(:class:`~forecaster.actuation.ledger.StoreLedger`), memory in replays
+(:class:`~forecaster.actuation.ledger.MemoryLedger`); the logic below is the same for both.
+
 ``submit(plan, now)`` records the plan and each action as pending (the same
 work still open from an earlier plan is merged, not repeated).
 ``run_due(now)`` takes the pending actions whose time has come and, in one
@@ -9,7 +13,7 @@ scale and release targets (reactive ask, GPU budget), calls the backend for
 each (in parallel up to ``actuator_parallelism``), and records the outcome:
 succeeded, failed with a reason, or pending again with a retry time for a
 temporary error. Observations the backend returns (phase timings of pulls and
-pre-loads) go to ``cold_starts``. ``apply(plan, now)`` does both.
+pre-loads) go to the ledger's observation sink. ``apply(plan, now)`` does both.
 
 ``now`` is passed in: tests step a clock, the scheduler passes the wall clock.
 """
@@ -21,10 +25,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
-from forecaster.actuation import guardrails, records
+from forecaster.actuation import guardrails
 from forecaster.actuation.backends.base import Backend, ModelTarget, Outcome
+from forecaster.actuation.ledger import ActionLedger, StoreLedger
 from forecaster.contracts.actions import Action, ActionKind, ActionStatus, FailureReason, Plan
 from forecaster.settings import Settings
 
@@ -73,29 +78,33 @@ def build_backend(settings: Settings, **overrides) -> Backend:
 
 
 class Actuator:
-    """Applies plans through ``backend`` and keeps the audit trail in the store.
+    """Applies plans through ``backend`` and keeps the audit trail in a ledger.
 
     Args:
-        engine: the store.
+        ledger: where records go: an :class:`ActionLedger`, or an ``Engine`` for the store's
+            (:class:`StoreLedger`, with observations pushed through the ingest path).
         settings: guardrail settings (``actuator_*``).
-        backend: dry-run, agent or kubernetes.
+        backend: dry-run, agent, kubernetes or simulated.
     """
 
-    def __init__(self, engine: Engine, settings: Settings, backend: Backend) -> None:
-        self.engine = engine
+    def __init__(self, ledger: ActionLedger | Engine, settings: Settings, backend: Backend) -> None:
+        if isinstance(ledger, Engine):
+            ledger = StoreLedger(ledger, observations=_push_observations(ledger, settings))
+        self.ledger = ledger
         self.settings = settings
         self.backend = backend
+        #: what the guardrails refused or bounded, by reason (kept for the replay reports)
+        self.refusals: dict[str, int] = {}
 
     # --- recording ---------------------------------------------------------------------------------------------
 
     def submit(self, plan: Plan, *, now: datetime) -> Submitted:
         ids: list[int] = []
         merged: list[int] = []
-        with self.engine.begin() as conn:
-            plan_id = records.record_plan(conn, plan)
+        with self.ledger.session() as ledger:
+            plan_id = ledger.record_plan(plan)
             for action in plan.actions:
-                action_id, was_merged = records.submit_action(conn, plan_id, action, backend=self.backend.name,
-                                                              now=now)
+                action_id, was_merged = ledger.submit_action(plan_id, action, backend=self.backend.name, now=now)
                 ids.append(action_id)
                 if was_merged:
                     merged.append(action_id)
@@ -111,14 +120,14 @@ class Actuator:
     def run_due(self, *, now: datetime) -> list[ActionReport]:
         reports: list[ActionReport] = []
         dispatched: list[tuple[dict, Action]] = []
-        with self.engine.begin() as conn:
-            lost = records.reap_lost(conn, now)
+        with self.ledger.session() as ledger:
+            lost = ledger.reap_lost(now)
             if lost:
                 log.warning("%d actions were still running past their deadline; marked failed", lost)
-            paused = self.settings.actuator_kill_switch or records.is_paused(conn)
-            started = records.started_since(conn, now - timedelta(seconds=60))
-            for row in records.due_actions(conn, now, BATCH):
-                action = records.action_from_row(row)
+            paused = self.settings.actuator_kill_switch or ledger.is_paused()
+            started = ledger.started_since(now - timedelta(seconds=60))
+            for row in ledger.due_actions(now, BATCH):
+                action = action_from_row(row)
                 dropped = guardrails.admit(action, now=now, paused=paused, started_last_minute=started,
                                            max_actions_per_minute=self.settings.actuator_max_actions_per_minute)
                 if dropped is not None:
@@ -127,17 +136,16 @@ class Actuator:
                                FailureReason.RATE_LIMITED: f"{started} actions started in the last minute, limit "
                                                            f"{self.settings.actuator_max_actions_per_minute}",
                                }[dropped]
-                    records.mark(conn, row["id"], ActionStatus.DROPPED, now=now, reason=dropped,
-                                 detail={"message": message})
+                    ledger.mark(row["id"], ActionStatus.DROPPED, now=now, reason=dropped, detail={"message": message})
+                    self._refused(dropped)
                     reports.append(ActionReport(row["id"], row["kind"], ActionStatus.DROPPED, dropped, message))
                     continue
-                records.mark(conn, row["id"], ActionStatus.RUNNING, now=now, start=True,
-                             reason=row["status_reason"])
+                ledger.mark(row["id"], ActionStatus.RUNNING, now=now, start=True, reason=row["status_reason"])
                 started += 1
                 dispatched.append((row, action))
         if not dispatched:
             return reports
-        models = self._models({a.model_id for _, a in dispatched})
+        models = self.ledger.model_targets({a.model_id for _, a in dispatched})
         # Scale and release are bounded one after another (they share the GPU budget); the rest run in parallel.
         ready: list[tuple[dict, Action, int | None, dict]] = []
         for row, action in dispatched:
@@ -150,6 +158,11 @@ class Actuator:
                 ready.append((row, action, *bounded))
             else:
                 ready.append((row, action, None, {}))
+        if getattr(self.backend, "sequential", False) or len(ready) <= 1:
+            # in-process backends (the simulator) gain nothing from threads and must see calls in order
+            reports.extend(self._carry_out(row, action, models, replicas, extra, now)
+                           for row, action, replicas, extra in ready)
+            return reports
         with ThreadPoolExecutor(max_workers=self.settings.actuator_parallelism,
                                 thread_name_prefix="actuate") as pool:
             futures = [pool.submit(self._carry_out, row, action, models, replicas, extra, now)
@@ -157,12 +170,8 @@ class Actuator:
             reports.extend(f.result() for f in futures)
         return reports
 
-    def _models(self, ids: set[str]) -> dict[str, ModelTarget]:
-        with self.engine.connect() as conn:
-            rows = conn.execute(text("SELECT id, gpus_per_replica, labels, image_ref, weights_uri FROM serving_models "
-                                     "WHERE id = ANY(CAST(:ids AS text[]))"), {"ids": sorted(ids)}).all()
-        return {r[0]: ModelTarget(model_id=r[0], gpus_per_replica=r[1], labels=r[2] or {}, image_ref=r[3],
-                                  weights_uri=r[4]) for r in rows}
+    def _refused(self, reason: FailureReason | str) -> None:
+        self.refusals[str(reason)] = self.refusals.get(str(reason), 0) + 1
 
     def _bound(self, row: dict, action: Action, model: ModelTarget, now: datetime):
         try:
@@ -172,23 +181,26 @@ class Actuator:
                                                             temporary=True), now)
         if state is None:
             return None, {}
-        with self.engine.connect() as conn:
-            elsewhere = sum(records.ahead_gpus(conn, excluding=action.model_id).values())
+        with self.ledger.session() as ledger:
+            elsewhere = ledger.ahead_gpus_total(excluding=action.model_id)
         bound = guardrails.bound_replicas(action, state, gpus_per_replica=model.gpus_per_replica,
                                           gpus_ahead_elsewhere=elsewhere, gpu_budget=self.settings.actuator_gpu_budget)
         extra = {"guardrails": bound.detail, "ahead_gpus": bound.ahead_gpus}
+        if "clamped_by" in bound.detail:
+            self._refused(f"{bound.detail['clamped_by']}_clamped")
         if bound.dropped is not None:
-            with self.engine.begin() as conn:
-                records.mark(conn, row["id"], ActionStatus.DROPPED, now=now, reason=bound.dropped, detail=extra)
+            self._refused(bound.dropped)
+            with self.ledger.session() as ledger:
+                ledger.mark(row["id"], ActionStatus.DROPPED, now=now, reason=bound.dropped, detail=extra)
             return ActionReport(row["id"], row["kind"], ActionStatus.DROPPED, bound.dropped,
                                 bound.detail.get("why", ""), extra)
         if bound.noop:
             return self._finish(row, action, Outcome.ok(f"nothing to do: {bound.detail.get('why')}", noop=True,
                                                         **extra), now)
         # Recorded before the call: a concurrent scale in this batch sees this model's share of the budget.
-        with self.engine.begin() as conn:
-            records.mark(conn, row["id"], ActionStatus.RUNNING, now=now, reason=row["status_reason"],
-                         detail={"target_replicas": bound.target, **extra})
+        with self.ledger.session() as ledger:
+            ledger.mark(row["id"], ActionStatus.RUNNING, now=now, reason=row["status_reason"],
+                        detail={"target_replicas": bound.target, **extra})
         return bound.target, extra
 
     def _carry_out(self, row: dict, action: Action, models: dict, replicas: int | None, extra: dict,
@@ -209,7 +221,8 @@ class Actuator:
     def _finish(self, row: dict, action: Action, outcome: Outcome, now: datetime) -> ActionReport:
         detail = {"message": outcome.message, **outcome.detail}
         if outcome.observations:
-            detail["observations"] = self._store_observations(list(outcome.observations), now)
+            detail["observations"] = self.ledger.store_observations(list(outcome.observations), now=now,
+                                                                    source=f"actuator-{self.backend.name}")
         attempts = (row["attempts"] or 0) + 1
         if outcome.status is ActionStatus.SUCCEEDED:
             status, reason, next_at = ActionStatus.SUCCEEDED, None, None
@@ -222,8 +235,8 @@ class Actuator:
             detail["temporary"] = outcome.temporary
             if next_at is not None:
                 detail["retry_at"] = next_at.isoformat()
-        with self.engine.begin() as conn:
-            records.mark(conn, row["id"], status, now=now, reason=reason, detail=detail, next_attempt_at=next_at)
+        with self.ledger.session() as ledger:
+            ledger.mark(row["id"], status, now=now, reason=reason, detail=detail, next_attempt_at=next_at)
         return ActionReport(row["id"], row["kind"], status, reason, outcome.message, detail)
 
     def collect_observations(self, *, now: datetime, since: datetime | None = None) -> dict:
@@ -232,15 +245,27 @@ class Actuator:
         if observe is None:
             return {"inserted": 0, "updated": 0}
         events = observe(since=since)
-        return self._store_observations(events, now) if events else {"inserted": 0, "updated": 0}
+        if not events:
+            return {"inserted": 0, "updated": 0}
+        return self.ledger.store_observations(events, now=now, source=f"actuator-{self.backend.name}")
 
-    def _store_observations(self, events: list[dict], now: datetime) -> dict:
+
+def action_from_row(row: dict) -> Action:
+    """The action a ledger row holds (its spec, less the idempotency key)."""
+    return Action.from_spec({k: v for k, v in row["spec"].items() if k != "key"})
+
+
+def _push_observations(engine: Engine, settings: Settings):
+    """The store's observation sink: validated through the ingest path, as any pushed cold start."""
+
+    def push(events: list[dict], *, now: datetime, source: str) -> dict:
         from forecaster.contracts.batches import IngestError
         from forecaster.ingest.service import push_cold_starts
 
         try:
-            return push_cold_starts(self.engine, self.settings, events, now=now,
-                                    source=f"actuator-{self.backend.name}")
+            return push_cold_starts(engine, settings, events, now=now, source=source)
         except IngestError as exc:
             log.warning("cold-start observations not stored: %s", exc)
             return {"error": str(exc)}
+
+    return push

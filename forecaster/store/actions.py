@@ -142,11 +142,6 @@ def reap_lost(conn: Connection, now: datetime, *, grace: timedelta = timedelta(m
     return result.rowcount
 
 
-def action_from_row(row: dict) -> Action:
-    spec = {k: v for k, v in row["spec"].items() if k != "key"}
-    return Action.from_spec(spec)
-
-
 def list_actions(engine: Engine, *, plan_id: int | None = None, model_id: str | None = None,
                  kind: ActionKind | None = None) -> list[dict]:
     """Recorded actions, oldest first (for tests, the CLI and the API)."""
@@ -157,4 +152,11 @@ def list_actions(engine: Engine, *, plan_id: int | None = None, model_id: str | 
                  "ORDER BY id"),
             {"p": plan_id, "m": model_id, "k": None if kind is None else str(kind)},
         ).mappings().all()
+    return [dict(r) for r in rows]
+
+
+def catalogue_targets(conn: Connection, ids: list[str]) -> list[dict]:
+    """Per model id: GPUs per replica, labels, image and weights (what a backend needs to find the workload)."""
+    rows = conn.execute(text("SELECT id, gpus_per_replica, labels, image_ref, weights_uri FROM serving_models "
+                             "WHERE id = ANY(CAST(:ids AS text[]))"), {"ids": sorted(ids)}).mappings().all()
     return [dict(r) for r in rows]
