@@ -100,6 +100,30 @@ class Settings(BaseSettings):
                     "grows by about 1.3 KB per model per minute (60 minutes x point, p_any, 3 quantiles as real).")
     train_window_min: int = Field(default=7 * 1440, ge=240, description="History the nightly retrain learns from.")
     plan_horizon_min: int = Field(default=10, ge=1, le=60, description="Minutes ahead the planner plans.")
+
+    # --- planner costs and limits (forecaster.planning; see PlannerSettings for each) ---
+    planner_cold_cost: float = Field(
+        default=1.0, ge=0, le=1e9,
+        description="GPU-seconds one second of cold-start wait is worth; a model's label cold_cost overrides it.")
+    planner_gpu_second_cost: float = Field(default=1.0, gt=0, le=1e9, description="Price of an idle GPU-second.")
+    planner_count_queued_wait: bool = Field(
+        default=True, description="Charge a cold start for every request queued behind it, not the first only.")
+    planner_replica_utilisation: float = Field(default=0.8, gt=0, le=1, description="Share of a replica planned busy.")
+    planner_gpu_budget: float | None = Field(
+        default=None, ge=0, description="GPUs the planner may hold warm; unset: the fleet's less the headroom.")
+    planner_gpu_headroom: float = Field(default=0.1, ge=0, lt=1, description="Share of GPUs left to the reactive path.")
+    planner_max_transfers_per_node: int = Field(default=2, ge=0, le=1024)
+    planner_max_transfers_per_registry: int = Field(default=48, ge=0, le=100_000)
+    planner_tiers: bool = Field(default=True, description="Plan pre-pulls and pre-loads (False: scale-ahead only).")
+    planner_max_tier_nodes: int = Field(default=8, ge=0, le=100_000, description="Nodes prepared per model at most.")
+    planner_max_tier_actions: int = Field(default=64, ge=0, le=1_000_000, description="Pre-pulls/loads per plan.")
+    planner_byte_cost: float = Field(default=2e-10, ge=0, le=1, description="GPU-seconds per byte moved.")
+    planner_host_byte_second_cost: float = Field(default=2e-13, ge=0, le=1,
+                                                 description="GPU-seconds per byte-second of host memory.")
+    planner_lead_margin_s: float = Field(default=5.0, ge=0, le=3600, description="Extra lead time, seconds.")
+    planner_lead_margin_frac: float = Field(default=0.2, ge=0, le=10, description="Extra lead time, share.")
+    planner_release_hold_min: int = Field(default=0, ge=0, le=1440, description="Minutes below before a release.")
+    planner_quantile_for_shape: float = Field(default=0.9, gt=0, lt=1)
     retrain_holdout_min: int = Field(default=120, ge=30, description="Held-out tail scoring challenger vs champion.")
     retrain_hour_utc: int = Field(default=3, ge=0, le=23)
 
@@ -117,8 +141,12 @@ class Settings(BaseSettings):
     # --- actuator (forecaster.actuation) ---------------------------------
     actuator_backend: Literal["dry-run", "agent", "kubernetes"] = "dry-run"
     actuator_kill_switch: bool = Field(default=False, description="Hard stop: every action is dropped.")
-    actuator_max_actions_per_minute: int = Field(default=60, ge=0)
-    actuator_gpu_budget: int = Field(default=8, ge=0, description="GPUs scale-ahead may hold above the reactive ask.")
+    actuator_max_actions_per_minute: int = Field(
+        default=600, ge=0, description="Actions started per minute at most; the rest are dropped with a reason.")
+    actuator_gpu_budget: int | None = Field(
+        default=None, ge=0,
+        description="GPUs scale-ahead may hold above the reactive asks, all models together; unset: no cap at the "
+                    "actuator (the planner keeps within its own budget, planner_gpu_budget).")
     actuator_max_attempts: int = Field(default=4, ge=1, le=50)
     actuator_retry_base_delay_s: float = Field(default=5.0, ge=0)
     actuator_parallelism: int = Field(default=8, ge=1, le=256)

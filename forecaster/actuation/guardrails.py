@@ -49,7 +49,7 @@ class ReplicaBound:
 
 
 def bound_replicas(action: Action, state: ReplicaState, *, gpus_per_replica: int, gpus_ahead_elsewhere: int,
-                   gpu_budget: int) -> ReplicaBound:
+                   gpu_budget: int | None) -> ReplicaBound:
     """Bound a scale or release by the reactive ask and the scale-ahead GPU budget.
 
     Args:
@@ -57,7 +57,7 @@ def bound_replicas(action: Action, state: ReplicaState, *, gpus_per_replica: int
         state: the cluster's current replicas and reactive ask.
         gpus_per_replica: GPUs one replica holds.
         gpus_ahead_elsewhere: GPUs other models already hold above their reactive asks.
-        gpu_budget: GPUs all scale-ahead together may hold above the reactive asks.
+        gpu_budget: GPUs all scale-ahead together may hold above the reactive asks (None: no cap).
     """
     g = max(0, gpus_per_replica)
     floor = max(0, state.reactive_ask)
@@ -72,7 +72,7 @@ def bound_replicas(action: Action, state: ReplicaState, *, gpus_per_replica: int
         if want <= state.current:
             return ReplicaBound(target=None, noop=True, ahead_gpus=ahead(state.current),
                                 detail={**info, "why": f"already {state.current} >= {want}"})
-        if gpus_ahead_elsewhere + ahead(want) > gpu_budget:
+        if gpu_budget is not None and gpus_ahead_elsewhere + ahead(want) > gpu_budget:
             room = max(0, gpu_budget - gpus_ahead_elsewhere)
             allowed = floor + (room // g if g else 0)
             if allowed <= state.current:

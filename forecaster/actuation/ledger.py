@@ -283,6 +283,10 @@ class MemoryLedger:
         """Every record kept, oldest first (the same columns as ``forecaster.store.actions.list_actions``)."""
         return [r.row() for r in sorted(self._records.values(), key=lambda r: r.id)]
 
+    def next_due_at(self) -> datetime | None:
+        """The earliest time an action may be due (a lower bound: entries may be stale); None when none is."""
+        return self._due[0][0] if self._due else None
+
     def open_count(self) -> int:
         return len(self._open_by_key)
 

@@ -68,6 +68,8 @@ class FleetState:
     cache: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(CACHE_COLUMNS)))
     transfers: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(TRANSFER_COLUMNS)))
     images: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(IMAGE_COLUMNS)))
+    #: models left out because a value was unusable: model id -> why (reported by the plan step)
+    skipped: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         missing = [c for c in MODEL_COLUMNS if c not in self.models.columns]
@@ -90,3 +92,104 @@ class FleetState:
         t = pd.DataFrame(transfers or [], columns=list(TRANSFER_COLUMNS))
         i = pd.DataFrame(images or [], columns=list(IMAGE_COLUMNS))
         return cls(models=m, nodes=n, cache=c, transfers=t, images=i)
+
+
+# --------------------------------------------------------------------------- the one builder
+
+ARTEFACT_COLUMNS = ("node_id", "kind", "ref", "tier")
+MODEL_DEFAULTS = {"image_ref": None, "image_bytes": 0.0, "weights_uri": None, "weights_bytes": 0.0, "gpus": 1.0,
+                  "replica_rpm": 60.0, "cold_cost": 1.0, "slo_s": np.nan, "replicas": 0}
+#: bounds beyond which a catalogue value is a mistake, not a model (the model is skipped and reported)
+MAX_ARTEFACT_BYTES = 1e15  # a petabyte
+MAX_GPUS_PER_REPLICA = 1e6
+
+
+def _text(values: pd.Series) -> np.ndarray:
+    """Strings, with None for missing (NaN, None, empty)."""
+    out = values.astype(object).to_numpy()
+    return np.array([v if isinstance(v, str) and v else None for v in out], dtype=object)
+
+
+def build_fleet(models: pd.DataFrame, nodes: pd.DataFrame, artefacts: pd.DataFrame | None = None,
+                transfers: pd.DataFrame | None = None) -> FleetState:
+    """The fleet state every driver plans with: the plan job (fed by the store) and the simulator alike.
+
+    Args:
+        models: one row per serving model, index ``model_id``; any of :data:`MODEL_COLUMNS` (missing columns and
+            missing values take :data:`MODEL_DEFAULTS`) plus optional ``burst_factor``. A model whose sizes, GPUs,
+            rate or replicas are negative, infinite or absurd is left out and named in ``skipped``.
+        nodes: one row per node, index ``node_id``: ``gpus_free``, ``host_free_bytes``, ``disk_free_bytes``
+            (missing values count as 0). An empty frame plans on no node.
+        artefacts: what each node holds: ``node_id, kind, ref, tier`` with ``kind`` ``image`` (``ref`` an image
+            reference) or ``weights`` (``ref`` a weights URI, ``tier`` ``disk``, ``host`` or ``gpu``). Weights
+            count as a start state for every model with that weights URI, on nodes that also hold the model's
+            image (a replica elsewhere still pulls it); ``gpu`` counts as ``host``.
+        transfers: pulls and fetches running: ``node_id, registry, model_id, kind, ends_at``.
+    """
+    m = models.copy()
+    m.index = m.index.astype(str)
+    m.index.name = "model_id"
+    for column, default in MODEL_DEFAULTS.items():
+        if column not in m.columns:
+            m[column] = default
+    m["image_ref"] = _text(m["image_ref"])
+    m["weights_uri"] = _text(m["weights_uri"])
+    skipped: dict[str, str] = {}
+    numeric = {}
+    for column in ("image_bytes", "weights_bytes", "gpus", "replica_rpm", "cold_cost", "slo_s", "replicas"):
+        numeric[column] = pd.to_numeric(m[column], errors="coerce").to_numpy(dtype="float64", copy=True)
+    for column, default in (("image_bytes", 0.0), ("weights_bytes", 0.0), ("gpus", 1.0), ("replica_rpm", 60.0),
+                            ("cold_cost", 1.0), ("replicas", 0.0)):
+        values = numeric[column]
+        values[np.isnan(values)] = default
+        bad = ~np.isfinite(values) | (values < 0)
+        if column in ("image_bytes", "weights_bytes"):
+            bad |= values > MAX_ARTEFACT_BYTES
+        if column == "gpus":
+            bad |= values > MAX_GPUS_PER_REPLICA
+        if column == "replica_rpm":
+            bad |= values <= 0
+        for model_id in m.index[bad]:
+            skipped.setdefault(model_id, f"{column} {m.at[model_id, column]!r} is not usable")
+        m[column] = values
+    m["gpus"] = np.where(m["gpus"].to_numpy() == 0, 1.0, m["gpus"].to_numpy())
+    m["replicas"] = m["replicas"].to_numpy().astype(np.int64)
+    slo = numeric["slo_s"]
+    m["slo_s"] = np.where(np.isfinite(slo) & (slo > 0), slo, np.nan)
+    if "burst_factor" in m.columns:
+        burst = pd.to_numeric(m["burst_factor"], errors="coerce").to_numpy(dtype="float64")
+        m["burst_factor"] = np.where(np.isfinite(burst) & (burst >= 1.0), burst, 1.0)
+    if skipped:
+        m = m.drop(index=list(skipped))
+    n = nodes.copy()
+    n.index = n.index.astype(str)
+    n.index.name = "node_id"
+    for column in NODE_COLUMNS:
+        n[column] = pd.to_numeric(n[column], errors="coerce").fillna(0.0) if column in n.columns else 0.0
+    n = n[list(NODE_COLUMNS)]
+    cache = pd.DataFrame(columns=list(CACHE_COLUMNS))
+    images = pd.DataFrame(columns=list(IMAGE_COLUMNS))
+    if artefacts is not None and len(artefacts):
+        a = artefacts[list(ARTEFACT_COLUMNS)].astype({"node_id": str})
+        image_rows = a[a["kind"] == "image"]
+        images = pd.DataFrame({"node_id": image_rows["node_id"].to_numpy(),
+                               "image_ref": image_rows["ref"].astype(str).to_numpy()}).drop_duplicates()
+        weights = a[(a["kind"] == "weights") & a["tier"].isin(("disk", "host", "gpu"))]
+        if len(weights) and len(m):
+            by_uri = pd.DataFrame({"model_id": m.index.to_numpy(), "ref": m["weights_uri"].to_numpy(),
+                                   "image_ref": m["image_ref"].to_numpy()}).dropna(subset=["ref"])
+            joined = weights.merge(by_uri, on="ref")
+            held = set(zip(images["node_id"], images["image_ref"]))
+            with_image = np.array([(node, ref) in held for node, ref in zip(joined["node_id"], joined["image_ref"])],
+                                  dtype=bool)
+            joined = joined[with_image]
+            state = joined["tier"].replace({"gpu": "host"})
+            cache = pd.DataFrame({"node_id": joined["node_id"].to_numpy(), "model_id": joined["model_id"].to_numpy(),
+                                  "state": state.to_numpy()})
+            # one row per (node, model): the warmest tier
+            cache = (cache.assign(rank=cache["state"].map(STATE_RANK)).sort_values("rank")
+                     .drop_duplicates(["node_id", "model_id"], keep="last").drop(columns="rank")
+                     .reset_index(drop=True))
+    t = (pd.DataFrame(columns=list(TRANSFER_COLUMNS)) if transfers is None or not len(transfers)
+         else transfers[list(TRANSFER_COLUMNS)].reset_index(drop=True))
+    return FleetState(models=m, nodes=n, cache=cache, transfers=t, images=images, skipped=skipped)

@@ -16,12 +16,12 @@ from datetime import datetime, timedelta
 
 import numpy as np
 import pandas as pd
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
-from forecaster.contracts.fleet import FleetState
-from forecaster.planning.fleet import PlannerSettings
-from forecaster.planning.planner import plan
+from forecaster.contracts.fleet import FleetState, build_fleet
+from forecaster.planning.step import plan_step, planner_settings
 from forecaster.settings import Settings
+from forecaster.store.fleet import read_fleet_inputs
 from forecaster.store.forecasts import read_newest_runs
 
 log = logging.getLogger(__name__)
@@ -62,48 +62,10 @@ def stored_forecast(engine: Engine, *, now: datetime, horizon_min: int) -> pd.Da
 
 
 def fleet_from_store(engine: Engine, *, now: datetime) -> FleetState:
-    """Catalogue, nodes and caches from the store; replicas as the actuator last set them."""
+    """Catalogue, nodes and caches from the store, through the one fleet builder the simulator uses too."""
     with engine.connect() as conn:
-        models = conn.execute(text(
-            "SELECT m.id, m.image_ref, m.image_size_bytes, m.weights_uri, m.weights_size_bytes, m.gpus_per_replica, "
-            "m.replica_rps, m.cold_start_slo_s, m.labels, "
-            "(SELECT a.replicas FROM (SELECT (spec->>'replicas')::int AS replicas, updated_at FROM actions "
-            "   WHERE model_id = m.id AND kind IN ('scale', 'release') AND status = 'succeeded' "
-            "   ORDER BY updated_at DESC, id DESC LIMIT 1) a) AS replicas "
-            "FROM serving_models m ORDER BY m.id")).all()
-        nodes = conn.execute(text("SELECT id, gpus_free, host_memory_free_bytes, disk_free_bytes FROM nodes")).all()
-        cache = conn.execute(text("SELECT node_id, artefact_kind, ref, tier FROM node_cache")).all()
-        # What the actuator reports done also counts as warm: with the dry-run backend (or before an
-        # agent's next state report) nothing else says so, and the planner would ask for it again.
-        cache += conn.execute(text(
-            "SELECT DISTINCT node_id, CASE kind WHEN 'prepull' THEN 'image' ELSE 'weights' END, target, "
-            "CASE kind WHEN 'prepull' THEN 'image' ELSE spec->>'tier' END FROM actions "
-            "WHERE kind IN ('prepull', 'preload') AND status = 'succeeded' AND node_id IS NOT NULL "
-            "AND updated_at >= :since"), {"since": now - timedelta(days=1)}).all()
-    model_rows = []
-    for (model_id, image_ref, image_bytes, weights_uri, weights_bytes, gpus, rps, slo, labels, replicas) in models:
-        model_rows.append({
-            "model_id": model_id, "image_ref": image_ref, "image_bytes": float(image_bytes or 0),
-            "weights_uri": weights_uri, "weights_bytes": float(weights_bytes or 0), "gpus": float(gpus or 1),
-            "replica_rpm": float(rps) * 60.0 if rps else 60.0,
-            "cold_cost": float((labels or {}).get("cold_cost", 1.0)),
-            "slo_s": float(slo) if slo else np.nan, "replicas": int(replicas or 0),
-        })
-    node_rows = [{"node_id": n[0], "gpus_free": int(n[1] or 0), "host_free_bytes": float(n[2] or 0),
-                  "disk_free_bytes": float(n[3] or 0)} for n in nodes]
-    by_weights = {}
-    for row in model_rows:
-        if row["weights_uri"]:
-            by_weights.setdefault(row["weights_uri"], []).append(row["model_id"])
-    cache_rows, image_rows = [], []
-    for node_id, kind, ref, tier in cache:
-        if kind == "image":
-            image_rows.append({"node_id": node_id, "image_ref": ref})
-        elif tier in ("disk", "host"):
-            cache_rows += [{"node_id": node_id, "model_id": m, "state": tier} for m in by_weights.get(ref, [])]
-    if not node_rows:
-        node_rows = [{"node_id": "-", "gpus_free": 0, "host_free_bytes": 0.0, "disk_free_bytes": 0.0}]
-    return FleetState.build(model_rows, node_rows, cache_rows, images=image_rows)
+        models, nodes, artefacts = read_fleet_inputs(conn, now=now)
+    return build_fleet(models, nodes, artefacts)
 
 
 def predicted_latency(engine: Engine, fleet: FleetState, *, now: datetime) -> pd.DataFrame:
@@ -131,9 +93,7 @@ def plan_job(engine: Engine, settings: Settings, now: datetime) -> dict:
         return {"skipped": "no forecasts yet"}
     fleet = fleet_from_store(engine, now=now)
     latency = predicted_latency(engine, fleet, now=now)
-    planner_settings = PlannerSettings(horizon_min=settings.plan_horizon_min,
-                                       gpu_budget=float(settings.actuator_gpu_budget) or None)
-    planned = plan(forecast, latency, fleet, planner_settings, now)
+    planned = plan_step(now, forecast, fleet, latency, planner_settings(settings))
     submitted, reports = Actuator(engine, settings, build_backend(settings)).apply(planned, now=now)
     statuses: dict[str, int] = {}
     for report in reports:

@@ -210,6 +210,9 @@ class SimView:
     def fleet_frames(self) -> dict[str, pd.DataFrame]:
         return self._sim.fleet_frames()
 
+    def fleet_inputs(self) -> dict[str, pd.DataFrame]:
+        return self._sim.fleet_inputs()
+
 
 @dataclass
 class Decision:
@@ -259,6 +262,7 @@ class FleetSimulator:
         self.ready = np.zeros(n, dtype=np.int64)
         self.starting = np.zeros(n, dtype=np.int64)
         self.floor = np.zeros(n, dtype=np.int64)
+        self.reactive_ask = np.zeros(n, dtype=np.int64)  # what the serving layer's reactive path wants now
         self.queue = np.zeros(n)
         self.cum_served = np.zeros(n)
         self.served_last = np.zeros(n)
@@ -621,25 +625,34 @@ class FleetSimulator:
         return True
 
     # ------------------------------------------------------------------ actions
-    def _apply_action(self, action: Action) -> None:
+    def model_index(self, model_id: str) -> int | None:
+        return self._model_index.get(model_id)
+
+    def apply_action(self, action: Action, replicas: int | None = None) -> str | None:
+        """Carry out one action now; ``replicas`` is the actuator's bounded absolute target for scale/release.
+
+        Returns None when done, else why not (``unknown_model``, ``unknown_node``).
+        """
         index = self._model_index.get(action.model_id)
         if index is None:
-            return
+            return "unknown_model"
         if action.kind is ActionKind.SCALE:
-            self.floor[index] = int(action.replicas or 0)
+            self.floor[index] = int(action.replicas or 0) if replicas is None else int(replicas)
         elif action.kind is ActionKind.RELEASE:
-            current = self.ready[index] + self.starting[index]
-            self.floor[index] = max(0, int(current) - int(action.replicas or 0))
+            if replicas is None:
+                current = self.ready[index] + self.starting[index]
+                replicas = max(0, int(current) - int(action.replicas or 0))
+            self.floor[index] = int(replicas)
         elif action.kind in (ActionKind.PREPULL, ActionKind.PRELOAD):
             node = self._node_index.get(action.node_id or "")
             if node is None:
-                return
+                return "unknown_node"
             if action.kind is ActionKind.PREPULL:
                 if self.image_ref[index] not in self.images[node]:
                     self._start_transfer(node, "image", index, pinned=True)
                 else:
                     self.images[node].move_to_end(self.image_ref[index])
-                return
+                return None
             tier = "host" if action.tier in (Tier.HOST, Tier.GPU) else "disk"
             entry = self.weights[node].get(index)
             if entry is None:
@@ -650,8 +663,21 @@ class FleetSimulator:
             else:
                 entry[1] = True
                 self.weights[node].move_to_end(index)
+        return None
 
     # ------------------------------------------------------------------ fleet snapshot
+    def fleet_inputs(self) -> dict[str, pd.DataFrame]:
+        """The simulated cluster as :func:`~forecaster.contracts.fleet.build_fleet` takes it (what the store gives
+        the plan job): nodes, the artefacts each node holds (``node_id, kind, ref, tier``) and running transfers
+        (``ends_at_s`` in simulated seconds)."""
+        frames = self.fleet_frames()
+        node_ids = frames["nodes"].index
+        weights = [(node_ids[k], "weights", self.weights_uri[m], entry[0]) for k in range(self.config.n_nodes)
+                   for m, entry in self.weights[k].items()]
+        images = [(node, "image", ref, "image") for node, ref in frames["images"].itertuples(index=False)]
+        artefacts = pd.DataFrame(images + weights, columns=["node_id", "kind", "ref", "tier"])
+        return {"nodes": frames["nodes"], "artefacts": artefacts, "transfers": frames["transfers"]}
+
     def fleet_frames(self) -> dict[str, pd.DataFrame]:
         """Nodes, weights cache, images and running transfers as planner input frames."""
         node_ids = [f"node-{k}" for k in range(self.config.n_nodes)]
@@ -683,6 +709,9 @@ class FleetSimulator:
         started = time.perf_counter()
         tick_of = np.floor(wl.times / dt).astype(np.int64)
         bounds = np.searchsorted(tick_of, np.arange(n_ticks + 1))
+        bind = getattr(self.policy, "bind", None)
+        if bind is not None:  # policies that act through an actuator get the simulated cluster behind it
+            bind(self)
         decide_every = max(1, int(round(self.policy.decide_every_s / dt)))
         grace = float(getattr(self.policy, "idle_grace_s", 0.0))
         overload = bool(getattr(self.policy, "reactive_overload", True))
@@ -710,7 +739,7 @@ class FleetSimulator:
                 elif kind == "transfers":
                     self._on_transfers(payload)
                 elif kind == "action":
-                    self._apply_action(payload)
+                    self.apply_action(payload)
                 self.now = saved
             # arrivals
             lo, hi = bounds[tick], bounds[tick + 1]
@@ -728,7 +757,7 @@ class FleetSimulator:
                     for action in decision.actions:
                         offset = (pd.Timestamp(action.not_before) - wl.start).total_seconds()
                         if offset <= self.now + 1e-9:
-                            self._apply_action(action)
+                            self.apply_action(action)
                         else:
                             self.schedule(action, offset)
             # reactive path: a request with nothing starting starts a replica; sustained overload adds more
@@ -741,6 +770,7 @@ class FleetSimulator:
                 in_use = np.where(rate * RATE_TAU_S >= 0.5, np.ceil(rate / self.rps - 1e-9), 0).astype(np.int64)
                 over = (queued > 0) & (queued > self.ready * self.rps * dt)
                 need = np.where(over, np.maximum(need, in_use), need)
+            self.reactive_ask = np.maximum(in_use, ((queued > 0) & (total == 0)).astype(np.int64))
             for m in np.flatnonzero(need > total):
                 for _ in range(int(need[m] - total[m])):
                     if not self.start_replica(int(m)):

@@ -31,13 +31,15 @@ from datetime import timedelta
 import numpy as np
 import pandas as pd
 
-from forecaster.contracts.fleet import FleetState
+from forecaster.actuation.backends.base import ModelTarget, Outcome, ReplicaState
+from forecaster.contracts.actions import Action, FailureReason
+from forecaster.contracts.fleet import build_fleet
 from forecaster.contracts.phases import START_STATES
 from forecaster.planning.fleet import PlannerSettings
 from forecaster.planning.forecasts import CountPanel, EmpiricalForecast
-from forecaster.contracts.actions import ActionKind
-from forecaster.planning.planner import plan
-from forecaster.simulation.policies import HybridHistogram
+from forecaster.planning.step import plan_step
+from forecaster.settings import Settings
+from forecaster.simulation.policies import HybridHistogram, ReplayActuation
 
 WARMUP_MIN = 240
 
@@ -126,36 +128,64 @@ def reactive_loaded(counts: np.ndarray, stable_window_s: float = 60.0, grace_s: 
 # --------------------------------------------------------------------------- prewarm through the planner
 
 
-def planner_loaded(counts: np.ndarray, memory_mb: np.ndarray, *, cold_cost: float,
-                   source_factory: Callable[[CountPanel], object] | None = None,
-                   start: pd.Timestamp = pd.Timestamp("2019-07-15", tz="UTC"),
-                   progress: Callable[[float], None] | None = None) -> tuple[np.ndarray, dict]:
-    """Drive the planner once a minute and read back whether each function is loaded.
+class MinuteCluster:
+    """The minute protocol's cluster behind the actuator: one replica count per function, set by the actuator.
 
-    Each minute ``t`` the forecast source (default
-    :class:`~forecaster.planning.forecasts.EmpiricalForecast`, causal) gives
-    the quantiles and ``p_any`` of minute ``t`` from minutes before it; the
-    planner sees each function as a model with ``gpus`` = memory in GB,
-    ``cold_cost`` = ``cold_cost`` / (its invocations per minute so far,
-    smoothed): every function's cold-start percentage weighs the same, as in
-    the protocol's per-function headline; a cold start costs 60 s. Its
-    ``scale`` actions load the function for minute ``t``, ``release`` unloads it.
+    ``reactive_ask`` is 0: the protocol's reactive path loads a function only inside a minute it is invoked in,
+    which the planner's floor never needs to cover.
+    """
+
+    name = "simulated-minute"
+    sequential = True
+
+    def __init__(self, ids: np.ndarray):
+        self.index = {str(m): i for i, m in enumerate(ids)}
+        self.current = np.zeros(len(ids), dtype=np.int64)
+
+    def replica_state(self, model: ModelTarget) -> ReplicaState | None:
+        i = self.index.get(model.model_id)
+        return ReplicaState(current=0 if i is None else int(self.current[i]), reactive_ask=0)
+
+    def carry_out(self, action: Action, *, model: ModelTarget, replicas: int | None, deadline_s: float) -> Outcome:
+        i = self.index.get(action.model_id)
+        if i is None or replicas is None:
+            return Outcome.failed(FailureReason.NOT_FOUND, f"no function {action.model_id}")
+        self.current[i] = int(replicas)
+        return Outcome.ok(f"{action.model_id} at {replicas}")
+
+
+def planner_loaded(counts: np.ndarray, memory_mb: np.ndarray, *, cold_cost: float,
+                   source_factory: Callable[[CountPanel], object] | None = None, source: object | None = None,
+                   start: pd.Timestamp = pd.Timestamp("2019-07-15", tz="UTC"), product: Settings | None = None,
+                   progress: Callable[[float], None] | None = None) -> tuple[np.ndarray, dict]:
+    """Drive the plan step once a minute, through the actuator, and read back whether each function is loaded.
+
+    Each minute ``t`` the forecast source (``source``, else ``source_factory(panel)``, default
+    :class:`~forecaster.planning.forecasts.EmpiricalForecast`; all causal) gives the quantiles and ``p_any`` of
+    minute ``t`` from minutes before it; the planner sees each function as a model with ``gpus`` = memory in
+    GB, ``cold_cost`` = ``cold_cost`` / (its invocations per minute so far, smoothed): every function's
+    cold-start percentage weighs the same, as in the protocol's per-function headline; a cold start costs 60 s.
+    The plan goes through the production actuator (the ``actuator_*`` guardrails of ``product``) onto a
+    :class:`MinuteCluster`: ``scale`` loads the function for minute ``t``, ``release`` unloads it.
 
     Returns:
-        ``loaded`` (functions x minutes) and a summary (actions, reasons).
+        ``loaded`` (functions x minutes) and a summary (actions by reason, the actuator's report).
     """
     n, t_count = counts.shape
     ids = np.array([f"f{i}" for i in range(n)], dtype=object)
     panel = CountPanel(ids=ids, start=start, counts=counts)
-    source = (source_factory or EmpiricalForecast)(panel)
+    if source is None:
+        source = (source_factory or EmpiricalForecast)(panel)
     settings = PlannerSettings(horizon_min=1, tiers=False, count_queued_wait=False, lead_margin_s=0.0,
                                lead_margin_frac=0.0, replica_utilisation=1.0)
     gpus = memory_mb / 1024.0
     latency = pd.DataFrame([{"model_id": i, "state": s, "total_s": 60.0} for i in ids for s in START_STATES])
     nodes = pd.DataFrame({"gpus_free": [1e12], "host_free_bytes": [0.0], "disk_free_bytes": [0.0]},
                          index=pd.Index(["minute-protocol"], name="node_id"))
+    cluster = MinuteCluster(ids)
+    targets = {str(i): ModelTarget(model_id=str(i), gpus_per_replica=int(np.ceil(g))) for i, g in zip(ids, gpus)}
+    actuation = ReplayActuation(cluster, targets, product or Settings())
     loaded = np.zeros((n, t_count), dtype=bool)
-    current = np.zeros(n, dtype=np.int64)
     invoked = counts > 0
     cumulative = np.zeros(n)
     reasons: dict[str, int] = {}
@@ -164,20 +194,18 @@ def planner_loaded(counts: np.ndarray, memory_mb: np.ndarray, *, cold_cost: floa
     for t in range(t_count):
         now = (start + timedelta(minutes=t)).to_pydatetime()
         rate = (cumulative + 1.0) / (t + 1.0)
-        models = base.assign(cold_cost=cold_cost / rate, replicas=current)
+        models = base.assign(cold_cost=cold_cost / rate, replicas=cluster.current)
         forecast = source.quantiles(now, 1)
-        result = plan(forecast, latency, FleetState(models=models, nodes=nodes), settings, now)
+        result = plan_step(now, forecast, build_fleet(models, nodes), latency, settings)
         for action in result.actions:
-            i = int(action.model_id[1:])
-            if action.kind is ActionKind.SCALE:
-                current[i] = action.replicas
-            elif action.kind is ActionKind.RELEASE:
-                current[i] = max(0, current[i] - int(action.replicas or 0))
             reasons[action.reason.value] = reasons.get(action.reason.value, 0) + 1
-        loaded[:, t] = current > 0
-        # an invoked function is loaded during its minute whatever the plan said
-        current = np.where(invoked[:, t], np.maximum(current, 1), current)
+        actuation.submit(result, now)
+        actuation.run_due(now)
+        loaded[:, t] = cluster.current > 0
+        # an invoked function is loaded during its minute whatever the plan said (the reactive path); the
+        # protocol's replica stays until a release
+        cluster.current = np.where(invoked[:, t], np.maximum(cluster.current, 1), cluster.current)
         cumulative += counts[:, t]
         if progress is not None and t % 120 == 0:
             progress(t / t_count)
-    return loaded, {"actions_by_reason": reasons}
+    return loaded, {"actions_by_reason": reasons, **actuation.report()}

@@ -20,15 +20,21 @@ activator: a request that finds no replica, ready or starting, starts one.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import numpy as np
 import pandas as pd
 
-from forecaster.contracts.fleet import FleetState
+from forecaster.actuation.actuator import Actuator
+from forecaster.actuation.backends.base import ModelTarget
+from forecaster.actuation.ledger import MemoryLedger
+from forecaster.contracts.actions import Plan
+from forecaster.contracts.fleet import FleetState, build_fleet
 from forecaster.contracts.forecast import ForecastSource
 from forecaster.planning.fleet import PlannerSettings
-from forecaster.planning.planner import plan
+from forecaster.planning.step import plan_step
+from forecaster.settings import Settings
+from forecaster.simulation.backend import SimulatedBackend
 from forecaster.simulation.engine import Decision, SimView
 
 HISTOGRAM_RANGE_MIN = 240
@@ -236,33 +242,85 @@ class KnativePolicy:
 LatencyProvider = Callable[[SimView], pd.DataFrame]
 
 
-class PlannerPolicy:
-    """prewarm's planner in the loop: once a minute, forecast -> latency -> fleet snapshot -> plan -> actions.
+class ReplayActuation:
+    """The production actuator over an in-memory ledger, for a replay: what a policy's plans go through.
 
     Args:
-        source: a :class:`~forecaster.planning.forecasts.ForecastSource`.
+        backend: the simulated cluster (:class:`~forecaster.simulation.backend.SimulatedBackend` or the
+            minute protocol's).
+        targets: the catalogue as the actuator sees it (GPUs per replica, for the GPU budget).
+        settings: the product's settings (``actuator_*`` guardrails).
+    """
+
+    def __init__(self, backend, targets: dict[str, ModelTarget], settings: Settings) -> None:
+        self.ledger = MemoryLedger(targets, paused=settings.actuator_kill_switch, keep_finished=False)
+        self.actuator = Actuator(self.ledger, settings, backend)
+        self.submitted = 0
+        self.merged = 0
+
+    def submit(self, plan: Plan, now: datetime) -> None:
+        done = self.actuator.submit(plan, now=now)
+        self.submitted += len(done.action_ids)
+        self.merged += len(done.merged)
+
+    def run_due(self, now: datetime) -> None:
+        due = self.ledger.next_due_at()
+        if due is not None and due <= now:
+            self.actuator.run_due(now=now)
+
+    def report(self) -> dict:
+        """Actions by final status and the guardrails' refusals, for the benchmark's rows."""
+        by_status: dict[str, int] = {}
+        for (_kind, status, _reason), count in self.ledger.finished_counts.items():
+            by_status[status] = by_status.get(status, 0) + count
+        return {"submitted": self.submitted, "merged": self.merged, "by_status": by_status,
+                "still_open": self.ledger.open_count(), "guardrail_refusals": dict(self.actuator.refusals)}
+
+
+def model_targets(models: pd.DataFrame) -> dict[str, ModelTarget]:
+    """Catalogue targets of the simulated models (GPUs per replica rounded up: the budget counts whole GPUs)."""
+    gpus = np.ceil(models["gpus"].to_numpy(dtype="float64")).astype(int)
+    return {str(i): ModelTarget(model_id=str(i), gpus_per_replica=int(g)) for i, g in zip(models.index, gpus)}
+
+
+class PlannerPolicy:
+    """prewarm in the loop, as in production: once a minute forecast -> fleet -> latency -> plan step, and the
+    plan through the actuator (guardrails, merging, deadlines) onto the simulated cluster.
+
+    Args:
+        source: a :class:`~forecaster.contracts.forecast.ForecastSource`.
         latency: ``view -> latency frame`` (``model_id, state, total_s, <phases>``).
-        settings: planner settings (``tiers=False`` for scale-ahead only).
+        settings: planner settings (``tiers=False`` for scale-ahead only), from
+            :func:`~forecaster.planning.step.planner_settings`.
         name: reported policy name.
-        cold_cost: value of one second of cold-start wait, GPU-seconds.
+        cold_cost: value of one second of cold-start wait, GPU-seconds (the product's ``planner_cold_cost``).
         normalise_by_rate: scale each model's cold cost by 1 / its observed
             requests per minute (so every model's cold-start percentage weighs
             the same, as a per-model SLO does).
+        product: the product settings whose ``actuator_*`` guardrails the replay applies (default: defaults).
     """
 
     reactive_overload = True
-    decide_every_s = 60.0
+    decide_every_s = 1.0  # the actuator runs due actions every tick; plans are made once a minute
     idle_grace_s = 60.0  # keep an on-demand replica until the next plan decides
 
     def __init__(self, source: ForecastSource, latency: LatencyProvider, settings: PlannerSettings = PlannerSettings(),
-                 *, name: str = "prewarm", cold_cost: float = 1.0, normalise_by_rate: bool = False):
+                 *, name: str = "prewarm", cold_cost: float = 1.0, normalise_by_rate: bool = False,
+                 product: Settings | None = None):
         self.source = source
         self.latency = latency
         self.settings = settings
         self.name = name
         self.cold_cost = cold_cost
         self.normalise_by_rate = normalise_by_rate
+        self.product = product or Settings()
         self.summaries: list[dict] = []
+        self.actuation: ReplayActuation | None = None
+        self._next_plan_s = 0.0
+
+    def bind(self, sim) -> None:
+        self.actuation = ReplayActuation(SimulatedBackend(sim), model_targets(sim.models), self.product)
+        self.decide_every_s = sim.config.tick_s
 
     def model_frame(self, view: SimView) -> pd.DataFrame:
         m = view.models
@@ -279,15 +337,23 @@ class PlannerPolicy:
             "burst_factor": view.burst_factor,
         }, index=m.index.astype(str))
 
-    def decide(self, view: SimView) -> Decision:
-        start = view.start
-        now = (start + pd.Timedelta(seconds=view.now_s)).to_pydatetime()
-        forecast = self.source.quantiles(now, self.settings.horizon_min)
-        frames = view.fleet_frames()
-        transfers = frames["transfers"].assign(
-            ends_at=[now + timedelta(seconds=s - view.now_s) for s in frames["transfers"]["ends_at_s"]])
-        fleet = FleetState(models=self.model_frame(view), nodes=frames["nodes"], cache=frames["cache"],
-                           transfers=transfers.drop(columns="ends_at_s"), images=frames["images"])
-        result = plan(forecast, self.latency(view), fleet, self.settings, now)
-        self.summaries.append(result.summary)
-        return Decision(actions=result.actions)
+    def fleet(self, view: SimView, now: datetime) -> FleetState:
+        """The simulated cluster through the one fleet builder (as the store feeds the plan job)."""
+        inputs = view.fleet_inputs()
+        transfers = inputs["transfers"]
+        transfers = transfers.assign(
+            ends_at=[now + timedelta(seconds=s - view.now_s) for s in transfers["ends_at_s"]]).drop(columns="ends_at_s")
+        return build_fleet(self.model_frame(view), inputs["nodes"], inputs["artefacts"], transfers)
+
+    def decide(self, view: SimView) -> None:
+        if self.actuation is None:
+            raise RuntimeError("PlannerPolicy acts through the simulator's actuator: run it in a FleetSimulator")
+        now = (view.start + pd.Timedelta(seconds=view.now_s)).to_pydatetime()
+        if view.now_s + 1e-9 >= self._next_plan_s:
+            self._next_plan_s += 60.0
+            forecast = self.source.quantiles(now, self.settings.horizon_min)
+            result = plan_step(now, forecast, self.fleet(view, now), self.latency(view), self.settings)
+            self.summaries.append(result.summary)
+            self.actuation.submit(result, now)
+        self.actuation.run_due(now)
+        return None

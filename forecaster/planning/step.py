@@ -1,0 +1,93 @@
+"""The one plan step every driver calls: the plan job (store), the fleet simulator and the minute protocol.
+
+``plan_step(now, forecasts, fleet, latency, settings)`` is the pure decider of the control loop (Knative's
+scaler, not its reconciler): it reads a forecast frame (:mod:`forecaster.contracts.forecast`), a fleet state
+from :func:`forecaster.contracts.fleet.build_fleet` and a latency frame, and returns a
+:class:`~forecaster.contracts.actions.Plan`. Drivers differ only in where the inputs come from and where the
+plan goes (an actuator with a real, dry-run or simulated backend).
+
+Models it cannot use (a catalogue value the fleet builder refused, a forecast row with NaN or negative values)
+are left out, counted in the plan's summary (``skipped``) and logged by name; the rest are planned.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+
+import numpy as np
+import pandas as pd
+
+from forecaster.contracts.actions import Plan
+from forecaster.contracts.fleet import FleetState
+from forecaster.contracts.forecast import quantile_levels
+from forecaster.planning.fleet import PlannerSettings
+from forecaster.planning.planner import plan
+from forecaster.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def planner_settings(settings: Settings, **overrides) -> PlannerSettings:
+    """The planner's costs and limits from the product's settings (``PREWARM_PLANNER_*``, ``plan_horizon_min``).
+
+    Args:
+        settings: the validated settings.
+        **overrides: fields of :class:`PlannerSettings` to set instead (a benchmark's grid, ``tiers=False``).
+    """
+    values = dict(
+        horizon_min=settings.plan_horizon_min, gpu_second_cost=settings.planner_gpu_second_cost,
+        count_queued_wait=settings.planner_count_queued_wait,
+        replica_utilisation=settings.planner_replica_utilisation, gpu_budget=settings.planner_gpu_budget,
+        gpu_headroom=settings.planner_gpu_headroom, max_transfers_per_node=settings.planner_max_transfers_per_node,
+        max_transfers_per_registry=settings.planner_max_transfers_per_registry, tiers=settings.planner_tiers,
+        max_tier_nodes=settings.planner_max_tier_nodes, max_tier_actions=settings.planner_max_tier_actions,
+        byte_cost=settings.planner_byte_cost, host_byte_second_cost=settings.planner_host_byte_second_cost,
+        lead_margin_s=settings.planner_lead_margin_s, lead_margin_frac=settings.planner_lead_margin_frac,
+        release_hold_min=settings.planner_release_hold_min,
+        quantile_for_shape=settings.planner_quantile_for_shape,
+    )
+    values.update(overrides)
+    return PlannerSettings(**values)
+
+
+def _usable_forecast(forecasts: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
+    """Rows the planner can read; models with a NaN, infinite or negative value are dropped whole."""
+    if forecasts.empty:
+        return forecasts, {}
+    columns = [c for _, c in quantile_levels(forecasts)] + (["p_any"] if "p_any" in forecasts.columns else [])
+    values = forecasts[columns].to_numpy(dtype="float64")
+    bad_row = ~np.isfinite(values).all(axis=1) | (values < 0).any(axis=1)
+    if "p_any" in forecasts.columns:
+        bad_row |= forecasts["p_any"].to_numpy(dtype="float64") > 1
+    if not bad_row.any():
+        return forecasts, {}
+    bad_models = set(forecasts["unique_id"].to_numpy()[bad_row].astype(str))
+    keep = ~forecasts["unique_id"].astype(str).isin(bad_models).to_numpy()
+    return forecasts[keep], {m: "forecast has NaN, infinite or out-of-range values" for m in sorted(bad_models)}
+
+
+def plan_step(now: datetime, forecasts: pd.DataFrame, fleet: FleetState, latency: pd.DataFrame,
+              settings: PlannerSettings) -> Plan:
+    """Plan the next ``settings.horizon_min`` minutes (see the module docstring).
+
+    Args:
+        now: the minute planned from (UTC, tz-aware).
+        forecasts: the forecast frame (``unique_id, ds, q<level>..., [p_any]``).
+        fleet: from :func:`~forecaster.contracts.fleet.build_fleet`; its ``skipped`` models are reported.
+        latency: ``model_id, state, total_s, <phases>`` per start state.
+        settings: from :func:`planner_settings`.
+
+    Returns:
+        The plan; ``summary["skipped"]`` counts the models left out and ``summary["skipped_models"]`` names up to
+        20 of them with the reason.
+    """
+    forecasts, bad_forecasts = _usable_forecast(forecasts)
+    skipped = {**fleet.skipped, **bad_forecasts}
+    if skipped:
+        log.warning("plan step at %s skips %d models it cannot use: %s", now.isoformat(), len(skipped),
+                    "; ".join(f"{m}: {why}" for m, why in list(skipped.items())[:5]))
+    result = plan(forecasts, latency, fleet, settings, now)
+    summary = {**result.summary, "skipped": len(skipped),
+               "skipped_models": dict(list(skipped.items())[:20])}
+    return Plan(planned_at=result.planned_at, actions=result.actions, summary=summary)

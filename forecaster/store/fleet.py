@@ -1,0 +1,47 @@
+"""The fleet as the store knows it: catalogue, replicas last set, nodes and what they hold (planner input rows).
+
+Returns plain frames for :func:`forecaster.contracts.fleet.build_fleet`, the one builder the simulator feeds
+too. Replicas are what the actuator last set for a model (its newest succeeded scale or release); pre-pulls and
+pre-loads the actuator reports done within the last day count as held, since with the dry-run backend (or
+before an agent's next state report) nothing else says so and the planner would ask for them again.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+import numpy as np
+import pandas as pd
+from sqlalchemy import Connection, text
+
+
+def read_fleet_inputs(conn: Connection, *, now: datetime) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(models, nodes, artefacts) frames as :func:`~forecaster.contracts.fleet.build_fleet` takes them.
+
+    ``models`` carries the raw catalogue values (the builder fills defaults and refuses unusable ones);
+    ``cold_cost`` comes from the model's label of that name when it is a number.
+    """
+    rows = conn.execute(text(
+        "SELECT m.id, m.image_ref, m.image_size_bytes, m.weights_uri, m.weights_size_bytes, m.gpus_per_replica, "
+        "m.replica_rps, m.cold_start_slo_s, m.labels->'cold_cost', "
+        "(SELECT a.replicas FROM (SELECT (spec->>'replicas')::int AS replicas, updated_at FROM actions "
+        "   WHERE model_id = m.id AND kind IN ('scale', 'release') AND status = 'succeeded' "
+        "   ORDER BY updated_at DESC, id DESC LIMIT 1) a) AS replicas "
+        "FROM serving_models m ORDER BY m.id")).all()
+    models = pd.DataFrame(rows, columns=["model_id", "image_ref", "image_bytes", "weights_uri", "weights_bytes",
+                                         "gpus", "replica_rps", "slo_s", "cold_cost", "replicas"]).set_index("model_id")
+    rps = pd.to_numeric(models.pop("replica_rps"), errors="coerce")
+    models["replica_rpm"] = rps * 60.0
+    models["cold_cost"] = [float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else np.nan
+                           for v in models["cold_cost"]]
+    nodes = pd.DataFrame(conn.execute(text(
+        "SELECT id, gpus_free, host_memory_free_bytes, disk_free_bytes FROM nodes ORDER BY id")).all(),
+        columns=["node_id", "gpus_free", "host_free_bytes", "disk_free_bytes"]).set_index("node_id")
+    held = conn.execute(text("SELECT node_id, artefact_kind, ref, tier FROM node_cache")).all()
+    held += conn.execute(text(
+        "SELECT DISTINCT node_id, CASE kind WHEN 'prepull' THEN 'image' ELSE 'weights' END, target, "
+        "CASE kind WHEN 'prepull' THEN 'image' ELSE spec->>'tier' END FROM actions "
+        "WHERE kind IN ('prepull', 'preload') AND status = 'succeeded' AND node_id IS NOT NULL "
+        "AND updated_at >= :since"), {"since": now - timedelta(days=1)}).all()
+    artefacts = pd.DataFrame(held, columns=["node_id", "kind", "ref", "tier"])
+    return models, nodes, artefacts
