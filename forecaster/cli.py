@@ -332,21 +332,32 @@ def simulate_cmd(
     trace: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="Trace file (any supported format).")],
     fmt: Annotated[Optional[str], typer.Option("--format", help="Trace format; detected when omitted.")] = None,
     policies: Annotated[str, typer.Option("--policy", help="Comma-separated: keepalive_<minutes>, hybrid_histogram, "
-                                          "reactive, prewarm, prewarm_scale_only, oracle.")]
-    = "keepalive_10,hybrid_histogram,reactive,prewarm,prewarm_scale_only,oracle",
+                                          "reactive, prewarm, prewarm_empirical, prewarm_scale_only, oracle.")]
+    = "keepalive_10,hybrid_histogram,reactive,prewarm,prewarm_empirical,prewarm_scale_only,oracle",
+    forecaster: Annotated[str, typer.Option(help="Forecasts prewarm and prewarm_scale_only plan with: ensemble (the "
+                                             "product's model, trained and retrained in simulated time), empirical "
+                                             "or oracle.")] = "ensemble",
+    retrain_every_min: Annotated[int, typer.Option(help="Simulated minutes between ensemble retrains.", min=10)]
+    = 360,
     nodes: Annotated[Optional[int], typer.Option(help="GPU nodes of 8 GPUs (default 160 for many models, else 16).")]
     = None,
     minutes: Annotated[Optional[int], typer.Option(help="Simulate only the first MINUTES minutes.")] = None,
     warmup_minutes: Annotated[Optional[int], typer.Option(help="Minutes run but not scored (default 240 on traces "
                                                                  "over 8 hours, else 10).")] = None,
-    cold_cost: Annotated[float, typer.Option(help="prewarm: GPU-seconds one second of cold-start wait is worth.")]
-    = 1.0,
+    cold_cost: Annotated[Optional[float], typer.Option(
+        help="prewarm: GPU-seconds one second of cold-start wait is worth (default PREWARM_PLANNER_COLD_COST).")]
+    = None,
     model_id: Annotated[Optional[str], typer.Option(help="Model id for single-service traces.")] = None,
     as_json: Annotated[Optional[Path], typer.Option("--json", help="Also write the figures here as JSON.")] = None,
 ) -> None:
-    """Replay a trace against a simulated GPU fleet under each policy: cold starts, waits, GPU-seconds, bytes."""
+    """Replay a trace against a simulated GPU fleet under each policy: cold starts, waits, GPU-seconds, bytes.
+
+    Planner policies run the product's plan step and actuator (its guardrails from the settings) on the simulated
+    cluster; the table's last columns say which forecaster each used, its retrains and what the guardrails refused.
+    """
     from forecaster.contracts.fleetconfig import FleetConfig
-    from forecaster.simulation.runner import format_table, models_for, run_policies, summary_table
+    from forecaster.simulation.runner import (FORECASTERS, ForecastSources, ReplayProgress, format_table, models_for,
+                                              run_policies, summary_table)
     from forecaster.simulation.workload import load_workload
 
     settings = _settings()
@@ -362,18 +373,25 @@ def simulate_cmd(
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if "keepalive_10" not in names:
         names.insert(0, "keepalive_10")  # the 100 % of wasted GPU time
+    if forecaster not in FORECASTERS:
+        _fail(f"--forecaster: {forecaster!r} is not one of {', '.join(FORECASTERS)}", 2)
     typer.echo(f"{trace.name}: {workload.n_models} models, {len(workload.times):,} requests, "
                f"{workload.duration_s / 60:.0f} minutes; {config.n_nodes} nodes x {config.gpus_per_node} GPUs",
                err=True)
+    sources = ForecastSources(workload.panel, train_until_min=int(config.score_from_s // 60),
+                              retrain_every_min=retrain_every_min, settings=settings,
+                              progress=lambda line: typer.echo(f"  ensemble: {line}", err=True))
     try:
         results = run_policies(workload, models_for(workload, traces_dir=settings.traces_dir), config, names,
-                               cold_cost=cold_cost,
-                               progress=lambda name, frac: typer.echo(f"  {name}: {frac:.0%}", err=True)
-                               if abs(frac * 4 - round(frac * 4)) < 0.026 else None)
+                               cold_cost=cold_cost, forecaster=forecaster, sources=sources, product=settings,
+                               progress=ReplayProgress(workload.duration_s / 60.0,
+                                                       echo=lambda line: typer.echo(line, err=True)))
     except ValueError as exc:
         _fail(str(exc), 2)
     table = summary_table(results)
     typer.echo(format_table(table))
+    typer.echo(format_table({k: v for k, v in table.items() if "forecaster" in v},
+                            ("forecaster", "retrains", "cold_cost", "guardrail_refusals")))
     if as_json:
         as_json.write_text(json.dumps({"trace": trace.name, "policies": table}, indent=1, default=float))
 

@@ -7,7 +7,9 @@ same policies the same way.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +18,8 @@ import pandas as pd
 from forecaster.coldstart.model import ColdStartModel
 from forecaster.coldstart.physics import physics_latency_table
 from forecaster.planning.fleet import PlannerSettings
+from forecaster.planning.step import planner_settings
+from forecaster.settings import Settings
 from forecaster.planning.forecasts import EmpiricalForecast, OracleForecast
 from forecaster.simulation.catalog import assign_models
 from forecaster.contracts.fleetconfig import FleetConfig
@@ -26,8 +30,9 @@ from forecaster.simulation.workload import Workload
 log = logging.getLogger(__name__)
 
 POLICY_NAMES = ("keepalive_5", "keepalive_10", "keepalive_20", "keepalive_30", "keepalive_60", "keepalive_120",
-                "hybrid_histogram", "reactive", "prewarm", "prewarm_scale_only", "oracle")
-DEFAULT_POLICIES = ("keepalive_10", "hybrid_histogram", "reactive", "prewarm", "prewarm_scale_only", "oracle")
+                "hybrid_histogram", "reactive", "prewarm", "prewarm_empirical", "prewarm_scale_only", "oracle")
+DEFAULT_POLICIES = ("keepalive_10", "hybrid_histogram", "reactive", "prewarm", "prewarm_empirical",
+                    "prewarm_scale_only", "oracle")
 AZURE_MEMORY = "azure_functions_2019_sample1350/app_memory_1350fn.csv.gz"
 
 
@@ -83,12 +88,87 @@ class LatencyInput:
         return table
 
 
+FORECASTERS = ("ensemble", "empirical", "oracle")
+
+
+class ForecastSources:
+    """The forecast sources of one replayed workload, built once and shared by every policy that replays it.
+
+    ``ensemble`` is the product's model (:class:`~forecaster.planning.ensemble_source.EnsembleForecast`: trained
+    on the minutes before ``train_until_min``, retrained every ``retrain_every_min`` simulated minutes), so the
+    replayed forecasts are the ones production would make; ``empirical`` and ``oracle`` are the reference
+    sources of :mod:`forecaster.planning.forecasts`.
+
+    Args:
+        panel: the workload's per-minute counts.
+        train_until_min: the first fit's minute (the end of the warm-up).
+        retrain_every_min: simulated minutes between retrains (production retrains nightly; 360 on a one-day
+            replay gives it real retrains).
+        members: ensemble members instead of the product default (quick runs and tests only).
+        settings: the product settings the ensemble is built with (default: defaults).
+    """
+
+    def __init__(self, panel, *, train_until_min: int, retrain_every_min: int = 360, members=None,
+                 settings: Settings | None = None, progress: Callable[[str], None] | None = None) -> None:
+        self.panel = panel
+        self.train_until_min = train_until_min
+        self.retrain_every_min = retrain_every_min
+        self.members = members
+        self.settings = settings or Settings()
+        self.progress = progress
+        self._sources: dict[str, object] = {}
+
+    def get(self, forecaster: str):
+        if forecaster not in FORECASTERS:
+            raise ValueError(f"unknown forecaster {forecaster!r}; expected one of {list(FORECASTERS)}")
+        if forecaster not in self._sources:
+            if forecaster == "ensemble":
+                from forecaster.planning.ensemble_source import EnsembleForecast
+
+                self._sources[forecaster] = EnsembleForecast(
+                    self.panel, train_until_min=self.train_until_min, retrain_every_min=self.retrain_every_min,
+                    members=self.members, settings=self.settings, progress=self.progress)
+            elif forecaster == "empirical":
+                self._sources[forecaster] = EmpiricalForecast(self.panel)
+            else:
+                self._sources[forecaster] = OracleForecast(self.panel)
+        return self._sources[forecaster]
+
+    def report(self, forecaster: str) -> dict:
+        """What the row reports about its forecaster: name, retrains and their cost."""
+        source = self._sources.get(forecaster)
+        out = {"forecaster": forecaster, "retrains": int(getattr(source, "retrains", 0) or 0)}
+        extra = getattr(source, "report", None)
+        if callable(extra):
+            out["forecaster_report"] = extra()
+        return out
+
+
+def policy_forecaster(name: str, forecaster: str) -> str | None:
+    """Which forecaster a policy name plans with (None: not a planner policy)."""
+    if name == "prewarm_empirical":
+        return "empirical"
+    if name in ("prewarm", "prewarm_scale_only"):
+        return forecaster
+    if name == "oracle":
+        return "oracle"
+    return None
+
+
 def make_policy(name: str, workload: Workload, config: FleetConfig, *, latency: LatencyInput | None = None,
-                settings: PlannerSettings | None = None, cold_cost: float = 1.0,
-                normalise_by_rate: bool | None = None):
-    """A policy by its report name (one of :data:`POLICY_NAMES`, or ``keepalive_<minutes>``)."""
+                settings: PlannerSettings | None = None, cold_cost: float | None = None,
+                normalise_by_rate: bool | None = None, forecaster: str = "ensemble",
+                sources: ForecastSources | None = None, product: Settings | None = None):
+    """A policy by its report name (one of :data:`POLICY_NAMES`, or ``keepalive_<minutes>``).
+
+    Planner policies (``prewarm``, ``prewarm_empirical``, ``prewarm_scale_only``, ``oracle``) run the product's
+    plan step with the product's settings (``product``, default: defaults) through its actuator; ``forecaster``
+    names the source of ``prewarm`` and ``prewarm_scale_only``.
+    """
+    product = product or Settings()
     latency = latency or LatencyInput(config)
-    settings = settings or PlannerSettings()
+    settings = settings or planner_settings(product)
+    cold_cost = product.planner_cold_cost if cold_cost is None else cold_cost
     normalise = workload.n_models > 1 if normalise_by_rate is None else normalise_by_rate
     if name.startswith("keepalive_"):
         return KeepAlivePolicy(int(name.split("_", 1)[1]))
@@ -96,36 +176,68 @@ def make_policy(name: str, workload: Workload, config: FleetConfig, *, latency: 
         return HybridHistogramPolicy()
     if name == "reactive":
         return KnativePolicy()
-    if name in ("prewarm", "prewarm_scale_only"):
-        tiers = name == "prewarm"
-        return PlannerPolicy(EmpiricalForecast(workload.panel), latency,
-                             PlannerSettings(**{**settings.__dict__, "tiers": tiers and settings.tiers}),
-                             name=name, cold_cost=cold_cost, normalise_by_rate=normalise)
-    if name == "oracle":
-        return PlannerPolicy(OracleForecast(workload.panel), latency, settings, name=name, cold_cost=cold_cost,
-                             normalise_by_rate=normalise)
-    raise ValueError(f"unknown policy {name!r}; expected one of {list(POLICY_NAMES)} or keepalive_<minutes>")
+    source_name = policy_forecaster(name, forecaster)
+    if source_name is None:
+        raise ValueError(f"unknown policy {name!r}; expected one of {list(POLICY_NAMES)} or keepalive_<minutes>")
+    if sources is None:
+        sources = ForecastSources(workload.panel, train_until_min=int(config.score_from_s // 60), settings=product)
+    tiers = settings.tiers and name != "prewarm_scale_only"
+    return PlannerPolicy(sources.get(source_name), latency, replace(settings, tiers=tiers), name=name,
+                         cold_cost=cold_cost, normalise_by_rate=normalise, product=product)
 
 
 def run_policies(workload: Workload, models: pd.DataFrame, config: FleetConfig, names: list[str], *,
                  latency: LatencyInput | None = None, settings: PlannerSettings | None = None,
-                 cold_cost: float = 1.0, progress: Callable[[str, float], None] | None = None
-                 ) -> dict[str, SimResult]:
-    """Simulate each named policy on the same workload and fleet."""
+                 cold_cost: float | None = None, progress: Callable[[str, float], None] | None = None,
+                 forecaster: str = "ensemble", sources: ForecastSources | None = None,
+                 product: Settings | None = None) -> dict[str, SimResult]:
+    """Simulate each named policy on the same workload and fleet (planner policies share ``sources``)."""
+    product = product or Settings()
+    if sources is None:
+        sources = ForecastSources(workload.panel, train_until_min=int(config.score_from_s // 60), settings=product)
     results = {}
     for name in names:
-        policy = make_policy(name, workload, config, latency=latency, settings=settings, cold_cost=cold_cost)
+        policy = make_policy(name, workload, config, latency=latency, settings=settings, cold_cost=cold_cost,
+                             forecaster=forecaster, sources=sources, product=product)
         report = (lambda frac, _n=name: progress(_n, frac)) if progress else None
         results[name] = FleetSimulator(workload, models, policy, config, progress=report).run()
         if isinstance(policy, PlannerPolicy):
             s = policy.summaries
+            actuation = policy.actuation.report() if policy.actuation is not None else {}
             results[name].extra["plans"] = {
                 "plans": len(s), "late": int(sum(x["late"] for x in s)),
                 "deferred": int(sum(x["deferred"] for x in s)),
                 "budget_denied_replicas": int(sum(x["budget_denied_replicas"] for x in s)),
+                "skipped_models": int(max((x.get("skipped", 0) for x in s), default=0)),
                 "actions_by_kind": {k: int(sum(x["by_kind"].get(k, 0) for x in s))
                                     for k in ("prepull", "preload", "scale", "release")}}
+            results[name].extra.update(sources.report(policy_forecaster(name, forecaster)))
+            results[name].extra["cold_cost"] = policy.cold_cost
+            results[name].extra["guardrail_refusals"] = actuation.get("guardrail_refusals", {})
+            results[name].extra["actuator"] = actuation
     return results
+
+
+class ReplayProgress:
+    """Progress of long replays: ``name: 25% (simulated minute 360 of 1440, ETA 3m05s)`` every 5 %.
+
+    Args:
+        total_minutes: simulated minutes of the replay.
+        echo: where lines go (default ``logging.info``).
+    """
+
+    def __init__(self, total_minutes: float, echo: Callable[[str], None] | None = None) -> None:
+        self.total_minutes = total_minutes
+        self.echo = echo or log.info
+        self._started: dict[str, float] = {}
+
+    def __call__(self, name: str, fraction: float) -> None:
+        now = time.perf_counter()
+        started = self._started.setdefault(name, now)
+        eta = (now - started) / fraction * (1.0 - fraction) if fraction > 0 else float("nan")
+        eta_text = f"{int(eta // 60)}m{int(eta % 60):02d}s" if np.isfinite(eta) else "?"
+        self.echo(f"  {name}: {fraction:.0%} (simulated minute {fraction * self.total_minutes:.0f} of "
+                  f"{self.total_minutes:.0f}, ETA {eta_text})")
 
 
 def summary_table(results: dict[str, SimResult], baseline: str = "keepalive_10") -> dict[str, dict]:
