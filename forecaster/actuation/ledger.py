@@ -228,7 +228,7 @@ class MemoryLedger:
             if r is not None and r.status is ActionStatus.PENDING and r.due_version == version:
                 found.append(r)
         found.sort(key=lambda r: (r.deadline, r.id))
-        for r in found[limit:]:  # beyond the batch: due again at once
+        for r in found:  # still pending until marked (as in the store): due again on the next call
             heapq.heappush(self._due, (self._due_at(r, now), r.id, r.due_version))
         return [r.row() for r in found[:limit]]
 

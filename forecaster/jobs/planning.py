@@ -61,10 +61,14 @@ def stored_forecast(engine: Engine, *, now: datetime, horizon_min: int) -> pd.Da
     return frame
 
 
-def fleet_from_store(engine: Engine, *, now: datetime) -> FleetState:
-    """Catalogue, nodes and caches from the store, through the one fleet builder the simulator uses too."""
+def fleet_from_store(engine: Engine, *, now: datetime, default_cold_cost: float = 1.0) -> FleetState:
+    """Catalogue, nodes and caches from the store, through the one fleet builder the simulator uses too.
+
+    A model without a numeric ``cold_cost`` label gets ``default_cold_cost`` (``PREWARM_PLANNER_COLD_COST``).
+    """
     with engine.connect() as conn:
         models, nodes, artefacts = read_fleet_inputs(conn, now=now)
+    models["cold_cost"] = models["cold_cost"].fillna(default_cold_cost)
     return build_fleet(models, nodes, artefacts)
 
 
@@ -91,7 +95,7 @@ def plan_job(engine: Engine, settings: Settings, now: datetime) -> dict:
     forecast = stored_forecast(engine, now=now, horizon_min=settings.plan_horizon_min)
     if forecast.empty:
         return {"skipped": "no forecasts yet"}
-    fleet = fleet_from_store(engine, now=now)
+    fleet = fleet_from_store(engine, now=now, default_cold_cost=settings.planner_cold_cost)
     latency = predicted_latency(engine, fleet, now=now)
     planned = plan_step(now, forecast, fleet, latency, planner_settings(settings))
     submitted, reports = Actuator(engine, settings, build_backend(settings)).apply(planned, now=now)

@@ -298,6 +298,7 @@ class PlannerPolicy:
             requests per minute (so every model's cold-start percentage weighs
             the same, as a per-model SLO does).
         product: the product settings whose ``actuator_*`` guardrails the replay applies (default: defaults).
+        record_plans: keep every plan made (tests; off for long replays).
     """
 
     reactive_overload = True
@@ -306,7 +307,7 @@ class PlannerPolicy:
 
     def __init__(self, source: ForecastSource, latency: LatencyProvider, settings: PlannerSettings = PlannerSettings(),
                  *, name: str = "prewarm", cold_cost: float = 1.0, normalise_by_rate: bool = False,
-                 product: Settings | None = None):
+                 product: Settings | None = None, record_plans: bool = False):
         self.source = source
         self.latency = latency
         self.settings = settings
@@ -315,6 +316,7 @@ class PlannerPolicy:
         self.normalise_by_rate = normalise_by_rate
         self.product = product or Settings()
         self.summaries: list[dict] = []
+        self.plans: list[Plan] | None = [] if record_plans else None
         self.actuation: ReplayActuation | None = None
         self._next_plan_s = 0.0
 
@@ -354,6 +356,8 @@ class PlannerPolicy:
             forecast = self.source.quantiles(now, self.settings.horizon_min)
             result = plan_step(now, forecast, self.fleet(view, now), self.latency(view), self.settings)
             self.summaries.append(result.summary)
+            if self.plans is not None:
+                self.plans.append(result)
             self.actuation.submit(result, now)
         self.actuation.run_due(now)
         return None

@@ -1,0 +1,110 @@
+"""The two action ledgers hold the same records the same way: one table of cases, run on the store and in memory."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from forecaster.actuation.backends.base import ModelTarget
+from forecaster.actuation.ledger import MemoryLedger, StoreLedger
+from forecaster.contracts.actions import Action, ActionKind, ActionStatus, FailureReason, Plan, Reason
+from forecaster.store.catalog import ServingModelSpec, upsert_models
+
+NOW = datetime(2026, 12, 1, 10, 0, tzinfo=timezone.utc)
+MIN = timedelta(minutes=1)
+
+
+def scale(model: str, replicas: int, *, at: datetime = NOW, deadline_min: int = 10) -> Action:
+    return Action(kind=ActionKind.SCALE, model_id=model, reason=Reason.FORECAST_SPIKE, not_before=at,
+                  deadline=at + deadline_min * MIN, replicas=replicas)
+
+
+@pytest.fixture(params=["store", "memory"])
+def ledger(request):
+    targets = {m: ModelTarget(model_id=m, gpus_per_replica=2) for m in ("a", "b")}
+    if request.param == "memory":
+        return MemoryLedger(targets)
+    engine = request.getfixturevalue("engine")
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id=m, gpus_per_replica=2) for m in ("a", "b")])
+    return StoreLedger(engine)
+
+
+def test_same_work_is_merged_into_one_open_unit(ledger):
+    with ledger.session() as s:
+        plan_id = s.record_plan(Plan(planned_at=NOW))
+        first, merged_first = s.submit_action(plan_id, scale("a", 3, at=NOW + 2 * MIN), backend="t", now=NOW)
+        second, merged_second = s.submit_action(plan_id, scale("a", 3, at=NOW + MIN, deadline_min=30), backend="t",
+                                                now=NOW)
+        other, _ = s.submit_action(plan_id, scale("a", 4), backend="t", now=NOW)
+    assert (merged_first, merged_second) == (False, True) and first == second and other != first
+    with ledger.session() as s:
+        due = s.due_actions(NOW + MIN, 10)
+    # the merged unit now starts at the earlier not-before and ends at the later deadline; "other" is due too,
+    # ordered by deadline
+    assert [r["id"] for r in due] == [other, first]
+    assert datetime.fromisoformat(str(due[1]["deadline"])) == NOW + MIN + 30 * MIN
+
+
+def test_due_respects_not_before_and_retry_times(ledger):
+    with ledger.session() as s:
+        later, _ = s.submit_action(None, scale("a", 2, at=NOW + 5 * MIN), backend="t", now=NOW)
+        now_id, _ = s.submit_action(None, scale("b", 2), backend="t", now=NOW)
+    with ledger.session() as s:
+        assert [r["id"] for r in s.due_actions(NOW, 10)] == [now_id]
+        s.mark(now_id, ActionStatus.RUNNING, now=NOW, start=True)
+        s.mark(now_id, ActionStatus.PENDING, now=NOW, reason=FailureReason.INTERNAL, next_attempt_at=NOW + 2 * MIN)
+    with ledger.session() as s:
+        assert s.due_actions(NOW + MIN, 10) == []
+        # both due now, the earlier deadline first; asking again returns the same (nothing is taken until marked)
+        assert [r["id"] for r in s.due_actions(NOW + 5 * MIN, 10)] == [now_id, later]
+        assert [r["id"] for r in s.due_actions(NOW + 5 * MIN, 1)] == [now_id]
+
+
+def test_starts_are_counted_per_minute(ledger):
+    with ledger.session() as s:
+        ids = [s.submit_action(None, scale("a", r), backend="t", now=NOW)[0] for r in (1, 2, 3)]
+        for i, action_id in enumerate(ids):
+            s.mark(action_id, ActionStatus.RUNNING, now=NOW + i * 40 * timedelta(seconds=1), start=True)
+    with ledger.session() as s:
+        assert s.started_since(NOW) == 3
+        assert s.started_since(NOW + timedelta(seconds=30)) == 2
+        assert s.started_since(NOW + 2 * MIN) == 0
+
+
+def test_gpus_ahead_follow_the_latest_counted_scale(ledger):
+    with ledger.session() as s:
+        a1, _ = s.submit_action(None, scale("a", 2), backend="t", now=NOW)
+        s.mark(a1, ActionStatus.RUNNING, now=NOW, start=True)
+        s.mark(a1, ActionStatus.SUCCEEDED, now=NOW, detail={"ahead_gpus": 4})
+        b1, _ = s.submit_action(None, scale("b", 3), backend="t", now=NOW)
+        s.mark(b1, ActionStatus.RUNNING, now=NOW, start=True, detail={"ahead_gpus": 6})
+    with ledger.session() as s:
+        assert s.ahead_gpus_total() == 10
+        assert s.ahead_gpus_total(excluding="a") == 6
+        a2, _ = s.submit_action(None, scale("a", 5), backend="t", now=NOW + MIN)
+        s.mark(a2, ActionStatus.RUNNING, now=NOW + MIN, start=True, detail={"ahead_gpus": 8})
+    with ledger.session() as s:
+        assert s.ahead_gpus_total() == 14
+        # the newer scale of "a" fails: its older, succeeded one counts again
+        s.mark(a2, ActionStatus.FAILED, now=NOW + MIN, reason=FailureReason.INTERNAL)
+    with ledger.session() as s:
+        assert s.ahead_gpus_total() == 10
+
+
+def test_lost_running_actions_are_reaped(ledger):
+    with ledger.session() as s:
+        action_id, _ = s.submit_action(None, scale("a", 2, deadline_min=1), backend="t", now=NOW)
+        s.mark(action_id, ActionStatus.RUNNING, now=NOW, start=True)
+    with ledger.session() as s:
+        assert s.reap_lost(NOW + 3 * MIN) == 0  # inside the grace after the deadline
+        assert s.reap_lost(NOW + 7 * MIN) == 1
+        # a reaped unit is closed: the same work is a new unit
+        again, merged = s.submit_action(None, scale("a", 2), backend="t", now=NOW + 7 * MIN)
+    assert not merged and again != action_id
+
+
+def test_model_targets_come_from_the_catalogue(ledger):
+    targets = ledger.model_targets({"a", "zzz"})
+    assert set(targets) == {"a"} and targets["a"].gpus_per_replica == 2
