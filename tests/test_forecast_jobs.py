@@ -108,7 +108,7 @@ def test_forecast_job_stores_every_forecast_level_and_the_api_serves_them(engine
             "CROSS JOIN generate_series(1, 60) AS k")).scalar()
     assert [tuple(row) for row in stored] == [("{0.1,0.5,0.9,0.95,0.99}", True, True)] and ordered
 
-    model_id = sorted(model_ids(engine))[0]
+    model_id = min(model_ids(engine))
     read = create_token(engine, name="read", scopes=["read"])
     app = create_app(ingested, engine, clock=lambda: DAY_END + timedelta(seconds=20))
     with TestClient(app) as client:

@@ -43,14 +43,24 @@ skipped; the ``Fallback`` member always remains, and a series with fewer than
 ``min_history`` known steps uses the fallback alone. A series without enough
 validation residuals gets Poisson quantiles around the point forecast.
 
-Output columns: ``ensemble`` (the point forecast, equal to ``q0.5``),
-``q0.1``, ``q0.5``, ``q0.9`` (one per requested quantile), ``p_any``, and with
-``members=True`` each member's point forecast under its own name.
+Output columns: ``ensemble`` (the point forecast, equal to ``q0.5``), one
+``q<level>`` per requested quantile (default ``q0.1``, ``q0.5``, ``q0.9``,
+``q0.95``, ``q0.99``, named by :func:`forecaster.contracts.forecast.quantile_column`),
+``p_any``, and with ``members=True`` each member's point forecast under its own name.
+
+Levels beyond q0.9 (issue 11): with the default retrain's 16 validation
+origins one (series, horizon) cell holds 16 residuals, and the split-conformal
+q0.95 and q0.99 of 16 residuals are both their largest, which covers only
+16/17 of new points. Such levels pool neighbouring horizons until there are
+enough residuals (:func:`pool_horizons`; q0.9 and q0.1 are unchanged), series
+on the quantile heads conformalise them on the nearest head (``head_levels``),
+and the upper levels are sorted so that q0.9 <= q0.95 <= q0.99.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import time
 import warnings
@@ -547,12 +557,12 @@ class Ensemble:
             if tau in getattr(self, "head_offsets_", {}) and getattr(self, "heads_", {}):
                 bound = self._head_bound(panel, origins, h, tau, point, bound, head_cache)
             bounds[tau] = np.clip(bound, 0.0, None)
-        for side in ([t for t in bounds if t > 0.5], [t for t in bounds if t < 0.5][::-1]):
-            # monotone rearrangement away from the median: sorting quantile estimates never worsens them
-            for inner, outer in zip(sorted(side, key=lambda t: abs(t - 0.5)),
-                                    sorted(side, key=lambda t: abs(t - 0.5))[1:], strict=False):
-                pick = np.maximum if outer > 0.5 else np.minimum
-                bounds[outer] = pick(bounds[outer], bounds[inner])
+        # monotone rearrangement outward from the median (each bound already lies on its side of the point):
+        # sorting quantile estimates never makes them worse (Chernozhukov, Fernandez-Val and Galichon, 2010)
+        for side in ([t for t in bounds if t > 0.5], [t for t in bounds if t < 0.5]):
+            outward = sorted(side, key=lambda t: abs(t - 0.5))
+            for inner, outer in itertools.pairwise(outward):
+                bounds[outer] = (np.maximum if outer > 0.5 else np.minimum)(bounds[outer], bounds[inner])
         for tau in sorted(bounds):
             result[quantile_column(tau)] = bounds[tau]
         with np.errstate(invalid="ignore"):
@@ -573,7 +583,7 @@ class Ensemble:
         """Forecast ``h`` steps after the end of ``history`` (default: the fit window), no refit.
 
         Returns:
-            ``unique_id, ds, ensemble, q0.1, q0.5, q0.9, p_any`` (plus member columns).
+            ``unique_id, ds, ensemble``, one ``q<level>`` per quantile, ``p_any`` (plus member columns).
         """
         if not hasattr(self, "members_"):
             raise RuntimeError("Ensemble is not fitted; call fit() first")

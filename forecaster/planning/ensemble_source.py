@@ -192,7 +192,7 @@ class EnsembleForecast:
         col = self.schedule[0] if self.schedule else until
         while col < until:
             fit = self.fit_minute(col)
-            first, end = self._block(col, fit)
+            _, end = self._block(col, fit)
             self._cached(col, fit)
             col = end
         return self.report()
