@@ -97,7 +97,7 @@ class Settings(BaseSettings):
     forecast_retention_days: int = Field(
         default=2, ge=1,
         description="Days of forecast runs kept: whole daily partitions older than this are dropped. The table "
-                    "grows by about 1.3 KB per model per minute (60 minutes x point, p_any, 3 quantiles as real).")
+                    "grows by about 1.8 KB per model per minute (60 minutes x point, p_any, 5 quantiles as real).")
     train_window_min: int = Field(default=7 * 1440, ge=240, description="History the nightly retrain learns from.")
     plan_horizon_min: int = Field(default=10, ge=1, le=60, description="Minutes ahead the planner plans.")
 

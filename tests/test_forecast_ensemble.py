@@ -7,7 +7,13 @@ import pandas as pd
 import pytest
 
 from forecaster.forecast.backtest import Protocol, run_backtest
-from forecaster.forecast.ensemble import Ensemble, conformal_rank, residual_quantiles
+from forecaster.forecast.ensemble import (
+    Ensemble,
+    conformal_rank,
+    needed_residuals,
+    pool_horizons,
+    residual_quantiles,
+)
 from forecaster.forecast.members import Member, MovingAverage, SeasonalNaive
 from forecaster.forecast.panel import Panel
 from forecaster.forecast.trees import LightGBMMember
@@ -149,9 +155,11 @@ def test_series_too_new_and_unseen_series_use_the_fallback() -> None:
 def test_output_columns_are_ordered_quantiles_and_probabilities() -> None:
     panel = mixed_panel()
     out = Ensemble([MovingAverage(30)], horizon=10).fit_panel(panel).predict(12, members=True)
-    assert list(out.columns[:7]) == ["unique_id", "ds", "ensemble", "q0.1", "q0.5", "q0.9", "p_any"]
+    assert list(out.columns[:9]) == ["unique_id", "ds", "ensemble", "q0.1", "q0.5", "q0.9", "q0.95", "q0.99",
+                                     "p_any"]
     assert "moving_average_30-q0.9" in out.columns
     assert (out["q0.1"] <= out["q0.5"]).all() and (out["q0.5"] <= out["q0.9"]).all()
+    assert (out["q0.9"] <= out["q0.95"]).all() and (out["q0.95"] <= out["q0.99"]).all()
     assert (out["q0.1"] >= 0).all() and out["p_any"].between(0, 1).all()
     assert np.array_equal(out["ensemble"], out["q0.5"])
 
@@ -191,6 +199,36 @@ def test_q90_covers_ninety_percent_of_poisson_counts_with_known_rates(interval_s
 
     true90 = poisson.ppf(0.9, rates)
     assert np.median(np.abs(arrays.q90.mean(axis=(1, 2)) - true90) / true90) < 0.1
+
+
+def test_q95_and_q99_are_calibrated_from_sixteen_validation_origins() -> None:
+    # 16 validation origins, as the default retrain has on one day: one (series, horizon) cell holds 16
+    # residuals, whose largest covers only 16/17 = 0.94; pooling neighbouring horizons makes q0.99 a real q0.99
+    rates = np.linspace(2.0, 30.0, 40)
+    panel = poisson_panel(rates, 1000, seed=3)
+    protocol = Protocol("poisson", 400, tuple(range(400, 986, 15)), 15, 1.0, None, (1, 5, 15))
+    ensemble = Ensemble([MovingAverage(60)], horizon=15, validation_steps=200, stride=12, refit=False)
+    ensemble.fit_panel(panel.head(protocol.fit_steps))
+    assert len(ensemble.validation_origins_) == 16
+    arrays = ensemble.forecast(panel, list(protocol.origins), 15)
+    actual = np.stack([panel.values[:, o : o + 15] for o in protocol.origins], axis=1)  # 23,400 points
+    # split conformal with n residuals covers at least tau and at most tau + 1 / (n + 1): 0.95 pools 48
+    # residuals (<= 0.97), 0.99 pools 112 (<= 0.999); on counts P(y < q) is the lower end (EVALUATION.md)
+    for tau, upper in ((0.95, 0.97), (0.99, 0.999)):
+        weak, strict = np.mean(actual <= arrays[f"q{tau}"]), np.mean(actual < arrays[f"q{tau}"])
+        assert weak >= tau - 0.005 and strict <= upper + 0.005, (tau, strict, weak)
+    assert (arrays["q0.99"] >= arrays["q0.95"]).all() and (arrays["q0.95"] >= arrays["q0.9"]).all()
+
+
+def test_pooled_horizons_give_each_level_enough_residuals() -> None:
+    assert [needed_residuals(t) for t in (0.9, 0.95, 0.99, 0.1)] == [9, 19, 99, 9]
+    residuals = np.arange(60 * 16, dtype=float).reshape(1, 60, 16)
+    assert pool_horizons(residuals, 0.9) is residuals  # 16 >= 9: nothing pooled
+    assert pool_horizons(residuals, 0.95).shape == (1, 60, 48)  # 3 horizons
+    pooled = pool_horizons(residuals, 0.99)
+    assert pooled.shape == (1, 60, 112)  # 7 horizons x 16 origins >= 99
+    assert np.array_equal(np.unique(pooled[0, 0] // 16), np.arange(7))  # h1 pools h1..h7 (shifted inward)
+    assert np.array_equal(np.unique(pooled[0, 30] // 16), np.arange(27, 34))  # h31 pools h28..h34
 
 
 def test_probability_of_any_invocation_matches_known_rates() -> None:

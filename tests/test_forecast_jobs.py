@@ -13,7 +13,7 @@ from forecaster.data import AZURE2019_TOP100, sample_path
 from forecaster.forecast.ensemble import Ensemble
 from forecaster.forecast.members import MovingAverage, Naive, SeasonalNaive
 from forecaster.ingest.service import ingest_trace_file
-from forecaster.jobs.forecasting import forecast_job, retrain_job
+from forecaster.jobs.forecasting import forecast_job, model_ids, retrain_job
 
 DAY_END = datetime(2019, 7, 16, tzinfo=timezone.utc)  # the shipped sample covers 2019-07-15
 
@@ -86,6 +86,41 @@ def test_a_worse_challenger_is_not_promoted(engine, ingested):
 def test_forecast_job_without_champion_falls_back(engine, ingested):
     result = forecast_job(engine, ingested, DAY_END, cache=registry.ChampionCache())
     assert result["models"] == 100 and result["model_version"] is None and result["rows"] == 6000
+
+
+def test_forecast_job_stores_every_forecast_level_and_the_api_serves_them(engine, ingested):
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from forecaster.store.tokens import create_token
+
+    first = retrain_job(engine, ingested, DAY_END, cache=registry.ChampionCache(),
+                        ensemble_factory=small(SeasonalNaive(15)))
+    forecast_job(engine, ingested, DAY_END, cache=registry.ChampionCache())
+    with engine.connect() as conn:
+        stored = conn.execute(text(
+            "SELECT DISTINCT quantile_levels::text, bool_and(p_any IS NOT NULL), "
+            "bool_and(model_version_id = :v) FROM forecasts GROUP BY 1"), {"v": first["version"]}).all()
+        # per run and minute: q0.5 <= q0.9 <= q0.95 <= q0.99, p_any in [0, 1]
+        ordered = conn.execute(text(
+            "SELECT bool_and(q[2][k] <= q[3][k] AND q[3][k] <= q[4][k] AND q[4][k] <= q[5][k] "
+            "AND p_any[k] BETWEEN 0 AND 1) FROM (SELECT quantiles AS q, p_any FROM forecasts) f "
+            "CROSS JOIN generate_series(1, 60) AS k")).scalar()
+    assert [tuple(row) for row in stored] == [("{0.1,0.5,0.9,0.95,0.99}", True, True)] and ordered
+
+    model_id = min(model_ids(engine))
+    read = create_token(engine, name="read", scopes=["read"])
+    app = create_app(ingested, engine, clock=lambda: DAY_END + timedelta(seconds=20))
+    with TestClient(app) as client:
+        headers = {"Authorization": f"Bearer {read}"}
+        body = client.get(f"/v1/models/{model_id}/forecast?horizon=5", headers=headers).json()
+        assert len(body["points"]) == 5
+        assert set(body["points"][0]["quantiles"]) == {"0.1", "0.5", "0.9", "0.95", "0.99"}  # the default: all
+        asked = client.get(f"/v1/models/{model_id}/forecast?horizon=5&quantiles=0.95,0.99", headers=headers).json()
+        assert [set(p["quantiles"]) for p in asked["points"]] == [{"0.95", "0.99"}] * 5
+        assert all(p["quantiles"]["0.95"] <= p["quantiles"]["0.99"] for p in asked["points"])
+        assert [p["quantiles"]["0.99"] for p in asked["points"]] == [p["quantiles"]["0.99"] for p in body["points"]]
+        assert client.get(f"/v1/models/{model_id}/forecast?quantiles=0.975", headers=headers).status_code == 422
 
 
 def test_backtest_command_writes_store_and_csv(engine, ingested, db_url, tmp_path):

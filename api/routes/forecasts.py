@@ -14,10 +14,14 @@ from fastapi.concurrency import run_in_threadpool
 
 from api.deps import ClockDep, EngineDep, ReadToken, SettingsDep
 from api.schemas import ForecastPoint, ForecastPublic, RecommendationPublic
+from forecaster.contracts.forecast import FORECAST_LEVELS
 from forecaster.planning.recommendation import recommend
 from forecaster.store.forecasts import latest_forecast, quantile_columns
 
 router = APIRouter(prefix="/v1/models", tags=["forecasts"])
+
+QUANTILES_HELP = ("Comma-separated levels among those stored, e.g. 0.5,0.95,0.99; default: all of them (the "
+                  f"forecast job stores {','.join(f'{q:g}' for q in FORECAST_LEVELS)}).")
 
 
 def _parse_levels(quantiles: str | None) -> list[float] | None:
@@ -44,8 +48,9 @@ def _stale_or_503(request: Request, key: str):
             responses={404: {"description": "Unknown model or no forecast yet"}})
 def get_forecast(model_id: str, request: Request, engine: EngineDep, clock: ClockDep, _: ReadToken,
                  horizon: int = Query(60, ge=1, le=1440, description="Minutes ahead."),
-                 quantiles: str | None = Query(None, description="Comma-separated levels, e.g. 0.1,0.5,0.9.")
+                 quantiles: str | None = Query(None, description=QUANTILES_HELP)
                  ) -> ForecastPublic:
+    """The newest stored run: every stored level by default (the forecast job stores ``FORECAST_LEVELS``)."""
     levels = _parse_levels(quantiles)
     key = f"forecast:{model_id}:{horizon}:{quantiles}"
     try:

@@ -38,7 +38,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from forecaster.contracts.forecast import FORECAST_LEVELS
 from forecaster.forecast.ensemble import Ensemble
+from forecaster.forecast.members import Member
 from forecaster.forecast.panel import Panel, forecast_frame
 
 log = logging.getLogger(__name__)
@@ -271,3 +273,29 @@ class ShardedEnsemble:
             state["shards_"] = {key: None for key in state["shards_"]}
         state.pop("base_path_", None)
         return state
+
+
+def production_model(settings, *, members: Sequence[Member] | None = None, quantiles: Sequence[float] = FORECAST_LEVELS,
+                     progress: Callable[[str], None] | None = None) -> ShardedEnsemble:
+    """The product's forecaster, unfitted: what the nightly retrain trains and the replays' ensemble source uses.
+
+    The default ensemble (:func:`~forecaster.forecast.ensemble.default_members`
+    plus the fallback, ``settings.forecast_horizon_min`` horizons, the
+    :data:`~forecaster.contracts.forecast.FORECAST_LEVELS`) on shards of at most
+    ``settings.shard_max_series`` similar series, run on the executor of
+    ``settings`` (Dask, a local pool, or in this process).
+
+    Args:
+        settings: a :class:`forecaster.settings.Settings`.
+        members: unfitted members instead of the default five (tests, quick replays); the fallback is added.
+        quantiles: quantile levels of the output.
+        progress: called with one line per stage.
+    """
+    import functools
+
+    from forecaster.distributed.executor import executor_for
+
+    factory = functools.partial(Ensemble, members=None if members is None else list(members),
+                                horizon=settings.forecast_horizon_min, quantiles=tuple(quantiles))
+    return ShardedEnsemble(factory, shard_max_series=settings.shard_max_series, executor=executor_for(settings),
+                           progress=progress)

@@ -27,7 +27,7 @@ from forecaster.forecast.backtest import MethodForecasts, Protocol, evaluate
 from forecaster.forecast.ensemble import Ensemble
 from forecaster.forecast.panel import Panel
 from forecaster.forecast.registry import ChampionCache, promote, register, save_version, set_status
-from forecaster.forecast.sharded import ShardedEnsemble
+from forecaster.forecast.sharded import ShardedEnsemble, production_model
 from forecaster.jobs.history import HistoryCache
 from forecaster.settings import Settings
 from forecaster.store.forecasts import write_forecast_arrays
@@ -66,10 +66,13 @@ def _with_executor(model, settings: Settings):
 
 
 def default_model(settings: Settings, *, progress=None) -> ShardedEnsemble:
-    """The production challenger: the default ensemble on shards of <= ``shard_max_series`` similar series."""
-    return ShardedEnsemble(functools.partial(Ensemble, horizon=settings.forecast_horizon_min),
-                           shard_max_series=settings.shard_max_series, executor=executor_for(settings),
-                           progress=progress)
+    """The production challenger: the default ensemble on shards of <= ``shard_max_series`` similar series.
+
+    Built by :func:`forecaster.forecast.sharded.production_model`, the one factory
+    the replays' :class:`~forecaster.planning.ensemble_source.EnsembleForecast`
+    uses too; its output has every level of ``FORECAST_LEVELS`` and ``p_any``.
+    """
+    return production_model(settings, progress=progress)
 
 
 _fallbacks: dict[str, tuple[datetime, Ensemble]] = {}  # database#horizon -> (fitted at, model)

@@ -1,5 +1,5 @@
 """Forecast sources for the planner: an oracle and a simple causal source (the contract is in
-:mod:`forecaster.contracts.forecast`; the ensemble's source is :mod:`forecaster.forecast.source`).
+:mod:`forecaster.contracts.forecast`; the ensemble's source is :mod:`forecaster.planning.ensemble_source`).
 
 Both read a :class:`CountPanel`; each call at ``now`` looks only at columns
 before ``now`` (the oracle, by design, also at the ones after).
