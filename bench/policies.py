@@ -18,13 +18,21 @@ Default run (traces from ``PREWARM_TRACES_DIR``, default ``../shared/traces``):
 3. ``azure_llm_code`` (``--llm``): a bursty per-request LLM trace in the fleet
    simulator (16 nodes; first 10 minutes warm-up).
 
-prewarm and prewarm_scale_only are run for a fixed grid of cold costs (the
-value of a second of wait in GPU-seconds, the SLO weight): the grid is the
-policy's Pareto curve, like the keep-alive lengths. The reported ``prewarm``
-point is chosen by each target's own constraint, on that fixed grid: the most
-wasteful point not above the hybrid policy's waste (Azure), the lowest p99
-within 1.2x the reactive autoscaler's GPU-seconds (LLM). The grid never changes
-with the data.
+Every planner row runs the product's plan step through its actuator (the
+guardrails of the default settings) onto the simulated cluster:
+
+* ``prewarm``: the product default, forecasts from the ensemble
+  (``--forecaster``, default ``ensemble``: the production model trained on the
+  warm-up and retrained every ``--retrain-every-min`` simulated minutes), at
+  the default cold cost (``PREWARM_PLANNER_COLD_COST``); not chosen after scoring;
+* ``prewarm_empirical``: the same with the causal empirical source;
+* ``prewarm_scale_only``: the ensemble without pre-pull/pre-load tiers;
+* ``oracle``: the planner with perfect forecasts.
+
+Each planner row reports ``forecaster``, ``retrains`` and ``guardrail_refusals``
+(what the actuator refused or bounded, by reason). ``prewarm_k<cost>`` and
+``prewarm_empirical_k<cost>`` are the curves over a fixed grid of cold costs
+(the value of a second of wait in GPU-seconds), fixed before the run.
 
 ``--trace PATH --format F`` runs any supported trace in the fleet simulator
 (and, for ``azure2019``, the minute protocol too).
@@ -50,7 +58,10 @@ from forecaster.settings import load_settings  # noqa: E402
 from forecaster.contracts.fleetconfig import FleetConfig  # noqa: E402
 from forecaster.simulation.minute import (  # noqa: E402
     WARMUP_MIN, hybrid_loaded, keepalive_loaded, oracle_loaded, planner_loaded, reactive_loaded, score_loaded)
-from forecaster.simulation.runner import LatencyInput, format_table, models_for, run_policies, summary_table  # noqa: E402
+from forecaster.planning.forecasts import CountPanel  # noqa: E402
+from forecaster.settings import Settings  # noqa: E402
+from forecaster.simulation.runner import (FORECASTERS, ForecastSources, LatencyInput, ReplayProgress,  # noqa: E402
+                                          format_table, models_for, run_policies, summary_table)
 from forecaster.simulation.workload import load_workload  # noqa: E402
 
 AZURE_DAY = "azure_functions_2019_sample1350/invocations_per_function_1day_1350fn.csv.gz"
@@ -76,13 +87,13 @@ def progress(name: str, frac: float) -> None:
 # --------------------------------------------------------------------------- the minute-level protocol
 
 
-def azure_minute(traces: Path, quick: bool) -> dict:
+def azure_minute(traces: Path, quick: bool, forecaster: str, retrain_every_min: int, grid=MINUTE_GRID) -> dict:
     inv = pd.read_csv(traces / AZURE_DAY)
     memory = pd.read_csv(traces / AZURE_MEMORY).set_index("HashApp")["AverageAllocatedMb"]
     counts = inv[[c for c in inv.columns if c.startswith("minute_")]].to_numpy(dtype="float64")
     mb = memory.reindex(inv["HashFunction"]).to_numpy(dtype="float64")
     if quick:
-        counts, mb = counts[:300], mb[:300]
+        counts, mb = counts[:300, :720], mb[:300]
     table: dict[str, dict] = {}
     loaded = {f"keepalive_{k}": keepalive_loaded(counts, k) for k in (5, 10, 20, 30, 60, 120, 240)}
     log("minute protocol: hybrid histogram")
@@ -90,49 +101,48 @@ def azure_minute(traces: Path, quick: bool) -> dict:
     loaded["reactive"] = reactive_loaded(counts)
     loaded["oracle"] = oracle_loaded(counts)
     scores = {name: score_loaded(counts, mb, value, WARMUP_MIN) for name, value in loaded.items()}
-    for k in MINUTE_GRID:
-        log(f"minute protocol: prewarm cold_cost={k:g}")
-        value, _ = planner_loaded(counts, mb, cold_cost=k)
-        scores[f"prewarm_k{k:g}"] = score_loaded(counts, mb, value, WARMUP_MIN)
+    product = Settings()
+    ids = np.array([f"f{i}" for i in range(len(counts))], dtype=object)
+    panel = CountPanel(ids=ids, start=pd.Timestamp("2019-07-15", tz="UTC"), counts=counts)
+    sources = ForecastSources(panel, train_until_min=WARMUP_MIN, retrain_every_min=retrain_every_min,
+                              settings=product, progress=lambda line: log(f"  ensemble: {line}"))
+    extra: dict[str, dict] = {}
+    runs = [("prewarm", forecaster, product.planner_cold_cost), ("prewarm_empirical", "empirical",
+                                                                 product.planner_cold_cost)]
+    runs += [(f"prewarm_k{k:g}", forecaster, k) for k in grid]
+    runs += [(f"prewarm_empirical_k{k:g}", "empirical", k) for k in grid]
+    for name, source_name, cost in runs:
+        log(f"minute protocol: {name} ({source_name}, cold_cost={cost:g})")
+        started = time.perf_counter()
+        value, info = planner_loaded(counts, mb, cold_cost=cost, source=sources.get(source_name), product=product)
+        scores[name] = score_loaded(counts, mb, value, WARMUP_MIN)
+        extra[name] = {**sources.report(source_name), "cold_cost": cost,
+                       "guardrail_refusals": info["guardrail_refusals"], "actuator": {
+                           k: info[k] for k in ("submitted", "merged", "by_status", "still_open")},
+                       "wall_s": time.perf_counter() - started}
     base = scores["keepalive_10"].wasted_memory_mb_min
     for name, s in scores.items():
         table[name] = {"cold_pct_p75": s.cold_pct_p75, "cold_pct_overall": s.cold_pct_overall,
                        "wasted_norm_pct": 100.0 * s.wasted_memory_mb_min / base, "wait_p99_s": None,
                        "slo_attainment": None, "gpu_seconds": s.loaded_memory_mb_min * 60 / 1024,
-                       "cold_minutes": s.cold_minutes}
-    chosen = choose_by_waste(table, "hybrid_histogram", MINUTE_GRID)
-    table["prewarm"] = {**table[chosen], "chosen_from": chosen}
-    table["prewarm_scale_only"] = {**table[chosen], "chosen_from": chosen,
+                       "cold_minutes": s.cold_minutes, **extra.get(name, {})}
+    table["prewarm_scale_only"] = {**table["prewarm"],
                                    "note": "no tiers exist at minute level: the same run as prewarm"}
     return table
-
-
-def choose_by_waste(table: dict, reference: str, grid, prefix: str = "prewarm") -> str:
-    """The grid point with the most waste not above ``reference``'s (the least wasteful if none)."""
-    names = [f"{prefix}_k{k:g}" for k in grid if f"{prefix}_k{k:g}" in table]
-    limit = table[reference]["wasted_norm_pct"]
-    within = [n for n in names if table[n]["wasted_norm_pct"] <= limit + 1e-9]
-    if within:
-        return max(within, key=lambda n: table[n]["wasted_norm_pct"])
-    return min(names, key=lambda n: table[n]["wasted_norm_pct"])
-
-
-def choose_by_gpu(table: dict, reference: str, grid, prefix: str, ratio: float = 1.2) -> str:
-    """The grid point with the lowest p99 wait within ``ratio`` x ``reference``'s GPU-seconds."""
-    names = [f"{prefix}_k{k:g}" for k in grid if f"{prefix}_k{k:g}" in table]
-    limit = ratio * table[reference]["gpu_seconds"]
-    within = [n for n in names if table[n]["gpu_seconds"] <= limit]
-    pool = within or names
-    return min(pool, key=lambda n: (table[n]["wait_p99_s"], table[n]["gpu_seconds"]))
 
 
 # --------------------------------------------------------------------------- fleet runs
 
 
 def fleet(workload, models, config: FleetConfig, grid, *, baselines=("keepalive_10", "hybrid_histogram", "reactive"),
-          learn_latency: bool = True) -> tuple[dict, dict]:
-    """Baselines, then prewarm / scale-only / oracle with the latency model trained on the first baseline's warm-up."""
-    results = run_policies(workload, models, config, list(baselines), progress=progress)
+          learn_latency: bool = True, forecaster: str = "ensemble", retrain_every_min: int = 360) -> tuple[dict, dict]:
+    """Baselines, then the planner rows with the latency model trained on the first baseline's warm-up."""
+    product = Settings()
+    sources = ForecastSources(workload.panel, train_until_min=int(config.score_from_s // 60),
+                              retrain_every_min=retrain_every_min, settings=product,
+                              progress=lambda line: log(f"  ensemble: {line}"))
+    reporter = ReplayProgress(workload.duration_s / 60.0, echo=log)
+    results = run_policies(workload, models, config, list(baselines), progress=reporter)
     latency = LatencyInput(config)
     info = {"latency_input": "physics prior"}
     events = results[baselines[0]].events
@@ -142,24 +152,17 @@ def fleet(workload, models, config: FleetConfig, grid, *, baselines=("keepalive_
         if model.trees_ is not None:
             latency = LatencyInput(config, model=model)
             info = {"latency_input": f"ColdStartModel fitted on {len(warm)} warm-up cold starts of {baselines[0]}"}
+    common = dict(latency=latency, progress=reporter, forecaster=forecaster, sources=sources, product=product)
+    for name in ("prewarm", "prewarm_empirical", "prewarm_scale_only", "oracle"):
+        log(f"fleet: {name} (default cold cost {product.planner_cold_cost:g})")
+        results.update(run_policies(workload, models, config, [name], **common))
     for k in grid:
-        for name in ("prewarm", "prewarm_scale_only"):
+        for name in ("prewarm", "prewarm_empirical", "prewarm_scale_only"):
             log(f"fleet: {name} cold_cost={k:g}")
-            run = run_policies(workload, models, config, [name], latency=latency, cold_cost=k, progress=progress)
+            run = run_policies(workload, models, config, [name], cold_cost=k, **common)
             results[f"{name}_k{k:g}"] = run[name]
-    log("fleet: oracle")
-    oracle_cost = max(grid)
-    results["oracle"] = run_policies(workload, models, config, ["oracle"], latency=latency, cold_cost=oracle_cost,
-                                     progress=progress)["oracle"]
-    info["oracle_cold_cost"] = oracle_cost
     table = summary_table(results)
     return table, info
-
-
-def pick(table: dict, grid, rule) -> None:
-    for prefix in ("prewarm", "prewarm_scale_only"):
-        chosen = rule(table, prefix)
-        table[prefix] = {**table[chosen], "chosen_from": chosen}
 
 
 def p99_at_gpu(table: dict, prefix: str, grid, gpu: float) -> float | None:
@@ -176,6 +179,12 @@ def p99_at_gpu(table: dict, prefix: str, grid, gpu: float) -> float | None:
 
 def targets(report: dict) -> dict:
     out = {}
+    for name, t in report["traces"].items():
+        if "prewarm" in t and "prewarm_empirical" in t:
+            e, m = t["prewarm"], t["prewarm_empirical"]
+            out[f"{name}:ensemble_vs_empirical"] = {
+                k: {"ensemble": e.get(k), "empirical": m.get(k)}
+                for k in ("cold_pct_p75", "cold_pct_overall", "wasted_norm_pct", "wait_p99_s", "gpu_seconds")}
     for name in ("azure2019_minute", "azure2019_fleet"):
         t = report["traces"].get(name)
         if not t:
@@ -184,7 +193,7 @@ def targets(report: dict) -> dict:
         reduction = 100.0 * (1 - p["cold_pct_p75"] / h["cold_pct_p75"]) if h["cold_pct_p75"] else None
         out[name] = {"target": "p75 cold % at least 50 % below hybrid's, at no more waste",
                      "hybrid": {k: h[k] for k in ("cold_pct_p75", "wasted_norm_pct")},
-                     "prewarm": {k: p[k] for k in ("cold_pct_p75", "wasted_norm_pct")} | {"point": p["chosen_from"]},
+                     "prewarm": {k: p[k] for k in ("cold_pct_p75", "wasted_norm_pct")} | {"cold_cost": p.get("cold_cost")},
                      "reduction_pct": reduction,
                      "met": bool(reduction is not None and reduction >= 50 and
                                  p["wasted_norm_pct"] <= h["wasted_norm_pct"] + 1e-9)}
@@ -195,15 +204,20 @@ def targets(report: dict) -> dict:
         ratio = r["wait_p99_s"] / p["wait_p99_s"] if p["wait_p99_s"] > 0 else float("inf")
         gpu_ratio = p["gpu_seconds"] / r["gpu_seconds"]
         grid = report["grids"][name]
+        if not grid:
+            out[name] = {"reactive": {k: r[k] for k in ("wait_p99_s", "gpu_seconds")},
+                         "prewarm": {k: p[k] for k in ("wait_p99_s", "gpu_seconds")}, "p99_ratio": ratio,
+                         "gpu_ratio": gpu_ratio}
+            continue
         scale_at_same_gpu = p99_at_gpu(t, "prewarm_scale_only", grid, p["gpu_seconds"])
         tiers_at_scale_gpu = p99_at_gpu(t, "prewarm", grid, s["gpu_seconds"])
         out[name] = {"target": "p99 wait >= 5x lower than reactive at <= 1.2x its GPU-seconds; tiers better than "
                                "scale-ahead alone",
                      "reactive": {k: r[k] for k in ("wait_p99_s", "gpu_seconds")},
-                     "prewarm": {k: p[k] for k in ("wait_p99_s", "gpu_seconds")} | {"point": p["chosen_from"]},
+                     "prewarm": {k: p[k] for k in ("wait_p99_s", "gpu_seconds")} | {"cold_cost": p.get("cold_cost")},
                      "p99_ratio": ratio, "gpu_ratio": gpu_ratio,
                      "met_p99": bool(ratio >= 5 and gpu_ratio <= 1.2),
-                     "scale_only": {k: s[k] for k in ("wait_p99_s", "gpu_seconds")} | {"point": s["chosen_from"]},
+                     "scale_only": {k: s[k] for k in ("wait_p99_s", "gpu_seconds")},
                      "scale_only_p99_at_prewarm_gpu": scale_at_same_gpu,
                      "prewarm_p99_at_scale_only_gpu": tiers_at_scale_gpu,
                      "tiers_curve": [(t[f"prewarm_k{k:g}"]["gpu_seconds"], t[f"prewarm_k{k:g}"]["wait_p99_s"])
@@ -263,9 +277,15 @@ def main() -> None:
     parser.add_argument("--model-id", default=None, help="Model id for single-service traces.")
     parser.add_argument("--llm", choices=sorted(LLM_TRACES), default="code")
     parser.add_argument("--skip", default="", help="Comma list of: minute, fleet, llm.")
-    parser.add_argument("--quick", action="store_true", help="300 functions, 6 hours (a smoke run).")
+    parser.add_argument("--quick", action="store_true",
+                        help="Smoke run: 300 functions and 12 hours (minute protocol), 8 hours of the fleet day.")
     parser.add_argument("--coldstart", action="store_true", help="Also run bench/coldstart.py's figures.")
+    parser.add_argument("--forecaster", choices=FORECASTERS, default="ensemble",
+                        help="Source of prewarm and prewarm_scale_only (default: the product's ensemble).")
+    parser.add_argument("--retrain-every-min", type=int, default=360, help="Simulated minutes between retrains.")
+    parser.add_argument("--no-grid", dest="grid", action="store_false", help="Skip the cold-cost curves.")
     args = parser.parse_args()
+    loop = {"forecaster": args.forecaster, "retrain_every_min": args.retrain_every_min}
     traces = args.traces or load_settings().traces_dir
     skip = set(filter(None, args.skip.split(",")))
     load_before = os.getloadavg()
@@ -275,46 +295,46 @@ def main() -> None:
         "GB-seconds; prewarm_scale_only = prewarm (no tiers at minute level)",
         "fleet: a request is a cold start when it arrives while its model has no ready replica; wasted = allocated "
         "GPU-seconds minus busy ones; keepalive_10 = 100 %",
-        "prewarm / prewarm_scale_only are the points of a fixed cold-cost grid chosen by the target's own "
-        "constraint (see bench/policies.py); every grid point is reported as <name>_k<cost>"]}
+        "prewarm rows run at the product's default cold cost through the product's actuator; grid points of a "
+        "fixed cold-cost grid are reported as <name>_k<cost>"]}
 
     if args.trace is not None:
         wl = load_workload(args.trace, fmt=args.fmt, model_id=args.model_id)
         name = args.trace.name.split(".")[0]
         cfg = FleetConfig(n_nodes=160 if wl.n_models > 100 else 16,
                           score_from_s=WARMUP_MIN * 60 if wl.duration_s > 2 * WARMUP_MIN * 60 else 600.0)
-        table, info = fleet(wl, models_for(wl, traces_dir=traces), cfg, LLM_GRID if wl.n_models == 1 else FLEET_GRID)
-        pick(table, None, lambda t, prefix: choose_by_gpu(t, "reactive", LLM_GRID if wl.n_models == 1
-                                                          else FLEET_GRID, prefix))
+        grid = (LLM_GRID if wl.n_models == 1 else FLEET_GRID) if args.grid else ()
+        table, info = fleet(wl, models_for(wl, traces_dir=traces), cfg, grid, **loop)
         report["traces"][name] = table
-        report["grids"][name] = LLM_GRID if wl.n_models == 1 else FLEET_GRID
+        report["grids"][name] = grid
         report["info"][name] = info
     else:
         if "minute" not in skip:
             log("Azure 2019 day, minute-level protocol")
-            report["traces"]["azure2019_minute"] = azure_minute(traces, args.quick)
-            report["grids"]["azure2019_minute"] = MINUTE_GRID
+            grid = MINUTE_GRID if args.grid else ()
+            report["traces"]["azure2019_minute"] = azure_minute(traces, args.quick, grid=grid, **loop)
+            report["grids"]["azure2019_minute"] = grid
         if "fleet" not in skip:
             log("Azure 2019 day, fleet simulator")
             wl = load_workload(traces / AZURE_DAY)
             models = models_for(wl, traces_dir=traces)
-            if args.quick:
-                wl = wl.window(0, 360 * 60)
-            cfg = FleetConfig(n_nodes=160, score_from_s=(120 if args.quick else WARMUP_MIN) * 60.0)
-            table, info = fleet(wl, models, cfg, FLEET_GRID[:2] if args.quick else FLEET_GRID)
-            pick(table, FLEET_GRID, lambda t, prefix: choose_by_waste(t, "hybrid_histogram", FLEET_GRID, prefix))
+            if args.quick:  # long enough for the ensemble's first fit (4 horizons of history) at the warm-up end
+                wl = wl.window(0, 480 * 60)
+            cfg = FleetConfig(n_nodes=160, score_from_s=WARMUP_MIN * 60.0)
+            grid = (FLEET_GRID[:2] if args.quick else FLEET_GRID) if args.grid else ()
+            table, info = fleet(wl, models, cfg, grid, **loop)
             report["traces"]["azure2019_fleet"] = table
-            report["grids"]["azure2019_fleet"] = FLEET_GRID[:2] if args.quick else FLEET_GRID
+            report["grids"]["azure2019_fleet"] = grid
             report["info"]["azure2019_fleet"] = info | {"nodes": cfg.n_nodes, "gpus_per_node": cfg.gpus_per_node}
         if "llm" not in skip:
             name = {"code": "azure_llm_code", "conv": "azure_llm_conv", "mooncake": "mooncake"}[args.llm]
             log(f"{name}, fleet simulator")
             wl = load_workload(traces / LLM_TRACES[args.llm])
             cfg = FleetConfig(n_nodes=16, score_from_s=600.0)
-            table, info = fleet(wl, models_for(wl), cfg, LLM_GRID)
-            pick(table, LLM_GRID, lambda t, prefix: choose_by_gpu(t, "reactive", LLM_GRID, prefix))
+            grid = LLM_GRID if args.grid else ()
+            table, info = fleet(wl, models_for(wl), cfg, grid, **loop)
             report["traces"][name] = table
-            report["grids"][name] = LLM_GRID
+            report["grids"][name] = grid
             report["info"][name] = info | {"nodes": cfg.n_nodes, "model": str(models_for(wl)["catalog_name"].iat[0])}
     report["targets"] = targets(report)
     if args.coldstart:

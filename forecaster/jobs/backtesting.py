@@ -11,37 +11,25 @@ from __future__ import annotations
 
 import functools
 
-import io
 import json
 import logging
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from forecaster.forecast.backtest import BacktestResult, evaluate, generic_protocol, run_backtest
 from forecaster.forecast.ensemble import Ensemble
 from forecaster.forecast.members import MovingAverage, Naive
 from forecaster.forecast.panel import Panel
+from forecaster.store.backtests import RESULT_COLUMNS, ingested_window, store_result
+from forecaster.store.catalog import known_model_ids
 from forecaster.store.invocations import read_counts
 
 log = logging.getLogger(__name__)
 
-RESULT_COLUMNS = ["method", "unique_id", "h", "busy", "points", "mae", "mase", "wql", "coverage_q90",
-                  "spike_recall", "spikes"]
-
-
-def ingested_window(engine: Engine, step_seconds: int) -> tuple[datetime, datetime]:
-    """The span of all coverage at this step width."""
-    with engine.connect() as conn:
-        row = conn.execute(text("SELECT min(lower(ranges)), max(upper(ranges)) FROM coverage "
-                                "WHERE :step % step_seconds = 0"), {"step": step_seconds}).one()
-    if row[0] is None:
-        raise ValueError(f"nothing ingested at a {step_seconds} s step")
-    return row[0], row[1]
 
 
 def select_members(names: list[str] | None, horizon: int) -> list:
@@ -79,8 +67,7 @@ def run_store_backtest(
     step = pd.Timedelta(seconds=step_seconds)
     start = pd.Timestamp(start).tz_convert("UTC").ceil(step).to_pydatetime()
     end = pd.Timestamp(end).tz_convert("UTC").floor(step).to_pydatetime()
-    with engine.connect() as conn:
-        ids = list(conn.execute(text("SELECT id FROM serving_models ORDER BY id")).scalars())
+    ids = sorted(known_model_ids(engine))
     frame = read_counts(engine, ids, start, end, step_seconds=step_seconds)
     frame = frame[frame.groupby("unique_id")["y"].transform("count") > 0]
     panel = Panel.from_long(frame)
@@ -103,33 +90,10 @@ def run_store_backtest(
         peer_forecasts = run_backtest(peer_model, panel, protocol)
         forecasts[peer.name] = peer_forecasts[peer_model.name]
     result = evaluate(panel, protocol, forecasts)
-    run_id = store_result(engine, result, protocol=asdict(protocol), start=start, end=end, step_seconds=step_seconds)
+    run_id = store_result(engine, result.table.reindex(columns=RESULT_COLUMNS),
+                          json.loads(result.summary.to_json(orient="records")), protocol=asdict(protocol),
+                          start=start, end=end, step_seconds=step_seconds)
     return run_id, result
-
-
-def store_result(engine: Engine, result: BacktestResult, *, protocol: dict, start: datetime, end: datetime,
-                 step_seconds: int) -> int:
-    summary = json.loads(result.summary.to_json(orient="records"))
-    table = result.table.reindex(columns=RESULT_COLUMNS).copy()
-    table = table.replace([np.inf, -np.inf], np.nan)
-    for column in ("h", "points", "spikes"):
-        table[column] = table[column].astype("int64")
-    buffer = io.StringIO()
-    with engine.begin() as conn:
-        run_id = conn.execute(
-            text("INSERT INTO backtest_runs (data_start, data_end, step_seconds, protocol, summary) "
-                 "VALUES (:s, :e, :step, CAST(:p AS jsonb), CAST(:sm AS jsonb)) RETURNING id"),
-            {"s": start, "e": end, "step": step_seconds, "p": json.dumps(protocol, default=str),
-             "sm": json.dumps(summary)},
-        ).scalar_one()
-        table.insert(0, "run_id", run_id)
-        table.to_csv(buffer, sep="\t", header=False, index=False, na_rep="\\N")
-        raw = conn.connection.driver_connection
-        with raw.cursor() as cur, cur.copy(
-            f"COPY backtest_results (run_id, {', '.join(RESULT_COLUMNS)}) FROM STDIN"
-        ) as copy:
-            copy.write(buffer.getvalue())
-    return run_id
 
 
 def write_csv(result: BacktestResult, path: Path) -> tuple[Path, Path]:

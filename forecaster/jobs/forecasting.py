@@ -20,7 +20,7 @@ from datetime import datetime, timedelta, timezone
 
 import numpy as np
 import pandas as pd
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from forecaster.distributed.executor import executor_for
 from forecaster.forecast.backtest import MethodForecasts, Protocol, evaluate
@@ -30,6 +30,7 @@ from forecaster.forecast.registry import ChampionCache, promote, register, save_
 from forecaster.forecast.sharded import ShardedEnsemble, production_model
 from forecaster.jobs.history import HistoryCache
 from forecaster.settings import Settings
+from forecaster.store.catalog import known_model_ids
 from forecaster.store.forecasts import write_forecast_arrays
 from forecaster.store.invocations import read_grid
 
@@ -44,8 +45,7 @@ def _minute(now: datetime) -> datetime:
 
 
 def model_ids(engine: Engine) -> list[str]:
-    with engine.connect() as conn:
-        return list(conn.execute(text("SELECT id FROM serving_models ORDER BY id")).scalars())
+    return sorted(known_model_ids(engine))
 
 
 def history(engine: Engine, ids: list[str], *, end: datetime, minutes: int) -> Panel:

@@ -28,10 +28,10 @@ from datetime import datetime, timedelta
 
 import numpy as np
 import pandas as pd
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from forecaster.forecast.panel import Panel
-from forecaster.store.invocations import read_grid
+from forecaster.store.invocations import batch_watermark, earliest_window_since, read_grid
 
 STEP = pd.Timedelta(minutes=1)
 
@@ -74,8 +74,7 @@ class HistoryCache:
         return Panel(np.asarray(ids, dtype=object)[known], start, STEP, grid[known])
 
     def _watermark(self, engine: Engine) -> int:
-        with engine.connect() as conn:
-            return int(conn.execute(text("SELECT coalesce(max(id), 0) FROM ingest_batches")).scalar())
+        return batch_watermark(engine)
 
     def _full(self, engine: Engine, ids: list[str], end: datetime, minutes: int, database: str) -> _State:
         watermark = self._watermark(engine)  # before reading: a batch after it is re-read next time
@@ -109,9 +108,7 @@ class HistoryCache:
         watermark = self._watermark(engine)
         reread_from = end - timedelta(minutes=min(max(self.reread_min, shift), minutes))
         if watermark > state.watermark:
-            with engine.connect() as conn:
-                earliest = conn.execute(text("SELECT min(window_start) FROM ingest_batches WHERE id > :w"),
-                                        {"w": state.watermark}).scalar()
+            earliest = earliest_window_since(engine, state.watermark)
             if earliest is not None:
                 earliest = pd.Timestamp(earliest).tz_convert("UTC").floor(STEP).to_pydatetime()
                 reread_from = max(min(reread_from, earliest), end - timedelta(minutes=minutes))

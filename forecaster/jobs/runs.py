@@ -13,9 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from forecaster.settings import Settings
+from forecaster.store.job_runs import claim_slot, finish_slot
 
 log = logging.getLogger(__name__)
 
@@ -37,31 +38,6 @@ def slot_for(now: datetime, every_s: int, offset_s: int = 0) -> datetime:
     epoch = now.astimezone(timezone.utc).timestamp() - offset_s
     start = (epoch // every_s) * every_s + offset_s
     return datetime.fromtimestamp(start, tz=timezone.utc)
-
-
-def claim_slot(engine: Engine, job_name: str, slot: datetime) -> bool:
-    """Record the start of ``job_name`` for ``slot``; False if it ran (or runs) already."""
-    with engine.begin() as conn:
-        claimed = conn.execute(
-            text("INSERT INTO job_runs (job_name, slot) VALUES (:n, :s) ON CONFLICT DO NOTHING RETURNING job_name"),
-            {"n": job_name, "s": slot},
-        ).first()
-    return claimed is not None
-
-
-def finish_slot(engine: Engine, job_name: str, slot: datetime, *, status: str, detail: dict) -> None:
-    with engine.begin() as conn:
-        conn.execute(
-            text("UPDATE job_runs SET status = :st, finished_at = now(), detail = CAST(:d AS jsonb) "
-                 "WHERE job_name = :n AND slot = :s"),
-            {"st": status, "d": _json(detail), "n": job_name, "s": slot},
-        )
-
-
-def _json(detail: dict) -> str:
-    import json
-
-    return json.dumps(detail, default=str)
 
 
 def run_once(engine: Engine, settings: Settings, spec: JobSpec, *, now: datetime) -> dict | None:

@@ -332,3 +332,16 @@ def read_grid(
         known = ~np.isnan(grid[row_idx, col_idx])  # a count in a partly covered step stays unknown
         grid[row_idx[known], col_idx[known]] = values[known]
     return ids, grid_ds, grid
+
+
+def batch_watermark(engine: Engine) -> int:
+    """The newest ingest batch id (0 before any): what a reader has seen up to."""
+    with engine.connect() as conn:
+        return int(conn.execute(text("SELECT coalesce(max(id), 0) FROM ingest_batches")).scalar())
+
+
+def earliest_window_since(engine: Engine, watermark: int):
+    """The earliest window start of any batch after ``watermark`` (None if none came)."""
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT min(window_start) FROM ingest_batches WHERE id > :w"),
+                            {"w": watermark}).scalar()
