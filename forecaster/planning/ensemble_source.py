@@ -161,7 +161,12 @@ class EnsembleForecast:
 
     # ------------------------------------------------------------------ the contract
     def quantiles(self, now: datetime, horizon_min: int) -> pd.DataFrame:
-        """``unique_id, ds, q<level>..., p_any`` for minutes ``now .. now + horizon_min - 1``, from data before ``now``."""
+        """The forecast frame ``unique_id, ds, q<level>..., p_any`` of ``now .. now + horizon_min - 1``, causally.
+
+        Args:
+            now: a minute boundary inside the replay (``panel.start`` .. its end).
+            horizon_min: minutes ahead (1 = the minute starting at ``now``).
+        """
         return self.frame_at(self.panel.minute_index(now), horizon_min)
 
     def frame_at(self, col: int, horizon_min: int) -> pd.DataFrame:
