@@ -91,6 +91,7 @@ class EnsembleForecast:
         retrains: fits done so far.
         retrain_minutes: the minute of each fit done, in order.
         fit_seconds: wall seconds of each fit, in order.
+        member_fit_seconds: per fit, seconds per member and quantile head (summed over shards).
         forecast_seconds: wall seconds spent forecasting blocks, in total.
         forecast_origins: origins (minutes) forecast by the ensemble so far.
         empirical_calls: calls answered by the empirical fallback (before the first fit).
@@ -131,6 +132,7 @@ class EnsembleForecast:
         self.retrains = 0
         self.retrain_minutes: list[int] = []
         self.fit_seconds: list[float] = []
+        self.member_fit_seconds: list[dict[str, float]] = []
         self.forecast_seconds = 0.0
         self.forecast_origins = 0
         self.empirical_calls = 0
@@ -205,7 +207,7 @@ class EnsembleForecast:
     def report(self) -> dict:
         """Counters for a benchmark row: fits, their minutes and seconds, forecast seconds, fallback calls."""
         return {"forecaster": self.forecaster, "retrains": self.retrains, "retrain_minutes": list(self.retrain_minutes),
-                "fit_seconds": [round(s, 2) for s in self.fit_seconds],
+                "fit_seconds": [round(s, 2) for s in self.fit_seconds], "member_fit_seconds": self.member_fit_seconds,
                 "forecast_seconds": round(self.forecast_seconds, 2), "forecast_origins": self.forecast_origins,
                 "empirical_calls": self.empirical_calls, "skipped_retrains": list(self.skipped_retrains),
                 "failures": {str(k): v for k, v in self.failures.items() if v}}
@@ -226,6 +228,11 @@ class EnsembleForecast:
             self.retrains += 1
             self.retrain_minutes.append(fit)
             self.failures[fit] = dict(getattr(model, "failures_", {}))
+            members: dict[str, float] = {}
+            for shard in getattr(model, "shards_", {}).values():
+                for name, seconds in getattr(shard, "fit_seconds_", {}).items():
+                    members[name] = members.get(name, 0.0) + seconds
+            self.member_fit_seconds.append({name: round(v, 2) for name, v in members.items()})
             self._models[fit] = model
         return self._models[fit]
 
