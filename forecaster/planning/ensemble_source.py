@@ -88,6 +88,7 @@ class EnsembleForecast:
 
     Attributes:
         name, forecaster: ``"ensemble"``.
+        schedule: minutes of the fits this replay can do (each done on the first call it serves).
         retrains: fits done so far.
         retrain_minutes: the minute of each fit done, in order.
         fit_seconds: wall seconds of each fit, in order.
@@ -138,7 +139,6 @@ class EnsembleForecast:
         self.empirical_calls = 0
         self.failures: dict[int, dict[str, str]] = {}
         least = max(1, self.min_train_min)  # a fit needs at least one minute behind it
-        #: minutes of the fits this replay will do (done lazily, on the first call they serve)
         self.schedule = [r for r in self._planned() if r >= least]
         self.skipped_retrains = [r for r in self._planned() if r < least]
         self._models: dict[int, object] = {}
