@@ -16,7 +16,10 @@ Time in a replay (minute ``m`` = column ``m`` of the panel):
   warm-up, at minutes 240, 600, 960, 1320), mirroring production's nightly
   retrain on a day-long replay. The fit at minute ``r`` sees columns
   ``max(0, r - settings.train_window_min) .. r - 1`` only. Unlike production,
-  there is no champion/challenger holdout: each fit simply replaces the last.
+  there is no champion/challenger holdout: production fits the challenger on
+  the minutes up to ``retrain_holdout_min`` before the retrain and promotes
+  it only if it scores no worse there; here each fit uses every minute
+  before ``r`` and simply replaces the last.
   A scheduled minute with fewer than ``min_train_min`` minutes behind it is
   skipped (counted in :attr:`skipped_retrains`).
 * **Forecasts.** A call ``quantiles(now, H)`` at minute ``o`` uses the latest
