@@ -274,3 +274,18 @@ def test_dashboard_page_and_uplot_are_served_from_the_package(client):
     script = client.get("/dashboard/dashboard.js").text
     assert not re.search(r"https?://(?!www\.w3\.org/2000/svg)", script)
     assert "MIT" in client.get("/dashboard/vendor/uplot/LICENSE").text
+
+
+def test_band_is_the_central_one_when_the_sizing_levels_are_stored():
+    import numpy as np
+
+    from forecaster.store.dashboard import ForecastSeries
+
+    def series(levels):
+        zeros = np.zeros(3)
+        return ForecastSeries(model_id="m", start=T0, end=T0, horizon_min=1, minutes=zeros, actual=zeros,
+                              point=zeros, quantiles={level: zeros for level in levels})
+
+    assert series(["0.1", "0.5", "0.9", "0.95", "0.99"]).band == ("0.1", "0.9")  # not 0.1 .. 0.99
+    assert series(["0.5", "0.99"]).band == ("0.5", "0.99")  # no mirrored pair: the widest
+    assert series(["0.9"]).band is None

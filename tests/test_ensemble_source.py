@@ -81,6 +81,7 @@ def test_retrains_follow_the_schedule_in_simulated_time():
         replay.quantiles(at(minute), 10)
     assert replay.retrains == 3 and replay.retrain_minutes == [240, 360, 480]
     assert len(replay.fit_seconds) == 3 and replay.empirical_calls == 240  # minutes 0..239: before the first fit
+    assert [set(m) for m in replay.member_fit_seconds] == [{"fallback"}] * 3
     assert replay.forecast_origins == 600 - 240  # every later minute forecast once, in blocks
     # a second policy replaying the same trace reuses the fits and the cached forecasts
     for minute in range(0, panel.n_minutes, 7):

@@ -16,7 +16,10 @@ Time in a replay (minute ``m`` = column ``m`` of the panel):
   warm-up, at minutes 240, 600, 960, 1320), mirroring production's nightly
   retrain on a day-long replay. The fit at minute ``r`` sees columns
   ``max(0, r - settings.train_window_min) .. r - 1`` only. Unlike production,
-  there is no champion/challenger holdout: each fit simply replaces the last.
+  there is no champion/challenger holdout: production fits the challenger on
+  the minutes up to ``retrain_holdout_min`` before the retrain and promotes
+  it only if it scores no worse there; here each fit uses every minute
+  before ``r`` and simply replaces the last.
   A scheduled minute with fewer than ``min_train_min`` minutes behind it is
   skipped (counted in :attr:`skipped_retrains`).
 * **Forecasts.** A call ``quantiles(now, H)`` at minute ``o`` uses the latest
@@ -88,9 +91,11 @@ class EnsembleForecast:
 
     Attributes:
         name, forecaster: ``"ensemble"``.
+        schedule: minutes of the fits this replay can do (each done on the first call it serves).
         retrains: fits done so far.
         retrain_minutes: the minute of each fit done, in order.
         fit_seconds: wall seconds of each fit, in order.
+        member_fit_seconds: per fit, seconds per member and quantile head (summed over shards).
         forecast_seconds: wall seconds spent forecasting blocks, in total.
         forecast_origins: origins (minutes) forecast by the ensemble so far.
         empirical_calls: calls answered by the empirical fallback (before the first fit).
@@ -131,12 +136,12 @@ class EnsembleForecast:
         self.retrains = 0
         self.retrain_minutes: list[int] = []
         self.fit_seconds: list[float] = []
+        self.member_fit_seconds: list[dict[str, float]] = []
         self.forecast_seconds = 0.0
         self.forecast_origins = 0
         self.empirical_calls = 0
         self.failures: dict[int, dict[str, str]] = {}
         least = max(1, self.min_train_min)  # a fit needs at least one minute behind it
-        #: minutes of the fits this replay will do (done lazily, on the first call they serve)
         self.schedule = [r for r in self._planned() if r >= least]
         self.skipped_retrains = [r for r in self._planned() if r < least]
         self._models: dict[int, object] = {}
@@ -161,7 +166,12 @@ class EnsembleForecast:
 
     # ------------------------------------------------------------------ the contract
     def quantiles(self, now: datetime, horizon_min: int) -> pd.DataFrame:
-        """``unique_id, ds, q<level>..., p_any`` for minutes ``now .. now + horizon_min - 1``, from data before ``now``."""
+        """The forecast frame ``unique_id, ds, q<level>..., p_any`` of ``now .. now + horizon_min - 1``, causally.
+
+        Args:
+            now: a minute boundary inside the replay (``panel.start`` .. its end).
+            horizon_min: minutes ahead (1 = the minute starting at ``now``).
+        """
         return self.frame_at(self.panel.minute_index(now), horizon_min)
 
     def frame_at(self, col: int, horizon_min: int) -> pd.DataFrame:
@@ -200,7 +210,7 @@ class EnsembleForecast:
     def report(self) -> dict:
         """Counters for a benchmark row: fits, their minutes and seconds, forecast seconds, fallback calls."""
         return {"forecaster": self.forecaster, "retrains": self.retrains, "retrain_minutes": list(self.retrain_minutes),
-                "fit_seconds": [round(s, 2) for s in self.fit_seconds],
+                "fit_seconds": [round(s, 2) for s in self.fit_seconds], "member_fit_seconds": self.member_fit_seconds,
                 "forecast_seconds": round(self.forecast_seconds, 2), "forecast_origins": self.forecast_origins,
                 "empirical_calls": self.empirical_calls, "skipped_retrains": list(self.skipped_retrains),
                 "failures": {str(k): v for k, v in self.failures.items() if v}}
@@ -221,6 +231,11 @@ class EnsembleForecast:
             self.retrains += 1
             self.retrain_minutes.append(fit)
             self.failures[fit] = dict(getattr(model, "failures_", {}))
+            members: dict[str, float] = {}
+            for shard in getattr(model, "shards_", {}).values():
+                for name, seconds in getattr(shard, "fit_seconds_", {}).items():
+                    members[name] = members.get(name, 0.0) + seconds
+            self.member_fit_seconds.append({name: round(v, 2) for name, v in members.items()})
             self._models[fit] = model
         return self._models[fit]
 

@@ -146,11 +146,19 @@ class ForecastSeries:
 
     @property
     def band(self) -> tuple[str, str] | None:
-        """The widest stored band (lowest and highest level), or None with fewer than two levels."""
+        """The central band the dashboard draws: the lowest level and its mirror (0.1 and 0.9), or None.
+
+        With the stored levels 0.1, 0.5, 0.9, 0.95, 0.99 that is the 80% band
+        (q0.95 and q0.99 are the planner's sizing levels, not a band). Without
+        a mirrored pair, the widest stored band (lowest and highest level);
+        None with fewer than two levels.
+        """
         if len(self.quantiles) < 2:
             return None
         levels = sorted(self.quantiles, key=float)
-        return levels[0], levels[-1]
+        low = float(levels[0])
+        mirror = [level for level in levels[1:] if abs(float(level) - (1.0 - low)) < 1e-6 and float(level) > low]
+        return levels[0], (mirror[0] if mirror else levels[-1])
 
     def error(self) -> ForecastError:
         band = self.band
