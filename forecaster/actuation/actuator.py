@@ -235,12 +235,34 @@ class Actuator:
         return self._store_observations(events, now) if events else {"inserted": 0, "updated": 0}
 
     def _store_observations(self, events: list[dict], now: datetime) -> dict:
-        from forecaster.contracts.batches import IngestError
-        from forecaster.ingest.service import push_cold_starts
+        """Store what the backend observed, routed by each event's ``kind``.
 
-        try:
-            return push_cold_starts(self.engine, self.settings, events, now=now,
-                                    source=f"actuator-{self.backend.name}")
-        except IngestError as exc:
-            log.warning("cold-start observations not stored: %s", exc)
-            return {"error": str(exc)}
+        ``prepull`` / ``preload`` events are transfers the backend carried out
+        (``transfers`` table, never ``cold_starts``); events without a kind, or
+        with kind ``cold_start``, are replica cold starts. Returns the cold-start
+        write's counts, with the transfers' under ``"transfers"`` when there were any.
+        """
+        from forecaster.contracts.batches import IngestError
+        from forecaster.ingest.service import push_cold_starts, push_transfers
+
+        transfers = [e for e in events if e.get("kind") in ("prepull", "preload")]
+        cold_starts = [{k: v for k, v in e.items() if k != "kind"} for e in events
+                       if e.get("kind") in (None, "cold_start")]
+        source = f"actuator-{self.backend.name}"
+        result: dict = {"inserted": 0, "updated": 0}
+        if len(transfers) + len(cold_starts) < len(events):
+            log.warning("%d observations of an unknown kind not stored",
+                        len(events) - len(transfers) - len(cold_starts))
+        if cold_starts:
+            try:
+                result = push_cold_starts(self.engine, self.settings, cold_starts, now=now, source=source)
+            except IngestError as exc:
+                log.warning("cold-start observations not stored: %s", exc)
+                result = {"error": str(exc)}
+        if transfers:
+            try:
+                result["transfers"] = push_transfers(self.engine, self.settings, transfers, now=now, source=source)
+            except IngestError as exc:
+                log.warning("transfer observations not stored: %s", exc)
+                result["transfers"] = {"error": str(exc)}
+        return result
