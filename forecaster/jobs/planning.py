@@ -106,13 +106,17 @@ def fleet_from_store(engine: Engine, *, now: datetime) -> FleetState:
     return FleetState.build(model_rows, node_rows, cache_rows, images=image_rows)
 
 
-def predicted_latency(engine: Engine, fleet: FleetState, *, now: datetime) -> pd.DataFrame:
-    """Cold-start seconds per model and start state: the latency model on observed events, else its prior."""
-    from forecaster.coldstart.model import ColdStartModel, load_cold_starts
+def predicted_latency(engine: Engine, fleet: FleetState, *, now: datetime, settings: Settings | None = None
+                      ) -> pd.DataFrame:
+    """Cold-start seconds per model and start state from the saved latency model (its prior when none is saved).
 
-    events = load_cold_starts(engine)
-    model = ColdStartModel().fit(events if len(events) else _no_events())
-    return model.latency_table(fleet.models, hour=now.hour)
+    No refit here: the nightly retrain trains the model (see
+    :func:`forecaster.coldstart.service.train_latency_model`); this loads it
+    once per version and predicts once per (version, hour, catalogue).
+    """
+    from forecaster.coldstart.service import latency_table
+
+    return latency_table(engine, settings or Settings(), fleet.models, hour=now.hour)
 
 
 def _no_events() -> pd.DataFrame:
@@ -130,7 +134,7 @@ def plan_job(engine: Engine, settings: Settings, now: datetime) -> dict:
     if forecast.empty:
         return {"skipped": "no forecasts yet"}
     fleet = fleet_from_store(engine, now=now)
-    latency = predicted_latency(engine, fleet, now=now)
+    latency = predicted_latency(engine, fleet, now=now, settings=settings)
     planner_settings = PlannerSettings(horizon_min=settings.plan_horizon_min,
                                        gpu_budget=float(settings.actuator_gpu_budget) or None)
     planned = plan(forecast, latency, fleet, planner_settings, now)
