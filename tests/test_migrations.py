@@ -72,7 +72,17 @@ def test_constraints_reject_impossible_rows(db_url):
         "INSERT INTO cold_starts (model_id, node_id, started_at, total_seconds, source) "
         "VALUES ('m', 'n', now(), -1, 't')",
         "INSERT INTO model_versions (id, status, path) VALUES ('a', 'champion', 'x'), ('b', 'champion', 'y')",
+        "INSERT INTO model_versions (id, status, path, kind) VALUES ('c', 'champion', 'x', 'latency'), "
+        "('d', 'champion', 'y', 'latency')",
+        "INSERT INTO model_versions (id, status, path, kind) VALUES ('e', 'retired', 'x', 'weather')",
+        "INSERT INTO transfers (model_id, node_id, kind, tier, ref, started_at, seconds, source) "
+        "VALUES ('m', 'n', 'preload', 'image', 'x', now(), 1, 't')",
+        "INSERT INTO transfers (model_id, node_id, kind, tier, ref, started_at, seconds, source) "
+        "VALUES ('m', 'n', 'prepull', 'image', 'x', now(), -1, 't')",
     ):
         with pytest.raises(IntegrityError), engine.begin() as conn:
             conn.execute(text(sql))
+    with engine.begin() as conn:  # one champion per kind: a forecast champion and a latency champion coexist
+        conn.execute(text("INSERT INTO model_versions (id, status, path, kind) VALUES ('f', 'champion', 'x', "
+                          "'forecast'), ('l', 'champion', 'y', 'latency')"))
     engine.dispose()

@@ -70,6 +70,8 @@ def _started_seconds(events: pd.DataFrame) -> np.ndarray:
     """
     if "started_s" in events.columns:
         return pd.to_numeric(events["started_s"], errors="coerce").to_numpy(dtype="float64")
+    if "started_at" not in events.columns:
+        return np.full(len(events), np.nan)
     try:
         started = pd.to_datetime(events["started_at"], utc=True, errors="coerce")
         seconds = ((started - _EPOCH) / pd.Timedelta(seconds=1)).to_numpy(dtype="float64")

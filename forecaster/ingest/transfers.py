@@ -149,16 +149,16 @@ def validate_transfers(
         started = _started_at(position, event.get("started_at"), now=now, max_future_skew_s=max_future_skew_s)
         seconds = _seconds(position, "seconds", event.get("seconds"), required=True)
         phases = {p: _seconds(position, p, event.get(p), required=False) for p in TRANSFER_PHASES}
-        phase_sum = sum(v for v in phases.values() if v is not None)
-        if seconds is not None and phase_sum > seconds * PHASE_SUM_TOLERANCE + 1e-9:
-            raise IngestError("inconsistent_phases", f"phases add up to {phase_sum:g} s, more than the "
-                              f"transfer's {seconds:g} s", row=position, field="seconds", value=seconds)
         if kind == "prepull" and phases["weight_fetch_s"] is not None:
             raise IngestError("inconsistent_phases", "a pre-pull fetches no weights", row=position,
                               field="weight_fetch_s", value=phases["weight_fetch_s"])
         if kind == "preload" and phases["image_pull_s"] is not None:
             raise IngestError("inconsistent_phases", "a pre-load pulls no image", row=position,
                               field="image_pull_s", value=phases["image_pull_s"])
+        phase_sum = sum(v for v in phases.values() if v is not None)
+        if seconds is not None and phase_sum > seconds * PHASE_SUM_TOLERANCE + 1e-9:
+            raise IngestError("inconsistent_phases", f"phases add up to {phase_sum:g} s, more than the "
+                              f"transfer's {seconds:g} s", row=position, field="seconds", value=seconds)
         cache_state = event.get("cache_state")
         if cache_state is not None and cache_state not in CACHE_STATES:
             raise IngestError("bad_cache_state", f"expected one of {list(CACHE_STATES)}", row=position,
