@@ -345,7 +345,7 @@ class ColdStartModel:
         frame = prepare_events(events, self.config_)
         self.n_events_ = len(frame)
         self.trees_: TreePhaseMember | None = None
-        self.recent_ = RecentLatencyMember()
+        self.recent_ = RecentLatencyMember().fit([], np.zeros(0))
         self.weight_ = 0.0
         self.history_ = frame[["model_id", "cache_state", "started_s", "total_seconds"]].copy()
         if len(frame) < self.min_events:
