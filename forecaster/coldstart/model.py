@@ -9,7 +9,14 @@ bandwidth), ``concurrent_node_transfers`` and
 ``concurrent_registry_pulls`` (pulls/fetches already running on the node, and
 against the same registry, when the start began). :func:`load_cold_starts`
 builds this frame from the store, deriving the concurrency from overlapping
-cold starts.
+cold starts with a sort and sweep (:func:`running_at_start`, O(n log n)).
+Rows the model cannot use (a start dated ``0001-01-01``, NaN or infinite
+seconds) are skipped and counted (:func:`clean_events`), never raised.
+
+Transfers (pre-pulls and pre-loads the node agents carried out, from the
+``transfers`` table) are not cold starts: :class:`TransferRateMember` learns
+the image pull and weight fetch rates (bytes/s) from them, and those rates set
+the physics prior every other member corrects.
 
 Members (the ensemble's member kinds, STYLE.md contract: ``__init__`` stores
 settings, ``fit`` returns ``self``, fitted state ends in ``_``):

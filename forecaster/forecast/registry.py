@@ -22,8 +22,7 @@ from pathlib import Path
 from sqlalchemy import Engine
 
 from forecaster import __version__
-from forecaster.store.registry import (VersionInfo, champion_version, insert_version, promote_version,
-                                       set_version_status)
+from forecaster.store.registry import VersionInfo, champion_version, insert_version, promote_version, set_version_status
 
 log = logging.getLogger(__name__)
 

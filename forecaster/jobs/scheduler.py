@@ -89,7 +89,10 @@ def plan_job(engine: Engine, settings: Settings, now: datetime) -> dict:
     from forecaster.coldstart.service import ensure_latency_model
     from forecaster.jobs.planning import plan_job as run
 
-    ensure_latency_model(engine, settings, now)
+    try:
+        ensure_latency_model(engine, settings, now)
+    except Exception:  # noqa: BLE001 - plan with the physics prior rather than not at all
+        log.exception("first latency model could not be trained; planning with the prior")
     return run(engine, settings, now)
 
 
