@@ -86,3 +86,27 @@ def test_constraints_reject_impossible_rows(db_url):
         conn.execute(text("INSERT INTO model_versions (id, status, path, kind) VALUES ('f', 'champion', 'x', "
                           "'forecast'), ('l', 'champion', 'y', 'latency')"))
     engine.dispose()
+
+
+def test_agent_observations_stored_as_cold_starts_move_to_transfers(empty_db_url):
+    engine = make_engine(empty_db_url)
+    upgrade(engine, "0006")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO serving_models (id, image_ref, weights_uri) "
+                          "VALUES ('m', 'reg/img:1', 's3://w/m')"))
+        conn.execute(text(
+            "INSERT INTO cold_starts (model_id, node_id, started_at, total_seconds, image_pull_s, weight_fetch_s, "
+            "cache_state, source) VALUES "
+            "('m', 'n1', '2026-11-29T10:00Z', 3.5, 3.5, NULL, 'none', 'actuator-agent'), "
+            "('m', 'n1', '2026-11-29T10:01Z', 8.0, NULL, 8.0, 'none', 'actuator-agent'), "
+            "('m', 'n2', '2026-11-29T10:02Z', 40.0, 20.0, 10.0, 'none', 'push')"))
+    upgrade(engine)
+    with engine.connect() as conn:
+        moved = conn.execute(text("SELECT kind, tier, ref, bytes, seconds FROM transfers ORDER BY started_at")).all()
+        left = conn.execute(text("SELECT node_id, source FROM cold_starts")).all()
+    assert moved == [("prepull", "image", "reg/img:1", None, 3.5), ("preload", "disk", "s3://w/m", None, 8.0)]
+    assert left == [("n2", "push")]  # a real cold start stays
+    downgrade(engine, "0006")
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM cold_starts")).scalar() == 3
+    engine.dispose()

@@ -9,6 +9,13 @@ which made the latency model and the dashboard count work prewarm did ahead of
 time as replicas that started cold. The key ``(model_id, node_id, kind,
 started_at)`` makes a re-sent observation an update, not a second row.
 
+Agent observations already stored as cold starts (``source = 'actuator-agent'``)
+move to ``transfers``: a pre-pull where ``image_pull_s`` is set, else a
+pre-load (tier ``disk``, which the old rows did not record), ``ref`` from the
+catalogue, ``bytes`` unknown (NULL: the latency model learns no rate from a
+transfer without its size, rather than one from the catalogue's guess).
+Downgrading moves them back.
+
 ``model_versions.kind``: ``forecast`` (the ensemble, as before) or ``latency``
 (the cold-start latency model); at most one champion per kind.
 
@@ -51,6 +58,17 @@ def upgrade() -> None:
         sa.UniqueConstraint("model_id", "node_id", "kind", "started_at", name="transfers_event_key"),
     )
     op.create_index("transfers_started_at", "transfers", ["started_at"])
+    op.execute(
+        "INSERT INTO transfers (model_id, node_id, kind, tier, ref, bytes, started_at, seconds, image_pull_s, "
+        "weight_fetch_s, weight_load_s, cache_state, source) "
+        "SELECT c.model_id, c.node_id, k.kind, CASE k.kind WHEN 'prepull' THEN 'image' ELSE 'disk' END, "
+        "COALESCE(CASE k.kind WHEN 'prepull' THEN m.image_ref ELSE m.weights_uri END, 'unknown'), NULL, "
+        "c.started_at, c.total_seconds, c.image_pull_s, c.weight_fetch_s, c.weight_load_s, c.cache_state, c.source "
+        "FROM cold_starts c JOIN serving_models m ON m.id = c.model_id "
+        "CROSS JOIN LATERAL (SELECT CASE WHEN c.image_pull_s IS NOT NULL THEN 'prepull' ELSE 'preload' END AS kind) k "
+        "WHERE c.source = 'actuator-agent' "
+        "ON CONFLICT ON CONSTRAINT transfers_event_key DO NOTHING")
+    op.execute("DELETE FROM cold_starts WHERE source = 'actuator-agent'")
 
     op.add_column("model_versions", sa.Column("kind", sa.String(16), nullable=False, server_default="forecast"))
     op.create_check_constraint("model_versions_kind", "model_versions", "kind IN ('forecast', 'latency')")
@@ -66,5 +84,10 @@ def downgrade() -> None:
                     postgresql_where=sa.text("status = 'champion'"))
     op.drop_constraint("model_versions_kind", "model_versions", type_="check")
     op.drop_column("model_versions", "kind")
+    op.execute(
+        "INSERT INTO cold_starts (model_id, node_id, started_at, total_seconds, image_pull_s, weight_fetch_s, "
+        "weight_load_s, cache_state, source) "
+        "SELECT model_id, node_id, started_at, seconds, image_pull_s, weight_fetch_s, weight_load_s, cache_state, "
+        "source FROM transfers ON CONFLICT ON CONSTRAINT cold_starts_event_key DO NOTHING")
     op.drop_index("transfers_started_at", table_name="transfers")
     op.drop_table("transfers")
