@@ -24,7 +24,7 @@ def utc_now() -> datetime:
 
 def create_app(settings: Settings, engine: Engine, *, clock: Callable[[], datetime] = utc_now) -> FastAPI:
     """Build the app around an open engine; the caller owns the engine's life (and migrations)."""
-    snapshot = ForecastSnapshot(engine, refresh_s=settings.api_snapshot_refresh_s)
+    snapshot = ForecastSnapshot(engine, refresh_s=settings.api_snapshot_refresh_s, settings=settings, clock=clock)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

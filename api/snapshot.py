@@ -6,6 +6,10 @@ the same thing until the next forecast run lands, once a minute. The snapshot
 reads only runs newer than the last one it saw, keeps each model's newest run,
 and answers from memory; when the database is unreachable it keeps answering
 from what it holds, and says the answer is stale.
+
+Each model's lead time is the planner's: the latency model's predicted start
+from the warmest state the model is cached in on any node (``none`` when
+uncached), plus the planner's margins (:func:`forecaster.planning.lead_time.lead_time_s`).
 """
 
 from __future__ import annotations
@@ -13,15 +17,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 import numpy as np
-from sqlalchemy import Engine, text
+import pandas as pd
+from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 
+from forecaster.coldstart.service import latency_table, latency_version
+from forecaster.planning.fleet import PlannerSettings
+from forecaster.planning.lead_time import lead_time_s
 from forecaster.planning.recommendation import MinuteQuantiles
+from forecaster.settings import Settings
+from forecaster.store.catalog import read_catalogue_sizes
 from forecaster.store.forecasts import read_newest_runs
+from forecaster.store.nodecache import warmest_cached_states
 
 log = logging.getLogger(__name__)
 
@@ -29,16 +41,25 @@ log = logging.getLogger(__name__)
 @dataclass
 class ModelView:
     replica_rps: float | None = None
-    lead_time_s: float | None = None
+    lead_time_s: float | None = None  # the planner's lead time from the latency model (None: not computed)
+    start_state: str | None = None  # the state a new replica would start from (warmest cached)
     forecast: MinuteQuantiles | None = None
+
+
+def planner_settings_for(settings: Settings) -> PlannerSettings:
+    """The planner settings whose lead margins the API applies (the plan job's own, once Settings carries them)."""
+    return PlannerSettings(horizon_min=settings.plan_horizon_min)
 
 
 @dataclass
 class ForecastSnapshot:
-    """Newest forecast per model plus what a recommendation needs (replica_rps, observed lead time)."""
+    """Newest forecast per model plus what a recommendation needs (replica_rps, the planner's lead time)."""
 
     engine: Engine
     refresh_s: float = 2.0
+    settings: Settings | None = None  # models_dir of the latency model; default Settings()
+    clock: Callable[[], datetime] | None = None  # the hour the latency model predicts for; default wall clock
+    latency_model_version: str | None = None  # the latency model the lead times came from (None: the prior)
     models: dict[str, ModelView] = field(default_factory=dict)
     newest_issued_at: datetime | None = None
     healthy: bool = False
@@ -61,21 +82,21 @@ class ForecastSnapshot:
     def _refresh(self) -> bool:
         try:
             with self.engine.connect() as conn:
-                catalogue = conn.execute(text(
-                    "SELECT m.id, m.replica_rps, lead.seconds FROM serving_models m LEFT JOIN LATERAL ("
-                    "  SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY total_seconds) AS seconds FROM ("
-                    "    SELECT total_seconds FROM cold_starts c WHERE c.model_id = m.id "
-                    "    ORDER BY started_at DESC LIMIT 20) AS recent) AS lead ON true")).all()
+                catalogue = read_catalogue_sizes(conn)
+                states = warmest_cached_states(conn)
                 runs = _newer_runs(conn, self.newest_issued_at)
+            leads = self._lead_times(catalogue, states)
         except OperationalError as exc:
             self.healthy = False
             log.warning("forecast snapshot: database unavailable, serving what is held: %s", exc.orig)
             return False
         with self._lock:
             known = {}
-            for model_id, replica_rps, lead in catalogue:
+            for model_id, replica_rps, _, _ in catalogue:
                 view = self.models.get(model_id) or ModelView()
-                view.replica_rps, view.lead_time_s = replica_rps, lead
+                view.replica_rps = replica_rps
+                view.lead_time_s = None if leads is None else float(leads[model_id])
+                view.start_state = states.get(model_id, "none")
                 known[model_id] = view
             newest = self.newest_issued_at
             for model_id, run in runs.items():
@@ -87,6 +108,25 @@ class ForecastSnapshot:
         self.healthy = True
         self._last_refresh = time.monotonic()
         return True
+
+    def _lead_times(self, catalogue: list[tuple], states: dict[str, str]) -> pd.Series | None:
+        """Per model, the planner's lead time from the latency champion (cached per version and hour)."""
+        if not catalogue:
+            return pd.Series(dtype="float64")
+        settings = self.settings or Settings()
+        now = (self.clock or (lambda: datetime.now(timezone.utc)))()
+        models = pd.DataFrame({"image_bytes": [float(r[2] or 0) for r in catalogue],
+                               "weights_bytes": [float(r[3] or 0) for r in catalogue]},
+                              index=pd.Index([r[0] for r in catalogue], name="model_id"))
+        try:
+            table = latency_table(self.engine, settings, models, hour=now.astimezone(timezone.utc).hour)
+            self.latency_model_version = latency_version(self.engine, settings)
+        except OperationalError:
+            raise
+        except Exception:  # noqa: BLE001 - a broken latency model must not stop forecasts being served
+            log.exception("latency model unavailable; lead times fall back to the default")
+            return None
+        return lead_time_s(table, states, planner_settings_for(settings), model_ids=models.index)
 
     def refresh_if_due(self) -> None:
         if time.monotonic() - self._last_refresh >= self.refresh_s:

@@ -126,7 +126,8 @@ def retrain(engine, settings: Settings, *, label: str, members: str) -> dict:
     """One nightly retrain; earlier versions are retired first so that every run does the same work."""
     now = DEFAULT_START + timedelta(minutes=DAY_MIN)
     with engine.begin() as conn:  # no champion: the run does not also forecast an older version's holdout
-        conn.execute(text("UPDATE model_versions SET status = 'retired' WHERE status = 'champion'"))
+        conn.execute(text("UPDATE model_versions SET status = 'retired' "
+                          "WHERE status = 'champion' AND kind = 'forecast'"))
     with PeakRSS() as rss:
         result = retrain_job(engine, settings, now, cache=registry.ChampionCache(),
                              ensemble_factory=_model(settings, members))

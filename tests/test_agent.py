@@ -20,6 +20,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
+import pandas as pd
 import pytest
 from sqlalchemy import text
 
@@ -30,6 +31,7 @@ from forecaster.agent.cache import WeightsCache
 from forecaster.agent.cri import CriImageService
 from forecaster.agent.service import NodeAgent
 from forecaster.agent.weights import S3WeightsSource
+from forecaster.coldstart.service import load_latency_model, train_latency_model
 from forecaster.contracts.actions import Action, ActionKind, ActionStatus, FailureReason, Plan, Reason, Tier
 from tests import runtime_fixtures
 from tests.runtime_fixtures import S3Server, free_port, stop_process, wait_until
@@ -361,10 +363,13 @@ def test_killing_the_agent_mid_download_leaves_nothing_that_looks_cached(tmp_pat
         stop_process(proc)
 
 
-def test_actuator_agent_backend_end_to_end_records_actions_and_cold_starts(tmp_path, engine, settings, s3_server,
-                                                                          weights, containerd, test_images):
+def test_actuator_agent_backend_end_to_end_records_actions_and_transfers(tmp_path, engine, settings, s3_server,
+                                                                        weights, containerd, test_images):
+    """Test (e): a pre-pull and a pre-load through the agent leave transfers, never cold starts, and the latency
+    model trained afterwards learns its pull and fetch rates from them."""
     with engine.begin() as conn:
-        conn.execute(text("INSERT INTO serving_models (id) VALUES ('llama')"))
+        conn.execute(text("INSERT INTO serving_models (id, image_size_bytes, weights_size_bytes) "
+                          "VALUES ('llama', 10000000000, 16000000000)"))
     port = free_port()
     proc = _start_agent_process(tmp_path, s3_server, containerd.socket, port)
     now = datetime.now(timezone.utc)
@@ -391,17 +396,22 @@ def test_actuator_agent_backend_end_to_end_records_actions_and_cold_starts(tmp_p
         assert by_target["s3://weights/absent.bin"]["status_reason"] == "not_found"
         assert by_target[image]["detail"]["timings"]["image_pull_s"] > 0
         with engine.connect() as conn:
-            rows = conn.execute(text("SELECT node_id, image_pull_s, weight_fetch_s, cache_state, source "
-                                     "FROM cold_starts ORDER BY id")).all()
-        assert sorted((r[1] is not None, r[2] is not None) for r in rows) == [(False, True), (True, False)]
-        assert {r[0] for r in rows} == {"node-a"} and {r[4] for r in rows} == {"actuator-agent"}
+            rows = conn.execute(text("SELECT node_id, kind, tier, ref, bytes, seconds, image_pull_s, weight_fetch_s, "
+                                     "source FROM transfers ORDER BY kind")).all()
+            assert conn.execute(text("SELECT count(*) FROM cold_starts")).scalar() == 0
+        assert [(r[1], r[2], r[3]) for r in rows] == [("preload", "disk", "s3://weights/small-a.bin"),
+                                                      ("prepull", "image", image)]
+        assert rows[0][4] == 4 << 20 and rows[0][7] > 0 and rows[0][6] is None
+        assert rows[1][4] > 0 and rows[1][6] > 0 and rows[1][7] is None
+        assert {r[0] for r in rows} == {"node-a"} and {r[8] for r in rows} == {"actuator-agent"}
         # Run again: the agent answers "already there", no new observations.
         later = now + timedelta(seconds=1)
         _, reports = actuator.apply(Plan(planned_at=later, actions=actions[:2]), now=later)
         assert [r.status for r in reports] == [ActionStatus.SUCCEEDED] * 2
         assert all(r.detail["already_present"] for r in reports)
         with engine.connect() as conn:
-            assert conn.execute(text("SELECT count(*) FROM cold_starts")).scalar() == 2
+            assert conn.execute(text("SELECT count(*) FROM transfers")).scalar() == 2
+            assert conn.execute(text("SELECT count(*) FROM cold_starts")).scalar() == 0
         # A wrong token is a permanent 'unauthorised'.
         bad = Actuator(engine, settings, AgentBackend(url_template=f"http://127.0.0.1:{port}", token="wrong"))
         _, reports = bad.apply(Plan(planned_at=later, actions=(actions[0],)), now=later + timedelta(seconds=1))
@@ -409,6 +419,17 @@ def test_actuator_agent_backend_end_to_end_records_actions_and_cold_starts(tmp_p
     finally:
         backend.close()
         stop_process(proc)
+    # The latency model trained now learns the rates the agent measured (the catalogue's 10 GB image and 16 GB of
+    # weights pulled and fetched at those rates), moving its predictions from the prior toward them.
+    pull_rate = rows[1][4] / rows[1][6]
+    fetch_rate = rows[0][4] / rows[0][7]
+    models = pd.DataFrame({"image_bytes": [10e9], "weights_bytes": [16e9]}, index=pd.Index(["llama"]))
+    prior = load_latency_model(engine, settings).latency_table(models, hour=now.hour).set_index("state")
+    train_latency_model(engine, settings, now)
+    learned = load_latency_model(engine, settings).latency_table(models, hour=now.hour).set_index("state")
+    for phase, rate in (("image_pull_s", pull_rate), ("weight_fetch_s", fetch_rate)):
+        seen = (10e9 if phase == "image_pull_s" else 16e9) / rate
+        assert abs(learned.loc["none", phase] - seen) < abs(prior.loc["none", phase] - seen), phase
     # The agent is gone: a temporary failure, retried later.
     gone = Actuator(engine, settings, AgentBackend(url_template=f"http://127.0.0.1:{port}", token=TOKEN,
                                                     connect_timeout_s=1))

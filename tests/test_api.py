@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import text
 
 from api.main import create_app
+from forecaster.coldstart.service import train_latency_model
 from forecaster.store.forecasts import write_forecasts
 from forecaster.store.tokens import create_token, revoke_token
 
@@ -112,18 +113,24 @@ def test_forecast_with_horizon_and_quantiles(client, engine, tokens):
     assert client.get("/v1/models/llama/forecast?quantiles=abc", headers=auth(tokens["read"])).status_code == 422
 
 
-def test_recommendation_covers_demand_at_the_cold_start_lead_time(client, engine, tokens, now):
+def test_recommendation_covers_demand_at_the_cold_start_lead_time(client, engine, settings, tokens, now):
     put_model(client, tokens)  # 2 rps per replica = 120 per minute
     store_forecast(engine)
     body = client.get("/v1/models/llama/recommendation", headers=auth(tokens["read"])).json()
-    # default lead time 45 s: ready at 12:01, q0.9 there is 150/min -> 2 replicas; now 150/min -> 2
-    assert (body["replicas_now"], body["replicas_at_lead_time"], body["lead_time_s"]) == (2, 2, 45.0)
-    # observed cold starts of ~5 minutes move the lead time into the spike (450/min -> 4 replicas)
-    events = [{"model_id": "llama", "node_id": f"n{i}", "started_at": f"2026-11-29T11:{i:02d}:00Z",
-               "total_seconds": 290.0} for i in range(3)]
+    # no latency model trained yet: the physics prior; no sizes registered, so a start from nothing is runtime
+    # start-up + registration (12.3 s), with the planner's margins 12.3 * 1.2 + 5 = 19.76 s: ready at 12:00,
+    # q0.9 there is 150/min -> 2 replicas; now 150/min -> 2
+    assert (body["replicas_now"], body["replicas_at_lead_time"]) == (2, 2)
+    assert body["lead_time_s"] == pytest.approx(12.3 * 1.2 + 5.0)
+    # observed cold starts of ~5 minutes, once the latency model is trained on them, move the lead time into the
+    # spike (450/min -> 4 replicas)
+    events = [{"model_id": "llama", "node_id": f"n{i % 3}", "started_at": f"2026-11-29T10:{i:02d}:00Z",
+               "total_seconds": 290.0, "cache_state": "none"} for i in range(40)]
     assert client.post("/v1/coldstarts", json={"events": events}, headers=auth(tokens["ingest"])).status_code == 200
+    train_latency_model(engine, settings, NOW)
     body = client.get("/v1/models/llama/recommendation", headers=auth(tokens["read"])).json()
-    assert (body["lead_time_s"], body["replicas_at_lead_time"], body["reason"]) == (290.0, 4, "forecast")
+    assert body["lead_time_s"] == pytest.approx(290.0 * 1.2 + 5.0, rel=0.05)
+    assert (body["replicas_at_lead_time"], body["reason"]) == (4, "forecast")
     put_model(client, tokens, model_id="quiet")
     assert client.get("/v1/models/quiet/recommendation",
                       headers=auth(tokens["read"])).json()["reason"] == "no_forecast"

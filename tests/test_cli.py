@@ -244,8 +244,12 @@ def test_demo_loop_trains_forecasts_plans_and_records_actions(cli, engine):
     assert result.exit_code == 0, result.output
     assert "replay done: 3 minutes" in result.stdout
     with engine.connect() as conn:
-        champion = conn.execute(text("SELECT count(*) FROM model_versions WHERE status = 'champion'")).scalar()
+        champion = conn.execute(text("SELECT count(*) FROM model_versions WHERE status = 'champion' "
+                                     "AND kind = 'forecast'")).scalar()
+        latency = conn.execute(text("SELECT count(*) FROM model_versions WHERE status = 'champion' "
+                                    "AND kind = 'latency'")).scalar()
         issued = conn.execute(text("SELECT count(DISTINCT issued_at), count(DISTINCT model_id) FROM forecasts")).one()
         plans = conn.execute(text("SELECT count(*) FROM plans")).scalar()
         replayed = conn.execute(text("SELECT count(*) FROM ingest_batches WHERE source = 'demo-replay'")).scalar()
     assert champion == 1 and tuple(issued) == (3, 100) and plans == 3 and replayed == 3
+    assert latency == 1  # the retrain trained the latency model too

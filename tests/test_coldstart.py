@@ -10,7 +10,8 @@ import pytest
 from sqlalchemy import text
 
 from forecaster.coldstart.lambda_perf import LambdaLatencyModel, evaluate_lambda, lag_features, load_lambda
-from forecaster.coldstart.model import ColdStartModel, baseline_predictions, load_cold_starts
+from forecaster.coldstart.model import (ColdStartModel, baseline_predictions, load_cold_starts, running_at_start,
+                                        with_concurrency)
 from forecaster.coldstart.physics import phase_seconds, physics_latency_table
 from forecaster.contracts.phases import PHASES
 from forecaster.ingest.service import push_cold_starts
@@ -182,3 +183,94 @@ def test_lambda_trees_beat_both_baselines_on_a_drift(tmp_path):
     best = min(methods["trees"]["mae_ms"], methods["ensemble"]["mae_ms"])
     assert best < methods["trailing_median"]["mae_ms"]
     assert best < methods["last_value"]["mae_ms"]
+
+
+# --------------------------------------------------------------------------- bad rows, concurrency, transfers
+
+
+def test_bad_rows_are_skipped_and_counted_never_raised():
+    events = synthetic_events(60, seed=3)
+    events["started_at"] = events["started_at"].astype(object)
+    events.loc[0, "started_at"] = datetime(1, 1, 1, tzinfo=UTC)  # a broken clock
+    events.loc[1, "total_seconds"] = np.nan
+    events.loc[2, "total_seconds"] = np.inf
+    events.loc[3, "image_pull_s"] = -np.inf
+    events.loc[4, "started_at"] = "not a time"
+    model = small_model().fit(events)
+    assert model.skipped_ == {"bad_started_at": 2, "bad_total": 2, "bad_phase": 1}
+    assert model.n_events_ == 55 and model.trees_ is not None
+    table = model.latency_table(pd.DataFrame({"image_bytes": [9e9], "weights_bytes": [1e9]},
+                                             index=pd.Index(["small"])), hour=3)
+    assert np.isfinite(table["total_s"]).all()
+    model.observe(events.iloc[:5])  # conditioning on bad rows skips them too
+    assert len(model.history_) == 55
+
+
+def test_concurrency_sweep_equals_the_overlap_matrix_definition():
+    rng = np.random.default_rng(7)
+    n = 400
+    start = rng.integers(0, 300, n).astype("float64")  # many ties
+    end = start + rng.integers(0, 30, n)  # some zero-length
+    counted = rng.random(n) < 0.5
+    start[::37] = np.nan
+    running = (start[None, :] < start[:, None]) & (end[None, :] > start[:, None]) & counted[None, :]
+    expected = np.where(np.isfinite(start), running.sum(axis=1), 0)
+    assert running_at_start(start, end, counted).tolist() == expected.tolist()
+    frame = pd.DataFrame({"node_id": rng.choice(["a", "b", "c"], n), "started_s": start, "total_seconds": end - start,
+                          "cache_state": rng.choice(["none", "disk"], n)})
+    out = with_concurrency(frame)
+    node = frame["node_id"].to_numpy()
+    same_node = (start[None, :] < start[:, None]) & (end[None, :] > start[:, None]) & (node[None, :] == node[:, None])
+    assert out["concurrent_node_transfers"].tolist() == np.where(np.isfinite(start), same_node.sum(1), 0).tolist()
+
+
+def test_transfers_set_the_pull_and_fetch_rates_of_the_prior():
+    """Pre-pulls observed at 50 MB/s (the prior says 200 MB/s): the image pull prediction moves toward them."""
+    models = pd.DataFrame({"image_bytes": [10e9], "weights_bytes": [16e9]}, index=pd.Index(["m"]))
+    none = pd.DataFrame(columns=["model_id", "node_id", "started_at", "total_seconds", "cache_state", "image_bytes",
+                                 "weights_bytes"])
+    before = ColdStartModel().fit(none).latency_table(models, hour=3).set_index("state")
+    transfers = pd.DataFrame({"kind": ["prepull"] * 20 + ["preload"] * 20,
+                              "bytes": [5e9] * 40, "image_pull_s": [100.0] * 20 + [np.nan] * 20,
+                              "weight_fetch_s": [np.nan] * 20 + [5e9 / 0.6e9] * 20})
+    model = ColdStartModel().fit(none, transfers)
+    after = model.latency_table(models, hour=3).set_index("state")
+    # the geometric mean of 20 observed rates and the prior's rate counted 3 times
+    rate = np.exp((20 * np.log(50e6) + 3 * np.log(FleetConfig().image_pull_bytes_per_s)) / 23)
+    assert before.loc["none", "image_pull_s"] == pytest.approx(10e9 / 200e6)
+    assert after.loc["none", "image_pull_s"] == pytest.approx(10e9 / rate)
+    assert after.loc["none", "image_pull_s"] > 0.8 * 10e9 / 50e6  # most of the way to what the agents saw
+    assert after.loc["none", "weight_fetch_s"] == pytest.approx(before.loc["none", "weight_fetch_s"])  # same rate
+    assert after.loc["none", "total_s"] > before.loc["none", "total_s"] + 100  # the lead time moves with it
+    assert after.loc["disk", "image_pull_s"] == 0.0  # a node with the weights holds the image: no pull
+    assert model.rates_.n_ == {"image_pull_s": 20, "weight_fetch_s": 20}
+
+
+def test_train_save_load_through_the_registry(engine, settings, now):
+    from forecaster.coldstart.service import latency_version, load_latency_model, train_latency_model
+    from forecaster.forecast.registry import champion
+
+    prior = load_latency_model(engine, settings)
+    assert prior.trees_ is None and latency_version(engine, settings) is None  # nothing saved: the prior
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id=m) for m in ("small", "mid", "big")])
+        conn.execute(text("INSERT INTO model_versions (id, status, path) VALUES ('f1', 'champion', 'models/f1')"))
+        # a row ingest would refuse, written behind its back: the model must skip it, not crash
+        conn.execute(text("INSERT INTO cold_starts (model_id, node_id, started_at, total_seconds, source) "
+                          "VALUES ('small', 'node-0', '0001-01-01T00:00:00Z', 30, 'manual')"))
+    events = synthetic_events(60, start=now - timedelta(days=3))
+    push_cold_starts(engine, settings, [
+        {"model_id": r.model_id, "node_id": r.node_id, "started_at": r.started_at.isoformat(),
+         "total_seconds": r.total_seconds, "cache_state": r.cache_state, **{p: getattr(r, p) for p in PHASES}}
+        for r in events.itertuples()], now=now)
+    first = train_latency_model(engine, settings, now, tree_params=SMALL_TREES)
+    loaded = load_latency_model(engine, settings)
+    assert loaded is load_latency_model(engine, settings)  # cached per version
+    assert loaded.trees_ is not None and loaded.n_events_ == 60 and loaded.skipped_ == {"bad_started_at": 1}
+    assert (settings.models_dir / first / "metadata.json").exists()
+    second = train_latency_model(engine, settings, now + timedelta(days=1), tree_params=SMALL_TREES)
+    with engine.connect() as conn:
+        rows = dict(conn.execute(text("SELECT id, status FROM model_versions WHERE kind = 'latency'")).all())
+    assert rows == {first: "retired", second: "champion"}
+    assert champion(engine).id == "f1"  # the forecasting champion is another kind, untouched
+    assert latency_version(engine, settings) == second

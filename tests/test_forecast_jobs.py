@@ -79,8 +79,11 @@ def test_a_worse_challenger_is_not_promoted(engine, ingested):
     assert worse["scores"]["challenger"]["wql"] > worse["scores"]["champion"]["wql"]
     assert not worse["promoted"] and worse["previous_champion"] == good["version"]
     with engine.connect() as conn:
-        statuses = dict(conn.execute(text("SELECT id, status FROM model_versions")).all())
+        statuses = dict(conn.execute(text("SELECT id, status FROM model_versions WHERE kind = 'forecast'")).all())
+        latency = dict(conn.execute(text("SELECT id, status FROM model_versions WHERE kind = 'latency'")).all())
     assert statuses == {good["version"]: "champion", worse["version"]: "retired"}
+    # each nightly retrain also refits the latency model; the newest is its champion
+    assert latency == {good["latency_model"]: "retired", worse["latency_model"]: "champion"}
 
 
 def test_forecast_job_without_champion_falls_back(engine, ingested):

@@ -12,7 +12,7 @@ from forecaster.store.tables import Base
 EXPECTED_TABLES = {
     "serving_models", "invocations", "coverage", "ingest_batches", "cold_starts", "nodes", "node_cache",
     "model_versions", "forecasts", "plans", "actions", "job_runs", "apscheduler_jobs", "api_tokens",
-    "actuator_control", "backtest_runs", "backtest_results", "rollups",
+    "actuator_control", "backtest_runs", "backtest_results", "rollups", "transfers",
 }
 HEAD = sorted(p.name.split("_")[0] for p in (Path(__file__).resolve().parent.parent / "migrations" / "versions")
               .glob("[0-9]*_*.py"))[-1]
@@ -72,7 +72,41 @@ def test_constraints_reject_impossible_rows(db_url):
         "INSERT INTO cold_starts (model_id, node_id, started_at, total_seconds, source) "
         "VALUES ('m', 'n', now(), -1, 't')",
         "INSERT INTO model_versions (id, status, path) VALUES ('a', 'champion', 'x'), ('b', 'champion', 'y')",
+        "INSERT INTO model_versions (id, status, path, kind) VALUES ('c', 'champion', 'x', 'latency'), "
+        "('d', 'champion', 'y', 'latency')",
+        "INSERT INTO model_versions (id, status, path, kind) VALUES ('e', 'retired', 'x', 'weather')",
+        "INSERT INTO transfers (model_id, node_id, kind, tier, ref, started_at, seconds, source) "
+        "VALUES ('m', 'n', 'preload', 'image', 'x', now(), 1, 't')",
+        "INSERT INTO transfers (model_id, node_id, kind, tier, ref, started_at, seconds, source) "
+        "VALUES ('m', 'n', 'prepull', 'image', 'x', now(), -1, 't')",
     ):
         with pytest.raises(IntegrityError), engine.begin() as conn:
             conn.execute(text(sql))
+    with engine.begin() as conn:  # one champion per kind: a forecast champion and a latency champion coexist
+        conn.execute(text("INSERT INTO model_versions (id, status, path, kind) VALUES ('f', 'champion', 'x', "
+                          "'forecast'), ('l', 'champion', 'y', 'latency')"))
+    engine.dispose()
+
+
+def test_agent_observations_stored_as_cold_starts_move_to_transfers(empty_db_url):
+    engine = make_engine(empty_db_url)
+    upgrade(engine, "0006")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO serving_models (id, image_ref, weights_uri) "
+                          "VALUES ('m', 'reg/img:1', 's3://w/m')"))
+        conn.execute(text(
+            "INSERT INTO cold_starts (model_id, node_id, started_at, total_seconds, image_pull_s, weight_fetch_s, "
+            "cache_state, source) VALUES "
+            "('m', 'n1', '2026-11-29T10:00Z', 3.5, 3.5, NULL, 'none', 'actuator-agent'), "
+            "('m', 'n1', '2026-11-29T10:01Z', 8.0, NULL, 8.0, 'none', 'actuator-agent'), "
+            "('m', 'n2', '2026-11-29T10:02Z', 40.0, 20.0, 10.0, 'none', 'push')"))
+    upgrade(engine)
+    with engine.connect() as conn:
+        moved = conn.execute(text("SELECT kind, tier, ref, bytes, seconds FROM transfers ORDER BY started_at")).all()
+        left = conn.execute(text("SELECT node_id, source FROM cold_starts")).all()
+    assert moved == [("prepull", "image", "reg/img:1", None, 3.5), ("preload", "disk", "s3://w/m", None, 8.0)]
+    assert left == [("n2", "push")]  # a real cold start stays
+    downgrade(engine, "0006")
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM cold_starts")).scalar() == 3
     engine.dispose()

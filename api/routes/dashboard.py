@@ -19,7 +19,8 @@ from datetime import datetime, timedelta, timezone
 from enum import StrEnum
 from pathlib import Path
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 from sqlalchemy.exc import OperationalError
@@ -106,8 +107,15 @@ class ColdStartsPublic(BaseModel):
     observed: list[ColdStartPublic]
     predicted: list[dict]
     predicted_stored: bool = Field(description="False when the store holds no cold-start predictions.")
-    lead_time_s: float = Field(description="Cold-start seconds the recommendation endpoint assumes now.")
-    lead_time_source: str = Field(description="observed_median (last 20 starts) or default (no start observed).")
+    lead_time_s: float = Field(description="Lead time (s) the recommendation endpoint assumes now: the planner's, "
+                                           "from the latency model's predicted start.")
+    lead_time_source: str = Field(description="latency_model (the planner's prediction) or default (not available).")
+    lead_time_start_state: str | None = Field(default=None, description="The state a new replica would start "
+                                              "from (its warmest cached state on any node).")
+    latency_model_version: str | None = Field(default=None, description="Latency model version (None: the "
+                                              "physics prior, no model trained yet).")
+    observed_median_s: float | None = Field(default=None, description="Median total seconds of the last 20 "
+                                            "observed cold starts (None: none observed).")
     note: str | None = None
 
 
@@ -246,25 +254,38 @@ def get_series(model_id: str, engine: EngineDep, settings: SettingsDep, clock: C
 
 
 @router.get("/models/{model_id}/coldstarts", response_model=ColdStartsPublic, responses=_UNKNOWN_MODEL)
-def get_cold_starts(model_id: str, engine: EngineDep, settings: SettingsDep, clock: ClockDep, _: ReadToken,
-                    start: datetime | None = _START,
+async def get_cold_starts(model_id: str, request: Request, engine: EngineDep, settings: SettingsDep,
+                          clock: ClockDep, _: ReadToken, start: datetime | None = _START,
                     end: datetime | None = Query(None, description="End, exclusive (UTC); default now."),
                     limit: int = Query(10_000, ge=1, le=100_000)) -> ColdStartsPublic:
     """Observed cold starts that began in the window; predicted ones only where the store holds them."""
     default_end = _floor_minute(clock().astimezone(timezone.utc)) + MINUTE
     start, end = _window(start, end, default_end=default_end, default_span=timedelta(days=1))
-    try:
+
+    def read():
         with engine.connect() as conn:
             _require_model(conn, model_id)
-            view = read_cold_starts(conn, model_id=model_id, start=start, end=end, limit=limit)
+            return read_cold_starts(conn, model_id=model_id, start=start, end=end, limit=limit)
+
+    try:
+        view = await run_in_threadpool(read)
     except OperationalError:
         raise _unavailable(settings) from None
-    observed_lead = view.lead_time_s is not None
+    snapshot = request.app.state.snapshot
+    if settings.api_snapshot_refresh_s == 0 or snapshot.newest_issued_at is None:
+        await run_in_threadpool(snapshot.refresh_if_due)
+    model_view = snapshot.get(model_id)
+    if model_view is None and snapshot.healthy:
+        await run_in_threadpool(snapshot.refresh)
+        model_view = snapshot.get(model_id)
+    predicted = model_view is not None and model_view.lead_time_s is not None
     return ColdStartsPublic(
         model_id=model_id, start=start, end=end, observed=[ColdStartPublic(**e) for e in view.observed],
         predicted=view.predicted, predicted_stored=view.predicted_stored,
-        lead_time_s=view.lead_time_s if observed_lead else settings.default_cold_start_s,
-        lead_time_source="observed_median" if observed_lead else "default",
+        lead_time_s=model_view.lead_time_s if predicted else settings.default_cold_start_s,
+        lead_time_source="latency_model" if predicted else "default",
+        lead_time_start_state=model_view.start_state if model_view is not None else None,
+        latency_model_version=snapshot.latency_model_version, observed_median_s=view.lead_time_s,
         note=None if view.predicted_stored else "no cold-start predictions are stored; showing observed only",
     )
 

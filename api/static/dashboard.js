@@ -319,7 +319,9 @@
     replaceChart("coldstarts", opts, [xs, observed, predicted, lead], el);
     $("coldstart-note").textContent = (view.note ? view.note + ". " : "") +
       `${view.observed.length} observed in this range; the recommendation endpoint's lead time is ` +
-      `${fmt.num(view.lead_time_s, 1)} s (${view.lead_time_source}).`;
+      `${fmt.num(view.lead_time_s, 1)} s (${view.lead_time_source}` +
+      (view.lead_time_start_state ? `, starting from ${view.lead_time_start_state}` : "") + `)` +
+      (view.observed_median_s != null ? `; observed median ${fmt.num(view.observed_median_s, 1)} s.` : ".");
   }
 
   function svg(name, attrs, parent) {

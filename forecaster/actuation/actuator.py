@@ -256,16 +256,36 @@ def action_from_row(row: dict) -> Action:
 
 
 def _push_observations(engine: Engine, settings: Settings):
-    """The store's observation sink: validated through the ingest path, as any pushed cold start."""
+    """The store's observation sink: what a backend observed, validated through the ingest path, routed by kind.
+
+    ``prepull`` / ``preload`` events are transfers the backend carried out (``transfers`` table, never
+    ``cold_starts``); events without a kind, or with kind ``cold_start``, are replica cold starts. The sink
+    returns the cold-start write's counts, with the transfers' under ``"transfers"`` when there were any.
+    """
 
     def push(events: list[dict], *, now: datetime, source: str) -> dict:
         from forecaster.contracts.batches import IngestError
-        from forecaster.ingest.service import push_cold_starts
+        from forecaster.ingest.service import push_cold_starts, push_transfers
 
-        try:
-            return push_cold_starts(engine, settings, events, now=now, source=source)
-        except IngestError as exc:
-            log.warning("cold-start observations not stored: %s", exc)
-            return {"error": str(exc)}
+        transfers = [e for e in events if e.get("kind") in ("prepull", "preload")]
+        cold_starts = [{k: v for k, v in e.items() if k != "kind"} for e in events
+                       if e.get("kind") in (None, "cold_start")]
+        result: dict = {"inserted": 0, "updated": 0}
+        if len(transfers) + len(cold_starts) < len(events):
+            log.warning("%d observations of an unknown kind not stored",
+                        len(events) - len(transfers) - len(cold_starts))
+        if cold_starts:
+            try:
+                result = push_cold_starts(engine, settings, cold_starts, now=now, source=source)
+            except IngestError as exc:
+                log.warning("cold-start observations not stored: %s", exc)
+                result = {"error": str(exc)}
+        if transfers:
+            try:
+                result["transfers"] = push_transfers(engine, settings, transfers, now=now, source=source)
+            except IngestError as exc:
+                log.warning("transfer observations not stored: %s", exc)
+                result["transfers"] = {"error": str(exc)}
+        return result
 
     return push

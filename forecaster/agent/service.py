@@ -8,10 +8,11 @@ second transfer; a later joiner's deadline extends the transfer's. At most
 ``max_concurrent_pulls`` pulls and ``max_concurrent_preloads`` pre-loads run at
 once on the node; the rest wait for a slot within their deadline.
 
-Each transfer actually performed is kept as an observation (phase timings:
-``image_pull_s``, ``weight_fetch_s``, ``weight_load_s``) in a bounded buffer
-and returned in the result, which is how the actuator feeds them back to the
-``cold_starts`` table.
+Each transfer actually performed is kept as an observation (kind, ref, tier,
+bytes, phase timings: ``image_pull_s``, ``weight_fetch_s``, ``weight_load_s``)
+in a bounded buffer and returned in the result, which is how the actuator
+feeds them back to the ``transfers`` table (never to ``cold_starts``: no
+replica waited on them).
 """
 
 from __future__ import annotations
@@ -359,8 +360,8 @@ class NodeAgent:
         unit.future.set_result(result)
 
     def _observe(self, *, kind: str, ref: str, model_id: str | None, started_at: datetime, timings: dict,
-                 size_bytes: int | None, cache_state: str) -> dict:
-        observation = {"seq": next(self._seq), "kind": kind, "ref": ref, "model_id": model_id,
+                 size_bytes: int | None, cache_state: str, tier: str = "image") -> dict:
+        observation = {"seq": next(self._seq), "kind": kind, "ref": ref, "model_id": model_id, "tier": tier,
                        "node_id": self.node_name, "started_at": started_at.isoformat(),
                        "size_bytes": size_bytes, "cache_state": cache_state, **timings}
         with self._lock:
@@ -437,7 +438,7 @@ class NodeAgent:
             cache_state = "none" if fetched else "disk"
             detail["observation"] = self._observe(kind="preload", ref=uri, model_id=model_id, started_at=started_at,
                                                   timings=timings, size_bytes=entry.size_bytes,
-                                                  cache_state=cache_state)
+                                                  cache_state=cache_state, tier=str(tier))
         verb = "fetched" if fetched else ("loaded" if loaded else "already cached")
         return WorkResult(kind="preload", ref=uri, status="succeeded", node=self.node_name, tier=str(tier),
                           already_present=not fetched and not loaded, size_bytes=entry.size_bytes, timings=timings,

@@ -9,7 +9,14 @@ bandwidth), ``concurrent_node_transfers`` and
 ``concurrent_registry_pulls`` (pulls/fetches already running on the node, and
 against the same registry, when the start began). :func:`load_cold_starts`
 builds this frame from the store, deriving the concurrency from overlapping
-cold starts.
+cold starts with a sort and sweep (:func:`running_at_start`, O(n log n)).
+Rows the model cannot use (a start dated ``0001-01-01``, NaN or infinite
+seconds) are skipped and counted (:func:`clean_events`), never raised.
+
+Transfers (pre-pulls and pre-loads the node agents carried out, from the
+``transfers`` table) are not cold starts: :class:`TransferRateMember` learns
+the image pull and weight fetch rates (bytes/s) from them, and those rates set
+the physics prior every other member corrects.
 
 Members (the ensemble's member kinds, STYLE.md contract: ``__init__`` stores
 settings, ``fit`` returns ``self``, fitted state ends in ``_``):
@@ -31,13 +38,13 @@ alone (no data yet is a normal answer, not an error).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import lightgbm as lgb
 import numpy as np
 import pandas as pd
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from forecaster.coldstart.physics import phase_seconds
 from forecaster.contracts.phases import PHASES, START_STATES
@@ -57,11 +64,80 @@ FILE_NAMES = {"metadata": "metadata.json", "booster": "{target}.txt"}
 # --------------------------------------------------------------------------- features
 
 
+#: A cold start stamped before this (UTC) is a broken clock, not an observation (e.g. ``0001-01-01``).
+EARLIEST_STARTED_S = 946_684_800.0  # 2000-01-01T00:00:00Z
+_EPOCH = pd.Timestamp("1970-01-01", tz="UTC")
+
+
 def _started_seconds(events: pd.DataFrame) -> np.ndarray:
+    """Start of each event in seconds since the epoch (or simulated seconds); NaN where unreadable.
+
+    Never raises: a date pandas cannot hold in its unit (``0001-01-01`` read
+    as nanoseconds) or text that is no date becomes NaN, for the caller to skip.
+    """
     if "started_s" in events.columns:
-        return events["started_s"].to_numpy(dtype="float64")
-    started = pd.to_datetime(events["started_at"], utc=True)
-    return (started - pd.Timestamp(0, tz="UTC")).dt.total_seconds().to_numpy()
+        return pd.to_numeric(events["started_s"], errors="coerce").to_numpy(dtype="float64")
+    if "started_at" not in events.columns:
+        return np.full(len(events), np.nan)
+    try:
+        started = pd.to_datetime(events["started_at"], utc=True, errors="coerce")
+        seconds = ((started - _EPOCH) / pd.Timedelta(seconds=1)).to_numpy(dtype="float64")
+    except (OverflowError, ValueError, pd.errors.OutOfBoundsDatetime):
+        seconds = np.array([_one_started_seconds(v) for v in events["started_at"]], dtype="float64")
+    return np.where(np.isfinite(seconds), seconds, np.nan)
+
+
+def _one_started_seconds(value) -> float:
+    try:
+        stamp = pd.Timestamp(value)
+        stamp = stamp.tz_localize("UTC") if stamp.tzinfo is None else stamp.tz_convert("UTC")
+        return float((stamp - _EPOCH) / pd.Timedelta(seconds=1))
+    except (TypeError, ValueError, OverflowError):
+        return float("nan")
+
+
+def clean_events(events: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, int]]:
+    """Drop cold starts the model cannot learn from; say how many of each kind were dropped.
+
+    Dropped (counted under the key in brackets): an unreadable start, or a
+    dated one before 2000-01-01 (``bad_started_at``); a total that is missing,
+    NaN, infinite or negative (``bad_total``); a phase that is infinite or
+    negative (``bad_phase``; NaN means "not reported" and is kept); an infinite
+    or negative size (``bad_size``). Adds ``started_s`` (seconds).
+
+    Returns:
+        The kept rows (index reset) and ``{reason: count}`` for the dropped ones.
+    """
+    frame = events.copy()
+    frame["started_s"] = _started_seconds(frame)
+    bad_start = ~np.isfinite(frame["started_s"].to_numpy())
+    if "started_s" not in events.columns and "started_at" in events.columns:
+        bad_start |= frame["started_s"].to_numpy() < EARLIEST_STARTED_S
+    total = pd.to_numeric(frame.get("total_seconds", pd.Series(np.nan, index=frame.index)), errors="coerce") \
+        .to_numpy(dtype="float64")
+    bad_total = ~np.isfinite(total) | (total < 0)
+    bad_phase = np.zeros(len(frame), dtype=bool)
+    for phase in PHASES:
+        if phase in frame.columns:
+            values = pd.to_numeric(frame[phase], errors="coerce").to_numpy(dtype="float64")
+            bad_phase |= np.isinf(values) | (values < 0)
+            frame[phase] = values
+    bad_size = np.zeros(len(frame), dtype=bool)
+    for column in ("image_bytes", "weights_bytes"):
+        if column in frame.columns:
+            values = pd.to_numeric(frame[column], errors="coerce").to_numpy(dtype="float64")
+            bad_size |= np.isinf(values) | (values < 0)
+            frame[column] = values
+    skipped = {}
+    drop = np.zeros(len(frame), dtype=bool)
+    for name, mask in (("bad_started_at", bad_start), ("bad_total", bad_total), ("bad_phase", bad_phase),
+                       ("bad_size", bad_size)):
+        mask = mask & ~drop  # each dropped row counted once, under its first reason
+        if mask.any():
+            skipped[name] = int(mask.sum())
+        drop |= mask
+    frame["total_seconds"] = total
+    return frame[~drop].reset_index(drop=True), skipped
 
 
 def prepare_events(events: pd.DataFrame, config: FleetConfig = FleetConfig(), *, history: bool = True
@@ -196,6 +272,53 @@ class RecentLatencyMember:
         return np.array([self.level_.get(k, 0.0) for k in keys])
 
 
+class TransferRateMember:
+    """Image pull and weight fetch rates (bytes/s) learned from the transfers the node agents carried out.
+
+    A pre-pull measures ``image_pull_s`` for ``bytes`` of image, a pre-load
+    ``weight_fetch_s`` for ``bytes`` of weights: the same phases a cold start
+    from nothing pays, measured without a replica waiting. The rate per phase
+    is the geometric mean of the last ``max_transfers`` observed rates, shrunk
+    toward the fleet prior's rate (``FleetConfig.image_pull_bytes_per_s``,
+    ``weight_fetch_bytes_per_s``) as if the prior were ``prior_weight`` more
+    observations: one slow pull moves the prediction a quarter of the way (in
+    log rate), a hundred pulls decide it. The fitted rates replace the prior's
+    in the physics prior every other member corrects.
+    """
+
+    name = "transfers"
+    #: phase -> the FleetConfig field holding its per-transfer rate (bytes/s)
+    RATE_FIELDS = {"image_pull_s": "image_pull_bytes_per_s", "weight_fetch_s": "weight_fetch_bytes_per_s"}
+    KIND_OF_PHASE = {"image_pull_s": "prepull", "weight_fetch_s": "preload"}
+
+    def __init__(self, prior_weight: float = 3.0, max_transfers: int = 1000):
+        self.prior_weight = prior_weight
+        self.max_transfers = max_transfers
+
+    def fit(self, transfers: pd.DataFrame | None, config: FleetConfig) -> "TransferRateMember":
+        self.rates_: dict[str, float] = {}
+        self.n_: dict[str, int] = {}
+        for phase, field_name in self.RATE_FIELDS.items():
+            prior = float(getattr(config, field_name))
+            rates = np.zeros(0)
+            if transfers is not None and len(transfers) and phase in transfers.columns:
+                rows = transfers[transfers["kind"] == self.KIND_OF_PHASE[phase]] if "kind" in transfers.columns \
+                    else transfers
+                size = pd.to_numeric(rows["bytes"], errors="coerce").to_numpy(dtype="float64")
+                seconds = pd.to_numeric(rows[phase], errors="coerce").to_numpy(dtype="float64")
+                ok = np.isfinite(size) & np.isfinite(seconds) & (size > 0) & (seconds > 0)
+                rates = (size[ok] / seconds[ok])[-self.max_transfers:]
+            n = len(rates)
+            log_rate = (np.log(rates).sum() + self.prior_weight * np.log(prior)) / (n + self.prior_weight)
+            self.rates_[field_name] = float(np.exp(log_rate))
+            self.n_[phase] = int(n)
+        return self
+
+    def config_for(self, config: FleetConfig) -> FleetConfig:
+        """``config`` with the learned rates in place of the prior's."""
+        return replace(config, **self.rates_)
+
+
 # --------------------------------------------------------------------------- the model
 
 
@@ -209,11 +332,27 @@ class ColdStartModel:
     weights_grid: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     tree_params: dict | None = None  # passed to TreePhaseMember (n_estimators, learning_rate, num_leaves, ...)
 
-    def fit(self, events: pd.DataFrame) -> "ColdStartModel":
-        frame = prepare_events(events, self.config)
+    def fit(self, events: pd.DataFrame, transfers: pd.DataFrame | None = None) -> "ColdStartModel":
+        """Fit on observed cold starts and, when given, the transfers the agents carried out.
+
+        Args:
+            events: cold starts (see the module docstring); unusable rows are
+                skipped and counted in ``skipped_`` (see :func:`clean_events`).
+            transfers: pre-pulls and pre-loads (``kind``, ``bytes``,
+                ``image_pull_s`` / ``weight_fetch_s``, as
+                :func:`forecaster.store.transfers.read_transfers` returns them):
+                they set the pull and fetch rates of the prior
+                (:class:`TransferRateMember`); they are not cold starts and
+                never enter the totals or the history.
+        """
+        events, self.skipped_ = clean_events(events)
+        self.rates_ = TransferRateMember().fit(transfers, self.config)
+        self.n_transfers_ = int(0 if transfers is None else len(transfers))
+        self.config_ = self.rates_.config_for(self.config)
+        frame = prepare_events(events, self.config_)
         self.n_events_ = len(frame)
         self.trees_: TreePhaseMember | None = None
-        self.recent_ = RecentLatencyMember()
+        self.recent_ = RecentLatencyMember().fit([], np.zeros(0))
         self.weight_ = 0.0
         self.history_ = frame[["model_id", "cache_state", "started_s", "total_seconds"]].copy()
         if len(frame) < self.min_events:
@@ -243,8 +382,14 @@ class ColdStartModel:
         self.recent_ = RecentLatencyMember().fit(keys, errors)
         return self
 
+    @property
+    def fitted_config(self) -> FleetConfig:
+        """The fleet physics with the rates learned from transfers (the prior's own before ``fit``)."""
+        return getattr(self, "config_", self.config)
+
     def observe(self, events: pd.DataFrame) -> None:
         """Condition on newer cold starts without refitting (history and recent errors)."""
+        events, _ = clean_events(events)
         if not len(events):
             return
         frame = self._with_history(events)
@@ -266,7 +411,7 @@ class ColdStartModel:
         new["cache_state"] = new["cache_state"].fillna("none").astype(str)
         if not new.duplicated(keys).any():
             # each (model, tier) once: history statistics straight from what was seen (the planner's case)
-            prepared = prepare_events(new, self.config, history=False)
+            prepared = prepare_events(new, self.fitted_config, history=False)
             seen = self.history_.sort_values("started_s", kind="stable")
             stats = seen.groupby(keys)["total_seconds"].agg(last="last", n="size")
             stats["median"] = seen.groupby(keys).tail(5).groupby(keys)["total_seconds"].median()
@@ -281,7 +426,7 @@ class ColdStartModel:
             if column not in both.columns:
                 both[column] = 0.0
         prepared = prepare_events(both.drop(columns=[c for c in ("started_at",) if c in both.columns]),
-                                  self.config)
+                                  self.fitted_config)
         return prepared[~prepared["_known"].astype(bool)].reset_index(drop=True)
 
     def predict(self, events: pd.DataFrame) -> pd.DataFrame:
@@ -331,7 +476,10 @@ class ColdStartModel:
                 booster.save_model(str(folder / FILE_NAMES["booster"].format(target=target)))
                 targets.append(target)
         meta = {"kind": "coldstart", "n_events": self.n_events_, "weight": self.weight_, "targets": targets,
-                "min_events": self.min_events,
+                "min_events": self.min_events, "skipped": getattr(self, "skipped_", {}),
+                "n_transfers": getattr(self, "n_transfers_", 0),
+                "rates": {} if getattr(self, "rates_", None) is None else self.rates_.rates_,
+                "rate_observations": {} if getattr(self, "rates_", None) is None else self.rates_.n_,
                 "recent": [[k[0], k[1], v] for k, v in self.recent_.level_.items()]}
         (folder / FILE_NAMES["metadata"]).write_text(json.dumps(meta, indent=1))
         self.history_.to_csv(folder / "history.csv.gz", index=False)
@@ -344,6 +492,12 @@ class ColdStartModel:
         model = ColdStartModel(config=config, min_events=meta["min_events"])
         model.n_events_ = meta["n_events"]
         model.weight_ = meta["weight"]
+        model.skipped_ = meta.get("skipped", {})
+        model.n_transfers_ = meta.get("n_transfers", 0)
+        model.rates_ = TransferRateMember()
+        model.rates_.rates_ = dict(meta.get("rates", {}))
+        model.rates_.n_ = dict(meta.get("rate_observations", {}))
+        model.config_ = model.rates_.config_for(config)
         model.recent_ = RecentLatencyMember()
         model.recent_.level_ = {(m, s): v for m, s, v in meta["recent"]}
         model.history_ = pd.read_csv(folder / "history.csv.gz", dtype={"model_id": str, "cache_state": str})
@@ -386,34 +540,68 @@ def baseline_predictions(train: pd.DataFrame, test: pd.DataFrame) -> pd.DataFram
                          "actual": tested["total_seconds"].to_numpy(), "last_value": last, "trailing_median": median})
 
 
+def running_at_start(start_s: np.ndarray, end_s: np.ndarray, counted: np.ndarray | None = None) -> np.ndarray:
+    """For each event ``i``, how many (counted) events ``j`` had begun before it and were still running.
+
+    ``j`` counts when ``start_j < start_i`` and ``end_j > start_i``, the same
+    definition as an n x n overlap matrix, in O(n log n): the events begun
+    before ``i`` minus those of them already over (``end_j <= start_i``; an
+    event that ended by ``start_i`` began before it, except a zero-length one
+    at exactly ``start_i``, which is added back). NaN starts or ends count
+    nowhere and get 0. Ends are never before starts (totals are >= 0).
+
+    Args:
+        start_s, end_s: (n,) seconds.
+        counted: (n,) bool, which events may be counted as running (default all).
+    """
+    start_s = np.asarray(start_s, dtype="float64")
+    end_s = np.asarray(end_s, dtype="float64")
+    ok = np.isfinite(start_s) & np.isfinite(end_s)
+    pool = ok if counted is None else ok & np.asarray(counted, dtype=bool)
+    starts = np.sort(start_s[pool])
+    ends = np.sort(end_s[pool])
+    instant = np.sort(start_s[pool & (end_s == start_s)])  # zero-length events
+    at = np.where(ok, start_s, 0.0)
+    begun = np.searchsorted(starts, at, side="left")
+    over = np.searchsorted(ends, at, side="right")
+    # a zero-length j at exactly start_i is in ``over`` but not in ``begun``
+    instant_here = np.searchsorted(instant, at, side="right") - np.searchsorted(instant, at, side="left")
+    return np.where(ok, begun - over + instant_here, 0).astype("float64")
+
+
+def with_concurrency(frame: pd.DataFrame) -> pd.DataFrame:
+    """Add ``concurrent_node_transfers`` and ``concurrent_registry_pulls`` derived from the events themselves.
+
+    ``concurrent_node_transfers`` = earlier cold starts on the same node still
+    running at this one's start; ``concurrent_registry_pulls`` = cold starts
+    from nothing (which pull the image) running fleet-wide at that time. A
+    sort and sweep per node (see :func:`running_at_start`), not an n x n matrix.
+    """
+    frame = frame.copy()
+    start = _started_seconds(frame)
+    total = pd.to_numeric(frame["total_seconds"], errors="coerce").to_numpy(dtype="float64")
+    end = start + np.where(np.isfinite(total) & (total >= 0), total, np.nan)
+    pulling = (frame["cache_state"].fillna("none") == "none").to_numpy()
+    node_counts = np.zeros(len(frame))
+    for rows in frame.groupby(frame["node_id"].astype(str), sort=False).indices.values():
+        node_counts[rows] = running_at_start(start[rows], end[rows])
+    frame["concurrent_node_transfers"] = node_counts
+    frame["concurrent_registry_pulls"] = running_at_start(start, end, counted=pulling)
+    return frame
+
+
 def load_cold_starts(engine: Engine) -> pd.DataFrame:
     """Events for :meth:`ColdStartModel.fit` from the ``cold_starts`` table.
 
     Sizes come from ``serving_models``, node bandwidth from ``nodes`` (when
-    the node reported one); concurrency is derived from the table
-    itself: ``concurrent_node_transfers`` = earlier cold starts on the same node
-    still running at this one's start, ``concurrent_registry_pulls`` = cold
-    starts from nothing (which pull the image) running fleet-wide at that time.
+    the node reported one), concurrency from the table itself
+    (:func:`with_concurrency`). Rows are as stored; ``fit`` skips the bad ones.
     """
-    query = text(
-        "SELECT c.model_id, c.node_id, c.started_at, c.total_seconds, c.image_pull_s, c.weight_fetch_s, "
-        "c.weight_load_s, c.runtime_init_s, c.registration_s, c.cache_state, "
-        "COALESCE(m.image_size_bytes, 0) AS image_bytes, COALESCE(m.weights_size_bytes, 0) AS weights_bytes, "
-        "n.network_bytes_per_s AS node_bytes_per_s "
-        "FROM cold_starts c JOIN serving_models m ON m.id = c.model_id LEFT JOIN nodes n ON n.id = c.node_id "
-        "ORDER BY c.started_at, c.id")
-    with engine.connect() as conn:
-        frame = pd.DataFrame(conn.execute(query).mappings().all())
+    from forecaster.store.coldstarts import read_cold_start_events
+
+    frame = read_cold_start_events(engine)
     if frame.empty:
         return frame
-    start = pd.to_datetime(frame["started_at"], utc=True)
-    end = start + pd.to_timedelta(frame["total_seconds"], unit="s")
-    s, e = start.to_numpy(), end.to_numpy()
-    node = frame["node_id"].to_numpy()
-    pulling = (frame["cache_state"].fillna("none") == "none").to_numpy()
-    running = (s[None, :] < s[:, None]) & (e[None, :] > s[:, None])  # j running when i starts
-    frame["concurrent_node_transfers"] = (running & (node[None, :] == node[:, None])).sum(axis=1).astype("float64")
-    frame["concurrent_registry_pulls"] = (running & pulling[None, :]).sum(axis=1).astype("float64")
     for column in ("total_seconds", *PHASES, "image_bytes", "weights_bytes", "node_bytes_per_s"):
         frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("float64")
-    return frame
+    return with_concurrency(frame)

@@ -3,7 +3,8 @@
 A version folder holds two files with fixed names (after mlforecast's
 save/load): ``ensemble.pkl`` (the fitted ensemble) and ``metadata.json``
 (training window, members, failures, backtest scores, code version). At most
-one version is the ``champion``; the nightly retrain adds a ``challenger`` and
+one forecasting version is the ``champion`` (the rows live in :mod:`forecaster.store.registry`,
+which also keeps the latency model's versions); the nightly retrain adds a ``challenger`` and
 promotes it only when its backtest is not worse than the champion's on the
 same held-out origins.
 """
@@ -15,13 +16,13 @@ import logging
 import pickle
 import shutil
 import subprocess
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from forecaster import __version__
+from forecaster.store.registry import VersionInfo, champion_version, insert_version, promote_version, set_version_status
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +38,6 @@ def code_version() -> str:
     except (OSError, subprocess.SubprocessError):
         commit = ""
     return f"{__version__}+{commit}" if commit else __version__
-
-
-@dataclass(frozen=True)
-class VersionInfo:
-    id: str
-    status: str
-    path: Path
-    train_start: datetime | None
-    train_end: datetime | None
-    scores: dict
-    members: list
 
 
 def save_version(
@@ -118,35 +108,23 @@ def load_ensemble(path: Path):
 
 def register(engine: Engine, *, version_id: str, path: Path, status: str, train_start, train_end,
              members: list, scores: dict) -> None:
-    with engine.begin() as conn:
-        conn.execute(
-            text("INSERT INTO model_versions (id, status, path, train_start, train_end, members, scores, "
-                 "code_version) VALUES (:id, :st, :p, :ts, :te, CAST(:m AS jsonb), CAST(:s AS jsonb), :cv)"),
-            {"id": version_id, "st": status, "p": str(path), "ts": train_start, "te": train_end,
-             "m": json.dumps(members), "s": json.dumps(scores, default=str), "cv": code_version()},
-        )
+    """Add the ``model_versions`` row of a saved ensemble (kind ``forecast``)."""
+    insert_version(engine, version_id=version_id, path=path, status=status, train_start=train_start,
+                   train_end=train_end, members=members, scores=scores, code_version=code_version())
 
 
 def champion(engine: Engine) -> VersionInfo | None:
-    with engine.connect() as conn:
-        row = conn.execute(text("SELECT id, status, path, train_start, train_end, scores, members "
-                                "FROM model_versions WHERE status = 'champion'")).first()
-    return None if row is None else VersionInfo(row[0], row[1], Path(row[2]), row[3], row[4], row[5], row[6])
+    """The forecasting champion (kind ``forecast``), or None."""
+    return champion_version(engine, kind="forecast")
 
 
 def promote(engine: Engine, version_id: str) -> None:
     """Make ``version_id`` the champion and retire the previous one, in one transaction."""
-    with engine.begin() as conn:
-        conn.execute(text("UPDATE model_versions SET status = 'retired' WHERE status = 'champion'"))
-        updated = conn.execute(text("UPDATE model_versions SET status = 'champion' WHERE id = :id"),
-                               {"id": version_id}).rowcount
-        if updated != 1:
-            raise LookupError(f"no model version {version_id!r}")
+    promote_version(engine, version_id)
 
 
 def set_status(engine: Engine, version_id: str, status: str) -> None:
-    with engine.begin() as conn:
-        conn.execute(text("UPDATE model_versions SET status = :st WHERE id = :id"), {"st": status, "id": version_id})
+    set_version_status(engine, version_id, status)
 
 
 class ChampionCache:

@@ -16,12 +16,14 @@ from sqlalchemy import Engine, text
 
 from forecaster.contracts.batches import CountBatch, IngestError
 from forecaster.ingest.coldstarts import validate_cold_starts
+from forecaster.ingest.transfers import validate_transfers
 from forecaster.ingest.validate import build_count_batch
 from forecaster.settings import Settings
 from forecaster.store.catalog import known_model_ids
 from forecaster.store.coldstarts import write_cold_starts
 from forecaster.store.db import run_with_retry
 from forecaster.store.invocations import WriteResult, write_count_batch
+from forecaster.store.transfers import write_transfers
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +154,33 @@ def push_cold_starts(
         attempts=settings.db_retry_attempts,
         base_delay_s=settings.db_retry_base_delay_s,
         what="ingest cold starts",
+    )
+
+
+def push_transfers(
+    engine: Engine,
+    settings: Settings,
+    events: Iterable[Mapping[str, object]],
+    *,
+    now: datetime,
+    source: str = "push",
+    register: bool | None = None,
+) -> dict:
+    """Validate and store transfer observations (pre-pulls, pre-loads); re-sending one updates it in place.
+
+    Transfers go to the ``transfers`` table, never to ``cold_starts``: no
+    replica waited on them (see :mod:`forecaster.ingest.transfers`).
+    """
+    register_models = _register(settings, register)
+    known = None if register_models else known_model_ids(engine)
+    frame = validate_transfers(events, now=now, max_future_skew_s=settings.max_future_skew_s, known_models=known)
+    if frame.empty:
+        raise IngestError("empty_batch", "the batch holds no transfers")
+    return run_with_retry(
+        lambda: write_transfers(engine, frame, source=source, register_models=register_models),
+        attempts=settings.db_retry_attempts,
+        base_delay_s=settings.db_retry_base_delay_s,
+        what="ingest transfers",
     )
 
 

@@ -146,11 +146,12 @@ def retrain_job(engine: Engine, settings: Settings, now: datetime, *, cache: Cha
             default: the full default ensemble.
     """
     started = time.perf_counter()
+    latency_model = _retrain_latency_model(engine, settings, now)
     ids = model_ids(engine)
     end = _minute(now)
     panel = history(engine, ids, end=end, minutes=settings.train_window_min)
     if not panel.n_series:
-        return {"skipped": "no history to train on"}
+        return {"skipped": "no history to train on", "latency_model": latency_model}
     first_known = int(np.flatnonzero(~np.isnan(panel.values).all(axis=0))[0])
     # no point learning from days before any data
     panel = Panel(panel.ids, panel.start + first_known * panel.step, panel.step, panel.values[:, first_known:])
@@ -185,8 +186,22 @@ def retrain_job(engine: Engine, settings: Settings, now: datetime, *, cache: Cha
         set_status(engine, version_id, "retired")
     return {"version": version_id, "promoted": promoted, "previous_champion": champion_id, "scores": scores,
             "failures": dict(getattr(challenger, "failures_", {})), "series": panel.n_series,
-            "shards": getattr(challenger, "fit_run_", None),
+            "shards": getattr(challenger, "fit_run_", None), "latency_model": latency_model,
             "seconds": round(time.perf_counter() - started, 1)}
+
+
+def _retrain_latency_model(engine: Engine, settings: Settings, now: datetime) -> str | None:
+    """Nightly: refit the cold-start latency model on cold starts + transfers (see forecaster.coldstart.service).
+
+    A failure is logged and leaves the previous latency model in place; it never stops the forecast retrain.
+    """
+    from forecaster.coldstart.service import train_latency_model
+
+    try:
+        return train_latency_model(engine, settings, now)
+    except Exception:  # noqa: BLE001 - the forecast retrain must still run
+        log.exception("latency model retrain failed; keeping the previous one")
+        return None
 
 
 def _members(ensemble) -> list[dict]:

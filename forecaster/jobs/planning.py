@@ -72,13 +72,17 @@ def fleet_from_store(engine: Engine, *, now: datetime, default_cold_cost: float 
     return build_fleet(models, nodes, artefacts)
 
 
-def predicted_latency(engine: Engine, fleet: FleetState, *, now: datetime) -> pd.DataFrame:
-    """Cold-start seconds per model and start state: the latency model on observed events, else its prior."""
-    from forecaster.coldstart.model import ColdStartModel, load_cold_starts
+def predicted_latency(engine: Engine, fleet: FleetState, *, now: datetime, settings: Settings | None = None
+                      ) -> pd.DataFrame:
+    """Cold-start seconds per model and start state from the saved latency model (its prior when none is saved).
 
-    events = load_cold_starts(engine)
-    model = ColdStartModel().fit(events if len(events) else _no_events())
-    return model.latency_table(fleet.models, hour=now.hour)
+    No refit here: the nightly retrain trains the model (see
+    :func:`forecaster.coldstart.service.train_latency_model`); this loads it
+    once per version and predicts once per (version, hour, catalogue).
+    """
+    from forecaster.coldstart.service import latency_table
+
+    return latency_table(engine, settings or Settings(), fleet.models, hour=now.hour)
 
 
 def _no_events() -> pd.DataFrame:
@@ -96,7 +100,7 @@ def plan_job(engine: Engine, settings: Settings, now: datetime) -> dict:
     if forecast.empty:
         return {"skipped": "no forecasts yet"}
     fleet = fleet_from_store(engine, now=now, default_cold_cost=settings.planner_cold_cost)
-    latency = predicted_latency(engine, fleet, now=now)
+    latency = predicted_latency(engine, fleet, now=now, settings=settings)
     planned = plan_step(now, forecast, fleet, latency, planner_settings(settings))
     submitted, reports = Actuator(engine, settings, build_backend(settings)).apply(planned, now=now)
     statuses: dict[str, int] = {}

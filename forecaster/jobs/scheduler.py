@@ -81,9 +81,18 @@ def retrain_job(engine: Engine, settings: Settings, now: datetime) -> dict:
 
 
 def plan_job(engine: Engine, settings: Settings, now: datetime) -> dict:
-    """Every minute: plan from the stored forecasts and carry the plan out through the actuator."""
+    """Every minute: plan from the stored forecasts and carry the plan out through the actuator.
+
+    On the first run with no latency model saved yet (the first start), one is
+    trained from what the store holds; afterwards the nightly retrain refits it.
+    """
+    from forecaster.coldstart.service import ensure_latency_model
     from forecaster.jobs.planning import plan_job as run
 
+    try:
+        ensure_latency_model(engine, settings, now)
+    except Exception:  # noqa: BLE001 - plan with the physics prior rather than not at all
+        log.exception("first latency model could not be trained; planning with the prior")
     return run(engine, settings, now)
 
 

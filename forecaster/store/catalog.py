@@ -88,3 +88,9 @@ def list_models(engine: Engine) -> list[ServingModel]:
 
     with Session(engine) as session:
         return list(session.scalars(select(ServingModel).order_by(ServingModel.id)))
+
+
+def read_catalogue_sizes(conn: Connection) -> list[tuple]:
+    """``(id, replica_rps, image_size_bytes, weights_size_bytes)`` of every model, for the API's snapshot."""
+    return conn.execute(text("SELECT id, replica_rps, image_size_bytes, weights_size_bytes FROM serving_models "
+                             "ORDER BY id")).all()

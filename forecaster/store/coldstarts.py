@@ -48,3 +48,25 @@ def recent_cold_start_seconds(conn, *, model_id: str, last_n: int = 20) -> float
              "SELECT total_seconds FROM cold_starts WHERE model_id = :m ORDER BY started_at DESC LIMIT :n) AS recent"),
         {"m": model_id, "n": last_n},
     ).scalar()
+
+
+def read_cold_start_events(engine: Engine) -> pd.DataFrame:
+    """Every stored cold start (oldest first) with the model's sizes and the node's bandwidth, for the latency model.
+
+    Columns: ``model_id, node_id, started_at, total_seconds``, the phases,
+    ``cache_state``, ``image_bytes`` and ``weights_bytes`` (from
+    ``serving_models``, 0 when unknown) and ``node_bytes_per_s`` (from
+    ``nodes``; NaN when the node never reported one). Rows are returned as
+    stored: the latency model skips (and counts) the ones it cannot use.
+    """
+    columns = ["model_id", "node_id", "started_at", "total_seconds", *PHASES, "cache_state", "image_bytes",
+               "weights_bytes", "node_bytes_per_s"]
+    query = text(
+        "SELECT c.model_id, c.node_id, c.started_at, c.total_seconds, c.image_pull_s, c.weight_fetch_s, "
+        "c.weight_load_s, c.runtime_init_s, c.registration_s, c.cache_state, "
+        "COALESCE(m.image_size_bytes, 0) AS image_bytes, COALESCE(m.weights_size_bytes, 0) AS weights_bytes, "
+        "n.network_bytes_per_s AS node_bytes_per_s "
+        "FROM cold_starts c JOIN serving_models m ON m.id = c.model_id LEFT JOIN nodes n ON n.id = c.node_id "
+        "ORDER BY c.started_at, c.id")
+    with engine.connect() as conn:
+        return pd.DataFrame(conn.execute(query).mappings().all(), columns=columns)

@@ -220,8 +220,9 @@ class ColdStartView:
         observed: one dict per event (``started_at``, ``node_id``, ``total_seconds``, phases, ``cache_state``).
         predicted: stored predictions; empty while nothing stores them.
         predicted_stored: False when the store has no cold-start predictions at all.
-        lead_time_s: the cold-start seconds the recommendation endpoint assumes now (median of the last 20
-            observed starts), or None when none was observed.
+        lead_time_s: median total seconds of the model's last 20 observed cold starts, or None when none was
+            observed (shown beside the lead time, which comes from the latency model; see
+            :mod:`forecaster.planning.lead_time`).
     """
 
     observed: list[dict]

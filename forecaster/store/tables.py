@@ -138,6 +138,32 @@ class ColdStart(Base):
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
 
+class Transfer(Base):
+    """One pre-pull or pre-load a node agent carried out: bytes moved, seconds in total and per phase.
+
+    Not a cold start: no replica waited on it. The latency model learns the
+    image pull and weight fetch rates from these rows.
+    """
+
+    __tablename__ = "transfers"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    model_id: Mapped[str] = mapped_column(String(256), ForeignKey("serving_models.id", ondelete="CASCADE"))
+    node_id: Mapped[str] = mapped_column(String(256))
+    kind: Mapped[str] = mapped_column(String(16))  # prepull | preload
+    tier: Mapped[str] = mapped_column(String(16))  # image (prepull) | disk | host | gpu
+    ref: Mapped[str] = mapped_column(Text)  # image reference or weights URI
+    bytes: Mapped[int | None] = mapped_column(BigInteger)
+    started_at: Mapped[datetime] = mapped_column(TZ)
+    seconds: Mapped[float] = mapped_column(Float)
+    image_pull_s: Mapped[float | None] = mapped_column(Float)
+    weight_fetch_s: Mapped[float | None] = mapped_column(Float)
+    weight_load_s: Mapped[float | None] = mapped_column(Float)
+    cache_state: Mapped[str | None] = mapped_column(String(32), doc="What the node had before: none or disk.")
+    source: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
 class Node(Base):
     """A GPU node and its free capacity, as last reported."""
 
@@ -168,7 +194,7 @@ class NodeCacheEntry(Base):
 
 
 class ModelVersion(Base):
-    """A trained forecasting ensemble saved under ``models/<id>/``."""
+    """A trained model saved under ``models/<id>/``: the forecasting ensemble or the cold-start latency model."""
 
     __tablename__ = "model_versions"
 
@@ -180,6 +206,7 @@ class ModelVersion(Base):
     members: Mapped[list] = mapped_column(JSONB, default=list)
     scores: Mapped[dict] = mapped_column(JSONB, default=dict)
     code_version: Mapped[str | None] = mapped_column(String(64))
+    kind: Mapped[str] = mapped_column(String(16), default="forecast")  # forecast | latency (one champion each)
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
 

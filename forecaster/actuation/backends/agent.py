@@ -1,8 +1,10 @@
 """The ``agent`` backend: pre-pulls and pre-loads through the node agents' HTTP API.
 
 The agent's answer carries the phase timings of the transfer it did, which
-become cold-start observations (``image_pull_s``, ``weight_fetch_s``,
-``weight_load_s``) for the latency model.
+become transfer observations (``kind`` prepull | preload, bytes, seconds and
+``image_pull_s``, ``weight_fetch_s``, ``weight_load_s``) stored in the
+``transfers`` table, never as cold starts: no replica waited on them. The
+latency model learns the pull and fetch rates from them.
 """
 
 from __future__ import annotations
@@ -15,14 +17,27 @@ from forecaster.contracts.actions import Action, ActionKind, ActionStatus, Failu
 PHASES = ("image_pull_s", "weight_fetch_s", "weight_load_s")
 
 
-def observation_event(observation: dict, model_id: str) -> dict | None:
-    """An agent observation as a ``cold_starts`` event (see :func:`forecaster.ingest.service.push_cold_starts`)."""
+def observation_event(observation: dict, model_id: str, tier: str | None = None) -> dict | None:
+    """An agent observation as a transfer event (see :func:`forecaster.ingest.service.push_transfers`).
+
+    Args:
+        observation: the agent's ``detail.observation`` (kind, ref, node_id, started_at, size_bytes, timings).
+        model_id: the action's model, when the agent did not echo one.
+        tier: the action's tier (a pre-load's disk | host | gpu); a pre-pull's is ``image``.
+
+    Returns:
+        The event with ``kind`` ``prepull`` or ``preload`` (what the actuator routes on), or None when the
+        agent measured no phase.
+    """
     phases = {p: observation[p] for p in PHASES if observation.get(p) is not None}
-    if not phases:
+    kind = observation.get("kind")
+    if not phases or kind not in ("prepull", "preload"):
         return None
-    return {"model_id": observation.get("model_id") or model_id, "node_id": observation["node_id"],
-            "started_at": observation["started_at"], "total_seconds": round(sum(phases.values()), 4),
-            **phases, "cache_state": observation.get("cache_state")}
+    tier = "image" if kind == "prepull" else (observation.get("tier") or tier or "disk")
+    return {"kind": kind, "model_id": observation.get("model_id") or model_id, "node_id": observation["node_id"],
+            "ref": observation.get("ref"), "tier": str(tier), "bytes": observation.get("size_bytes"),
+            "started_at": observation["started_at"], "seconds": round(sum(phases.values()), 4), **phases,
+            "cache_state": observation.get("cache_state")}
 
 
 class AgentBackend:
@@ -83,7 +98,8 @@ class AgentBackend:
         observations = ()
         observation = (answer.get("detail") or {}).get("observation")
         if observation:
-            event = observation_event(observation, action.model_id)
+            event = observation_event(observation, action.model_id,
+                                      None if action.tier is None else str(action.tier))
             observations = (event,) if event else ()
         if answer["status"] == "succeeded":
             return Outcome(status=ActionStatus.SUCCEEDED, message=answer.get("message", ""), detail=detail,

@@ -47,7 +47,7 @@ class Outcome:
     temporary: bool = False  # worth retrying later
     message: str = ""
     detail: dict = field(default_factory=dict)
-    observations: tuple[dict, ...] = ()  # cold-start phase timings to store
+    observations: tuple[dict, ...] = ()  # to store: transfers (kind prepull/preload) or cold starts (no kind)
 
     @classmethod
     def ok(cls, message: str, **detail) -> "Outcome":

@@ -1,0 +1,208 @@
+"""Cost of the per-minute plan job at 10,000 models: read forecasts, read fleet, latency prediction, plan, actuate.
+
+A fresh embedded PostgreSQL (or ``PREWARM_BENCH_ADMIN_URL``) is seeded with
+``--models`` models (sizes, images from a few registries, weights URIs),
+``--nodes`` nodes, node caches (images and weights on disk / in host memory
+for a share of the models), ``--cold-starts`` observed cold starts over the
+three days before, and one forecast run (60 minutes, quantiles 0.1 / 0.5 / 0.9
+and ``p_any``, written with ``write_forecast_arrays`` as the forecast job
+writes it). Then ``plan_job(engine, settings, now)`` runs for ``--minutes``
+consecutive minutes (dry-run backend), and each stage is timed by wrapping
+the plan job's own stage functions (``stored_forecast``, ``fleet_from_store``,
+``predicted_latency``, ``plan``, ``Actuator.apply``): the median over the
+minutes is printed per stage, with the first minute beside it.
+
+Where the code has a saved latency model (``forecaster.coldstart.service``),
+it is trained once before the minutes, as the nightly retrain would, and that
+training time is reported apart (it is not a per-minute cost). The same script
+runs on older checkouts (``PYTHONPATH`` at that checkout): it only uses what
+both have.
+
+Usage:
+    python bench/planjob.py [--models 10000] [--minutes 5] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import numpy as np
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+if not os.environ.get("PYTHONPATH"):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import forecaster.jobs.planning as planning  # noqa: E402
+from forecaster.actuation import actuator as actuation  # noqa: E402
+from forecaster.ingest.service import push_cold_starts  # noqa: E402
+from forecaster.settings import Settings  # noqa: E402
+from forecaster.store.catalog import ServingModelSpec, upsert_models  # noqa: E402
+from forecaster.store.db import embedded_server, make_engine, upgrade  # noqa: E402
+from forecaster.store.forecasts import write_forecast_arrays  # noqa: E402
+
+STAGES = ("read_forecasts", "read_fleet", "latency_prediction", "plan", "write_actuate")
+NOW = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
+REGISTRIES = ("nvcr.io/nvidia", "ghcr.io/vllm", "registry.example.com/ml", "docker.io/library")
+
+
+def seed(url: str, *, n_models: int, n_nodes: int, n_cold_starts: int, settings: Settings, seed: int = 0) -> dict:
+    """Fill a migrated database; returns counts of what was written."""
+    engine = make_engine(url)
+    rng = np.random.default_rng(seed)
+    ids = [f"model-{i:05d}" for i in range(n_models)]
+    images = [f"{REGISTRIES[k % len(REGISTRIES)]}/serve-{k}:1" for k in range(200)]
+    image_of = rng.integers(0, len(images), n_models)
+    image_bytes = rng.uniform(4e9, 15e9, len(images))
+    weights_bytes = np.exp(rng.uniform(np.log(1e9), np.log(150e9), n_models))
+    with engine.begin() as conn:
+        for start in range(0, n_models, 2000):
+            upsert_models(conn, [ServingModelSpec(
+                id=ids[i], image_ref=images[image_of[i]], image_size_bytes=int(image_bytes[image_of[i]]),
+                weights_uri=f"s3://weights/{ids[i]}", weights_size_bytes=int(weights_bytes[i]),
+                gpus_per_replica=int(rng.choice([1, 1, 1, 2, 4, 8])), replica_rps=float(rng.uniform(0.5, 20)),
+                cold_start_slo_s=None) for i in range(start, min(n_models, start + 2000))])
+        nodes = [f"node-{k:03d}" for k in range(n_nodes)]
+        conn.execute(text("INSERT INTO nodes (id, gpus_total, gpus_free, disk_free_bytes, host_memory_free_bytes, "
+                          "network_bytes_per_s) VALUES (:id, 8, :free, 4000000000000, 1000000000000, 3125000000)"),
+                     [{"id": n, "free": int(rng.integers(0, 9))} for n in nodes])
+        cache = set()
+        for i in rng.choice(n_models, size=n_models // 5, replace=False):  # a fifth of the models cached somewhere
+            for node in rng.choice(nodes, size=int(rng.integers(1, 4)), replace=False):
+                tier = str(rng.choice(["disk", "disk", "host"]))
+                cache.add((node, "weights", f"s3://weights/{ids[i]}", tier))
+                cache.add((node, "image", images[image_of[i]], "image"))
+        conn.execute(text("INSERT INTO node_cache (node_id, artefact_kind, ref, tier) VALUES (:n, :k, :r, :t)"),
+                     [{"n": n, "k": k, "r": r, "t": t} for n, k, r, t in sorted(cache)])
+    states = ("none", "image", "disk", "host")
+    events = []
+    for k in range(n_cold_starts):
+        i = int(rng.integers(0, n_models))
+        state = int(rng.integers(0, 4))
+        pull = image_bytes[image_of[i]] / 0.2e9 if state == 0 else 0.0
+        fetch = weights_bytes[i] / 0.6e9 if state < 2 else 0.0
+        load = weights_bytes[i] / (12e9 if state == 3 else 2e9)
+        phases = {"image_pull_s": pull, "weight_fetch_s": fetch, "weight_load_s": load, "runtime_init_s": 10.3,
+                  "registration_s": 2.0}
+        phases = {p: round(v * float(rng.lognormal(0.0, 0.15)), 3) for p, v in phases.items()}
+        started = NOW - timedelta(days=3) + timedelta(seconds=float(rng.uniform(0, 3 * 86400 - 3600)))
+        events.append({"model_id": ids[i], "node_id": str(rng.choice(nodes)), "started_at": started.isoformat(),
+                       "total_seconds": round(sum(phases.values()), 3), **phases, "cache_state": states[state]})
+    for start in range(0, len(events), 1000):
+        push_cold_starts(engine, settings, events[start:start + 1000], now=NOW)
+    minutes = 60
+    base = rng.gamma(0.6, 40.0, n_models)[:, None]
+    shape = 1 + 0.3 * np.sin(np.arange(minutes)[None, :] / 7.0 + rng.uniform(0, 6, (n_models, 1)))
+    spike = (rng.random((n_models, 1)) < 0.05) & (np.arange(minutes)[None, :] >= rng.integers(3, 30, (n_models, 1)))
+    point = base * shape * np.where(spike, 6.0, 1.0)
+    p_any = 1.0 - np.exp(-point)
+    rows = write_forecast_arrays(engine, ids, NOW, {"point": point, "p_any": p_any, "q0.1": point * 0.6,
+                                                    "q0.5": point, "q0.9": point * 1.6},
+                                 issued_at=NOW - timedelta(seconds=20), model_version_id=None)
+    engine.dispose()
+    return {"models": n_models, "nodes": n_nodes, "cache_entries": len(cache), "cold_starts": len(events),
+            "forecast_rows": int(rows)}
+
+
+class StageTimer:
+    """Wraps the plan job's stage functions and keeps the seconds each took in the current run."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = {}
+
+    def wrap(self, owner, name: str, stage: str) -> None:
+        inner = getattr(owner, name)
+        timer = self
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                timer.current[stage] = timer.current.get(stage, 0.0) + time.perf_counter() - started
+
+        setattr(owner, name, timed)
+
+
+def run(admin_url: str, args) -> dict:
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text("DROP DATABASE IF EXISTS bench_planjob WITH (FORCE)"))
+        conn.execute(text("CREATE DATABASE bench_planjob"))
+    admin.dispose()
+    url = make_url(admin_url).set(database="bench_planjob").render_as_string(hide_password=False)
+    engine = make_engine(url)
+    upgrade(engine)
+    models_dir = Path(tempfile.mkdtemp(prefix="prewarm-bench-models-"))
+    settings = Settings(database_url=url, models_dir=models_dir, actuator_backend="dry-run")
+    started = time.perf_counter()
+    seeded = seed(url, n_models=args.models, n_nodes=args.nodes, n_cold_starts=args.cold_starts, settings=settings)
+    seeded["seed_s"] = round(time.perf_counter() - started, 2)
+    print(f"seeded {seeded} ", flush=True)
+    out: dict = {"seeded": seeded, "minutes": args.minutes}
+    try:
+        from forecaster.coldstart.service import train_latency_model  # the saved latency model, where it exists
+    except ImportError:
+        out["latency_model"] = "refit every minute (no saved latency model in this code)"
+    else:
+        started = time.perf_counter()
+        version = train_latency_model(engine, settings, NOW)
+        out["latency_model"] = {"version": version, "nightly_train_s": round(time.perf_counter() - started, 2)}
+    timer = StageTimer()
+    for name, stage in (("stored_forecast", "read_forecasts"), ("fleet_from_store", "read_fleet"),
+                        ("predicted_latency", "latency_prediction"), ("plan", "plan")):
+        timer.wrap(planning, name, stage)
+    timer.wrap(actuation.Actuator, "apply", "write_actuate")
+    runs = []
+    for minute in range(args.minutes):
+        timer.current = {}
+        started = time.perf_counter()
+        summary = planning.plan_job(engine, settings, NOW + timedelta(minutes=minute))
+        total = time.perf_counter() - started
+        runs.append({**{s: timer.current.get(s, 0.0) for s in STAGES}, "total": total,
+                     "actions": summary.get("actions"), "skipped": summary.get("skipped")})
+        print(f"minute {minute}: " + ", ".join(f"{k} {v:.3f} s" for k, v in runs[-1].items()
+                                               if isinstance(v, float)) + f", {summary.get('actions')} actions",
+              flush=True)
+    out["runs"] = runs
+    out["median_s"] = {k: round(statistics.median(r[k] for r in runs), 4) for k in (*STAGES, "total")}
+    out["first_minute_s"] = {k: round(runs[0][k], 4) for k in (*STAGES, "total")}
+    engine.dispose()
+    return out
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", type=int, default=10_000)
+    parser.add_argument("--nodes", type=int, default=64)
+    parser.add_argument("--cold-starts", type=int, default=3_000)
+    parser.add_argument("--minutes", type=int, default=5)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    admin_url = os.environ.get("PREWARM_BENCH_ADMIN_URL")
+    if admin_url:
+        figures = run(admin_url, args)
+    else:
+        with tempfile.TemporaryDirectory(prefix="prewarm-bench-planjob-") as tmp:
+            os.chmod(tmp, 0o755)
+            with embedded_server(Path(tmp) / "pgdata") as url:
+                figures = run(url, args)
+    print(f"plan job, {args.models:,} models, median of {args.minutes} minutes (first minute in brackets):")
+    for stage in (*STAGES, "total"):
+        print(f"  {stage:<20} {figures['median_s'][stage]:8.3f} s  ({figures['first_minute_s'][stage]:.3f} s)")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The model registry's rows: one ``model_versions`` row per saved model, at most one champion per kind.
+
+Kinds: ``forecast`` (the forecasting ensemble, see :mod:`forecaster.forecast.registry`) and ``latency`` (the
+cold-start latency model, see :mod:`forecaster.coldstart.service`). The files of a version live under
+``models/<version>/``; this module only keeps the rows.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from sqlalchemy import Engine, text
+
+KINDS = ("forecast", "latency")
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """One saved model version as the registry holds it."""
+
+    id: str
+    status: str
+    path: Path
+    train_start: datetime | None
+    train_end: datetime | None
+    scores: dict
+    members: list
+    kind: str = "forecast"
+
+
+def insert_version(engine: Engine, *, version_id: str, path: Path, status: str, train_start, train_end,
+                   members: list, scores: dict, code_version: str, kind: str = "forecast") -> None:
+    """Add one version row (``status``: challenger, champion, retired, failed)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown model kind {kind!r}; expected one of {KINDS}")
+    with engine.begin() as conn:
+        conn.execute(
+            text("INSERT INTO model_versions (id, status, path, train_start, train_end, members, scores, "
+                 "code_version, kind) VALUES (:id, :st, :p, :ts, :te, CAST(:m AS jsonb), CAST(:s AS jsonb), :cv, "
+                 ":kind)"),
+            {"id": version_id, "st": status, "p": str(path), "ts": train_start, "te": train_end,
+             "m": json.dumps(members), "s": json.dumps(scores, default=str), "cv": code_version, "kind": kind},
+        )
+
+
+def champion_version(engine: Engine, *, kind: str = "forecast") -> VersionInfo | None:
+    """The champion of ``kind``, or None when none is saved yet (one index probe)."""
+    with engine.connect() as conn:
+        row = conn.execute(text("SELECT id, status, path, train_start, train_end, scores, members, kind "
+                                "FROM model_versions WHERE status = 'champion' AND kind = :kind"),
+                           {"kind": kind}).first()
+    return None if row is None else VersionInfo(row[0], row[1], Path(row[2]), row[3], row[4], row[5], row[6],
+                                                row[7])
+
+
+def promote_version(engine: Engine, version_id: str) -> None:
+    """Make ``version_id`` the champion of its kind and retire the previous one, in one transaction."""
+    with engine.begin() as conn:
+        kind = conn.execute(text("SELECT kind FROM model_versions WHERE id = :id"), {"id": version_id}).scalar()
+        if kind is None:
+            raise LookupError(f"no model version {version_id!r}")
+        conn.execute(text("UPDATE model_versions SET status = 'retired' WHERE status = 'champion' AND kind = :k"),
+                     {"k": kind})
+        conn.execute(text("UPDATE model_versions SET status = 'champion' WHERE id = :id"), {"id": version_id})
+
+
+def set_version_status(engine: Engine, version_id: str, status: str) -> None:
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE model_versions SET status = :st WHERE id = :id"), {"st": status, "id": version_id})
