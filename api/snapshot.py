@@ -30,6 +30,7 @@ from forecaster.coldstart.service import latency_table, latency_version
 from forecaster.planning.fleet import PlannerSettings
 from forecaster.planning.lead_time import lead_time_s
 from forecaster.planning.recommendation import MinuteQuantiles
+from forecaster.planning.step import planner_settings
 from forecaster.settings import Settings
 from forecaster.store.catalog import read_catalogue_sizes
 from forecaster.store.forecasts import read_newest_runs
@@ -47,8 +48,8 @@ class ModelView:
 
 
 def planner_settings_for(settings: Settings) -> PlannerSettings:
-    """The planner settings whose lead margins the API applies (the plan job's own, once Settings carries them)."""
-    return PlannerSettings(horizon_min=settings.plan_horizon_min)
+    """The planner settings whose lead margins the API applies: the plan job's own (``PREWARM_PLANNER_*``)."""
+    return planner_settings(settings)
 
 
 @dataclass

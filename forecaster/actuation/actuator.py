@@ -12,8 +12,9 @@ switch, actions-per-minute limit) and marks the rest running; it then bounds
 scale and release targets (reactive ask, GPU budget), calls the backend for
 each (in parallel up to ``actuator_parallelism``), and records the outcome:
 succeeded, failed with a reason, or pending again with a retry time for a
-temporary error. Observations the backend returns (phase timings of pulls and
-pre-loads) go to the ledger's observation sink. ``apply(plan, now)`` does both.
+temporary error. Observations the backend returns go to the ledger's observation
+sink: in the store, pre-pull and pre-load timings to ``transfers`` and replica
+cold starts to ``cold_starts``. ``apply(plan, now)`` does both.
 
 ``now`` is passed in: tests step a clock, the scheduler passes the wall clock.
 """

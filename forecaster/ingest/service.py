@@ -12,7 +12,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pandas as pd
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from forecaster.contracts.batches import CountBatch, IngestError
 from forecaster.ingest.coldstarts import validate_cold_starts
@@ -22,7 +22,7 @@ from forecaster.settings import Settings
 from forecaster.store.catalog import known_model_ids
 from forecaster.store.coldstarts import write_cold_starts
 from forecaster.store.db import run_with_retry
-from forecaster.store.invocations import WriteResult, write_count_batch
+from forecaster.store.invocations import WriteResult, coverage_ends, write_count_batch
 from forecaster.store.transfers import write_transfers
 
 log = logging.getLogger(__name__)
@@ -189,13 +189,7 @@ PROMETHEUS_SOURCE = "prometheus"
 
 def _prometheus_watermarks(engine: Engine, model_ids: list[str]) -> dict[str, datetime]:
     """Per model, the end of the last minute Prometheus ingest covered."""
-    with engine.connect() as conn:
-        rows = conn.execute(
-            text("SELECT model_id, upper(ranges) FROM coverage WHERE source = :src AND step_seconds = 60 "
-                 "AND model_id = ANY(CAST(:ids AS text[]))"),
-            {"src": PROMETHEUS_SOURCE, "ids": model_ids},
-        ).all()
-    return {r[0]: r[1] for r in rows if r[1] is not None}
+    return coverage_ends(engine, model_ids, source=PROMETHEUS_SOURCE, step_seconds=60)
 
 
 def ingest_prometheus(engine: Engine, settings: Settings, *, now: datetime, source=None) -> dict:

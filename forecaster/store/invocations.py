@@ -345,3 +345,14 @@ def earliest_window_since(engine: Engine, watermark: int):
     with engine.connect() as conn:
         return conn.execute(text("SELECT min(window_start) FROM ingest_batches WHERE id > :w"),
                             {"w": watermark}).scalar()
+
+
+def coverage_ends(engine: Engine, model_ids: list[str], *, source: str, step_seconds: int) -> dict[str, datetime]:
+    """Per model, the end of what ``source`` covered at ``step_seconds`` (models never covered are left out)."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text("SELECT model_id, upper(ranges) FROM coverage WHERE source = :src AND step_seconds = :step "
+                 "AND model_id = ANY(CAST(:ids AS text[]))"),
+            {"src": source, "step": step_seconds, "ids": model_ids},
+        ).all()
+    return {r[0]: r[1] for r in rows if r[1] is not None}
