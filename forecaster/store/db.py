@@ -91,7 +91,7 @@ def start_embedded(pgdata: Path, *, timeout_s: float = EMBEDDED_START_TIMEOUT_S)
     if user is not None and socket_dir != pgdata:
         ensure_prefix_permissions(socket_dir)
         socket_dir.chmod(0o777)
-    log.warning("starting embedded PostgreSQL in %s (timeout %.0f s, covers crash recovery)", pgdata, timeout_s)
+    log.info("starting embedded PostgreSQL in %s (timeout %.0f s, covers crash recovery)", pgdata, timeout_s)
     pg_ctl(["-w", "-t", str(max(1, int(timeout_s))), "-o", '-h ""', "-o", f"-k {socket_dir}",
             "-l", str(pgdata / "log"), "start"], pgdata=pgdata, user=user, timeout=timeout_s + 10)
     return True
