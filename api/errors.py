@@ -137,33 +137,33 @@ class BodySizeLimit:
                 if declared > self.max_bytes:
                     await self._reject(send)
                     return
+        declared_length = any(name == b"content-length" for name, _ in scope.get("headers", ()))
+        if declared_length:
+            await self.app(scope, receive, send)  # the server frames the body by Content-Length, checked above
+            return
+        # Streamed (chunked) body: read it up to the limit before the app sees any of it, then replay it.
+        messages = []
         seen = 0
-        started = False
-
-        async def counted_receive():
-            nonlocal seen
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge()
-            return message
-
-        async def noting_send(message):
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, counted_receive, noting_send)
-        except _TooLarge:
-            if not started:
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
                 await self._reject(send)
+                return
+            if not message.get("more_body", False):
+                break
+        replay = iter(messages)
 
+        async def replayed_receive():
+            try:
+                return next(replay)
+            except StopIteration:
+                return await receive()
 
-class _TooLarge(Exception):
-    pass
+        await self.app(scope, replayed_receive, send)
 
 
 class TextGuard:
@@ -176,7 +176,12 @@ class TextGuard:
         if scope["type"] == "http":
             raw_query = scope.get("query_string", b"").decode("latin-1")
             where = None
-            if _BAD_TEXT.search(scope.get("path", "")):
+            raw_path = scope.get("raw_path") or b""
+            try:
+                unquote(raw_path.decode("latin-1"), errors="strict")  # percent-escapes must be UTF-8
+            except UnicodeDecodeError:
+                where = "path"
+            if where is None and _BAD_TEXT.search(scope.get("path", "")):
                 where = "path"
             else:
                 query = unquote(raw_query.replace("+", " "), errors="surrogateescape")

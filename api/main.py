@@ -57,9 +57,9 @@ def create_app(settings: Settings, engine: Engine, *, clock: Callable[[], dateti
     app.state.snapshot = snapshot
     app.state.token_cache = {}
     app.state.metrics = ServiceMetrics(engine, clock, snapshot, settings)
-    app.add_middleware(LatencyMiddleware)
     app.add_middleware(TextGuard)
     app.add_middleware(BodySizeLimit, max_bytes=settings.api_max_body_bytes)
+    app.add_middleware(LatencyMiddleware)  # outermost: it also counts what the guards refuse
     install_error_handlers(app)
     for module in (health, models, forecasts, ingest, audit, dashboard):
         app.include_router(module.router)

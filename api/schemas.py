@@ -30,7 +30,10 @@ SafeId = Annotated[str, Field(min_length=1, max_length=bounds.MAX_ID_LENGTH), _t
 
 def _bounded_time(value: datetime) -> datetime:
     """A query time as UTC (no zone = UTC) between 2000 and 2200; ValueError otherwise."""
-    moment = bounds.parse_timestamp(value)
+    try:
+        moment = bounds.parse_timestamp(value)
+    except OverflowError:  # e.g. 9999-12-31T23:59-23:59 is past year 9999 in UTC
+        raise ValueError("the time is out of range once converted to UTC") from None
     return bounds.check_timestamp_range(moment, latest=datetime(2200, 1, 1, tzinfo=moment.tzinfo))
 
 

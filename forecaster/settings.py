@@ -174,6 +174,10 @@ class Settings(BaseSettings):
         default=1.0, ge=0,
         description="How often a serving process checks that the embedded PostgreSQL runs and restarts it; 0 = "
                     "never.")
+    job_db_wait_s: float = Field(
+        default=120.0, ge=0,
+        description="How long a scheduled job's slot waits for an absent database (claim, rerun, record), seconds; "
+                    "a 60 s outage loses no slot.")
     token_cache_s: float = Field(
         default=1.0, ge=0, le=1.0,
         description="How long the API trusts a verified token before asking the database again, seconds "

@@ -39,7 +39,21 @@ def get_model(model_id: ModelIdPath, engine: EngineDep, _: ReadToken) -> Serving
         return ServingModelPublic.model_validate(row)
 
 
-@router.put("/{model_id}", response_model=ServingModelPublic)
+def _links_to_the_model() -> dict:
+    """OpenAPI links from a registered model to what can be read about it (stateful fuzzing follows them)."""
+    targets = {"GetModel": "get_model_v1_models__model_id__get",
+               "GetForecast": "get_forecast_v1_models__model_id__forecast_get",
+               "GetRecommendation": "get_recommendation_v1_models__model_id__recommendation_get",
+               "GetSeries": "get_series_v1_models__model_id__series_get",
+               "GetColdStarts": "get_cold_starts_v1_models__model_id__coldstarts_get",
+               "GetActions": "get_action_timeline_v1_models__model_id__actions_get",
+               "PutModelAgain": "put_model_v1_models__model_id__put"}
+    return {name: {"operationId": op, "parameters": {"model_id": "$response.body#/id"}}
+            for name, op in targets.items()}
+
+
+@router.put("/{model_id}", response_model=ServingModelPublic,
+            responses={200: {"description": "The model as stored", "links": _links_to_the_model()}})
 def put_model(model_id: ModelIdPath, body: ServingModelPut, engine: EngineDep, _: AdminToken) -> ServingModelPublic:
     with engine.begin() as conn:
         upsert_models(conn, [ServingModelSpec(id=model_id, **body.model_dump())])
