@@ -100,6 +100,20 @@ class _Waiter:
         return True
 
 
+def _wait_for_database(engine: Engine, waiter: _Waiter, what: str, exc: BaseException) -> bool:
+    """Back off until ``SELECT 1`` answers (True) or the slot's wait is spent (False): the job is not rerun blind."""
+    while waiter.wait(what, exc):
+        try:
+            with engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+            return True
+        except Exception as again:  # noqa: BLE001 - only outages keep waiting
+            if not _is_outage(again):
+                return False
+            exc = again
+    return False
+
+
 def _with_database(operation: Callable[[], object], waiter: _Waiter, what: str):
     while True:
         try:
@@ -153,8 +167,8 @@ def run_once(engine: Engine, settings: Settings, spec: JobSpec, *, now: datetime
             status = "ok"
             break
         except Exception as exc:  # recorded, not swallowed: status failed with the error text
-            if _is_outage(exc) and waiter.wait(what, exc):
-                continue  # the database went away under the job: run it again once it is back
+            if _is_outage(exc) and _wait_for_database(engine, waiter, what, exc):
+                continue  # the database went away under the job: run it again, once, now that it is back
             log.exception("job %s failed for slot %s", spec.name, slot.isoformat())
             detail, status = {"error": f"{type(exc).__name__}: {exc}"}, "failed"
             break
