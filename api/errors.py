@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError
 
-from forecaster.ingest.fields import safe_repr
+from forecaster.store.fields import safe_repr
 from forecaster.store.db import DatabaseUnavailable, is_transient, sqlstate_of
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from typing import Annotated, Generic, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
-from forecaster.ingest import fields as bounds
+from forecaster.store import fields as bounds
 
 T = TypeVar("T")
 
@@ -62,7 +62,7 @@ class ListPublic(BaseModel, Generic[T]):
 
 
 class ServingModelBase(BaseModel):
-    """A model's spec; bounds in :mod:`forecaster.ingest.fields` (sizes in bytes, rates per second, SLO in s)."""
+    """A model's spec; bounds in :mod:`forecaster.store.fields` (sizes in bytes, rates per second, SLO in s)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 

@@ -173,7 +173,7 @@ def _one_line(exc: BaseException) -> str:
 
 def _option_time(option: str, value: datetime | None) -> datetime | None:
     """An option's time as UTC (no zone = UTC) inside the accepted bounds, or exit 2 naming the option."""
-    from forecaster.ingest.fields import check_timestamp_range
+    from forecaster.store.fields import check_timestamp_range
 
     if value is None:
         return None
@@ -186,7 +186,7 @@ def _option_time(option: str, value: datetime | None) -> datetime | None:
 
 
 def _check_option_id(option: str, value: str) -> None:
-    from forecaster.ingest.fields import id_problem
+    from forecaster.store.fields import id_problem
 
     problem = id_problem(value)
     if problem:

@@ -497,5 +497,7 @@ def test_zz_the_whole_hostile_run_served_no_5xx(served, capsys):
               f"status counts {dict(sorted((k, int(v)) for k, v in by_status.items()))}")
     assert server_errors == 0 and figures.server_errors == []
     assert sum(by_status.values()) >= figures.requests  # the server counted every request this module sent
-    if figures.generated:  # the whole module ran: the generated part is the size the issue asks for
-        assert figures.generated >= 100 and figures.schemathesis_cases >= 100
+    if figures.generated:  # the generated part ran: it is the size the issue asks for
+        assert figures.generated >= 100
+    if figures.schemathesis_cases:
+        assert figures.schemathesis_cases >= 100

@@ -10,7 +10,7 @@ import pandas as pd
 
 from forecaster.contracts.batches import IngestError
 from forecaster.contracts.phases import CACHE_STATES, PHASES
-from forecaster.ingest.fields import (MAX_COLD_START_S, MIN_TIMESTAMP, id_problem, safe_repr, safe_value,
+from forecaster.store.fields import (MAX_COLD_START_S, MIN_TIMESTAMP, id_problem, safe_repr, safe_value,
                                       timestamp_text_problem)
 
 REQUIRED = ("model_id", "node_id", "started_at", "total_seconds")

@@ -16,7 +16,7 @@ from sqlalchemy import Engine, text
 
 from forecaster.contracts.batches import CountBatch, IngestError
 from forecaster.ingest.coldstarts import validate_cold_starts
-from forecaster.ingest.fields import id_problem, safe_repr, safe_value
+from forecaster.store.fields import id_problem, safe_repr, safe_value
 from forecaster.ingest.validate import build_count_batch
 from forecaster.settings import Settings
 from forecaster.store.catalog import known_model_ids

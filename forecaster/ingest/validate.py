@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from forecaster.contracts.batches import COUNT_COLUMNS, CountBatch, IngestError
-from forecaster.ingest.fields import ISO_8601, MAX_ID_LENGTH, MIN_TIMESTAMP, safe_repr, safe_value, text_problem
+from forecaster.store.fields import ISO_8601, MAX_ID_LENGTH, MIN_TIMESTAMP, safe_repr, safe_value, text_problem
 
 
 #: Largest count per step accepted: exact in float64 and far above any real service.

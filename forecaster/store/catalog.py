@@ -26,8 +26,8 @@ class ServingModelSpec:
     labels: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        """Refuse what the store cannot hold or the planner cannot use (bounds: forecaster.ingest.fields)."""
-        from forecaster.ingest import fields as bounds
+        """Refuse what the store cannot hold or the planner cannot use (bounds: forecaster.store.fields)."""
+        from forecaster.store import fields as bounds
 
         if not isinstance(self.id, str) or not self.id.strip():
             raise ValueError("model id must not be empty")
