@@ -338,6 +338,7 @@ def token_revoke(name: Annotated[str, typer.Argument()]) -> None:
     from forecaster.store.tokens import revoke_token
 
     settings = _settings()
+    _check_option_id("NAME", name)
     with _database(settings) as engine:
         if not revoke_token(engine, name=name):
             _fail(f"no active token named {name!r}", 2)
@@ -377,8 +378,7 @@ def backtest_cmd(
     from forecaster.jobs.backtesting import run_store_backtest, write_csv
 
     settings = _settings()
-    start = start.replace(tzinfo=timezone.utc) if start is not None and start.tzinfo is None else start
-    end = end.replace(tzinfo=timezone.utc) if end is not None and end.tzinfo is None else end
+    start, end = _option_time("--start", start), _option_time("--end", end)
     with _database(settings) as engine:
         try:
             run_id, result = run_store_backtest(

@@ -122,6 +122,7 @@ def push_counts(
     rows = list(rows)
     if not rows:
         raise IngestError("empty_batch", "the batch holds no rows")
+    checked_ids: dict[object, str | None] = {}  # a batch repeats each id once per minute: check each once
     for position, row in enumerate(rows, start=1):
         if not isinstance(row, Mapping):
             raise IngestError("bad_row", f"expected an object, got {type(row).__name__}", row=position)
@@ -133,8 +134,13 @@ def push_counts(
             if name not in row:
                 raise IngestError("missing_field", "field is required", row=position, field=name)
         model_id = row["model_id"]
-        blank = model_id is None or (isinstance(model_id, str) and not model_id.strip())
-        problem = None if blank else id_problem(model_id)  # blank ids: "missing_model" from the validator
+        try:
+            problem = checked_ids[model_id]
+        except (KeyError, TypeError):  # TypeError: an unhashable id (a list) is checked, and refused, each time
+            blank = model_id is None or (isinstance(model_id, str) and not model_id.strip())
+            problem = None if blank else id_problem(model_id)  # blank ids: "missing_model" from the validator
+            if isinstance(model_id, str):
+                checked_ids[model_id] = problem
         if problem:
             reason = "id_too_long" if isinstance(model_id, str) and "longer than" in problem else "bad_model_id"
             raise IngestError(reason, f"model id {problem}", row=position, field="model_id",

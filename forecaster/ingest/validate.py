@@ -161,15 +161,19 @@ def _parse_counts(raw: pd.DataFrame) -> np.ndarray:
         is_bool = y.map(lambda v: isinstance(v, (bool, np.bool_))).to_numpy(dtype=bool)
     else:
         is_bool = np.zeros(len(y), dtype=bool)
-    if y.dtype == object:
-        # Python ints beyond 2^53 would round on their way to float64 (2^53 + 1 stored as 2^53): refuse them exactly.
-        huge = y.map(lambda v: isinstance(v, int) and not isinstance(v, bool) and v > MAX_COUNT).to_numpy(dtype=bool)
-        bad = _first_bad(huge)
-        if bad is not None:
-            raise IngestError("count_too_large", f"count exceeds {MAX_COUNT:,} per step", row=_row_of(raw, bad),
-                              field=_field_of(raw, bad, "y"), value=safe_value(y.iloc[bad]))
     numeric = pd.to_numeric(y.where(~is_bool), errors="coerce") if is_bool.any() else pd.to_numeric(y, errors="coerce")
     values = numeric.to_numpy(dtype="float64", na_value=np.nan)
+    if y.dtype == object:
+        # Python ints beyond 2^53 round on their way to float64 (2^53 + 1 became 2^53 and was stored off by one):
+        # look at the originals of the values that reached 2^53, exactly.
+        with np.errstate(invalid="ignore"):
+            near = np.flatnonzero(values >= MAX_COUNT)
+        for position in near:
+            original = y.iloc[int(position)]
+            if isinstance(original, (int, np.integer)) and not isinstance(original, bool) and original > MAX_COUNT:
+                raise IngestError("count_too_large", f"count exceeds {MAX_COUNT:,} per step",
+                                  row=_row_of(raw, int(position)), field=_field_of(raw, int(position), "y"),
+                                  value=safe_value(original))
     not_numeric = (numeric.isna().to_numpy() & ~pd.isna(y).to_numpy()) | is_bool
     with np.errstate(invalid="ignore"):
         checks = (

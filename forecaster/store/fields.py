@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 import re
-import unicodedata
 from datetime import datetime, timezone
 
 #: Longest model, node or label id the store keeps (``String(256)`` columns).
@@ -56,6 +55,8 @@ ISO_8601 = re.compile(
     r"(?:Z|z|[+-]\d{2}(?::?\d{2})?)?"
 )
 _SURROGATE = re.compile("[\ud800-\udfff]")
+#: Unicode category Cc exactly: C0 controls (NUL included), DEL and the C1 controls.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 
 def text_problem(value: object, *, max_length: int = MAX_TEXT_LENGTH, allow_empty: bool = False) -> str | None:
@@ -74,9 +75,9 @@ def text_problem(value: object, *, max_length: int = MAX_TEXT_LENGTH, allow_empt
         return f"longer than {max_length} characters ({len(value)})"
     if _SURROGATE.search(value):
         return "contains a lone surrogate (not valid Unicode text)"
-    for char in value:
-        if unicodedata.category(char) == "Cc":
-            return f"contains the control character U+{ord(char):04X}"
+    control = _CONTROL.search(value)
+    if control:
+        return f"contains the control character U+{ord(control.group()):04X}"
     return None
 
 

@@ -224,7 +224,7 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
                      "minute) ON n.model_id = d.model_id AND n.minute = d.minute "
                      "WHERE n.model_id IS NULL AND d.count > 0 GROUP BY d.model_id ORDER BY d.model_id"),
                 {**params, "new_ids": counts["unique_id"].astype(str).tolist(),
-                 "new_minutes": [t.to_pydatetime() for t in counts["ds"]]},
+                 "new_minutes": list(counts["ds"].dt.to_pydatetime())},
             ).all()
         else:
             conn.execute(text(delete), params)
