@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError
 
-from forecaster.store.fields import safe_repr
+from forecaster.store.fields import safe_value
 from forecaster.store.db import DatabaseUnavailable, is_transient, sqlstate_of
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def _plain(value: object) -> object:
         return str(value)
     if isinstance(value, (int, float, bool)) or value is None:
         return value
-    return safe_repr(value, limit=80) if not isinstance(value, str) else safe_repr(value, limit=80).strip("'\"")
+    return safe_value(value, limit=200)
 
 
 def _loc(loc: tuple) -> list:
