@@ -78,6 +78,9 @@ def database_problem(request: Request, exc: BaseException) -> JSONResponse:
         return JSONResponse({"detail": "database unavailable; nothing was changed, send it again",
                              "reason": "database_unavailable"}, status_code=503, headers=retry_after(request))
     sqlstate = sqlstate_of(exc)
+    if sqlstate == "55P03":  # lock_timeout: another writer of the same models holds them
+        return JSONResponse({"detail": "another write to these models is in progress; nothing was changed, send it "
+                                       "again", "reason": "busy"}, status_code=503, headers=retry_after(request))
     if sqlstate.startswith("22"):  # data exception: out of range, NUL in text, bad encoding
         return JSONResponse({"detail": f"a value is out of the database's range (SQLSTATE {sqlstate})",
                              "reason": "value_out_of_range"}, status_code=422)

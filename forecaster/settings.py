@@ -178,6 +178,10 @@ class Settings(BaseSettings):
         default=120.0, ge=0,
         description="How long a scheduled job's slot waits for an absent database (claim, rerun, record), seconds; "
                     "a 60 s outage loses no slot.")
+    push_lock_timeout_s: float = Field(
+        default=2.0, ge=0,
+        description="How long a pushed batch waits for another writer of the same models, seconds; then 503 with "
+                    "Retry-After (busy), not a hung request. 0 = wait as long as it takes (file ingest always does).")
     token_cache_s: float = Field(
         default=1.0, ge=0, le=1.0,
         description="How long the API trusts a verified token before asking the database again, seconds "

@@ -405,3 +405,35 @@ def test_out_of_shared_memory_is_not_reported_as_database_unavailable(engine):
     assert info.value.orig.sqlstate == "53200" and "max_locks_per_transaction" in str(info.value.orig).lower() \
         or "shared memory" in str(info.value.orig).lower()
     assert not is_transient(info.value) and attempts == [1]
+
+
+# --- a push behind a long writer of the same models: a bounded wait, then 503 busy ----------------------------------
+
+
+def test_a_push_behind_another_writer_of_its_models_answers_503_busy_within_the_lock_timeout(engine, settings):
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from forecaster.store.catalog import ServingModelSpec, upsert_models
+
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id="llama")])
+    token = create_token(engine, name="pusher", scopes=["ingest"])
+    minute = (datetime.now(timezone.utc).replace(second=0, microsecond=0) - timedelta(minutes=3)).isoformat()
+    body = {"rows": [{"model_id": "llama", "minute": minute, "count": 4}]}
+    fast = settings.model_copy(update={"push_lock_timeout_s": 1.0})
+    before = _store_state(engine)
+    with TestClient(create_app(fast, engine)) as client, engine.connect() as holder:
+        # a long writer of llama's models (a big file ingest, say) holds the model bucket's lock
+        holder.execute(text("SELECT pg_advisory_lock(:c, abs(hashtext('llama')) % 64)"), {"c": MODEL_LOCK_CLASS})
+        started = time.perf_counter()
+        busy = client.post("/v1/invocations", json=body, headers={"Authorization": f"Bearer {token}"})
+        waited = time.perf_counter() - started
+        assert _store_state(engine) == before
+        holder.execute(text("SELECT pg_advisory_unlock_all()"))
+        holder.commit()
+        done = client.post("/v1/invocations", json=body, headers={"Authorization": f"Bearer {token}"})
+    assert busy.status_code == 503 and busy.json()["reason"] == "busy" and "Retry-After" in busy.headers
+    assert 1.0 <= waited < 5.0
+    assert done.status_code == 200 and _store_state(engine)[1] == 4
+    print(f"\npush behind another writer: 503 busy after {waited:.2f} s (lock timeout 1 s), then 200 once free")

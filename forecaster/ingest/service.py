@@ -39,10 +39,11 @@ UNIQUE_VIOLATION = "23505"
 
 
 def write_with_retry(engine: Engine, settings: Settings, batch: CountBatch, *, register: bool,
-                     report_zeroed: bool = False) -> WriteResult:
+                     report_zeroed: bool = False, lock_timeout_s: float | None = None) -> WriteResult:
     """Write a batch, retrying the whole transaction when the database drops out or a concurrent writer won."""
     return run_with_retry(
-        lambda: write_count_batch(engine, batch, register_models=register, report_zeroed=report_zeroed),
+        lambda: write_count_batch(engine, batch, register_models=register, report_zeroed=report_zeroed,
+                                  lock_timeout_s=lock_timeout_s),
         attempts=settings.db_retry_attempts,
         base_delay_s=settings.db_retry_base_delay_s,
         what=f"ingest {batch.source}",
@@ -61,11 +62,14 @@ def ingest_frame(
     windows: pd.DataFrame | None = None,
     register: bool | None = None,
     report_zeroed: bool = False,
+    lock_timeout_s: float | None = None,
 ) -> WriteResult:
     """Validate a raw long frame (``unique_id, ds, y``) and write it.
 
     ``report_zeroed`` makes the result say which stored non-zero minutes the
-    batch turned into zeros (pushes: the sender sees a warning).
+    batch turned into zeros (pushes: the sender sees a warning);
+    ``lock_timeout_s`` bounds the wait for another writer of the same models
+    (pushes; then SQLSTATE 55P03, answered 503 busy).
     """
     register_models = _register(settings, register)
     known = None if register_models else known_model_ids(engine)
@@ -79,7 +83,8 @@ def ingest_frame(
         windows=windows,
         max_span_days=settings.max_batch_span_days,
     )
-    return write_with_retry(engine, settings, batch, register=register_models, report_zeroed=report_zeroed)
+    return write_with_retry(engine, settings, batch, register=register_models, report_zeroed=report_zeroed,
+                            lock_timeout_s=lock_timeout_s)
 
 
 def ingest_trace_file(
@@ -158,7 +163,8 @@ def push_counts(
     # Field names of the push schema in error messages.
     try:
         return ingest_frame(engine, settings, raw, source=source, step_seconds=60, now=now, windows=windows,
-                            register=register, report_zeroed=True)
+                            register=register, report_zeroed=True,
+                            lock_timeout_s=settings.push_lock_timeout_s or None)
     except IngestError as exc:
         renamed = {"unique_id": "model_id", "ds": "minute", "y": "count"}.get(exc.field or "", exc.field)
         if renamed != exc.field:

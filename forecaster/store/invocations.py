@@ -156,7 +156,7 @@ def _zeroed_warning(zeroed: list[tuple[str, int, int, datetime, datetime]]) -> s
 
 
 def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: bool = False,
-                      report_zeroed: bool = False) -> WriteResult:
+                      report_zeroed: bool = False, lock_timeout_s: float | None = None) -> WriteResult:
     """Write one validated batch atomically; a batch seen before is a no-op.
 
     Args:
@@ -168,6 +168,9 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
             with zeros (inside its windows, absent from its counts) and
             return a warning naming them (pushed batches: the sender sees
             it). Costs a join of the deleted rows with the batch's keys.
+        lock_timeout_s: give up (SQLSTATE 55P03, lock_not_available) when
+            another writer of the same days or models holds them longer than
+            this; None waits as long as it takes.
 
     Raises:
         IngestError: ``unknown_model`` when a model is not registered and
@@ -184,6 +187,8 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
     ensure_partitions(engine, min(arrays["starts"]), max(arrays["ends"]))
 
     with engine.begin() as conn:
+        if lock_timeout_s:
+            conn.execute(text(f"SET LOCAL lock_timeout = '{max(1, int(lock_timeout_s * 1000))}ms'"))
         # Serialise writers of the same batch content; the second sees the first's row.
         conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:fp))"), {"fp": fingerprint})
         previous = conn.execute(
