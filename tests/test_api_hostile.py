@@ -77,6 +77,7 @@ class Figures:
     rejected: int = 0
     generated: int = 0
     schemathesis_cases: int = 0
+    schemathesis_summary: str = ""
 
 
 @dataclass
@@ -477,6 +478,9 @@ def test_schemathesis_stateful_and_negative_finds_no_server_error(served, tmp_pa
     assert generated and int(generated.group(1)) == int(generated.group(2)) >= 100, tail
     assert re.search(r"Stateful", result.stdout), tail  # the stateful phase ran (links between operations)
     served.figures.schemathesis_cases = int(generated.group(1))
+    served.figures.schemathesis_summary = " | ".join(
+        line.strip() for line in result.stdout.splitlines()
+        if re.search(r"(Examples|Coverage|Fuzzing|Stateful)\b.*\(", line) or "generated," in line)
 
 
 def test_zz_the_whole_hostile_run_served_no_5xx(served, capsys):
@@ -495,6 +499,8 @@ def test_zz_the_whole_hostile_run_served_no_5xx(served, capsys):
               f"({figures.rejected} rejected, store unchanged by each), {figures.generated} hypothesis examples, "
               f"{figures.schemathesis_cases} schemathesis cases; slowest {figures.slowest_s:.2f} s; "
               f"status counts {dict(sorted((k, int(v)) for k, v in by_status.items()))}")
+        if figures.schemathesis_summary:
+            print(f"schemathesis: {figures.schemathesis_summary}")
     assert server_errors == 0 and figures.server_errors == []
     assert sum(by_status.values()) >= figures.requests  # the server counted every request this module sent
     if figures.generated:  # the generated part ran: it is the size the issue asks for
