@@ -14,12 +14,12 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 
 from forecaster.settings import Settings
-from forecaster.store.tokens import TokenInfo, lookup_token
+from forecaster.store.tokens import TokenInfo, lookup_token, revocation_generation
 
 _bearer = HTTPBearer(auto_error=False)
 
-#: How long a verified token is trusted without asking the database again (seconds).
-TOKEN_CACHE_S = 60.0
+#: Longest bearer token looked up (ours are 46 characters); longer ones are refused without a query.
+MAX_TOKEN_LENGTH = 512
 
 
 def get_engine(request: Request) -> Engine:
@@ -44,20 +44,29 @@ async def _authenticate(request: Request, credentials: HTTPAuthorizationCredenti
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing bearer token",
                             headers={"WWW-Authenticate": "Bearer"})
     token = credentials.credentials
-    cache: dict[str, tuple[float, TokenInfo | None]] = request.app.state.token_cache
+    if len(token) > MAX_TOKEN_LENGTH:
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "unknown or revoked token",
+                            headers={"WWW-Authenticate": "Bearer"})
+    # Verified tokens are trusted for at most token_cache_s (<= 1 s): a revocation in another process counts
+    # within that, one in this process at once (the generation changes).
+    cache: dict[str, tuple[float, int, TokenInfo | None]] = request.app.state.token_cache
+    ttl_s = request.app.state.settings.token_cache_s
+    generation = revocation_generation()
     hit = cache.get(token)
-    if hit is not None and time.monotonic() - hit[0] < TOKEN_CACHE_S:
-        info = hit[1]
+    if hit is not None and hit[1] == generation and time.monotonic() - hit[0] < ttl_s:
+        info = hit[2]
     else:
         try:
             info = await run_in_threadpool(lookup_token, request.app.state.engine, token)
         except OperationalError:
-            if hit is not None and hit[1] is not None:
-                info = hit[1]  # database away: a token verified before still counts (reads stay up)
+            if hit is not None and hit[1] == generation and hit[2] is not None:
+                info = hit[2]  # database away: a token verified before, not revoked here since, still reads
             else:
                 raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "cannot verify token: database unavailable",
                                     headers={"Retry-After": str(request.app.state.settings.ingest_retry_after_s)})
-        cache[token] = (time.monotonic(), info)
+        if len(cache) > 10_000:
+            cache.clear()  # bounded: unknown tokens sprayed at the API must not grow memory
+        cache[token] = (time.monotonic(), generation, info)
     if info is None:
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "unknown or revoked token",
                             headers={"WWW-Authenticate": "Bearer"})

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from sqlalchemy import Engine
 
 from api.cache import LastGood
+from api.errors import BodySizeLimit, TextGuard, install_error_handlers
 from api.metrics import LatencyMiddleware, ServiceMetrics
 from api.snapshot import ForecastSnapshot
 from api.routes import audit, dashboard, forecasts, health, ingest, models
@@ -56,7 +57,10 @@ def create_app(settings: Settings, engine: Engine, *, clock: Callable[[], dateti
     app.state.snapshot = snapshot
     app.state.token_cache = {}
     app.state.metrics = ServiceMetrics(engine, clock, snapshot, settings)
-    app.add_middleware(LatencyMiddleware)
+    app.add_middleware(TextGuard)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.api_max_body_bytes)
+    app.add_middleware(LatencyMiddleware)  # outermost: it also counts what the guards refuse
+    install_error_handlers(app)
     for module in (health, models, forecasts, ingest, audit, dashboard):
         app.include_router(module.router)
     app.mount("/dashboard", dashboard.static_files(), name="dashboard")

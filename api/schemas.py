@@ -3,11 +3,57 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Generic, TypeVar
+from typing import Annotated, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+
+from forecaster.store import fields as bounds
 
 T = TypeVar("T")
+
+
+def _text(max_length: int):
+    def check(value: str) -> str:
+        problem = bounds.text_problem(value, max_length=max_length)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    return AfterValidator(check)
+
+
+#: Free text stored as is (image reference, weights URI): no control characters, no lone surrogates.
+SafeText = Annotated[str, Field(max_length=bounds.MAX_TEXT_LENGTH), _text(bounds.MAX_TEXT_LENGTH)]
+#: An id (model, node, label key): 1-256 characters, no control characters, no lone surrogates.
+SafeId = Annotated[str, Field(min_length=1, max_length=bounds.MAX_ID_LENGTH), _text(bounds.MAX_ID_LENGTH)]
+
+
+def _bounded_time(value: datetime) -> datetime:
+    """A query time as UTC (no zone = UTC) between 2000 and 2200; ValueError otherwise."""
+    try:
+        moment = bounds.parse_timestamp(value)
+    except OverflowError:  # e.g. 9999-12-31T23:59-23:59 is past year 9999 in UTC
+        raise ValueError("the time is out of range once converted to UTC") from None
+    return bounds.check_timestamp_range(moment, latest=datetime(2200, 1, 1, tzinfo=moment.tzinfo))
+
+
+def _iso_text_only(value: object) -> object:
+    if isinstance(value, str):
+        problem = bounds.timestamp_text_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+    if isinstance(value, datetime):
+        return value
+    raise ValueError(f"expected ISO 8601 text, got {type(value).__name__}")
+
+
+#: A time in a query: ISO 8601 text (no zone = UTC; numbers and words like ``now`` refused), 2000 to 2200.
+UtcTime = Annotated[datetime, BeforeValidator(_iso_text_only), AfterValidator(_bounded_time)]
+
+
+def _labels(value: dict[str, str]) -> dict[str, str]:
+    return bounds.check_labels(value)
 
 
 class ListPublic(BaseModel, Generic[T]):
@@ -16,25 +62,42 @@ class ListPublic(BaseModel, Generic[T]):
 
 
 class ServingModelBase(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A model's spec; bounds in :mod:`forecaster.store.fields` (sizes in bytes, rates per second, SLO in s)."""
 
-    image_ref: str | None = Field(default=None, max_length=1024)
-    image_size_bytes: int | None = Field(default=None, ge=0)
-    weights_uri: str | None = Field(default=None, max_length=2048)
-    weights_size_bytes: int | None = Field(default=None, ge=0)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    image_ref: SafeText | None = Field(default=None, max_length=1024)
+    image_size_bytes: int | None = Field(default=None, ge=0, le=bounds.MAX_SIZE_BYTES,
+                                         description="Bytes, at most 2^50 (1 PiB).")
+    weights_uri: SafeText | None = Field(default=None, max_length=2048)
+    weights_size_bytes: int | None = Field(default=None, ge=0, le=bounds.MAX_SIZE_BYTES,
+                                           description="Bytes, at most 2^50 (1 PiB).")
     gpus_per_replica: int = Field(default=1, ge=0, le=64)
-    replica_rps: float | None = Field(default=None, gt=0, description="Requests per second one replica sustains.")
-    cold_start_slo_s: float | None = Field(default=None, gt=0)
-    labels: dict[str, str] = Field(default_factory=dict)
+    replica_rps: float | None = Field(default=None, ge=bounds.MIN_REPLICA_RPS, le=bounds.MAX_REPLICA_RPS,
+                                      description="Requests per second one replica sustains (0.001 to 1,000,000).")
+    cold_start_slo_s: float | None = Field(default=None, ge=bounds.MIN_SLO_S, le=bounds.MAX_SLO_S,
+                                           description="Seconds, 0.001 to 86,400.")
+    labels: Annotated[dict[SafeId, Annotated[str, Field(max_length=bounds.MAX_TEXT_LENGTH)]],
+                      AfterValidator(_labels)] = Field(default_factory=dict, max_length=bounds.MAX_LABELS)
 
 
 class ServingModelPut(ServingModelBase):
     """Body of ``PUT /v1/models/{id}``."""
 
 
-class ServingModelPublic(ServingModelBase):
+class ServingModelPublic(BaseModel):
+    """A stored model as read back: plain types, so a row stored before the bounds existed still reads."""
+
     model_config = ConfigDict(extra="ignore", from_attributes=True)
 
+    image_ref: str | None = None
+    image_size_bytes: int | None = None
+    weights_uri: str | None = None
+    weights_size_bytes: int | None = None
+    gpus_per_replica: int = 1
+    replica_rps: float | None = None
+    cold_start_slo_s: float | None = None
+    labels: dict = Field(default_factory=dict)
     id: str
     created_at: datetime | None = None
     updated_at: datetime | None = None
@@ -88,7 +151,8 @@ class InvocationBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     source: str = Field(default="push", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
-    rows: list[dict] = Field(min_length=1, max_length=200_000)
+    rows: list[dict] = Field(min_length=1, max_length=200_000,
+                             description="Objects with exactly model_id, minute (ISO 8601; no zone = UTC), count.")
 
 
 class ColdStartBatch(BaseModel):
@@ -105,6 +169,9 @@ class IngestResultPublic(BaseModel):
     rows_written: int = 0
     invocations: int = 0
     covered_steps: int = 0
+    zeroed_steps: int = Field(default=0, description="Stored non-zero minutes this batch turned into zeros.")
+    zeroed_invocations: int = Field(default=0, description="Invocations those minutes held.")
+    warnings: list[str] = Field(default_factory=list, description="What the sender should know, e.g. zeroed minutes.")
 
 
 class ColdStartResultPublic(BaseModel):

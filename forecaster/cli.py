@@ -23,7 +23,21 @@ from forecaster.settings import Settings, SettingsError, load_settings
 from forecaster.store.db import DatabaseUnavailable, current_revision, downgrade, open_database, upgrade, \
     wait_for_database
 
-app = typer.Typer(help="prewarm: predictive pre-warming for GPU inference fleets.", no_args_is_help=True)
+class _OneLineErrors(typer.Typer):
+    """The console entry: an unexpected error prints one line and exits 1, never a traceback (``-v`` logs it)."""
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return super().__call__(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the edge of the program
+            log.debug("unexpected error", exc_info=True)
+            message = " ".join(str(exc).split())[:300]
+            typer.echo(f"error: {type(exc).__name__}: {message} (run with -v for details)", err=True)
+            sys.exit(1)
+
+
+app = _OneLineErrors(help="prewarm: predictive pre-warming for GPU inference fleets.", no_args_is_help=True,
+                     pretty_exceptions_enable=False)
 db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
 ingest_app = typer.Typer(help="Ingest invocation counts.", no_args_is_help=True)
 models_app = typer.Typer(help="The serving-model catalogue.", no_args_is_help=True)
@@ -117,15 +131,66 @@ def ingest_trace(
     from forecaster.ingest.service import ingest_trace_file
 
     settings = _settings()
-    if start is not None and start.tzinfo is None:
-        start = start.replace(tzinfo=timezone.utc)
+    start = _option_time("--start", start)
+    if step_seconds <= 0 or step_seconds > 86_400 or step_seconds % 60:
+        _fail(f"--step-seconds: expected a whole number of minutes from 60 to 86400, got {step_seconds}", 2)
+    if model_id is not None:
+        _check_option_id("--model-id", model_id)
     with _database(settings) as engine:
         try:
             result = ingest_trace_file(engine, settings, path, now=_now(), fmt=fmt, start=start,
                                        step_seconds=step_seconds, model_id=model_id, register=register)
         except IngestError as exc:
             _fail(f"{path}: {exc}", 2)
+        except ValueError as exc:  # unknown --format, an option that does not apply to the format
+            _fail(f"{path}: {_one_line(exc)}", 2)
+        except UNREADABLE_FILE_ERRORS as exc:
+            _fail(f"{path}: cannot read the file ({type(exc).__name__}: {_one_line(exc)}); nothing was ingested", 2)
+        if result.models == 0 and not result.duplicate:
+            _fail(f"{path}: no data rows (header only?); nothing was ingested", 2)
         typer.echo(json.dumps(result.as_dict()))
+
+
+#: What reading a damaged trace file raises: truncated gzip (EOFError, BadGzipFile, zlib.error), bad bytes,
+#: CSV the parser cannot split, a missing or unreadable file.
+def _unreadable_file_errors() -> tuple[type[BaseException], ...]:
+    import gzip
+    import zlib
+
+    import pandas as pd
+
+    return (EOFError, gzip.BadGzipFile, zlib.error, UnicodeDecodeError, OSError, pd.errors.ParserError,
+            pd.errors.EmptyDataError)
+
+
+UNREADABLE_FILE_ERRORS = _unreadable_file_errors()
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text[:300] + ("..." if len(text) > 300 else "")
+
+
+def _option_time(option: str, value: datetime | None) -> datetime | None:
+    """An option's time as UTC (no zone = UTC) inside the accepted bounds, or exit 2 naming the option."""
+    from forecaster.store.fields import check_timestamp_range
+
+    if value is None:
+        return None
+    value = value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+    try:
+        return check_timestamp_range(value, latest=datetime(2200, 1, 1, tzinfo=timezone.utc))
+    except ValueError as exc:
+        _fail(f"{option}: {exc}", 2)
+        raise  # unreachable
+
+
+def _check_option_id(option: str, value: str) -> None:
+    from forecaster.store.fields import id_problem
+
+    problem = id_problem(value)
+    if problem:
+        _fail(f"{option}: {problem}", 2)
 
 
 @ingest_app.command("prometheus")
@@ -259,6 +324,7 @@ def token_create(
     from forecaster.store.tokens import create_token
 
     settings = _settings()
+    _check_option_id("NAME", name)
     with _database(settings) as engine:
         try:
             typer.echo(create_token(engine, name=name, scopes=scope))
@@ -272,6 +338,7 @@ def token_revoke(name: Annotated[str, typer.Argument()]) -> None:
     from forecaster.store.tokens import revoke_token
 
     settings = _settings()
+    _check_option_id("NAME", name)
     with _database(settings) as engine:
         if not revoke_token(engine, name=name):
             _fail(f"no active token named {name!r}", 2)
@@ -311,8 +378,7 @@ def backtest_cmd(
     from forecaster.jobs.backtesting import run_store_backtest, write_csv
 
     settings = _settings()
-    start = start.replace(tzinfo=timezone.utc) if start is not None and start.tzinfo is None else start
-    end = end.replace(tzinfo=timezone.utc) if end is not None and end.tzinfo is None else end
+    start, end = _option_time("--start", start), _option_time("--end", end)
     with _database(settings) as engine:
         try:
             run_id, result = run_store_backtest(

@@ -186,6 +186,35 @@ class Settings(BaseSettings):
     kubernetes_owner_deployment: str | None = Field(default=None, description="Deployment that owns pre-pull Jobs.")
     kubernetes_image_pull_secret: str | None = None
 
+    # --- hardening (issue 12): bounds at the edge, supervision ------------
+    max_batch_span_days: float = Field(
+        default=62.0, gt=0, le=3660,
+        description="Longest span one ingested batch may cover (first window start to last window end), days; "
+                    "longer is refused with 422 / exit 2 before any partition is created.")
+    api_max_body_bytes: int = Field(
+        default=32 << 20, ge=1024,
+        description="Largest request body the API reads, bytes; larger is refused with 413 (a 200,000-row push "
+                    "is about 14 MB).")
+    embedded_start_timeout_s: float = Field(
+        default=300.0, gt=0,
+        description="How long starting the embedded PostgreSQL may take, seconds (covers crash recovery).")
+    embedded_supervise_interval_s: float = Field(
+        default=1.0, ge=0,
+        description="How often a serving process checks that the embedded PostgreSQL runs and restarts it; 0 = "
+                    "never.")
+    job_db_wait_s: float = Field(
+        default=120.0, ge=0,
+        description="How long a scheduled job's slot waits for an absent database (claim, rerun, record), seconds; "
+                    "a 60 s outage loses no slot.")
+    push_lock_timeout_s: float = Field(
+        default=2.0, ge=0,
+        description="How long a pushed batch waits for another writer of the same models, seconds; then 503 with "
+                    "Retry-After (busy), not a hung request. 0 = wait as long as it takes (file ingest always does).")
+    token_cache_s: float = Field(
+        default=1.0, ge=0, le=1.0,
+        description="How long the API trusts a verified token before asking the database again, seconds "
+                    "(a revocation in another process takes effect within this; in the same process at once).")
+
     @field_validator("database_url")
     @classmethod
     def _normalise_database_url(cls, value: str | None) -> str | None:

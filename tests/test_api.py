@@ -78,6 +78,14 @@ def test_revoked_token_is_refused(engine, settings):
         assert client.get("/v1/models", headers=auth(token)).status_code == 401
 
 
+def test_a_token_revoked_in_the_serving_process_fails_at_once_though_cached(engine, settings):
+    token = create_token(engine, name="ci", scopes=["read"])
+    with TestClient(create_app(settings, engine, clock=lambda: NOW)) as client:
+        assert client.get("/v1/models", headers=auth(token)).status_code == 200  # verified: now in the cache
+        assert revoke_token(engine, name="ci")
+        assert client.get("/v1/models", headers=auth(token)).status_code == 401  # the very next request
+
+
 def test_tokens_are_stored_hashed(engine, tokens):
     with engine.connect() as conn:
         stored = conn.execute(text("SELECT token_sha256 FROM api_tokens")).scalars().all()

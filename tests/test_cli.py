@@ -253,3 +253,53 @@ def test_demo_loop_trains_forecasts_plans_and_records_actions(cli, engine):
         replayed = conn.execute(text("SELECT count(*) FROM ingest_batches WHERE source = 'demo-replay'")).scalar()
     assert champion == 1 and tuple(issued) == (3, 100) and plans == 3 and replayed == 3
     assert latency == 1  # the retrain trained the latency model too
+
+
+# --- errors at the edge: one line, the file or option, exit code 2 ------------------------
+
+
+def _truncated_gzip(tmp_path):
+    """The shipped gzipped sample cut in half, as a copy that broke off mid-transfer."""
+    path = tmp_path / "truncated.csv.gz"
+    whole = sample_path(AZURE2019_TOP100).read_bytes()
+    assert whole[:2] == b"\x1f\x8b"  # gzip
+    path.write_bytes(whole[: len(whole) // 2])
+    return path
+
+
+@pytest.mark.parametrize("case", ["truncated-gzip", "header-only", "mistyped-format", "start-year-1",
+                                  "start-a-word", "bad-model-id"])
+def test_ingest_trace_errors_are_one_line_exit_2_and_write_nothing(cli, engine, tmp_path, case):
+    header_only = tmp_path / "header.csv"
+    import gzip
+
+    header_only.write_text(gzip.decompress(sample_path(AZURE2019_TOP100).read_bytes()).decode().splitlines()[0] + "\n")
+    path, extra, expected = {
+        "truncated-gzip": (_truncated_gzip(tmp_path), [], "cannot read the file (EOFError"),
+        "header-only": (header_only, [], "no data rows (header only?); nothing was ingested"),
+        "mistyped-format": (header_only, ["--format", "azure2091"], "unknown trace format 'azure2091'"),
+        "start-year-1": (header_only, ["--start", "0001-01-01"], "--start: 0001-01-01"),
+        "start-a-word": (header_only, ["--start", "yesterday"], "--start"),
+        "bad-model-id": (header_only, ["--model-id", "a\x01b"], "--model-id: contains the control character U+0001"),
+    }[case]
+    result = cli("ingest", "trace", str(path), "--register", *extra)
+    assert result.exit_code == 2, result.output
+    assert expected in result.output
+    assert "Traceback" not in result.output and not isinstance(result.exception, (ValueError, EOFError))
+    if case not in ("start-a-word",):  # typer's own usage error names the option in its box
+        lines = [line for line in result.output.splitlines() if line.startswith("error:")]
+        assert len(lines) == 1 and (str(path) in lines[0] or "--" in lines[0])
+    assert table_counts(engine) == {"serving_models": 0, "invocations": 0, "coverage": 0, "ingest_batches": 0}
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["a\x00b"], "model id contains the control character U+0000"),
+    (["llama", "--replica-rps", "1e-300"], "replica_rps must be in [0.001, 1e+06], got 1e-300"),
+    (["llama", "--replica-rps", "inf"], "replica_rps must be finite"),
+    (["llama", "--image-size-bytes", str(2**70)], "image_size_bytes must be in [0, 1.1259e+15]"),
+    (["llama", "--cold-start-slo-s", "1e9"], "cold_start_slo_s must be in"),
+])
+def test_models_register_refuses_values_out_of_bounds(cli, engine, args, expected):
+    result = cli("models", "register", *args)
+    assert result.exit_code == 2 and expected in result.output, result.output
+    assert table_counts(engine)["serving_models"] == 0

@@ -59,6 +59,16 @@ def store(engine, now):
     return engine
 
 
+def _live(engine, now, model_id="llama", source="push", at: datetime | None = None):
+    """One fresh minute of ``source`` at ``at`` (default: ``now``'s hour): the source is still ingesting.
+
+    Retention ages a day from the newest data of the sources holding it, so a test of ageing needs a source
+    whose data reaches the present.
+    """
+    at = at or now.replace(minute=0, second=0, microsecond=0)
+    _write(engine, at, [(model_id, at, 1)], windows=[(model_id, at, at + timedelta(minutes=1))], source=source)
+
+
 def _totals(engine) -> dict[tuple[str, date], int]:
     """Invocations per model and UTC day."""
     with engine.connect() as conn:
@@ -289,25 +299,32 @@ def test_apply_retention_by_age_and_idempotent(engine, now):
             "hourly": today - timedelta(days=36), "gone": today - timedelta(days=401)}
     for i, day in enumerate(ages.values()):
         _write(engine, now, _minute_rows("llama", _at(day), 1440, i), windows=[("llama", _at(day), _at(day, 24))])
+    _live(engine, now)
     totals = _totals(engine)
-    with engine.begin() as conn:  # coverage left from a day whose partition is long gone
+    with engine.begin() as conn:  # coverage left from a day whose partition is long gone; the source ingests still
         conn.execute(text("INSERT INTO coverage (model_id, source, step_seconds, ranges) VALUES ('llama', 'old', 60, "
-                          "tstzmultirange(tstzrange(:lo, :hi)))"),
-                     {"lo": _at(ages["gone"] - timedelta(days=9)), "hi": _at(ages["gone"] - timedelta(days=8))})
+                          "tstzmultirange(tstzrange(:lo, :hi), tstzrange(:now, :now_end)))"),
+                     {"lo": _at(ages["gone"] - timedelta(days=9)), "hi": _at(ages["gone"] - timedelta(days=8)),
+                      "now": _at(today), "now_end": _at(today, 1)})
 
     summary = apply_retention(engine, now=now, settings=settings)
 
     assert {k: summary[k] for k in ("rolled_to_300s", "rolled_to_3600s", "dropped")} == \
         {"rolled_to_300s": 1, "rolled_to_3600s": 1, "dropped": 1}
-    assert summary["coverage_rows_trimmed"] == 1 and ("llama", "old", 60) not in _coverage(engine)
+    assert summary["dropped_days"] == [ages["gone"].isoformat()]
+    assert summary["coverage_rows_trimmed"] == 1
+    assert _coverage(engine)[("llama", "old", 60)].count("[") == 1  # only the recent range is left
     with engine.connect() as conn:
         assert dict(conn.execute(text("SELECT day, step_seconds FROM rollups")).all()) == \
             {ages["five"]: 300, ages["hourly"]: 3600}
     assert _totals(engine) == {k: v for k, v in totals.items() if k[1] != ages["gone"]}
     recent = _read(engine, ages["recent"], 60)
     assert recent[recent.unique_id == "llama"]["y"].notna().all()
-    assert apply_retention(engine, now=now, settings=settings) == dict.fromkeys(summary, 0)
-    # a day later, the 5-minute day is still 5-minute; 29 days later it becomes hourly
+    assert apply_retention(engine, now=now, settings=settings) == {**dict.fromkeys(summary, 0), "dropped_days": []}
+    # without newer data nothing ages, however late the clock; with the source's data 28 days on, the
+    # 5-minute day (8 + 28 = 36 days old) becomes hourly
+    assert apply_retention(engine, now=now + timedelta(days=28), settings=settings)["rolled_to_3600s"] == 0
+    _live(engine, now + timedelta(days=28))
     assert apply_retention(engine, now=now + timedelta(days=28), settings=settings)["rolled_to_3600s"] == 1
 
 
@@ -320,6 +337,7 @@ def test_apply_retention_finishes_other_days_then_raises(engine, now):
         conn.execute(text("CREATE TRIGGER refuse BEFORE INSERT ON rollups FOR EACH ROW EXECUTE FUNCTION refuse()"))
     for day in (DAY, NEXT):
         _write(engine, now, _minute_rows("llama", _at(day), 120, 3), windows=[("llama", _at(day), _at(day, 2))])
+    _live(engine, now)
     rows_before = _rows(engine, DAY)
     with pytest.raises(RuntimeError, match="1 day.*2026-11-20.*refused"):
         apply_retention(engine, now=now, settings=Settings())
@@ -331,6 +349,7 @@ def test_apply_retention_finishes_other_days_then_raises(engine, now):
 def test_retention_job_runs_once_per_slot(engine, settings, now, store):
     spec = next(s for s in default_jobs(settings) if s.name == "retention")
     assert spec.every_s == settings.retention_interval_s == 3600
+    _live(engine, now)
     first = run_once(engine, settings, spec, now=now)
     assert first["invocations"]["rolled_to_300s"] == 2  # DAY and NEXT are 9 and 8 days old
     assert set(first["forecasts"]) == {"created", "dropped"}  # forecast partitions kept ahead and pruned
@@ -340,6 +359,46 @@ def test_retention_job_runs_once_per_slot(engine, settings, now, store):
     with engine.connect() as conn:
         runs = conn.execute(text("SELECT status FROM job_runs WHERE job_name = 'retention'")).scalars().all()
     assert runs == ["ok", "ok"]
+
+
+def test_imported_trace_is_aged_from_its_own_newest_data_not_the_wall_clock(engine, now, caplog):
+    """A trace of 2024 imported in 2026 keeps every minute; the wall clock alone never drops or rolls it up."""
+    settings = Settings(invocations_minute_days=7, invocations_5min_days=35, invocations_retention_days=400)
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id="llama")])
+    old = [date(2024, 7, 14), date(2024, 7, 15)]
+    for i, day in enumerate(old):
+        _write(engine, now, _minute_rows("llama", _at(day), 1440, i), windows=[("llama", _at(day), _at(day, 24))],
+               source="trace:azure2019")
+    totals = _totals(engine)
+    assert apply_retention(engine, now=now, settings=settings) == {
+        "rolled_to_300s": 0, "rolled_to_3600s": 0, "dropped": 0, "rows_before": 0, "rows_after": 0,
+        "coverage_rows_trimmed": 0, "dropped_days": []}
+    assert _totals(engine) == totals
+    kept = _read(engine, old[0], 60)
+    assert kept[kept.unique_id == "llama"]["y"].notna().all()  # minutes still known, not rolled up
+    # a live source ingesting today does not age the trace's days either: they age from the trace's newest data
+    _live(engine, now, source="prometheus")
+    assert apply_retention(engine, now=now, settings=settings)["dropped"] == 0
+    assert _totals(engine) == {**totals, ("llama", now.date()): 1}
+    # the trace's first day is 1 day older than its newest data: after 7 days of it, it is rolled up, logged
+    _write(engine, now, _minute_rows("llama", _at(date(2024, 7, 23)), 10, 9),
+           windows=[("llama", _at(date(2024, 7, 23)), _at(date(2024, 7, 23), 1))], source="trace:azure2019")
+    assert apply_retention(engine, now=now, settings=settings)["rolled_to_300s"] == 2
+
+
+def test_dropping_a_day_logs_what_and_why(engine, now, caplog):
+    settings = Settings(invocations_minute_days=1, invocations_5min_days=1, invocations_retention_days=2)
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id="llama")])
+    gone = now.date() - timedelta(days=3)
+    _write(engine, now, _minute_rows("llama", _at(gone), 60, 1), windows=[("llama", _at(gone), _at(gone, 1))])
+    _live(engine, now)
+    with caplog.at_level("WARNING", logger="forecaster.store.retention"):
+        summary = apply_retention(engine, now=now, settings=settings)
+    assert summary["dropped_days"] == [gone.isoformat()]
+    line = next(r.getMessage() for r in caplog.records if "dropping" in r.getMessage())
+    assert gone.isoformat() in line and "push" in line and "older than 2 days" in line
 
 
 def test_retention_ages_must_ascend():

@@ -5,12 +5,15 @@ from __future__ import annotations
 from datetime import datetime
 
 from fastapi import APIRouter, Query
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import text
 
 from api.deps import AdminToken, ClockDep, EngineDep, ReadToken
 from forecaster.store.actions import set_paused
-from api.schemas import ListPublic
+from api.schemas import ListPublic, SafeId, SafeText, UtcTime
+
+#: Largest id accepted in a bigint query parameter.
+BIGINT_MAX = 2**63 - 1
 
 router = APIRouter(prefix="/v1", tags=["audit"])
 
@@ -45,7 +48,8 @@ class ActionPublic(BaseModel):
 
 @router.get("/plans", response_model=ListPublic[PlanPublic])
 def list_plans(engine: EngineDep, _: ReadToken, limit: int = Query(50, ge=1, le=1000),
-               since: datetime | None = None) -> ListPublic[PlanPublic]:
+               since: UtcTime | None = Query(None, description="ISO 8601; no zone = UTC.")
+               ) -> ListPublic[PlanPublic]:
     with engine.connect() as conn:
         rows = conn.execute(
             text("SELECT p.id, p.planned_at, p.summary, (SELECT count(*) FROM actions a WHERE a.plan_id = p.id) "
@@ -60,8 +64,8 @@ def list_plans(engine: EngineDep, _: ReadToken, limit: int = Query(50, ge=1, le=
 
 @router.get("/actions", response_model=ListPublic[ActionPublic])
 def list_actions(engine: EngineDep, _: ReadToken, limit: int = Query(100, ge=1, le=5000),
-                 status: str | None = None, model_id: str | None = None,
-                 plan_id: int | None = None) -> ListPublic[ActionPublic]:
+                 status: SafeId | None = Query(None, max_length=64), model_id: SafeId | None = None,
+                 plan_id: int | None = Query(None, ge=1, le=BIGINT_MAX)) -> ListPublic[ActionPublic]:
     where = ("WHERE (CAST(:status AS text) IS NULL OR status = :status) "
              "AND (CAST(:model AS text) IS NULL OR model_id = :model) "
              "AND (CAST(:plan AS bigint) IS NULL OR plan_id = :plan)")
@@ -82,7 +86,9 @@ class ActuatorStatePublic(BaseModel):
 
 
 class PauseBody(BaseModel):
-    reason: str | None = None
+    model_config = ConfigDict(extra="forbid")
+
+    reason: SafeText | None = Field(default=None, max_length=512)
 
 
 def _actuator_state(engine) -> ActuatorStatePublic:

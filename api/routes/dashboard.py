@@ -182,7 +182,10 @@ class FleetSort(StrEnum):
 
 
 def _utc(value: datetime, name: str) -> datetime:
-    value = value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+    try:
+        value = value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+    except OverflowError:  # 0001-01-01T00:00+01:00 is before year 1 in UTC
+        raise HTTPException(422, f"{name} is out of range once converted to UTC") from None
     if not _EARLIEST <= value < _LATEST:
         raise HTTPException(422, f"{name} must lie between 1970 and 2200, got {value.isoformat()}")
     return value

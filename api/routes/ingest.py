@@ -7,10 +7,11 @@ sent twice is a no-op; when the database is unreachable the answer is 503 with
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError
 
+from api.errors import database_problem
 from api.deps import ClockDep, EngineDep, IngestToken, SettingsDep
 from api.schemas import ColdStartBatch, ColdStartResultPublic, IngestResultPublic, InvocationBatch, ProblemPublic
 from forecaster.contracts.batches import IngestError
@@ -23,36 +24,42 @@ _PROBLEMS = {422: {"model": ProblemPublic, "description": "Rejected batch: nothi
              503: {"description": "Database unavailable: retry after the Retry-After seconds"}}
 
 
+#: Longest ``value`` echoed in a 422 (characters): enough to recognise it, never the input back.
+MAX_ECHO = 80
+
+
 def _rejected(exc: IngestError) -> JSONResponse:
-    return JSONResponse(status_code=422, content={"detail": str(exc), **{k: v for k, v in exc.as_dict().items()
-                                                                          if k != "message"}})
+    content = {"detail": str(exc)[:1000], **{k: v for k, v in exc.as_dict().items() if k != "message"}}
+    for key in ("value", "field", "detail"):
+        if isinstance(content.get(key), str):
+            limit = MAX_ECHO if key != "detail" else 1000
+            content[key] = content[key][:limit].encode("utf-8", "backslashreplace").decode("utf-8")
+    return JSONResponse(status_code=422, content=content)
 
 
-def _unavailable(settings) -> HTTPException:
-    return HTTPException(503, "database unavailable; the batch was not accepted, send it again",
-                         headers={"Retry-After": str(settings.ingest_retry_after_s)})
-
-
-def _push(push, engine, settings, items, now, source):
-    """Run one push with few, quick retries: a 422 for bad input, a 503 (raised) when the database is away."""
-    fast = settings.model_copy(update={"db_retry_attempts": 2, "db_retry_base_delay_s": 0.2})
+def _push(request, push, engine, settings, items, now, source):
+    """Run one push with few, quick retries: 422 for bad input, 503 when the database is away (or refuses)."""
+    fast = settings.model_copy(update={"db_retry_attempts": max(2, min(settings.db_retry_attempts, 3)),
+                                       "db_retry_base_delay_s": 0.2})
     try:
         return push(engine, fast, items, now=now, source=source)
     except IngestError as exc:
         return _rejected(exc)
-    except (DatabaseUnavailable, OperationalError):
-        raise _unavailable(settings) from None
+    except (DatabaseUnavailable, DBAPIError) as exc:
+        return database_problem(request, exc)
 
 
 @router.post("/invocations", response_model=IngestResultPublic, responses=_PROBLEMS)
-def post_invocations(body: InvocationBatch, engine: EngineDep, settings: SettingsDep, clock: ClockDep,
-                     _: IngestToken):
-    outcome = _push(push_counts, engine, settings, body.rows, clock(), body.source)
+def post_invocations(request: Request, body: InvocationBatch, engine: EngineDep, settings: SettingsDep,
+                     clock: ClockDep, _: IngestToken):
+    """Replace the counts of the batch's models inside its windows; ``warnings`` says which stored minutes
+    became zeros because the batch left them out."""
+    outcome = _push(request, push_counts, engine, settings, body.rows, clock(), body.source)
     return outcome if isinstance(outcome, JSONResponse) else IngestResultPublic(**outcome.as_dict())
 
 
 @router.post("/coldstarts", response_model=ColdStartResultPublic, responses=_PROBLEMS)
-def post_coldstarts(body: ColdStartBatch, engine: EngineDep, settings: SettingsDep, clock: ClockDep,
-                    _: IngestToken):
-    outcome = _push(push_cold_starts, engine, settings, body.events, clock(), body.source)
+def post_coldstarts(request: Request, body: ColdStartBatch, engine: EngineDep, settings: SettingsDep,
+                    clock: ClockDep, _: IngestToken):
+    outcome = _push(request, push_cold_starts, engine, settings, body.events, clock(), body.source)
     return outcome if isinstance(outcome, JSONResponse) else ColdStartResultPublic(**outcome)

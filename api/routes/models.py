@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException, Query
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Path, Query
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from api.deps import AdminToken, EngineDep, ReadToken
-from api.schemas import ListPublic, ServingModelPublic, ServingModelPut
+from api.schemas import ListPublic, SafeId, ServingModelPublic, ServingModelPut
+
+#: A model id in the path: 1-256 characters, no control characters (the store's ``String(256)``).
+ModelIdPath = Annotated[SafeId, Path(description="Model id, 1-256 characters.")]
+#: Largest list offset accepted (PostgreSQL's OFFSET is a bigint; 10^19 overflowed it).
+MAX_OFFSET = 10_000_000
 from forecaster.store.catalog import ServingModelSpec, upsert_models
 from forecaster.store.tables import ServingModel
 
@@ -16,7 +23,7 @@ router = APIRouter(prefix="/v1/models", tags=["models"])
 
 @router.get("", response_model=ListPublic[ServingModelPublic])
 def list_models(engine: EngineDep, _: ReadToken, limit: int = Query(100, ge=1, le=10_000),
-                offset: int = Query(0, ge=0)) -> ListPublic[ServingModelPublic]:
+                offset: int = Query(0, ge=0, le=MAX_OFFSET)) -> ListPublic[ServingModelPublic]:
     with Session(engine) as session:
         count = session.scalar(select(func.count()).select_from(ServingModel)) or 0
         rows = session.scalars(select(ServingModel).order_by(ServingModel.id).limit(limit).offset(offset)).all()
@@ -24,7 +31,7 @@ def list_models(engine: EngineDep, _: ReadToken, limit: int = Query(100, ge=1, l
 
 
 @router.get("/{model_id}", response_model=ServingModelPublic, responses={404: {"description": "Unknown model"}})
-def get_model(model_id: str, engine: EngineDep, _: ReadToken) -> ServingModelPublic:
+def get_model(model_id: ModelIdPath, engine: EngineDep, _: ReadToken) -> ServingModelPublic:
     with Session(engine) as session:
         row = session.get(ServingModel, model_id)
         if row is None:
@@ -32,10 +39,22 @@ def get_model(model_id: str, engine: EngineDep, _: ReadToken) -> ServingModelPub
         return ServingModelPublic.model_validate(row)
 
 
-@router.put("/{model_id}", response_model=ServingModelPublic)
-def put_model(model_id: str, body: ServingModelPut, engine: EngineDep, _: AdminToken) -> ServingModelPublic:
-    if not model_id.strip() or len(model_id) > 256:
-        raise HTTPException(422, "model id must be 1-256 characters")
+def _links_to_the_model() -> dict:
+    """OpenAPI links from a registered model to what can be read about it (stateful fuzzing follows them)."""
+    targets = {"GetModel": "get_model_v1_models__model_id__get",
+               "GetForecast": "get_forecast_v1_models__model_id__forecast_get",
+               "GetRecommendation": "get_recommendation_v1_models__model_id__recommendation_get",
+               "GetSeries": "get_series_v1_models__model_id__series_get",
+               "GetColdStarts": "get_cold_starts_v1_models__model_id__coldstarts_get",
+               "GetActions": "get_action_timeline_v1_models__model_id__actions_get",
+               "PutModelAgain": "put_model_v1_models__model_id__put"}
+    return {name: {"operationId": op, "parameters": {"model_id": "$response.body#/id"}}
+            for name, op in targets.items()}
+
+
+@router.put("/{model_id}", response_model=ServingModelPublic,
+            responses={200: {"description": "The model as stored", "links": _links_to_the_model()}})
+def put_model(model_id: ModelIdPath, body: ServingModelPut, engine: EngineDep, _: AdminToken) -> ServingModelPublic:
     with engine.begin() as conn:
         upsert_models(conn, [ServingModelSpec(id=model_id, **body.model_dump())])
     with Session(engine) as session:

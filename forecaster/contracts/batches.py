@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 COUNT_COLUMNS = ("unique_id", "ds", "y")
+MAX_VALUE_CHARS = 80
 WINDOW_COLUMNS = ("unique_id", "start", "end")
 
 
@@ -45,7 +46,9 @@ class IngestError(ValueError):
         self.reason = reason
         self.row = row
         self.field = field
-        self.value = None if value is None else str(value)
+        text = None if value is None else str(value)
+        # the offending value, shortened: an error must never echo a whole (possibly huge) input back
+        self.value = text if text is None or len(text) <= MAX_VALUE_CHARS else text[:MAX_VALUE_CHARS] + "..."
         where = []
         if row is not None:
             where.append(f"row {row}")

@@ -50,7 +50,7 @@ def registry_of(ref: str | None) -> str:
     ``vllm/vllm-openai:v0.6.3`` -> ``docker.io``; ``nvcr.io/nvidia/tritonserver:24.08-py3`` -> ``nvcr.io``;
     ``s3://models/llama`` -> ``s3://models``; ``hf://meta-llama/...`` -> ``hf://meta-llama``.
     """
-    if not ref:
+    if not isinstance(ref, str) or not ref:  # None, NaN from a frame, or empty: no source to share
         return "-"
     if "://" in ref:
         parsed = urlparse(ref)

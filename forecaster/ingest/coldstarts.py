@@ -10,7 +10,8 @@ import pandas as pd
 
 from forecaster.contracts.batches import IngestError
 from forecaster.contracts.phases import CACHE_STATES, PHASES
-from forecaster.ingest.validate import MAX_ID_LENGTH
+from forecaster.store.fields import (MAX_COLD_START_S, MIN_TIMESTAMP, id_problem, safe_repr, safe_value,
+                                      timestamp_text_problem)
 
 REQUIRED = ("model_id", "node_id", "started_at", "total_seconds")
 KNOWN_FIELDS = frozenset((*REQUIRED, *PHASES, "cache_state"))
@@ -37,6 +38,9 @@ def _seconds(row: int, field: str, value: object, *, required: bool) -> float | 
     if number < 0:
         raise IngestError("negative_duration", f"duration is negative: {number:g}", row=row, field=field,
                           value=value)
+    if number > MAX_COLD_START_S:
+        raise IngestError("duration_too_long", f"duration {number:g} s is longer than {MAX_COLD_START_S:g} s "
+                          "(one day)", row=row, field=field, value=safe_repr(value))
     return number
 
 
@@ -63,30 +67,40 @@ def validate_cold_starts(
     for position, event in enumerate(events, start=1):
         if not isinstance(event, Mapping):
             raise IngestError("bad_row", f"expected an object, got {type(event).__name__}", row=position)
-        unknown = sorted(set(event) - KNOWN_FIELDS)
+        unknown = sorted((str(k) for k in set(event) - KNOWN_FIELDS), key=str)
         if unknown:
             raise IngestError("unknown_field", f"unknown field; expected some of {sorted(KNOWN_FIELDS)}",
-                              row=position, field=str(unknown[0]))
+                              row=position, field=safe_repr(unknown[0]).strip("'"))
         for name in ("model_id", "node_id"):
             value = event.get(name)
             if not isinstance(value, str) or not value.strip():
                 raise IngestError("missing_field", "a non-empty string is required", row=position, field=name,
-                                  value=value)
-            if len(value.strip()) > MAX_ID_LENGTH:
-                raise IngestError("id_too_long", f"longer than {MAX_ID_LENGTH} characters", row=position,
-                                  field=name, value=value[:40] + "...")
+                                  value=None if value is None else safe_value(value))
+            problem = id_problem(value.strip())
+            if problem:
+                reason = "id_too_long" if "longer than" in problem else "bad_id"
+                raise IngestError(reason, f"id {problem}", row=position, field=name, value=safe_value(value, 40))
         raw_start = event.get("started_at")
         if isinstance(raw_start, (int, float)) and not isinstance(raw_start, bool):
             raise IngestError("bad_timestamp", f"numeric time {raw_start!r} is ambiguous; send ISO 8601 text",
                               row=position, field="started_at", value=raw_start)
+        if not isinstance(raw_start, (str, datetime)) or (isinstance(raw_start, str)
+                                                          and timestamp_text_problem(raw_start)):
+            shown = safe_repr(raw_start)
+            raise IngestError("bad_timestamp", f"expected ISO 8601 text such as 2026-11-29T12:00:00Z, got {shown}",
+                              row=position, field="started_at", value=shown)
         try:
             started = pd.Timestamp(raw_start)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             started = pd.NaT
         if started is pd.NaT or pd.isna(started):
-            raise IngestError("bad_timestamp", f"cannot read {event.get('started_at')!r} as a timestamp",
-                              row=position, field="started_at", value=event.get("started_at"))
+            raise IngestError("bad_timestamp", f"cannot read {safe_repr(raw_start)} as a timestamp",
+                              row=position, field="started_at", value=safe_repr(raw_start))
         started = started.tz_localize("UTC") if started.tzinfo is None else started.tz_convert("UTC")
+        if started < pd.Timestamp(MIN_TIMESTAMP):
+            raise IngestError("timestamp_too_early", f"start {started.isoformat()} is before "
+                              f"{MIN_TIMESTAMP.date().isoformat()}, the earliest accepted", row=position,
+                              field="started_at", value=started.isoformat())
         if started > limit:
             raise IngestError("future_timestamp", f"start {started.isoformat()} is in the future", row=position,
                               field="started_at", value=started.isoformat())
@@ -102,9 +116,9 @@ def validate_cold_starts(
                               f"phases add up to {phase_sum:g} s, more than the total {total:g} s",
                               row=position, field="total_seconds", value=total)
         cache_state = event.get("cache_state")
-        if cache_state is not None and cache_state not in CACHE_STATES:
+        if cache_state is not None and (not isinstance(cache_state, str) or cache_state not in CACHE_STATES):
             raise IngestError("bad_cache_state", f"expected one of {list(CACHE_STATES)}", row=position,
-                              field="cache_state", value=cache_state)
+                              field="cache_state", value=safe_value(cache_state))
         key = (model_id, str(event["node_id"]).strip(), started)
         if key in seen:
             raise IngestError("duplicate", f"same event as row {seen[key]}", row=position, field="started_at",

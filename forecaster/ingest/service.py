@@ -17,6 +17,7 @@ from sqlalchemy import Engine
 from forecaster.contracts.batches import CountBatch, IngestError
 from forecaster.ingest.coldstarts import validate_cold_starts
 from forecaster.ingest.transfers import validate_transfers
+from forecaster.store.fields import id_problem, safe_repr, safe_value
 from forecaster.ingest.validate import build_count_batch
 from forecaster.settings import Settings
 from forecaster.store.catalog import known_model_ids
@@ -32,13 +33,23 @@ def _register(settings: Settings, register: bool | None) -> bool:
     return settings.auto_register_models if register is None else register
 
 
-def write_with_retry(engine: Engine, settings: Settings, batch: CountBatch, *, register: bool) -> WriteResult:
-    """Write a batch, retrying the whole transaction when the database drops out."""
+#: Fields of one pushed count row; anything else is refused (``unknown_field``), never silently ignored.
+PUSH_ROW_FIELDS = ("model_id", "minute", "count")
+#: SQLSTATE 23505 (unique_violation): two writers copied the same (model, minute) at once; the whole
+#: transaction is rerun and then sees the other's committed rows (last writer wins, never a 500).
+UNIQUE_VIOLATION = "23505"
+
+
+def write_with_retry(engine: Engine, settings: Settings, batch: CountBatch, *, register: bool,
+                     report_zeroed: bool = False, lock_timeout_s: float | None = None) -> WriteResult:
+    """Write a batch, retrying the whole transaction when the database drops out or a concurrent writer won."""
     return run_with_retry(
-        lambda: write_count_batch(engine, batch, register_models=register),
+        lambda: write_count_batch(engine, batch, register_models=register, report_zeroed=report_zeroed,
+                                  lock_timeout_s=lock_timeout_s),
         attempts=settings.db_retry_attempts,
         base_delay_s=settings.db_retry_base_delay_s,
         what=f"ingest {batch.source}",
+        also_retry=(UNIQUE_VIOLATION,),
     )
 
 
@@ -52,8 +63,16 @@ def ingest_frame(
     now: datetime,
     windows: pd.DataFrame | None = None,
     register: bool | None = None,
+    report_zeroed: bool = False,
+    lock_timeout_s: float | None = None,
 ) -> WriteResult:
-    """Validate a raw long frame (``unique_id, ds, y``) and write it."""
+    """Validate a raw long frame (``unique_id, ds, y``) and write it.
+
+    ``report_zeroed`` makes the result say which stored non-zero minutes the
+    batch turned into zeros (pushes: the sender sees a warning);
+    ``lock_timeout_s`` bounds the wait for another writer of the same models
+    (pushes; then SQLSTATE 55P03, answered 503 busy).
+    """
     register_models = _register(settings, register)
     known = None if register_models else known_model_ids(engine)
     batch = build_count_batch(
@@ -64,8 +83,10 @@ def ingest_frame(
         max_future_skew_s=settings.max_future_skew_s,
         known_models=known,
         windows=windows,
+        max_span_days=settings.max_batch_span_days,
     )
-    return write_with_retry(engine, settings, batch, register=register_models)
+    return write_with_retry(engine, settings, batch, register=register_models, report_zeroed=report_zeroed,
+                            lock_timeout_s=lock_timeout_s)
 
 
 def ingest_trace_file(
@@ -108,12 +129,32 @@ def push_counts(
     rows = list(rows)
     if not rows:
         raise IngestError("empty_batch", "the batch holds no rows")
+    checked_ids: dict[object, str | None] = {}  # a batch repeats each id once per minute: check each once
     for position, row in enumerate(rows, start=1):
         if not isinstance(row, Mapping):
             raise IngestError("bad_row", f"expected an object, got {type(row).__name__}", row=position)
-        for name in ("model_id", "minute", "count"):
+        unknown = sorted((str(k) for k in row if k not in PUSH_ROW_FIELDS), key=str)
+        if unknown:
+            raise IngestError("unknown_field", f"unknown field {safe_repr(unknown[0])}; a row has exactly "
+                              f"{list(PUSH_ROW_FIELDS)}", row=position, field=safe_repr(unknown[0]).strip("'"))
+        for name in PUSH_ROW_FIELDS:
             if name not in row:
                 raise IngestError("missing_field", "field is required", row=position, field=name)
+        model_id = row["model_id"]
+        try:
+            problem = checked_ids[model_id]
+        except (KeyError, TypeError):  # TypeError: an unhashable id (a list) is checked, and refused, each time
+            blank = model_id is None or (isinstance(model_id, str) and not model_id.strip())
+            problem = None if blank else id_problem(model_id)  # blank ids: "missing_model" from the validator
+            if isinstance(model_id, str):
+                checked_ids[model_id] = problem
+        if problem:
+            reason = "id_too_long" if isinstance(model_id, str) and "longer than" in problem else "bad_model_id"
+            raise IngestError(reason, f"model id {problem}", row=position, field="model_id",
+                              value=safe_value(model_id))
+        if not isinstance(row["minute"], (str, datetime)):
+            raise IngestError("bad_timestamp", f"expected ISO 8601 text, got {type(row['minute']).__name__}",
+                              row=position, field="minute", value=safe_repr(row["minute"]))
     raw = pd.DataFrame(
         {
             "unique_id": [r["model_id"] for r in rows],
@@ -124,7 +165,8 @@ def push_counts(
     # Field names of the push schema in error messages.
     try:
         return ingest_frame(engine, settings, raw, source=source, step_seconds=60, now=now, windows=windows,
-                            register=register)
+                            register=register, report_zeroed=True,
+                            lock_timeout_s=settings.push_lock_timeout_s or None)
     except IngestError as exc:
         renamed = {"unique_id": "model_id", "ds": "minute", "y": "count"}.get(exc.field or "", exc.field)
         if renamed != exc.field:
@@ -147,6 +189,8 @@ def push_cold_starts(
     register_models = _register(settings, register)
     known = None if register_models else known_model_ids(engine)
     frame = validate_cold_starts(events, now=now, max_future_skew_s=settings.max_future_skew_s, known_models=known)
+    # ON CONFLICT updates of one (model, node, start) by two pushes at once: rerun the loser, never a 500
+    also_retry = (UNIQUE_VIOLATION,)
     if frame.empty:
         raise IngestError("empty_batch", "the batch holds no events")
     return run_with_retry(
@@ -154,6 +198,7 @@ def push_cold_starts(
         attempts=settings.db_retry_attempts,
         base_delay_s=settings.db_retry_base_delay_s,
         what="ingest cold starts",
+        also_retry=also_retry,
     )
 
 

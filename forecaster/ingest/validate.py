@@ -16,12 +16,14 @@ import numpy as np
 import pandas as pd
 
 from forecaster.contracts.batches import COUNT_COLUMNS, CountBatch, IngestError
+from forecaster.store.fields import ISO_8601, MAX_ID_LENGTH, MIN_TIMESTAMP, safe_repr, safe_value, text_problem
 
 
 #: Largest count per step accepted: exact in float64 and far above any real service.
 MAX_COUNT = 2**53
-#: Longest model or node id the store keeps (``String(256)`` columns).
-MAX_ID_LENGTH = 256
+#: Longest span (first window start to last window end) one batch may cover by default, days.
+#: Each day is a partition the write locks; 20 years of days exhausted ``max_locks_per_transaction``.
+DEFAULT_MAX_SPAN_DAYS = 62
 
 
 def _row_of(raw: pd.DataFrame, position: int) -> int:
@@ -60,6 +62,12 @@ def _parse_model_ids(raw: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     if bad is not None:
         raise IngestError("id_too_long", f"model id is longer than {MAX_ID_LENGTH} characters",
                           row=_row_of(raw, bad), field="unique_id", value=str(ids.iloc[bad])[:40] + "...")
+    for position_in_uniques, candidate in enumerate(stripped):
+        problem = text_problem(candidate, max_length=MAX_ID_LENGTH)
+        if problem:
+            bad = int(np.flatnonzero(codes == position_in_uniques)[0])
+            raise IngestError("bad_model_id", f"model id {problem}", row=_row_of(raw, bad), field="unique_id",
+                              value=safe_value(candidate))
     # Two raw spellings (" a", "a") are one model once stripped.
     final_codes, final_uniques = pd.factorize(stripped, sort=True)
     return final_codes[codes], np.asarray(final_uniques, dtype=object)
@@ -89,17 +97,50 @@ def _parse_timestamps(raw: pd.DataFrame) -> pd.Series:
         parsed = ds if getattr(ds.dt, "tz", None) is not None else ds.dt.tz_localize("UTC")
         parsed = parsed.dt.tz_convert("UTC")
     else:
+        _check_timestamp_text(raw, ds)
         parsed = pd.to_datetime(ds, utc=True, errors="coerce", format="mixed")
     bad = _first_bad(parsed.isna().to_numpy())
     if bad is not None:
         raise IngestError(
             "bad_timestamp",
-            f"cannot read {ds.iloc[bad]!r} as a timestamp",
+            f"cannot read {safe_repr(ds.iloc[bad])} as a timestamp",
             row=_row_of(raw, bad),
             field="ds",
-            value=ds.iloc[bad],
+            value=safe_value(ds.iloc[bad]),
+        )
+    bad = _first_bad((parsed < pd.Timestamp(MIN_TIMESTAMP)).to_numpy())
+    if bad is not None:
+        raise IngestError(
+            "timestamp_too_early",
+            f"timestamp {parsed.iloc[bad].isoformat()} is before {MIN_TIMESTAMP.date().isoformat()}, the earliest "
+            "accepted",
+            row=_row_of(raw, bad),
+            field="ds",
+            value=parsed.iloc[bad].isoformat(),
         )
     return parsed
+
+
+def _check_timestamp_text(raw: pd.DataFrame, ds: pd.Series) -> None:
+    """Text timestamps must be ISO 8601: pandas would read ``now``, ``today`` or ``yesterday`` as times.
+
+    Checked on the distinct values only (a long trace repeats each minute once per model).
+    """
+    if ds.dtype != object and not pd.api.types.is_string_dtype(ds):
+        return
+    distinct = pd.unique(ds.dropna())
+    texts = [v for v in distinct if isinstance(v, str)]
+    wrong = [v for v in texts if not ISO_8601.fullmatch(v.strip())]
+    wrong += [v for v in distinct if not isinstance(v, (str, datetime, pd.Timestamp, np.datetime64))]
+    if wrong:
+        bad = int(np.flatnonzero(ds.map(lambda v: v is wrong[0] or v == wrong[0]).to_numpy(dtype=bool))[0])
+        raise IngestError(
+            "bad_timestamp",
+            f"expected ISO 8601 text such as 2026-11-29T12:00:00Z, got {safe_repr(wrong[0])}",
+            row=_row_of(raw, bad),
+            field="ds",
+            value=safe_value(wrong[0]),
+        )
 
 
 def _utc_ns(stamps: pd.Series) -> np.ndarray:
@@ -122,6 +163,17 @@ def _parse_counts(raw: pd.DataFrame) -> np.ndarray:
         is_bool = np.zeros(len(y), dtype=bool)
     numeric = pd.to_numeric(y.where(~is_bool), errors="coerce") if is_bool.any() else pd.to_numeric(y, errors="coerce")
     values = numeric.to_numpy(dtype="float64", na_value=np.nan)
+    if y.dtype == object:
+        # Python ints beyond 2^53 round on their way to float64 (2^53 + 1 became 2^53 and was stored off by one):
+        # look at the originals of the values that reached 2^53, exactly.
+        with np.errstate(invalid="ignore"):
+            near = np.flatnonzero(values >= MAX_COUNT)
+        for position in near:
+            original = y.iloc[int(position)]
+            if isinstance(original, (int, np.integer)) and not isinstance(original, bool) and original > MAX_COUNT:
+                raise IngestError("count_too_large", f"count exceeds {MAX_COUNT:,} per step",
+                                  row=_row_of(raw, int(position)), field=_field_of(raw, int(position), "y"),
+                                  value=safe_value(original))
     not_numeric = (numeric.isna().to_numpy() & ~pd.isna(y).to_numpy()) | is_bool
     with np.errstate(invalid="ignore"):
         checks = (
@@ -138,9 +190,10 @@ def _parse_counts(raw: pd.DataFrame) -> np.ndarray:
     if found:
         position, order = min(found)
         _, reason, text = checks[order]
-        shown = _plain(y.iloc[position])
-        raise IngestError(reason, f"{text}: {shown!r}", row=_row_of(raw, position),
-                          field=_field_of(raw, position, "y"), value=shown)
+        plain = _plain(y.iloc[position])
+        raise IngestError(reason, f"{text}: {safe_repr(plain)}", row=_row_of(raw, position),
+                          field=_field_of(raw, position, "y"), value=plain if isinstance(plain, (int, float))
+                          else safe_value(plain))
     return values.astype("int64")
 
 
@@ -268,6 +321,21 @@ def _check_windows(
     return windows
 
 
+def _check_span(windows: pd.DataFrame, max_span_days: float) -> None:
+    if windows.empty:
+        return
+    first, last = windows["start"].min(), windows["end"].max()
+    span = last - first
+    if span > pd.Timedelta(days=max_span_days):
+        raise IngestError(
+            "span_too_long",
+            f"the batch spans {span.total_seconds() / 86400:.1f} days ({first.isoformat()} to {last.isoformat()}), "
+            f"more than PREWARM_MAX_BATCH_SPAN_DAYS={max_span_days:g}; send it in shorter batches",
+            field="ds",
+            value=first.isoformat(),
+        )
+
+
 def build_count_batch(
     raw: pd.DataFrame,
     *,
@@ -277,6 +345,7 @@ def build_count_batch(
     max_future_skew_s: float = 300.0,
     known_models: set[str] | None = None,
     windows: pd.DataFrame | None = None,
+    max_span_days: float = DEFAULT_MAX_SPAN_DAYS,
 ) -> CountBatch:
     """Validate raw counts and bucket them into steps.
 
@@ -293,6 +362,10 @@ def build_count_batch(
             auto-registers).
         windows: explicit coverage per model (``unique_id, start, end``);
             default: from each model's first to its last step.
+        max_span_days: longest span from the earliest window start to the
+            latest window end, days (``PREWARM_MAX_BATCH_SPAN_DAYS``); a
+            longer batch is refused (``span_too_long``) before anything,
+            partitions included, is created.
 
     Returns:
         The validated batch; zero-count steps are left out of ``counts``.
@@ -328,6 +401,7 @@ def build_count_batch(
     else:
         windows = _check_windows(windows, uniques, summed, step_seconds, now=now,
                                  max_future_skew_s=max_future_skew_s, known_models=known_models)
+    _check_span(windows, max_span_days)
     nonzero = summed[summed["y"] > 0]  # zeros stay implied by the windows
     counts = pd.DataFrame(
         {

@@ -26,16 +26,29 @@ class ServingModelSpec:
     labels: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.id or not self.id.strip():
+        """Refuse what the store cannot hold or the planner cannot use (bounds: forecaster.store.fields)."""
+        from forecaster.store import fields as bounds
+
+        if not isinstance(self.id, str) or not self.id.strip():
             raise ValueError("model id must not be empty")
-        for name in ("image_size_bytes", "weights_size_bytes", "gpus_per_replica"):
+        bounds.check_id("model id", self.id)
+        bounds.check_text("image_ref", self.image_ref, max_length=1024)
+        bounds.check_text("weights_uri", self.weights_uri)
+        for name in ("image_size_bytes", "weights_size_bytes"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
-        for name in ("replica_rps", "cold_start_slo_s"):
+            bounds.check_number(name, value, low=0, high=bounds.MAX_SIZE_BYTES)
+        if self.gpus_per_replica is None or self.gpus_per_replica < 0:
+            raise ValueError(f"gpus_per_replica must be >= 0, got {self.gpus_per_replica}")
+        bounds.check_number("gpus_per_replica", self.gpus_per_replica, low=0, high=64)
+        for name, low, high in (("replica_rps", bounds.MIN_REPLICA_RPS, bounds.MAX_REPLICA_RPS),
+                                ("cold_start_slo_s", bounds.MIN_SLO_S, bounds.MAX_SLO_S)):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+            bounds.check_number(name, value, low=low, high=high)
+        bounds.check_labels(self.labels)
 
 
 def upsert_models(conn: Connection, specs: Iterable[ServingModelSpec]) -> int:

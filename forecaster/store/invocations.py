@@ -38,9 +38,16 @@ class WriteResult:
     rows_written: int
     invocations: int
     covered_steps: int
+    #: Stored non-zero steps inside the batch's windows that the batch left out, so that they are zeros now
+    #: (counted only when the writer asked, see ``report_zeroed``), and the invocations they held.
+    zeroed_steps: int = 0
+    zeroed_invocations: int = 0
+    warnings: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, object]:
-        return dict(self.__dict__)
+        out = dict(self.__dict__)
+        out["warnings"] = list(self.warnings)
+        return out
 
 
 def batch_fingerprint(batch: CountBatch) -> str:
@@ -116,7 +123,40 @@ def _reject_finer_than_rollups(conn: Connection, batch: CountBatch) -> None:
         )
 
 
-def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: bool = False) -> WriteResult:
+#: First key of the two-key advisory lock on a bucket of models (ASCII "prwm").
+MODEL_LOCK_CLASS = 0x7072776D
+#: Models hash into this many lock buckets: two writers of one model serialise, and a batch of 100,000
+#: models takes at most this many locks (each one a slot in the shared lock table).
+MODEL_LOCK_BUCKETS = 64
+
+
+def _lock_models(conn: Connection, model_ids: list[str]) -> None:
+    """Exclusive per-model-bucket advisory locks, in ascending order (so writers never deadlock).
+
+    Two concurrent corrections of the same window used to both delete, both
+    COPY, and the second died with a UniqueViolation (a 500); now the second
+    waits, then deletes what the first wrote.
+    """
+    conn.execute(
+        text("SELECT count(pg_advisory_xact_lock(:cls, b)) FROM ("
+             "SELECT DISTINCT abs(hashtext(m)) % :n AS b FROM unnest(CAST(:ids AS text[])) AS m ORDER BY 1) AS l"),
+        {"cls": MODEL_LOCK_CLASS, "n": MODEL_LOCK_BUCKETS, "ids": model_ids},
+    )
+
+
+def _zeroed_warning(zeroed: list[tuple[str, int, int, datetime, datetime]]) -> str:
+    steps = sum(r[1] for r in zeroed)
+    invocations = sum(r[2] for r in zeroed)
+    model, n, _, first, last = max(zeroed, key=lambda r: r[1])
+    more = f" and {len(zeroed) - 1} more models" if len(zeroed) > 1 else ""
+    return (f"this batch covers {steps} stored non-zero steps ({invocations} invocations) that it leaves out, "
+            f"so they are zeros now: model {model!r} {n} steps from {first.isoformat()} to {last.isoformat()}{more}. "
+            "A batch covers each model from its first to its last minute; send every minute, or only the "
+            "minutes you mean to correct in separate batches")
+
+
+def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: bool = False,
+                      report_zeroed: bool = False, lock_timeout_s: float | None = None) -> WriteResult:
     """Write one validated batch atomically; a batch seen before is a no-op.
 
     Args:
@@ -124,6 +164,13 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
         batch: validated counts and coverage windows.
         register_models: add models missing from the catalogue instead of
             rejecting the batch.
+        report_zeroed: count the stored non-zero steps the batch replaces
+            with zeros (inside its windows, absent from its counts) and
+            return a warning naming them (pushed batches: the sender sees
+            it). Costs a join of the deleted rows with the batch's keys.
+        lock_timeout_s: give up (SQLSTATE 55P03, lock_not_available) when
+            another writer of the same days or models holds them longer than
+            this; None waits as long as it takes.
 
     Raises:
         IngestError: ``unknown_model`` when a model is not registered and
@@ -140,6 +187,8 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
     ensure_partitions(engine, min(arrays["starts"]), max(arrays["ends"]))
 
     with engine.begin() as conn:
+        if lock_timeout_s:
+            conn.execute(text(f"SET LOCAL lock_timeout = '{max(1, int(lock_timeout_s * 1000))}ms'"))
         # Serialise writers of the same batch content; the second sees the first's row.
         conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:fp))"), {"fp": fingerprint})
         previous = conn.execute(
@@ -149,6 +198,7 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
             return WriteResult(previous, True, len(arrays["ids"]), 0, batch.total_invocations, batch.covered_steps)
 
         _reject_finer_than_rollups(conn, batch)
+        _lock_models(conn, arrays["ids"])
         if register_models:
             register_missing(conn, arrays["ids"], labels={"registered_by": batch.source})
         missing = missing_model_ids(conn, arrays["ids"])
@@ -162,15 +212,27 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
                 value=missing[0],
             )
 
-        conn.execute(
-            text(
-                "DELETE FROM invocations i USING unnest(CAST(:ids AS text[]), CAST(:starts AS timestamptz[]), "
-                "CAST(:ends AS timestamptz[])) AS w(model_id, s, e) "
-                "WHERE i.model_id = w.model_id AND i.minute >= w.s AND i.minute < w.e "
-                "AND i.minute >= :lo AND i.minute < :hi"
-            ),
-            {**arrays, "lo": min(arrays["starts"]), "hi": max(arrays["ends"])},
+        delete = (
+            "DELETE FROM invocations i USING unnest(CAST(:ids AS text[]), CAST(:starts AS timestamptz[]), "
+            "CAST(:ends AS timestamptz[])) AS w(model_id, s, e) "
+            "WHERE i.model_id = w.model_id AND i.minute >= w.s AND i.minute < w.e "
+            "AND i.minute >= :lo AND i.minute < :hi"
         )
+        params = {**arrays, "lo": min(arrays["starts"]), "hi": max(arrays["ends"])}
+        zeroed: list = []
+        if report_zeroed:
+            counts = batch.counts
+            zeroed = conn.execute(
+                text(f"WITH d AS ({delete} RETURNING i.model_id, i.minute, i.count) "
+                     "SELECT d.model_id, count(*), sum(d.count), min(d.minute), max(d.minute) FROM d "
+                     "LEFT JOIN unnest(CAST(:new_ids AS text[]), CAST(:new_minutes AS timestamptz[])) AS n(model_id, "
+                     "minute) ON n.model_id = d.model_id AND n.minute = d.minute "
+                     "WHERE n.model_id IS NULL AND d.count > 0 GROUP BY d.model_id ORDER BY d.model_id"),
+                {**params, "new_ids": counts["unique_id"].astype(str).tolist(),
+                 "new_minutes": list(counts["ds"].dt.to_pydatetime())},
+            ).all()
+        else:
+            conn.execute(text(delete), params)
         _copy_counts(conn, batch.counts)
         conn.execute(
             text(
@@ -200,7 +262,9 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
             },
         ).scalar_one()
     return WriteResult(batch_id, False, len(arrays["ids"]), len(batch.counts), batch.total_invocations,
-                       batch.covered_steps)
+                       batch.covered_steps, zeroed_steps=int(sum(r[1] for r in zeroed)),
+                       zeroed_invocations=int(sum(r[2] for r in zeroed)),
+                       warnings=(_zeroed_warning(zeroed),) if zeroed else ())
 
 
 def _count_cells(conn: Connection, params: dict) -> np.ndarray:

@@ -325,16 +325,20 @@ def drop_day(engine: Engine, day: date) -> dict[str, object]:
     return {"day": day.isoformat(), "partition_dropped": existed, "coverage_rows": coverage_rows}
 
 
-def _trim_coverage_before(engine: Engine, cutoff: datetime) -> int:
-    """Cut everything before ``cutoff`` out of coverage (days whose partition is already gone)."""
+def _trim_coverage_before(engine: Engine, cutoff: datetime, source: str | None = None) -> int:
+    """Cut everything before ``cutoff`` out of coverage (days whose partition is already gone).
+
+    With ``source`` only that source's coverage is cut (each source ages from its own newest data).
+    """
+    only = "" if source is None else " AND source = :source"
     with engine.begin() as conn:
         deleted = conn.execute(
-            text("DELETE FROM coverage WHERE upper(ranges) <= :cutoff"), {"cutoff": cutoff}
+            text(f"DELETE FROM coverage WHERE upper(ranges) <= :cutoff{only}"), {"cutoff": cutoff, "source": source}
         ).rowcount
         updated = conn.execute(
             text("UPDATE coverage SET ranges = ranges - tstzmultirange(tstzrange(NULL, :cutoff)), updated_at = now() "
-                 "WHERE ranges && tstzrange(NULL, :cutoff)"),
-            {"cutoff": cutoff},
+                 f"WHERE ranges && tstzrange(NULL, :cutoff){only}"),
+            {"cutoff": cutoff, "source": source},
         ).rowcount
     return deleted + updated
 
@@ -347,13 +351,49 @@ def retention_plan(now: datetime, settings: Settings) -> tuple[date, date, date]
             today - timedelta(days=settings.invocations_retention_days))
 
 
+def newest_data_by_source(engine: Engine) -> dict[str, datetime]:
+    """Per coverage source, the end of the newest data it ingested (UTC)."""
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT source, max(upper(ranges)) FROM coverage GROUP BY source")).all()
+    return {r[0]: r[1] for r in rows if r[1] is not None}
+
+
+def _sources_by_day(engine: Engine, days: list[date]) -> dict[date, list[str]]:
+    if not days:
+        return {}
+    with engine.connect() as conn:
+        rows = conn.execute(text(
+            "SELECT d.day, array_agg(DISTINCT c.source) FROM unnest(CAST(:days AS date[])) AS d(day) "
+            "JOIN coverage c ON c.ranges && tstzrange(d.day::timestamp AT TIME ZONE 'UTC', "
+            "(d.day + 1)::timestamp AT TIME ZONE 'UTC', '[)') GROUP BY d.day"), {"days": days}).all()
+    return {r[0]: list(r[1]) for r in rows}
+
+
+def retention_reference(now: datetime, day_sources: list[str], newest: dict[str, datetime]) -> datetime:
+    """The moment a day's age is measured from: the newest data of the sources holding it, never after ``now``.
+
+    Measured from the wall clock, a scheduler dropped imported traces older than
+    400 days the first time it ran. A day is as old as the newest data of each
+    source that covers it, the youngest of them counting: data of a source
+    that stopped ingesting is never aged out by the mere passing of time. A
+    day no coverage speaks for ages from the newest data of any source.
+    """
+    candidates = [newest[s] for s in day_sources if s in newest] or list(newest.values())
+    if not candidates:
+        return now
+    return min(now, max(candidates))
+
+
 def apply_retention(engine: Engine, *, now: datetime, settings: Settings) -> dict[str, int]:
     """Roll up and drop old invocation days according to ``settings``; idempotent.
 
+    Ages are measured from :func:`retention_reference` (the newest data of the
+    sources that hold the day, at most ``now``), not from the wall clock.
     Days before ``invocations_minute_days`` go to 300 s buckets, before
     ``invocations_5min_days`` to 3600 s (straight from minutes when the job
     was not running meanwhile), before ``invocations_retention_days`` are
-    dropped. Every day is its own transaction: a failure leaves that day as it
+    dropped; every drop is logged with the day, its sources and the reason.
+    Every day is its own transaction: a failure leaves that day as it
     was and the other days done; the remaining days are still processed, then
     a RuntimeError naming the failed days is raised (the job is recorded as
     failed and the next run retries what is left).
@@ -362,23 +402,33 @@ def apply_retention(engine: Engine, *, now: datetime, settings: Settings) -> dic
         Counts per action: ``rolled_to_300s``, ``rolled_to_3600s`` and
         ``dropped`` (days), ``rows_before`` and ``rows_after`` (rows of the
         rolled days), ``coverage_rows_trimmed`` (coverage before the kept
-        days that had no partition); all zero when there was nothing to do.
+        days that had no partition); all zero when there was nothing to do;
+        ``dropped_days`` lists the dropped days (ISO dates).
     """
-    minute_from, five_min_from, keep_from = retention_plan(now, settings)
     with engine.connect() as conn:
         days = set(partition_days(conn))
         rolled = dict(conn.execute(text("SELECT day, step_seconds FROM rollups")).all())
-    summary = {"rolled_to_300s": 0, "rolled_to_3600s": 0, "dropped": 0, "rows_before": 0, "rows_after": 0,
-               "coverage_rows_trimmed": 0}
+    newest = newest_data_by_source(engine)
+    wall_minute_from = retention_plan(now, settings)[0]
+    candidates = sorted(d for d in days | set(rolled) if d < wall_minute_from)
+    sources = _sources_by_day(engine, candidates)
+    summary: dict = {"rolled_to_300s": 0, "rolled_to_3600s": 0, "dropped": 0, "rows_before": 0, "rows_after": 0,
+                     "coverage_rows_trimmed": 0, "dropped_days": []}
     errors: list[str] = []
     first_error: Exception | None = None
-    for day in sorted(days | set(rolled)):
+    for day in candidates:
+        reference = retention_reference(now, sources.get(day, []), newest)
+        minute_from, five_min_from, keep_from = retention_plan(reference, settings)
         if day >= minute_from:
             continue
         try:
             if day < keep_from:
+                log.warning("retention: dropping invocations of %s (sources %s): older than %d days before %s, the "
+                            "newest data of its sources (PREWARM_INVOCATIONS_RETENTION_DAYS)", day,
+                            sources.get(day, []) or "none", settings.invocations_retention_days, reference.isoformat())
                 drop_day(engine, day)
                 summary["dropped"] += 1
+                summary["dropped_days"].append(day.isoformat())
                 continue
             target = 3600 if day < five_min_from else 300
             if rolled.get(day, 60) >= target:
@@ -394,5 +444,12 @@ def apply_retention(engine: Engine, *, now: datetime, settings: Settings) -> dic
             first_error = first_error or exc
     if first_error is not None:
         raise RuntimeError(f"retention failed for {len(errors)} day(s): {'; '.join(errors)}") from first_error
-    summary["coverage_rows_trimmed"] = _trim_coverage_before(engine, day_bounds(keep_from)[0])
+    for source, end in sorted(newest.items()):
+        keep_from = retention_plan(min(now, end), settings)[2]
+        trimmed = _trim_coverage_before(engine, day_bounds(keep_from)[0], source)
+        if trimmed:
+            log.warning("retention: cut coverage of source %s before %s (%d rows): older than %d days before its "
+                        "newest data %s", source, keep_from, trimmed, settings.invocations_retention_days,
+                        min(now, end).isoformat())
+        summary["coverage_rows_trimmed"] += trimmed
     return summary

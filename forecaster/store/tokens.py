@@ -8,13 +8,36 @@ token is shown once, when it is created.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import secrets
+import threading
 from dataclasses import dataclass
 
 from sqlalchemy import Engine, text
 
 SCOPES = ("read", "ingest", "admin")
 TOKEN_PREFIX = "pw_"
+
+
+_revocations = itertools.count(1)
+_generation = 0
+_generation_lock = threading.Lock()
+
+
+def revocation_generation() -> int:
+    """A number that changes whenever this process revokes a token.
+
+    The API keeps verified tokens for at most ``PREWARM_TOKEN_CACHE_S`` (1 s);
+    an entry cached under an older generation is checked again, so a
+    revocation made in the serving process counts for the very next request.
+    """
+    return _generation
+
+
+def _bump_generation() -> None:
+    global _generation
+    with _generation_lock:
+        _generation = next(_revocations)
 
 
 @dataclass(frozen=True)
@@ -49,9 +72,15 @@ def create_token(engine: Engine, *, name: str, scopes: list[str]) -> str:
 
 
 def revoke_token(engine: Engine, *, name: str) -> bool:
+    """Revoke the token called ``name``; True when one was active.
+
+    Takes effect at once in this process and within ``PREWARM_TOKEN_CACHE_S``
+    (at most 1 s) in every other serving process.
+    """
     with engine.begin() as conn:
         result = conn.execute(text("UPDATE api_tokens SET revoked = true WHERE name = :n AND NOT revoked"),
                               {"n": name})
+    _bump_generation()
     return result.rowcount == 1
 
 
