@@ -29,6 +29,8 @@ class StoreCollector:
                     "EXTRACT(EPOCH FROM finished_at - started_at) FROM job_runs "
                     "WHERE finished_at IS NOT NULL ORDER BY job_name, slot DESC")).all()
                 actions = conn.execute(text("SELECT kind, status, count(*) FROM actions GROUP BY 1, 2")).all()
+                skipped = conn.execute(text("SELECT (summary->>'skipped')::int FROM plans "
+                                            "ORDER BY planned_at DESC, id DESC LIMIT 1")).scalar()
         except OperationalError:
             up.add_metric([], 0)
             yield up
@@ -49,6 +51,12 @@ class StoreCollector:
         for kind, status, count in actions:
             taken.add_metric([kind, status], count)
         yield taken
+        left_out = GaugeMetricFamily("prewarm_plan_skipped_models",
+                                     "Models the newest plan left out because a value was unusable (see the plan's "
+                                     "summary and the plan job's log for which and why)")
+        if skipped is not None:
+            left_out.add_metric([], float(skipped))
+        yield left_out
 
 
 class RecommendationCollector:

@@ -7,6 +7,7 @@ from datetime import datetime, timedelta, timezone
 import pandas as pd
 from sqlalchemy import text
 
+from forecaster.coldstart.service import train_latency_model
 from forecaster.contracts.actions import Reason
 from forecaster.store.catalog import ServingModelSpec, upsert_models
 from forecaster.store.forecasts import write_forecasts
@@ -83,3 +84,24 @@ def test_what_the_actuator_did_is_not_planned_again(engine, settings):
     assert warmed > 0 and first["actions"] > 0
     assert again == 0  # the images and weights it warmed a minute ago count as warm now
     assert second["actions"] < first["actions"]
+
+
+def test_a_poisoned_model_and_a_poisoned_cold_start_never_stop_the_plan(engine, settings):
+    """Rows stored before validation existed (or by another writer): the plan is made for the other models."""
+    _setup(engine)
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id="no-image"), ServingModelSpec(id="huge", replica_rps=1.0)])
+        conn.execute(text("UPDATE serving_models SET replica_rps = 'Infinity' WHERE id = 'huge'"))
+        conn.execute(text("INSERT INTO cold_starts (model_id, node_id, started_at, total_seconds, cache_state, source) "
+                          "VALUES ('llama', 'gpu-0', '0001-01-01T00:00:00Z', 30, 'none', 'old'), "
+                          "('llama', 'gpu-1', :t, 'NaN', 'none', 'old')"), {"t": NOW - timedelta(hours=1)})
+    # the latency model trains past the poisoned cold starts (the scheduler does this before the first plan) ...
+    version = train_latency_model(engine, settings, NOW)
+    assert version is not None
+    # ... and the plan is made for every model it can use
+    result = plan_job(engine, settings, NOW)
+    assert result["actions"] > 0 and result["summary"]["skipped"] == 1
+    assert "replica_rpm" in result["summary"]["skipped_models"]["huge"]
+    with engine.connect() as conn:
+        planned = {r[0] for r in conn.execute(text("SELECT DISTINCT model_id FROM actions"))}
+    assert "llama" in planned and "huge" not in planned
