@@ -453,7 +453,7 @@ def demo(
             typer.echo(f"replay done: {summary['replayed_minutes']} minutes, {summary['forecast_rows']:,} forecast "
                        f"rows, {summary['actions']:,} actions planned, {summary['cold_starts_stored']:,} cold "
                        "starts stored")
-            for line in format_comparison(summary["totals"], summary["carried_out"]):
+            for line in format_comparison(summary["totals"], summary["action_statuses"]):
                 typer.echo(line)
             if server is not None and not exit_when_done:
                 typer.echo("serving until Ctrl-C")

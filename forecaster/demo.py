@@ -177,7 +177,8 @@ def per_model_outcomes(result, score_from_s: float = 0.0) -> list[dict]:
 class ActuatorDriven:
     """The prewarm side's simulator policy: it decides nothing itself; the plan job plans once a minute and its
     actuator (the production one, over the store) carries actions out on the simulator. Between plans this
-    runs the actuator's due actions every ``decide_every_s`` seconds, as the scheduler's actuator tick would.
+    runs the actuator whenever a pending action falls due (checked every simulated second, as the planner's
+    deadlines are seconds apart; the store is asked only when its next due time has come).
 
     The serving layer is the same as in the replay benchmark's prewarm rows (:class:`PlannerPolicy`): the
     activator starts a replica for a request that finds none, sustained overload adds replicas, and an
@@ -187,15 +188,30 @@ class ActuatorDriven:
     name = "prewarm"
     reactive_overload = True
     idle_grace_s = 60.0
-    decide_every_s = 10.0
+    decide_every_s = 1.0
 
     def __init__(self, start: pd.Timestamp) -> None:
         self.start = start
         self.actuator = None
+        self.engine: Engine | None = None
+        self.next_due: datetime | None = None
+        self.polls = 0
+
+    def refresh(self) -> None:
+        """Ask the store when the next pending action falls due (after a plan, and after each run)."""
+        from forecaster.store.replays import next_pending_at
+
+        with self.engine.connect() as conn:
+            self.next_due = next_pending_at(conn)
 
     def decide(self, view):
-        if self.actuator is not None and int(round(view.now_s)) % 60 != 0:  # on the minute the plan job runs it
-            self.actuator.run_due(now=(self.start + pd.Timedelta(seconds=view.now_s)).to_pydatetime())
+        if self.actuator is None or self.next_due is None:
+            return None
+        now = (self.start + pd.Timedelta(seconds=view.now_s)).to_pydatetime()
+        if now >= self.next_due:
+            self.actuator.run_due(now=now)
+            self.polls += 1
+            self.refresh()
         return None
 
 
@@ -272,7 +288,7 @@ class DemoCluster:
         self.prewarm.begin()
         self.reactive.begin()
         self.actuator = Actuator(engine, settings, SimulatedBackend(self.prewarm))
-        self.policy.actuator = self.actuator
+        self.policy.actuator, self.policy.engine = self.actuator, engine
         self._pushed = 0
         end = start + pd.Timedelta(minutes=minutes)
         with engine.begin() as conn:
@@ -360,7 +376,13 @@ def format_comparison(totals: dict, actions: dict) -> list[str]:
     share = f" ({100.0 * avoided / r['cold_requests']:.0f}% of reactive's)" if r["cold_requests"] else ""
     lines.append(f"prewarm avoided {avoided:,} cold-start requests{share} and saved "
                  f"{r['wait_total_s'] - p['wait_total_s']:,.0f} s of request wait")
-    lines.append("actions: " + (", ".join(f"{n:,} {status}" for status, n in sorted(actions.items())) or "none"))
+    plain = {k: v for k, v in actions.items() if ":" not in k}
+    reasons = {k.split(":", 1)[1]: v for k, v in actions.items() if ":" in k}
+    line = "actions on the simulated cluster: " + (", ".join(f"{n:,} {status}" for status, n in sorted(plain.items()))
+                                                   or "none")
+    if reasons:
+        line += " (not succeeded: " + ", ".join(f"{n:,} {why}" for why, n in sorted(reasons.items())) + ")"
+    lines.append(line)
     return lines
 
 
@@ -389,7 +411,8 @@ def run_loop(
 
     Returns:
         ``replayed_minutes``, ``forecast_rows``, ``actions`` (planned), ``carried_out`` (actions by status as
-        the actuator reported them), ``cold_starts_stored``, ``totals`` (per policy: requests, cold requests,
+        the plan job's runs reported them), ``action_statuses`` (the replay's actions in the store by final
+        status, and ``status:reason`` for those that did not succeed), ``cold_starts_stored``, ``totals`` (per policy: requests, cold requests,
         replica starts, wait, GPU-seconds), ``outcomes`` (per policy and model) and ``replay_id``.
     """
     import threading
@@ -402,6 +425,7 @@ def run_loop(
     from forecaster.jobs.planning import plan_job
     from forecaster.forecast.ensemble import Ensemble
     from forecaster.forecast.registry import ChampionCache, champion
+    from forecaster.store.replays import replay_action_statuses
 
     stop = stop or threading.Event()
     raw = read_trace(trace or sample_path(AZURE2019_TOP100))
@@ -465,6 +489,7 @@ def run_loop(
         clock.set(now)
         forecast = forecast_job(engine, settings, now, cache=cache)
         planned = plan_job(engine, settings, now, actuator=cluster.actuator, latency=latency)
+        cluster.policy.refresh()
         for status, n in planned.get("carried_out", {}).items():
             carried_out[status] = carried_out.get(status, 0) + n
         totals["forecast_rows"] += forecast.get("rows", 0)
@@ -484,6 +509,10 @@ def run_loop(
     if replayed != stored_at:  # stopped early: store what both simulators measured up to here
         figures = cluster.store(clock())
     figures = figures or cluster.comparison()
-    return {"replayed_minutes": replayed, **totals, "carried_out": carried_out, "totals": figures["totals"],
+    with engine.connect() as conn:
+        statuses = replay_action_statuses(conn, start=cluster.start.to_pydatetime(),
+                                          end=(split + pd.Timedelta(minutes=replay_minutes + 60)).to_pydatetime())
+    return {"replayed_minutes": replayed, **totals, "carried_out": carried_out, "action_statuses": statuses,
+            "totals": figures["totals"],
             "outcomes": figures["outcomes"], "guardrail_refusals": figures["guardrail_refusals"],
             "replay_id": cluster.replay_id}

@@ -153,3 +153,27 @@ def forget_replay_window(conn: Connection, *, start: datetime, end: datetime, co
     if stale_nodes_like:
         nodes = conn.execute(text("DELETE FROM nodes WHERE id LIKE :like"), {"like": stale_nodes_like}).rowcount
     return {"actions": actions, "plans": plans, "cold_starts": cold, "nodes": nodes}
+
+
+def next_pending_at(conn: Connection) -> datetime | None:
+    """When the earliest pending action falls due (its retry time, else its not-before; ``-infinity`` when it has
+    neither, i.e. due now), or None when nothing is pending. A replay polls the actuator only then."""
+    return conn.execute(text(
+        "SELECT min(COALESCE(next_attempt_at, not_before, '-infinity')) FROM actions WHERE status = 'pending'"
+    )).scalar()
+
+
+def replay_action_statuses(conn: Connection, *, start: datetime, end: datetime,
+                           backend: str = "simulated") -> dict[str, int]:
+    """Actions ``backend`` carried (or refused to carry) out that were planned in ``[start, end)``, by final
+    status, and by ``status:reason`` for those that did not succeed (``dropped:below_reactive``)."""
+    rows = conn.execute(text(
+        "SELECT status, status_reason, count(*) FROM actions WHERE backend = :b "
+        "AND coalesce(not_before, updated_at) >= :s AND coalesce(not_before, updated_at) < :e "
+        "GROUP BY status, status_reason"), {"b": backend, "s": start, "e": end}).all()
+    out: dict[str, int] = {}
+    for status, reason, n in rows:
+        out[status] = out.get(status, 0) + int(n)
+        if status != "succeeded" and reason:
+            out[f"{status}:{reason}"] = out.get(f"{status}:{reason}", 0) + int(n)
+    return out
