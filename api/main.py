@@ -13,7 +13,7 @@ from sqlalchemy import Engine
 from api.cache import LastGood
 from api.metrics import LatencyMiddleware, ServiceMetrics
 from api.snapshot import ForecastSnapshot
-from api.routes import audit, dashboard, forecasts, health, ingest, models
+from api.routes import audit, dashboard, forecasts, health, ingest, models, replays
 from forecaster import __version__
 from forecaster.settings import Settings
 
@@ -57,7 +57,7 @@ def create_app(settings: Settings, engine: Engine, *, clock: Callable[[], dateti
     app.state.token_cache = {}
     app.state.metrics = ServiceMetrics(engine, clock, snapshot, settings)
     app.add_middleware(LatencyMiddleware)
-    for module in (health, models, forecasts, ingest, audit, dashboard):
+    for module in (health, models, forecasts, ingest, audit, dashboard, replays):
         app.include_router(module.router)
     app.mount("/dashboard", dashboard.static_files(), name="dashboard")
     return app
