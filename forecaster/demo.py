@@ -241,6 +241,20 @@ class ScheduledLatency:
         return self._table
 
 
+def demo_workload(counts: pd.DataFrame, ids: np.ndarray, *, start: pd.Timestamp, minutes: int):
+    """The requests both simulators serve: per-minute counts (``unique_id, ds, y``) of ``[start, start +
+    minutes)`` for ``ids`` (in that order), spread uniformly within each minute (seed 0)."""
+    from forecaster.planning.forecasts import CountPanel
+    from forecaster.simulation.workload import Workload
+
+    column = ((counts["ds"] - start) / pd.Timedelta(minutes=1)).astype("int64").to_numpy()
+    row = pd.Index(ids).get_indexer(counts["unique_id"].astype(str))
+    grid = np.zeros((len(ids), minutes))
+    keep = (row >= 0) & (column >= 0) & (column < minutes)
+    np.add.at(grid, (row[keep], column[keep]), counts["y"].to_numpy(dtype="float64")[keep])
+    return Workload.from_counts(CountPanel(ids=ids, start=start, counts=grid), spread="uniform", seed=0)
+
+
 class DemoCluster:
     """The replayed minutes on two fleet simulators: prewarm's (behind the actuator) and a reactive one.
 
@@ -263,24 +277,16 @@ class DemoCluster:
                  start: pd.Timestamp, minutes: int, config: FleetConfig = DEMO_CLUSTER,
                  warmup_min: int = WARMUP_MIN) -> None:
         from forecaster.actuation.actuator import Actuator
-        from forecaster.planning.forecasts import CountPanel
         from forecaster.simulation.backend import SimulatedBackend
         from forecaster.simulation.engine import FleetSimulator
         from forecaster.simulation.policies import KnativePolicy
-        from forecaster.simulation.workload import Workload
         from forecaster.store.replays import forget_replay_window, start_replay
 
         config = replace(config, score_from_s=60.0 * warmup_min)
         self.engine, self.settings, self.config = engine, settings, config
         self.start = start - pd.Timedelta(minutes=warmup_min)  # simulated second 0
         ids = np.asarray(sorted(models.index.astype(str)), dtype=object)
-        span = warmup_min + minutes
-        column = ((counts["ds"] - self.start) / pd.Timedelta(minutes=1)).astype("int64").to_numpy()
-        row = pd.Index(ids).get_indexer(counts["unique_id"].astype(str))
-        grid = np.zeros((len(ids), span))
-        keep = (row >= 0) & (column >= 0) & (column < span)
-        np.add.at(grid, (row[keep], column[keep]), counts["y"].to_numpy(dtype="float64")[keep])
-        workload = Workload.from_counts(CountPanel(ids=ids, start=self.start, counts=grid), spread="uniform", seed=0)
+        workload = demo_workload(counts, ids, start=self.start, minutes=warmup_min + minutes)
         table = models.loc[ids]
         self.policy = ActuatorDriven(self.start)
         self.prewarm = FleetSimulator(workload, table, self.policy, config)
