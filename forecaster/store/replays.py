@@ -156,11 +156,11 @@ def forget_replay_window(conn: Connection, *, start: datetime, end: datetime, co
 
 
 def next_pending_at(conn: Connection) -> datetime | None:
-    """When the earliest pending action falls due (its retry time, else its not-before; ``-infinity`` when it has
-    neither, i.e. due now), or None when nothing is pending. A replay polls the actuator only then."""
+    """When the earliest pending action falls due (its retry time, else its not-before; 1970 when it has neither,
+    i.e. due now), or None when nothing is pending. A replay polls the actuator only then."""
     return conn.execute(text(
-        "SELECT min(COALESCE(next_attempt_at, not_before, '-infinity')) FROM actions WHERE status = 'pending'"
-    )).scalar()
+        "SELECT min(COALESCE(next_attempt_at, not_before, TIMESTAMPTZ '1970-01-01 00:00+00')) FROM actions "
+        "WHERE status = 'pending'")).scalar()
 
 
 def replay_action_statuses(conn: Connection, *, start: datetime, end: datetime,
