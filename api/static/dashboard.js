@@ -243,6 +243,7 @@
       const link = document.createElement("a");
       link.href = "#" + new URLSearchParams({ model: r.model_id, h: state.fleet.horizon_min }).toString();
       link.textContent = r.model_id;
+      link.title = r.model_id;
       cell(tr, "", "model").appendChild(link);
       cell(tr, fmt.pct(r.error.wmape), "num");
       cell(tr, fmt.num(r.error.mae), "num");
