@@ -108,8 +108,10 @@ def seed(engine) -> dict[str, list[int]]:
                 "FROM generate_series(1, 8) k RETURNING id"), {**params, "m": model_id}).scalars().all()
         replay = start_replay(conn, source="demo", window_start=END - timedelta(hours=6), window_end=END,
                               policies=("prewarm", "reactive"), summary={"cluster": {"nodes": 4, "gpus_per_node": 8}})
-        write_replay_outcomes(conn, replay_id=replay, scored_until=END, summary={"cluster": {"nodes": 4,
-                                                                                          "gpus_per_node": 8}},
+        write_replay_outcomes(conn, replay_id=replay, scored_until=END,
+                              summary={"cluster": {"nodes": 4, "gpus_per_node": 8},
+                                       "totals": {"prewarm": {"gpu_seconds": 5000.0},
+                                                  "reactive": {"gpu_seconds": 4000.0}}},
                               outcomes={policy: [{"model_id": m, **figures} for m, figures in rows.items()]
                                         for policy, rows in REPLAY.items()})
         conn.execute(text("ANALYZE"))
@@ -174,6 +176,7 @@ def test_dashboard_shows_forecast_actual_and_actions(served, tmp_path):
             summary = page.inner_text("#replay-summary")
             assert "cold-start requests 61 with prewarm vs 245 with a reactive autoscaler" in summary
             assert "+184 avoided" in summary and "+5,450 s saved" in summary
+            assert "GPU-seconds held 5,000 vs 4,000" in summary  # what the avoided cold starts cost
             llama = page.locator("#fleet-table tbody tr[data-model='llama-7b']")
             assert llama.locator("td.replay-cold").inner_text() == "12 / 150"
             assert llama.locator("td.replay-avoided").inner_text() == "+138"

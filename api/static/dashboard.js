@@ -215,6 +215,7 @@
     if (!info) return;
     const p = info.totals[info.subject], r = info.totals[info.baseline];
     const cluster = (info.summary || {}).cluster || {};
+    const gpu = (info.summary || {}).totals || {}; // fleet totals the simulators measured, GPU-seconds among them
     const size = cluster.nodes ? ` (${cluster.nodes} nodes \u00d7 ${cluster.gpus_per_node} GPUs)` : "";
     el.textContent =
       `Replay ${fmt.time(info.window_start)} to ${fmt.time(info.window_end)} UTC on a simulated cluster${size}, ` +
@@ -222,7 +223,10 @@
       `prewarm vs ${fmt.int(r.cold_requests)} with a reactive autoscaler on the same ${fmt.int(r.requests)} ` +
       `requests (${signed(r.cold_requests - p.cold_requests)} avoided); request wait ` +
       `${fmt.int(p.wait_total_s)} s vs ${fmt.int(r.wait_total_s)} s (${signed(r.wait_total_s - p.wait_total_s)} s saved); ` +
-      `replica cold starts ${fmt.int(p.replica_starts)} vs ${fmt.int(r.replica_starts)}.`;
+      `replica cold starts ${fmt.int(p.replica_starts)} vs ${fmt.int(r.replica_starts)}` +
+      (gpu[info.subject] && gpu[info.baseline]
+        ? `; GPU-seconds held ${fmt.int(gpu[info.subject].gpu_seconds)} vs ${fmt.int(gpu[info.baseline].gpu_seconds)}.`
+        : ".");
   }
 
   function renderFleet() {
