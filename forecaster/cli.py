@@ -479,7 +479,7 @@ def demo(
     exit_when_done: Annotated[bool, typer.Option("--exit-when-done", help="Stop after the replay.")] = False,
 ) -> None:
     """The whole loop on the embedded database: ingest, train, replay at an accelerated clock, serve the dashboard."""
-    from forecaster.demo import SimClock, run_demo, run_loop
+    from forecaster.demo import SimClock, format_comparison, run_demo, run_loop
 
     settings = _settings()
     with _database(settings) as engine:
@@ -517,7 +517,10 @@ def demo(
                                speed=speed, members=None if members == "all" else members.split(","),
                                echo=typer.echo, on_ready=start_serving)
             typer.echo(f"replay done: {summary['replayed_minutes']} minutes, {summary['forecast_rows']:,} forecast "
-                       f"rows, {summary['actions']:,} actions planned (dry-run)")
+                       f"rows, {summary['actions']:,} actions planned, {summary['cold_starts_stored']:,} cold "
+                       "starts stored")
+            for line in format_comparison(summary["totals"], summary["action_statuses"]):
+                typer.echo(line)
             if server is not None and not exit_when_done:
                 typer.echo("serving until Ctrl-C")
                 thread.join()

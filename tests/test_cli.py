@@ -303,3 +303,104 @@ def test_models_register_refuses_values_out_of_bounds(cli, engine, args, expecte
     result = cli("models", "register", *args)
     assert result.exit_code == 2 and expected in result.output, result.output
     assert table_counts(engine)["serving_models"] == 0
+
+
+# --- the demo's replay onto a simulated cluster -------------------------------------------------------------
+
+
+@pytest.fixture
+def small_trace(tmp_path):
+    """The shipped Azure 2019 sample cut to its first five functions (same format, same day)."""
+    frame = pd.read_csv(sample_path(AZURE2019_TOP100))
+    path = tmp_path / "azure2019_five.csv"
+    frame.head(5).to_csv(path, index=False)
+    return path
+
+
+def test_demo_replay_acts_on_a_simulated_cluster_and_serves_the_comparison(engine, settings, small_trace):
+    """The plan job's actuator drives the simulator: actions succeed there, its replica starts become cold-start
+    rows, and the API serves per model exactly what the simulators measured (the reactive side checked against
+    an independent one-shot run of the same requests)."""
+    from dataclasses import replace
+
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from forecaster.demo import (COLD_START_SOURCE, DEMO_CLUSTER, WARMUP_MIN, SimClock, demo_workload,
+                                 per_model_outcomes, run_loop)
+    from forecaster.ingest.traces import read_trace
+    from forecaster.simulation.catalog import assign_models
+    from forecaster.simulation.engine import FleetSimulator
+    from forecaster.simulation.policies import KnativePolicy
+    from forecaster.store.tokens import create_token
+
+    minutes = 12
+    clock = SimClock(pd.Timestamp("2019-07-15", tz="UTC").to_pydatetime())
+    summary = run_loop(engine, settings, clock=clock, trace=small_trace, replay_minutes=minutes, speed=0,
+                       members=["fallback"], echo=lambda line: None)
+    assert summary["replayed_minutes"] == minutes
+    split = pd.Timestamp("2019-07-15 18:00", tz="UTC")
+    with engine.connect() as conn:
+        scaled = conn.execute(text(
+            "SELECT count(*) FROM actions WHERE backend = 'simulated' AND kind = 'scale' AND status = 'succeeded' "
+            "AND detail ? 'guardrails'")).scalar()
+        unfinished_dry_run = conn.execute(text("SELECT count(*) FROM actions WHERE backend <> 'simulated'")).scalar()
+        cold = conn.execute(text("SELECT count(*), count(DISTINCT model_id), min(started_at), max(started_at) "
+                                 "FROM cold_starts WHERE source = :s"), {"s": COLD_START_SOURCE}).one()
+        node_cache = conn.execute(text("SELECT count(*) FROM node_cache WHERE node_id LIKE 'node-%'")).scalar()
+    assert scaled > 0 and unfinished_dry_run == 0
+    assert cold[0] == summary["cold_starts_stored"] > 0 and cold[1] >= 1
+    assert split - pd.Timedelta(minutes=WARMUP_MIN) <= cold[2] and cold[3] < split + pd.Timedelta(minutes=minutes)
+    assert node_cache > 0  # the simulated nodes reported what they hold
+    assert summary["action_statuses"].get("succeeded", 0) >= scaled
+
+    token = create_token(engine, name="t", scopes=["read"])
+    with TestClient(create_app(settings, engine, clock=clock)) as client:
+        body = client.get("/v1/replays/latest", headers={"Authorization": f"Bearer {token}"}).json()
+        one = client.get("/v1/replays/latest", params={"model_id": body["data"][0]["model_id"]},
+                         headers={"Authorization": f"Bearer {token}"}).json()
+    info = body["replay"]
+    assert (info["subject"], info["baseline"]) == ("prewarm", "reactive")
+    assert pd.Timestamp(info["window_start"]) == split and pd.Timestamp(info["scored_until"]) == clock()
+    assert body["count"] == 5 and one["count"] == 1 and one["data"][0] == body["data"][0]
+    for policy in ("prewarm", "reactive"):
+        served = {r["model_id"]: r[policy] for r in body["data"]}
+        measured = {r["model_id"]: r for r in summary["outcomes"][policy]}
+        assert served.keys() == measured.keys()
+        for model_id, figures in served.items():
+            assert figures == pytest.approx({k: v for k, v in measured[model_id].items() if k != "model_id"})
+        assert info["totals"][policy]["cold_requests"] == summary["totals"][policy]["cold_requests"]
+        assert info["totals"][policy]["requests"] == summary["totals"][policy]["requests"] > 0
+    for row in body["data"]:
+        assert row["reactive"]["cold_requests"] >= 0
+        assert row["cold_requests_avoided"] == row["reactive"]["cold_requests"] - row["prewarm"]["cold_requests"]
+        assert row["wait_saved_s"] == pytest.approx(row["reactive"]["wait_total_s"] - row["prewarm"]["wait_total_s"])
+
+    # The reactive side, stepped minute by minute beside the demo, is the simulator's own one-shot run.
+    raw = read_trace(small_trace).raw
+    counts = pd.DataFrame({"unique_id": raw["unique_id"].astype(str), "ds": raw["ds"], "y": raw["y"]})
+    totals = counts.groupby("unique_id")["y"].sum()
+    models = assign_models(totals.index.to_numpy(), order_by=totals.to_numpy())
+    ids = np.asarray(sorted(models.index.astype(str)), dtype=object)
+    start = split - pd.Timedelta(minutes=WARMUP_MIN)
+    workload = demo_workload(counts, ids, start=start, minutes=WARMUP_MIN + minutes)
+    config = replace(DEMO_CLUSTER, score_from_s=60.0 * WARMUP_MIN)
+    alone = per_model_outcomes(FleetSimulator(workload, models.loc[ids], KnativePolicy(), config).run(),
+                               config.score_from_s)
+    served = {r["model_id"]: r["reactive"] for r in body["data"]}
+    for row in alone:
+        assert served[row["model_id"]] == pytest.approx({k: v for k, v in row.items() if k != "model_id"})
+
+
+def test_replays_endpoint_without_a_replay_is_empty(engine, settings):
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from forecaster.store.tokens import create_token
+
+    token = create_token(engine, name="t", scopes=["read"])
+    with TestClient(create_app(settings, engine)) as client:
+        response = client.get("/v1/replays/latest", headers={"Authorization": f"Bearer {token}"})
+        unauthorised = client.get("/v1/replays/latest")
+    assert response.status_code == 200 and response.json() == {"replay": None, "count": 0, "data": []}
+    assert unauthorised.status_code == 401

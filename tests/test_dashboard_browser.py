@@ -22,6 +22,7 @@ from api.main import create_app
 from forecaster.store.catalog import ServingModelSpec, upsert_models
 from forecaster.store.forecasts import ensure_forecast_partitions
 from forecaster.store.partitions import ensure_partitions
+from forecaster.store.replays import start_replay, write_replay_outcomes
 from forecaster.store.tokens import create_token
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -32,6 +33,12 @@ END = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)  # counts known up to h
 WEEK_START = END - timedelta(days=7)
 MODELS = ("llama-7b", "mistral-7b", "phi-3")
 HORIZONS = (1, 5, 15, 60)  # horizons the test looks at; each run stores target minutes 0 .. 60
+#: A stored replay: per policy and model, what a simulator measured.
+REPLAY = {policy: {m: {"requests": 1000 * (i + 1), "cold_requests": cold[i], "replica_starts": starts[i],
+                       "wait_total_s": wait[i], "wait_max_s": 30.0}
+                   for i, m in enumerate(MODELS)}
+          for policy, cold, starts, wait in (("prewarm", (12, 40, 9), (5, 7, 3), (300.0, 900.0, 150.0)),
+                                             ("reactive", (150, 35, 60), (20, 6, 11), (4200.0, 800.0, 1800.0)))}
 
 
 def _browser_or_skip():
@@ -99,6 +106,14 @@ def seed(engine) -> dict[str, list[int]]:
                 "(ARRAY['succeeded', 'succeeded', 'failed', 'pending'])[1 + k % 4], "
                 "CASE WHEN k % 4 = 2 THEN 'timeout' END "
                 "FROM generate_series(1, 8) k RETURNING id"), {**params, "m": model_id}).scalars().all()
+        replay = start_replay(conn, source="demo", window_start=END - timedelta(hours=6), window_end=END,
+                              policies=("prewarm", "reactive"), summary={"cluster": {"nodes": 4, "gpus_per_node": 8}})
+        write_replay_outcomes(conn, replay_id=replay, scored_until=END,
+                              summary={"cluster": {"nodes": 4, "gpus_per_node": 8},
+                                       "totals": {"prewarm": {"gpu_seconds": 5000.0},
+                                                  "reactive": {"gpu_seconds": 4000.0}}},
+                              outcomes={policy: [{"model_id": m, **figures} for m, figures in rows.items()]
+                                        for policy, rows in REPLAY.items()})
         conn.execute(text("ANALYZE"))
     return action_ids
 
@@ -157,6 +172,18 @@ def test_dashboard_shows_forecast_actual_and_actions(served, tmp_path):
             assert rows.count() == len(MODELS)
             ranked = rows.evaluate_all("rs => rs.map(r => r.dataset.model)")
             assert sorted(ranked) == sorted(MODELS)
+            # The stored replay: totals above the table, prewarm vs reactive per model in it.
+            summary = page.inner_text("#replay-summary")
+            assert "cold-start requests 61 with prewarm vs 245 with a reactive autoscaler" in summary
+            assert "+184 avoided" in summary and "+5,450 s saved" in summary
+            assert "GPU-seconds held 5,000 vs 4,000" in summary  # what the avoided cold starts cost
+            llama = page.locator("#fleet-table tbody tr[data-model='llama-7b']")
+            assert llama.locator("td.replay-cold").inner_text() == "12 / 150"
+            assert llama.locator("td.replay-avoided").inner_text() == "+138"
+            assert llama.locator("td.replay-wait").inner_text() == "+3,900"
+            mistral = page.locator("#fleet-table tbody tr[data-model='mistral-7b']")
+            assert mistral.locator("td.replay-avoided").inner_text() == "\u22125"  # prewarm had 5 more
+            assert "loss" in mistral.locator("td.replay-avoided").get_attribute("class")
             page.fill("#fleet-search", "mistral")
             page.wait_for_function("document.querySelectorAll('#fleet-table tbody tr').length === 1")
             page.fill("#fleet-search", "")
@@ -181,6 +208,13 @@ def test_dashboard_shows_forecast_actual_and_actions(served, tmp_path):
             observed = page.evaluate("window.prewarm.charts.coldstarts.data[1].filter(v => v != null).length")
             assert observed == 12  # one every 97 minutes over the last 19.4 hours
             assert "no cold-start predictions are stored" in page.inner_text("#coldstart-note")
+
+            # The model's replay: prewarm against the reactive autoscaler on the same requests.
+            assert page.locator("#model-replay").is_visible()
+            cells = page.locator("#model-replay-table tbody tr").evaluate_all(
+                "rs => rs.map(r => [...r.cells].map(c => c.textContent))")
+            assert cells[1] == ["cold-start requests (no ready replica)", "12", "150", "+138"]
+            assert cells[3] == ["request wait, total (s)", "300", "4,200", "+3,900"]
 
             # The actions timeline draws every stored action of this model in the range.
             drawn = page.eval_on_selector_all("#timeline rect[data-action-id]",

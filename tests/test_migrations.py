@@ -12,7 +12,7 @@ from forecaster.store.tables import Base
 EXPECTED_TABLES = {
     "serving_models", "invocations", "coverage", "ingest_batches", "cold_starts", "nodes", "node_cache",
     "model_versions", "forecasts", "plans", "actions", "job_runs", "apscheduler_jobs", "api_tokens",
-    "actuator_control", "backtest_runs", "backtest_results", "rollups", "transfers",
+    "actuator_control", "backtest_runs", "backtest_results", "rollups", "transfers", "replays", "replay_outcomes",
 }
 HEAD = sorted(p.name.split("_")[0] for p in (Path(__file__).resolve().parent.parent / "migrations" / "versions")
               .glob("[0-9]*_*.py"))[-1]

@@ -198,3 +198,19 @@ def test_catalogue_sizes_are_cited_and_the_azure_mapping_uses_every_entry():
     # bigger memory, bigger model
     assert table.loc["f0", "weights_bytes"] < table.loc["f199", "weights_bytes"]
     assert table["weights_uri"].is_unique
+
+
+def test_advance_in_steps_measures_what_one_run_measures():
+    """The demo advances the simulator minute by minute; that must be the same replay as ``run()``."""
+    rng = np.random.default_rng(3)
+    times = np.sort(rng.uniform(0.0, 600.0, 400))
+    whole = FleetSimulator(workload(times, 600.0), one_model(2.0), KnativePolicy(), CONFIG).run()
+    stepped = FleetSimulator(workload(times, 600.0), one_model(2.0), KnativePolicy(), CONFIG)
+    for until in (59.95, 60.0, 130.0, 300.0, 600.0, 700.0):
+        stepped.advance(until)
+    assert stepped.now == pytest.approx(600.0)
+    result = stepped.result()
+    assert result.replica_starts == whole.replica_starts > 0
+    assert result.cold_requests.tolist() == whole.cold_requests.tolist()
+    np.testing.assert_allclose(result.waits, whole.waits)
+    assert result.gpu_seconds == pytest.approx(whole.gpu_seconds)

@@ -1,7 +1,7 @@
 /* prewarm dashboard: fleet ranking and per-model forecast vs actual, cold starts and actions.
  *
  * Plain ES2020, no build step; charts by the vendored uPlot. Reads only the read-scope API
- * (/v1/fleet, /v1/models/{id}/series|coldstarts|actions) with a bearer token kept in
+ * (/v1/fleet, /v1/replays/latest, /v1/models/{id}/series|coldstarts|actions) with a bearer token kept in
  * localStorage (or handed in once as #token=... in the URL, which is then removed from it).
  * The view lives in the URL fragment: #model=ID&h=5&range=1440, or nothing for the fleet.
  */
@@ -18,6 +18,8 @@
   const $ = (id) => document.getElementById(id);
   const state = {
     fleet: null,        // last /v1/fleet body
+    replay: null,       // last /v1/replays/latest body (prewarm vs reactive on a simulated cluster)
+    replayByModel: new Map(),
     fleetKey: "",       // horizon|window it was fetched for
     filtered: [],
     page: 0,
@@ -161,8 +163,13 @@
       return;
     }
     await busy(async () => {
-      const body = await api(`/v1/fleet?horizon=${p.horizon}&window_min=${p.window}`);
+      const [body, replay] = await Promise.all([
+        api(`/v1/fleet?horizon=${p.horizon}&window_min=${p.window}`),
+        api("/v1/replays/latest"),
+      ]);
       state.fleet = body;
+      state.replay = replay;
+      state.replayByModel = new Map(replay.data.map((r) => [r.model_id, r]));
       state.fleetKey = key;
       renderFleet();
       document.body.dataset.fleetLoaded = String(body.count);
@@ -175,6 +182,8 @@
       mae: (r) => r.error.mae,
       cold_starts: (r) => r.cold_starts,
       actions_succeeded: (r) => r.actions_succeeded,
+      cold_requests_avoided: (r) => replayOf(r, "cold_requests_avoided"),
+      wait_saved_s: (r) => replayOf(r, "wait_saved_s"),
     }[sort];
     if (!value) return rows.slice().sort((a, b) => (a.model_id < b.model_id ? -1 : a.model_id > b.model_id ? 1 : 0));
     return rows.slice().sort((a, b) => {
@@ -182,6 +191,42 @@
       if (va == null || vb == null) return (va == null) - (vb == null);
       return vb - va || (b.error.mae || 0) - (a.error.mae || 0) || (a.model_id < b.model_id ? -1 : 1);
     });
+  }
+
+  function replayOf(row, field) {
+    const r = state.replayByModel.get(row.model_id);
+    return r ? r[field] : null;
+  }
+
+  function signed(v, digits = 0) {
+    if (v == null) return "\u2013";
+    const text = Math.abs(v).toLocaleString("en-US", { maximumFractionDigits: digits });
+    return v > 0 ? "+" + text : v < 0 ? "\u2212" + text : "0";
+  }
+
+  function gainClass(v) {
+    return v > 0 ? "num gain" : v < 0 ? "num loss" : "num";
+  }
+
+  function renderReplaySummary() {
+    const el = $("replay-summary");
+    const info = state.replay && state.replay.replay;
+    el.hidden = !info;
+    if (!info) return;
+    const p = info.totals[info.subject], r = info.totals[info.baseline];
+    const cluster = (info.summary || {}).cluster || {};
+    const gpu = (info.summary || {}).totals || {}; // fleet totals the simulators measured, GPU-seconds among them
+    const size = cluster.nodes ? ` (${cluster.nodes} nodes \u00d7 ${cluster.gpus_per_node} GPUs)` : "";
+    el.textContent =
+      `Replay ${fmt.time(info.window_start)} to ${fmt.time(info.window_end)} UTC on a simulated cluster${size}, ` +
+      `measured until ${fmt.time(info.scored_until)}: cold-start requests ${fmt.int(p.cold_requests)} with ` +
+      `prewarm vs ${fmt.int(r.cold_requests)} with a reactive autoscaler on the same ${fmt.int(r.requests)} ` +
+      `requests (${signed(r.cold_requests - p.cold_requests)} avoided); request wait ` +
+      `${fmt.int(p.wait_total_s)} s vs ${fmt.int(r.wait_total_s)} s (${signed(r.wait_total_s - p.wait_total_s)} s saved); ` +
+      `replica cold starts ${fmt.int(p.replica_starts)} vs ${fmt.int(r.replica_starts)}` +
+      (gpu[info.subject] && gpu[info.baseline]
+        ? `; GPU-seconds held ${fmt.int(gpu[info.subject].gpu_seconds)} vs ${fmt.int(gpu[info.baseline].gpu_seconds)}.`
+        : ".");
   }
 
   function renderFleet() {
@@ -202,6 +247,7 @@
       const link = document.createElement("a");
       link.href = "#" + new URLSearchParams({ model: r.model_id, h: state.fleet.horizon_min }).toString();
       link.textContent = r.model_id;
+      link.title = r.model_id;
       cell(tr, "", "model").appendChild(link);
       cell(tr, fmt.pct(r.error.wmape), "num");
       cell(tr, fmt.num(r.error.mae), "num");
@@ -210,10 +256,18 @@
       cell(tr, fmt.int(r.cold_starts), "num");
       cell(tr, `${r.actions_succeeded} / ${r.actions_total}`, "num");
       cell(tr, fmt.int(r.expected_wait_avoided_s), "num");
+      const replay = state.replayByModel.get(r.model_id);
+      cell(tr, replay ? `${fmt.int(replay.prewarm.cold_requests)} / ${fmt.int(replay.reactive.cold_requests)}`
+        : "\u2013", "num replay-cold");
+      cell(tr, replay ? signed(replay.cold_requests_avoided) : "\u2013",
+        (replay ? gainClass(replay.cold_requests_avoided) : "num") + " replay-avoided");
+      cell(tr, replay ? signed(replay.wait_saved_s) : "\u2013",
+        (replay ? gainClass(replay.wait_saved_s) : "num") + " replay-wait");
       cell(tr, fmt.time(r.last_forecast_at));
       fragment.appendChild(tr);
     }
     tbody.replaceChildren(fragment);
+    renderReplaySummary();
     $("fleet-page").textContent = `page ${state.page + 1} of ${pages}`;
     $("fleet-prev").disabled = state.page === 0;
     $("fleet-next").disabled = state.page >= pages - 1;
@@ -393,6 +447,34 @@
     $("actions-summary").textContent = `${body.count} in this range${shown}; table shows the latest 200`;
   }
 
+  function renderModelReplay(body) {
+    const row = body.data[0];
+    $("model-replay").hidden = !row;
+    if (!row) return;
+    const info = body.replay;
+    $("model-replay-window").textContent =
+      `${fmt.time(info.window_start)} to ${fmt.time(info.window_end)} UTC, measured until ${fmt.time(info.scored_until)}`;
+    const p = row.prewarm, r = row.reactive;
+    const lines = [
+      ["requests", p.requests, r.requests, null],
+      ["cold-start requests (no ready replica)", p.cold_requests, r.cold_requests, row.cold_requests_avoided],
+      ["replica cold starts", p.replica_starts, r.replica_starts, r.replica_starts - p.replica_starts],
+      ["request wait, total (s)", p.wait_total_s, r.wait_total_s, row.wait_saved_s],
+      ["longest wait (s)", p.wait_max_s, r.wait_max_s, r.wait_max_s - p.wait_max_s],
+    ];
+    const tbody = $("model-replay-table").tBodies[0];
+    const fragment = document.createDocumentFragment();
+    for (const [label, mine, theirs, better] of lines) {
+      const tr = document.createElement("tr");
+      cell(tr, label);
+      cell(tr, fmt.int(mine), "num");
+      cell(tr, fmt.int(theirs), "num");
+      cell(tr, better == null ? "" : signed(better), better == null ? "num" : gainClass(better));
+      fragment.appendChild(tr);
+    }
+    tbody.replaceChildren(fragment);
+  }
+
   async function loadModel() {
     const m = state.model;
     if (!m) return;
@@ -400,13 +482,15 @@
       const id = encodeURIComponent(m.id);
       const series = await api(`/v1/models/${id}/series?horizon=${m.horizon}&span_min=${m.range}`);
       const range = `start=${encodeURIComponent(series.start)}&end=${encodeURIComponent(series.end)}`;
-      const [coldstarts, actions] = await Promise.all([
+      const [coldstarts, actions, replay] = await Promise.all([
         api(`/v1/models/${id}/coldstarts?${range}`),
         api(`/v1/models/${id}/actions?${range}`),
+        api(`/v1/replays/latest?model_id=${id}`),
       ]);
       if (state.model !== m) return; // the user moved on meanwhile
       renderForecast(series);
       renderColdStarts(coldstarts, series);
+      renderModelReplay(replay);
       await new Promise((resolve) => setTimeout(resolve, 0)); // uPlot lays itself out in a microtask
       renderTimeline(actions, series);
       const e = series.error;

@@ -91,8 +91,14 @@ def _no_events() -> pd.DataFrame:
                                  "concurrent_registry_pulls"])
 
 
-def plan_job(engine: Engine, settings: Settings, now: datetime) -> dict:
-    """Plan the next minutes from the stored forecasts and carry the plan out through the actuator."""
+def plan_job(engine: Engine, settings: Settings, now: datetime, *, actuator=None) -> dict:
+    """Plan the next minutes from the stored forecasts and carry the plan out through the actuator.
+
+    Args:
+        actuator: the :class:`~forecaster.actuation.actuator.Actuator` to hand the plan to (default: one over
+            the store with the backend ``settings.actuator_backend`` names; ``prewarm demo`` passes one whose
+            backend is a simulated cluster).
+    """
     from forecaster.actuation.actuator import Actuator, build_backend
 
     started = time.perf_counter()
@@ -102,7 +108,8 @@ def plan_job(engine: Engine, settings: Settings, now: datetime) -> dict:
     fleet = fleet_from_store(engine, now=now, default_cold_cost=settings.planner_cold_cost)
     latency = predicted_latency(engine, fleet, now=now, settings=settings)
     planned = plan_step(now, forecast, fleet, latency, planner_settings(settings))
-    submitted, reports = Actuator(engine, settings, build_backend(settings)).apply(planned, now=now)
+    actuator = actuator or Actuator(engine, settings, build_backend(settings))
+    submitted, reports = actuator.apply(planned, now=now)
     statuses: dict[str, int] = {}
     for report in reports:
         statuses[str(report.status)] = statuses.get(str(report.status), 0) + 1

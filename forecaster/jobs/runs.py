@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from sqlalchemy import Engine
 
 from forecaster.settings import Settings
+from forecaster.store.db import ping
 from forecaster.store.job_runs import claim_slot, finish_slot
 
 log = logging.getLogger(__name__)
@@ -80,8 +81,7 @@ def _wait_for_database(engine: Engine, waiter: _Waiter, what: str, exc: BaseExce
     """Back off until ``SELECT 1`` answers (True) or the slot's wait is spent (False): the job is not rerun blind."""
     while waiter.wait(what, exc):
         try:
-            with engine.connect() as conn:
-                conn.execute(text("SELECT 1"))
+            ping(engine)
             return True
         except Exception as again:  # noqa: BLE001 - only outages keep waiting
             if not _is_outage(again):

@@ -699,26 +699,52 @@ class FleetSimulator:
 
     # ------------------------------------------------------------------ the run
     def run(self) -> SimResult:
+        """Replay the whole workload and return what was measured (:meth:`begin`, :meth:`advance`, :meth:`result`)."""
+        self.begin()
+        self.advance(self.workload.duration_s)
+        return self.result()
+
+    def begin(self) -> None:
+        """Prepare a run: index models and nodes, bin the arrivals by tick, bind the policy (once)."""
+        if getattr(self, "_tick", None) is not None:
+            return
+        cfg = self.config
+        wl = self.workload
+        dt = cfg.tick_s
+        self._n_ticks = int(math.ceil(wl.duration_s / dt))
+        self._model_index = {str(mid): i for i, mid in enumerate(wl.ids)}
+        self._node_index = {f"node-{k}": k for k in range(cfg.n_nodes)}
+        self._started = time.perf_counter()
+        tick_of = np.floor(wl.times / dt).astype(np.int64)
+        self._bounds = np.searchsorted(tick_of, np.arange(self._n_ticks + 1))
+        bind = getattr(self.policy, "bind", None)
+        if bind is not None:  # policies that act through an actuator get the simulated cluster behind it
+            bind(self)
+        self._rate = np.zeros(wl.n_models)
+        self._next_report = 0.05
+        self._tick = 0
+
+    def advance(self, until_s: float) -> None:
+        """Run every tick that starts before ``until_s`` simulated seconds (resumable: the next call goes on).
+
+        Afterwards ``now`` is the start of the next tick to run (``until_s`` when it is a whole tick), so an
+        action applied between two calls takes effect at that moment, as one arriving from outside would.
+        """
+        self.begin()
         cfg = self.config
         wl = self.workload
         n = wl.n_models
         dt = cfg.tick_s
-        n_ticks = int(math.ceil(wl.duration_s / dt))
-        self._model_index = {str(mid): i for i, mid in enumerate(wl.ids)}
-        self._node_index = {f"node-{k}": k for k in range(cfg.n_nodes)}
-        started = time.perf_counter()
-        tick_of = np.floor(wl.times / dt).astype(np.int64)
-        bounds = np.searchsorted(tick_of, np.arange(n_ticks + 1))
-        bind = getattr(self.policy, "bind", None)
-        if bind is not None:  # policies that act through an actuator get the simulated cluster behind it
-            bind(self)
+        n_ticks = self._n_ticks
+        bounds = self._bounds
         decide_every = max(1, int(round(self.policy.decide_every_s / dt)))
         grace = float(getattr(self.policy, "idle_grace_s", 0.0))
         overload = bool(getattr(self.policy, "reactive_overload", True))
-        rate = np.zeros(n)
+        rate = self._rate
         decay = math.exp(-dt / RATE_TAU_S)
-        next_report = 0.05
-        for tick in range(n_ticks):
+        next_report = self._next_report
+        last = min(n_ticks, int(math.ceil(until_s / dt - 1e-9)))
+        for tick in range(self._tick, last):
             self.now = tick * dt
             if tick % max(1, int(round(BURST_BUCKET_S / dt))) == 0 and tick > 0:
                 self._minute_peak = np.maximum(self._minute_peak, self._bucket)
@@ -802,15 +828,24 @@ class FleetSimulator:
             if self.progress is not None and (tick + 1) / n_ticks >= next_report:
                 self.progress((tick + 1) / n_ticks)
                 next_report += 0.05
-        self.now = n_ticks * dt
+        self._tick = max(self._tick, last)
+        self._rate = rate
+        self._next_report = next_report
+        self.now = self._tick * dt
+
+    def result(self) -> SimResult:
+        """What was measured up to ``now`` (the whole run after :meth:`run`; a snapshot between advances, where a
+        request still queued counts its wait so far and one not yet arrived counts nothing)."""
         waits, wait_model = self._waits()
+        wl = self.workload
         events = pd.DataFrame(self.events)
-        return SimResult(policy=self.policy.name, model_ids=wl.ids, requests=self.requests, cold_requests=self.cold,
-                         waits=waits, wait_model=wait_model, gpu_seconds=self.gpu_seconds,
-                         busy_gpu_seconds=self.busy_gpu_seconds, bytes_registry=self.bytes_registry,
-                         bytes_object_store=self.bytes_object_store, peak_concurrent_pulls=self.peak_pulls,
-                         replica_starts=self.replica_starts, gpu_unavailable=self.gpu_unavailable, events=events,
-                         wall_s=time.perf_counter() - started, wait_slo_s=self.config.wait_slo_s)
+        return SimResult(policy=self.policy.name, model_ids=wl.ids, requests=self.requests.copy(),
+                         cold_requests=self.cold.copy(), waits=waits, wait_model=wait_model,
+                         gpu_seconds=self.gpu_seconds, busy_gpu_seconds=self.busy_gpu_seconds,
+                         bytes_registry=self.bytes_registry, bytes_object_store=self.bytes_object_store,
+                         peak_concurrent_pulls=self.peak_pulls, replica_starts=self.replica_starts,
+                         gpu_unavailable=self.gpu_unavailable, events=events,
+                         wall_s=time.perf_counter() - self._started, wait_slo_s=self.config.wait_slo_s)
 
     def _waits(self) -> tuple[np.ndarray, np.ndarray]:
         """Per scored request, seconds from arrival to service start (FIFO per model, fluid within a tick)."""

@@ -194,6 +194,12 @@ def open_database(settings: Settings) -> Iterator[Engine]:
             engine.dispose()
 
 
+def ping(engine: Engine) -> None:
+    """One round trip (``SELECT 1``); raises what the driver raises when the database does not answer."""
+    with engine.connect() as conn:
+        conn.execute(text("SELECT 1"))
+
+
 def wait_for_database(engine: Engine, *, timeout_s: float, poll_s: float = 0.5) -> None:
     """Block until ``SELECT 1`` succeeds.
 

@@ -420,3 +420,14 @@ def coverage_ends(engine: Engine, model_ids: list[str], *, source: str, step_sec
             {"src": source, "step": step_seconds, "ids": model_ids},
         ).all()
     return {r[0]: r[1] for r in rows if r[1] is not None}
+
+
+def batch_window_models(engine: Engine, batch_id: int) -> tuple[datetime, datetime, list[str]]:
+    """A batch's window and the models whose coverage overlaps it (what the batch spoke for)."""
+    with engine.connect() as conn:
+        start, end = conn.execute(text("SELECT window_start, window_end FROM ingest_batches WHERE id = :id"),
+                                  {"id": batch_id}).one()
+        model_ids = conn.execute(
+            text("SELECT model_id FROM coverage WHERE ranges && tstzmultirange(tstzrange(:s, :e))"),
+            {"s": start, "e": end}).scalars().all()
+    return start, end, list(model_ids)

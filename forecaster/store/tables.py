@@ -362,3 +362,35 @@ class BacktestResult(Base):
     coverage_q90: Mapped[float | None] = mapped_column(Float)
     spike_recall: Mapped[float | None] = mapped_column(Float)
     spikes: Mapped[int] = mapped_column(Integer)
+
+
+class Replay(Base):
+    """One replay of a trace on a simulated cluster (``prewarm demo``): its window and how far it has got."""
+
+    __tablename__ = "replays"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    source: Mapped[str] = mapped_column(String(64))
+    window_start: Mapped[datetime] = mapped_column(TZ)
+    window_end: Mapped[datetime] = mapped_column(TZ)
+    scored_until: Mapped[datetime] = mapped_column(TZ, doc="The simulators have measured the minutes before this.")
+    policies: Mapped[list] = mapped_column(JSONB)
+    summary: Mapped[dict] = mapped_column(JSONB)
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class ReplayOutcome(Base):
+    """Per replay, policy and model: requests, cold-start requests, replica starts and request wait (seconds)."""
+
+    __tablename__ = "replay_outcomes"
+
+    replay_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("replays.id", ondelete="CASCADE"),
+                                           primary_key=True)
+    policy: Mapped[str] = mapped_column(String(64), primary_key=True)
+    model_id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger)
+    cold_requests: Mapped[int] = mapped_column(BigInteger, doc="Requests that arrived with no ready replica.")
+    replica_starts: Mapped[int] = mapped_column(Integer, doc="Replicas that started and became ready.")
+    wait_total_s: Mapped[float] = mapped_column(Float, doc="Seconds requests waited before service, summed.")
+    wait_max_s: Mapped[float] = mapped_column(Float)
