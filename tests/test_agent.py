@@ -331,10 +331,11 @@ def test_killing_the_agent_mid_download_leaves_nothing_that_looks_cached(tmp_pat
         request.start()
 
         def mid_download() -> bool:
-            flight = httpx.get(f"{base}/v1/state", headers=headers, timeout=2).json()["in_flight"]
-            return bool(flight) and 0 < (flight[0]["bytes_done"] or 0) < BIG_BYTES // 2
+            # any point before the end will do (a starved machine may poll past the half-way mark)
+            flight = httpx.get(f"{base}/v1/state", headers=headers, timeout=5).json()["in_flight"]
+            return bool(flight) and 0 < (flight[0]["bytes_done"] or 0) < BIG_BYTES * 0.9
 
-        wait_until(mid_download, timeout=30, what="download in flight")
+        wait_until(mid_download, timeout=60, what="download in flight")
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         cache = tmp_path / "agent-cache"

@@ -19,7 +19,8 @@ KNOWN_FIELDS = frozenset((*REQUIRED, *PHASES, "cache_state"))
 PHASE_SUM_TOLERANCE = 1.05
 
 
-def _seconds(row: int, field: str, value: object, *, required: bool) -> float | None:
+def parse_seconds(row: int, field: str, value: object, *, required: bool) -> float | None:
+    """A duration field in seconds: finite, >= 0, at most ``MAX_COLD_START_S``; None when absent and optional."""
     if value is None:
         if required:
             raise IngestError("missing_field", "value is required", row=row, field=field)
@@ -108,8 +109,8 @@ def validate_cold_starts(
         if known_models is not None and model_id not in known_models:
             raise IngestError("unknown_model", f"model {model_id!r} is not registered", row=position,
                               field="model_id", value=model_id)
-        total = _seconds(position, "total_seconds", event.get("total_seconds"), required=True)
-        phases = {p: _seconds(position, p, event.get(p), required=False) for p in PHASES}
+        total = parse_seconds(position, "total_seconds", event.get("total_seconds"), required=True)
+        phases = {p: parse_seconds(position, p, event.get(p), required=False) for p in PHASES}
         phase_sum = sum(v for v in phases.values() if v is not None)
         if total is not None and phase_sum > total * PHASE_SUM_TOLERANCE + 1e-9:
             raise IngestError("inconsistent_phases",

@@ -18,6 +18,7 @@ import pandas as pd
 
 from forecaster.contracts.batches import IngestError
 from forecaster.contracts.phases import CACHE_STATES
+from forecaster.ingest.coldstarts import parse_seconds
 from forecaster.ingest.validate import MAX_ID_LENGTH
 from forecaster.store.transfers import TRANSFER_COLUMNS, TRANSFER_PHASES
 
@@ -41,28 +42,6 @@ def _text(row: int, field: str, value: object, *, limit: int | None = MAX_ID_LEN
         raise IngestError("id_too_long", f"longer than {limit} characters", row=row, field=field,
                           value=value[:40] + "...")
     return value.strip()
-
-
-def _seconds(row: int, field: str, value: object, *, required: bool) -> float | None:
-    if value is None:
-        if required:
-            raise IngestError("missing_field", "value is required", row=row, field=field)
-        return None
-    if isinstance(value, bool):
-        raise IngestError("not_a_number", f"expected seconds, got {value!r}", row=row, field=field, value=value)
-    try:
-        number = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise IngestError("not_a_number", f"expected seconds, got {value!r}", row=row, field=field,
-                          value=value) from None
-    if math.isnan(number):
-        raise IngestError("nan", "value is NaN", row=row, field=field, value=value)
-    if math.isinf(number):
-        raise IngestError("infinite", "value is infinite", row=row, field=field, value=value)
-    if number < 0:
-        raise IngestError("negative_duration", f"duration is negative: {number:g}", row=row, field=field,
-                          value=value)
-    return number
 
 
 def _bytes(row: int, value: object) -> int | None:
@@ -147,8 +126,8 @@ def validate_transfers(
             raise IngestError("bad_tier", f"a {kind} lands in one of {list(TIERS[str(kind)])}", row=position,
                               field="tier", value=tier)
         started = _started_at(position, event.get("started_at"), now=now, max_future_skew_s=max_future_skew_s)
-        seconds = _seconds(position, "seconds", event.get("seconds"), required=True)
-        phases = {p: _seconds(position, p, event.get(p), required=False) for p in TRANSFER_PHASES}
+        seconds = parse_seconds(position, "seconds", event.get("seconds"), required=True)
+        phases = {p: parse_seconds(position, p, event.get(p), required=False) for p in TRANSFER_PHASES}
         if kind == "prepull" and phases["weight_fetch_s"] is not None:
             raise IngestError("inconsistent_phases", "a pre-pull fetches no weights", row=position,
                               field="weight_fetch_s", value=phases["weight_fetch_s"])
