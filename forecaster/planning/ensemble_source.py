@@ -42,7 +42,9 @@ causal as single-origin calls and gives the same numbers. The cache keeps every
 block computed (float32; ``N x H x (levels + 1) x 4`` bytes per minute: 324 KB
 for 1,350 models at H = 10, 470 MB for a whole day), so several policies
 replaying the same trace can share one source object and pay for the fits and
-forecasts once.
+forecasts once. Measured on the Azure day (1,350 series, H = 10, 2 busy shared
+cores; ``bench/ensemble_source.py``): the four fits took 225 to 690 s each,
+forecasting the 1,200 scored minutes 153 s; about 39 minutes per trace.
 """
 
 from __future__ import annotations
