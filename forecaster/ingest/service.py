@@ -176,57 +176,40 @@ def push_counts(
         raise
 
 
-def push_cold_starts(
-    engine: Engine,
-    settings: Settings,
-    events: Iterable[Mapping[str, object]],
-    *,
-    now: datetime,
-    source: str = "push",
-    register: bool | None = None,
-) -> dict:
-    """Validate and store observed cold starts; re-sending an event updates it in place."""
+def _push_events(engine: Engine, settings: Settings, events: Iterable[Mapping[str, object]], *, now: datetime,
+                 source: str, register: bool | None, validate, write, what: str) -> dict:
+    """Validate a pushed batch of observations and write it in one retried transaction."""
     register_models = _register(settings, register)
     known = None if register_models else known_model_ids(engine)
-    frame = validate_cold_starts(events, now=now, max_future_skew_s=settings.max_future_skew_s, known_models=known)
-    # ON CONFLICT updates of one (model, node, start) by two pushes at once: rerun the loser, never a 500
-    also_retry = (UNIQUE_VIOLATION,)
+    frame = validate(events, now=now, max_future_skew_s=settings.max_future_skew_s, known_models=known)
     if frame.empty:
-        raise IngestError("empty_batch", "the batch holds no events")
+        raise IngestError("empty_batch", f"the batch holds no {what}")
     return run_with_retry(
-        lambda: write_cold_starts(engine, frame, source=source, register_models=register_models),
+        lambda: write(engine, frame, source=source, register_models=register_models),
         attempts=settings.db_retry_attempts,
         base_delay_s=settings.db_retry_base_delay_s,
-        what="ingest cold starts",
-        also_retry=also_retry,
+        what=f"ingest {what}",
+        # ON CONFLICT updates of one event by two pushes at once: rerun the loser, never a 500
+        also_retry=(UNIQUE_VIOLATION,),
     )
 
 
-def push_transfers(
-    engine: Engine,
-    settings: Settings,
-    events: Iterable[Mapping[str, object]],
-    *,
-    now: datetime,
-    source: str = "push",
-    register: bool | None = None,
-) -> dict:
+def push_cold_starts(engine: Engine, settings: Settings, events: Iterable[Mapping[str, object]], *, now: datetime,
+                     source: str = "push", register: bool | None = None) -> dict:
+    """Validate and store observed cold starts; re-sending an event updates it in place."""
+    return _push_events(engine, settings, events, now=now, source=source, register=register,
+                        validate=validate_cold_starts, write=write_cold_starts, what="cold starts")
+
+
+def push_transfers(engine: Engine, settings: Settings, events: Iterable[Mapping[str, object]], *, now: datetime,
+                   source: str = "push", register: bool | None = None) -> dict:
     """Validate and store transfer observations (pre-pulls, pre-loads); re-sending one updates it in place.
 
     Transfers go to the ``transfers`` table, never to ``cold_starts``: no
     replica waited on them (see :mod:`forecaster.ingest.transfers`).
     """
-    register_models = _register(settings, register)
-    known = None if register_models else known_model_ids(engine)
-    frame = validate_transfers(events, now=now, max_future_skew_s=settings.max_future_skew_s, known_models=known)
-    if frame.empty:
-        raise IngestError("empty_batch", "the batch holds no transfers")
-    return run_with_retry(
-        lambda: write_transfers(engine, frame, source=source, register_models=register_models),
-        attempts=settings.db_retry_attempts,
-        base_delay_s=settings.db_retry_base_delay_s,
-        what="ingest transfers",
-    )
+    return _push_events(engine, settings, events, now=now, source=source, register=register,
+                        validate=validate_transfers, write=write_transfers, what="transfers")
 
 
 PROMETHEUS_SOURCE = "prometheus"

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from sqlalchemy import Connection, Engine, select, text
 from sqlalchemy.dialects.postgresql import insert
 
+from forecaster.contracts.batches import IngestError
 from forecaster.store.tables import ServingModel
 
 
@@ -107,3 +108,14 @@ def read_catalogue_sizes(conn: Connection) -> list[tuple]:
     """``(id, replica_rps, image_size_bytes, weights_size_bytes)`` of every model, for the API's snapshot."""
     return conn.execute(text("SELECT id, replica_rps, image_size_bytes, weights_size_bytes FROM serving_models "
                              "ORDER BY id")).all()
+
+
+def require_models(conn: Connection, model_ids: Iterable[str], *, register: bool, source: str) -> None:
+    """Register ``model_ids`` missing from the catalogue (``register``), else refuse the batch naming the first."""
+    ids = sorted(set(model_ids))
+    if register:
+        register_missing(conn, ids, labels={"registered_by": source})
+    missing = missing_model_ids(conn, ids)
+    if missing:
+        raise IngestError("unknown_model", f"model {missing[0]!r} is not registered", field="model_id",
+                          value=missing[0])

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pandas as pd
 from sqlalchemy import Engine, text
 
-from forecaster.contracts.batches import IngestError
 from forecaster.contracts.phases import PHASES
-from forecaster.store.catalog import missing_model_ids, register_missing
+from forecaster.store.catalog import require_models
 
 
 def write_cold_starts(engine: Engine, events: pd.DataFrame, *, source: str, register_models: bool = False) -> dict:
@@ -21,13 +20,7 @@ def write_cold_starts(engine: Engine, events: pd.DataFrame, *, source: str, regi
     columns = ["model_id", "node_id", "started_at", "total_seconds", *PHASES, "cache_state"]
     records = events[columns].astype(object).where(events[columns].notna(), None).to_dict("records")
     with engine.begin() as conn:
-        ids = sorted(set(events["model_id"]))
-        if register_models:
-            register_missing(conn, ids, labels={"registered_by": source})
-        missing = missing_model_ids(conn, ids)
-        if missing:
-            raise IngestError("unknown_model", f"model {missing[0]!r} is not registered", field="model_id",
-                              value=missing[0])
+        require_models(conn, events["model_id"], register=register_models, source=source)
         placeholders = ", ".join(f":{c}" for c in columns)
         updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in columns[3:])
         stmt = text(

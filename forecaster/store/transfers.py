@@ -12,8 +12,7 @@ from datetime import datetime
 import pandas as pd
 from sqlalchemy import Engine, text
 
-from forecaster.contracts.batches import IngestError
-from forecaster.store.catalog import missing_model_ids, register_missing
+from forecaster.store.catalog import require_models
 
 #: Per-phase seconds a transfer may report (a subset of :data:`forecaster.contracts.phases.PHASES`).
 TRANSFER_PHASES = ("image_pull_s", "weight_fetch_s", "weight_load_s")
@@ -38,13 +37,7 @@ def write_transfers(engine: Engine, transfers: pd.DataFrame, *, source: str, reg
     frame = transfers[columns]
     records = frame.astype(object).where(frame.notna(), None).to_dict("records")
     with engine.begin() as conn:
-        ids = sorted(set(transfers["model_id"]))
-        if register_models:
-            register_missing(conn, ids, labels={"registered_by": source})
-        missing = missing_model_ids(conn, ids)
-        if missing:
-            raise IngestError("unknown_model", f"model {missing[0]!r} is not registered", field="model_id",
-                              value=missing[0])
+        require_models(conn, transfers["model_id"], register=register_models, source=source)
         placeholders = ", ".join(f":{c}" for c in columns)
         key = {"model_id", "node_id", "kind", "started_at"}
         updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in columns if c not in key)
