@@ -250,6 +250,18 @@ class Ensemble:
             of ``actual - head_q0.9``, per series and horizon): it keeps the
             head's view of where bursts are likely without two more
             LightGBM fits per retrain.
+        p_any: how ``p_any`` is made (see :mod:`forecaster.forecast.p_any`):
+            ``"stacked"`` (a logistic combination of the residual
+            distribution, an idle-time hazard, the recent and the long-run
+            share of invoked steps and the point forecast, fitted on the
+            validation tail and kept only if it beats each of them there,
+            cross-fitted); ``"residuals"`` (the residual distribution alone, as
+            before issue 13). ``None`` (default): ``"stacked"`` for an
+            ensemble with the fallback, ``"residuals"`` for a one-member
+            calibration wrapper (``fallback=False``, how the bench peers get
+            their intervals).
+        p_any_lookback: steps before an origin the hazard and the long-run
+            share read (bounds a forecast's cost whatever the history's length).
         progress: called with one line per stage (defaults to ``logging.info``).
     """
 
@@ -272,6 +284,8 @@ class Ensemble:
         interval_scale: str = "none",
         quantile_heads: bool | Member | None = None,
         head_levels: Sequence[float] = (0.1, 0.9),
+        p_any: str | None = None,
+        p_any_lookback: int = 1440,
         progress: Callable[[str], None] | None = None,
     ):
         self.members = members
@@ -288,6 +302,8 @@ class Ensemble:
         self.interval_scale = interval_scale
         self.quantile_heads = quantile_heads
         self.head_levels = tuple(head_levels)
+        self.p_any = p_any
+        self.p_any_lookback = int(p_any_lookback)
         self.progress = progress
 
     # ------------------------------------------------------------------ fit
@@ -359,6 +375,7 @@ class Ensemble:
         self._calibrate(point, actual, stacked, origins)
         self._calibrate_heads(point, actual, head_forecasts)
         self.validation_origins_ = origins
+        self._fit_p_any(panel, first, point, actual, origins)
 
         if self.refit:
             refits = [(k, m, fitted) for k, m in enumerate(fitted)]
@@ -381,6 +398,27 @@ class Ensemble:
         self.panel_ = panel
         self.step_ = panel.step
         return self
+
+    def _fit_p_any(self, panel: Panel, first: int, point: np.ndarray, actual: np.ndarray,
+                   origins: list[int]) -> None:
+        """Fit the ``p_any`` model on the validation tail (see ``p_any`` and :mod:`forecaster.forecast.p_any`)."""
+        from forecaster.forecast.p_any import PAnyModel, p_any_folds
+
+        method = self.p_any or ("stacked" if self.fallback else "residuals")
+        model = PAnyModel(method=method, lookback=self.p_any_lookback)
+        if method == "residuals":
+            self.p_any_model_ = model
+            return
+        fold = p_any_folds(len(origins))
+        spread = self._spread(point)
+        p_resid = np.full(point.shape, np.nan)
+        for f in (0, 1):  # the residual p_any of one fold's origins from the other fold's residuals
+            residuals = np.where((fold == f)[None, :, None], (actual - point) / spread, np.nan).transpose(0, 2, 1)
+            grid = residual_quantiles(residuals, GRID, max(2, self.min_residuals // 2), conformal=False)
+            mine = residual_p_any(point, spread, np.broadcast_to(grid[:, None], (*point.shape, len(GRID))))
+            p_resid[:, fold != f] = mine[:, fold != f]
+        self.p_any_model_ = model.fit(panel.values, first, origins, point, p_resid, actual,
+                                      say=self.progress or log.info)
 
     def _calibrate(self, point: np.ndarray, actual: np.ndarray, stacked: np.ndarray, origins: list[int]) -> None:
         """Residual quantiles from the validation forecasts ``(N, O, h)`` (and each member's ``(M, N, O, h)``)."""
@@ -565,11 +603,9 @@ class Ensemble:
                 bounds[outer] = (np.maximum if outer > 0.5 else np.minimum)(bounds[outer], bounds[inner])
         for tau in sorted(bounds):
             result[quantile_column(tau)] = bounds[tau]
-        with np.errstate(invalid="ignore"):
-            p_any = np.mean(point[..., None] + self._spread(point)[..., None] * grid[:, None, :, :] >= 0.5, axis=3)
-        no_grid = np.isnan(grid[:, None, :, 0]) & np.ones_like(point, dtype=bool)
-        p_any[no_grid] = (1.0 - np.exp(-point))[no_grid]
-        result["p_any"] = p_any
+        p_resid = residual_p_any(point, self._spread(point), np.broadcast_to(grid[:, None], (*point.shape, grid.shape[-1])))
+        p_any_model = getattr(self, "p_any_model_", None)  # models saved before issue 13 have none
+        result["p_any"] = p_resid if p_any_model is None else p_any_model.predict(panel.values, origins, point, p_resid)
         if members:
             for j, member in enumerate(self.members_):
                 own = _extend(self._per_series(panel, self.member_offsets_[member.name]), h)
@@ -659,6 +695,15 @@ def _combine(stacked: np.ndarray, weights: np.ndarray) -> np.ndarray:
         combined = (np.nan_to_num(stacked) * w).sum(axis=0) / total
     # the fallback (last member) is always finite: it covers rows whose weighted members all failed
     return np.where(total > 0, combined, stacked[-1])
+
+
+def residual_p_any(point: np.ndarray, spread: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """P(point + residual >= 0.5) from residual quantiles ``grid`` (``point.shape + (G,)``); Poisson where none."""
+    with np.errstate(invalid="ignore"):
+        p_any = np.mean(point[..., None] + spread[..., None] * grid >= 0.5, axis=-1)
+    missing = np.isnan(grid[..., 0]) | np.isnan(point)
+    p_any[missing] = (1.0 - np.exp(-np.nan_to_num(point[missing], nan=0.0)))
+    return p_any
 
 
 def _extend(table: np.ndarray, h: int) -> np.ndarray:

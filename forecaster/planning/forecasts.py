@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from forecaster.contracts.forecast import DEFAULT_LEVELS, quantile_column
+from forecaster.forecast.hazard import activity_bin, age_bin, empty_pool, hazard, renewal_p_any
 
 
 # --------------------------------------------------------------------------- the panel the sources read
@@ -91,16 +92,6 @@ class OracleForecast:
 # --------------------------------------------------------------------------- the causal source
 
 
-def _age_bin(age: np.ndarray) -> np.ndarray:
-    """Half-octave bins of minutes since the last invocation (1, 1.4, 2, 2.8, ... capped)."""
-    return np.minimum(np.floor(np.log2(np.maximum(age, 1)) * 2).astype(np.int64), 25)
-
-
-def _activity_bin(active_minutes: np.ndarray) -> np.ndarray:
-    """Bins of how many invocation minutes a model has had so far (0, 1, 2-3, ...)."""
-    return np.minimum(np.floor(np.log2(active_minutes + 1) * 1.5).astype(np.int64), 19)
-
-
 class EmpiricalForecast:
     """Causal forecasts from each model's own history, with a pooled prior for short histories.
 
@@ -147,8 +138,7 @@ class EmpiricalForecast:
         self.excess_ = np.zeros(n)  # sum over overflow idle times of (IT - max_age)
         self.last_ = np.full(n, -1, dtype=np.int64)
         self.active_ = np.zeros(n)
-        self.pool_events_ = np.full((20, 26), 0.1)
-        self.pool_exposure_ = np.ones((20, 26))
+        self.pool_events_, self.pool_exposure_ = empty_pool()
 
     def _ages(self, t: int) -> np.ndarray:
         """Minutes from the last invocation minute to ``t``; never seen = older than the range."""
@@ -163,7 +153,7 @@ class EmpiricalForecast:
         for t in range(self.t_, min(until, counts.shape[1])):
             invoked = counts[:, t] > 0
             age = self._ages(t)
-            cell = (_activity_bin(self.active_), _age_bin(age))
+            cell = (activity_bin(self.active_), age_bin(age))
             np.add.at(self.pool_exposure_, cell, 1.0)
             np.add.at(self.pool_events_, cell, invoked.astype("float64"))
             seen = invoked & (self.last_ >= 0)
@@ -177,44 +167,13 @@ class EmpiricalForecast:
     # ------------------------------------------------------------------ forecasts
     def hazard(self, ages: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
         """P(invocation at age ``a`` | none since the last one), per model; ``ages`` is (N,) or (N, K)."""
-        ages = np.asarray(ages)
-        two_d = ages.ndim == 2
-        a2 = ages if two_d else ages[:, None]
-        act = self.active_ if active is None else active
-        pooled = self.pool_events_ / self.pool_exposure_
-        h0 = pooled[_activity_bin(act)[:, None], _age_bin(a2)]
-        survival = np.cumsum(self.hist_[:, ::-1], axis=1)[:, ::-1]
-        idx = np.minimum(np.maximum(a2, 1), self.max_age + 1)
-        rows = np.arange(len(self.panel.ids))[:, None]
-        num = self.hist_[rows, idx]
-        den = survival[rows, idx]
-        h = (num + self.prior_weight * h0) / (den + self.prior_weight)
-        # beyond the histogram's range: geometric tail fitted to the overflow idle times (MLE n / sum of excess)
-        n_over = self.hist_[:, self.max_age + 1][:, None]
-        tail = (n_over + self.prior_weight * h0) / (self.excess_[:, None] + self.prior_weight / np.maximum(h0, 1e-6))
-        h = np.where(a2 > self.max_age, tail, h)
-        return h if two_d else h[:, 0]
+        return hazard(self.hist_, self.excess_, self.active_ if active is None else active, ages,
+                      self.pool_events_ / self.pool_exposure_, max_age=self.max_age, prior_weight=self.prior_weight)
 
     def p_any_at(self, col: int, horizon_min: int) -> np.ndarray:
         """(N, H) P(at least one invocation) in minutes ``col .. col + H - 1``, from data before ``col``."""
         self._advance(col)
-        age0 = self._ages(col)
-        k = np.arange(horizon_min)
-        # first-event probabilities from the current age: f(k) = h(a+k) * prod_{j<k} (1 - h(a+j))
-        h_now = self.hazard(age0[:, None] + k[None, :])
-        survive = np.cumprod(np.concatenate([np.ones((len(age0), 1)), 1 - h_now[:, :-1]], axis=1), axis=1)
-        first = h_now * survive
-        if horizon_min == 1:
-            return first
-        # renewal: u(k) = first(k) + sum_{j<k} u(j) * g(k - j), g = hazard chain from age 0 after an event
-        active_after = self.active_ + 1
-        h_new = self.hazard(np.tile(k[None, :] + 1, (len(age0), 1)), active_after)
-        s_new = np.cumprod(np.concatenate([np.ones((len(age0), 1)), 1 - h_new[:, :-1]], axis=1), axis=1)
-        g = h_new * s_new  # g[:, d-1] = P(next event d minutes after an event)
-        u = np.zeros_like(first)
-        for step in range(horizon_min):
-            u[:, step] = first[:, step] + sum(u[:, j] * g[:, step - j - 1] for j in range(step))
-        return np.clip(u, 0.0, 1.0)
+        return renewal_p_any(self.hazard, self._ages(col), self.active_, horizon_min)
 
     def quantiles(self, now: datetime, horizon_min: int) -> pd.DataFrame:
         col = self.panel.minute_index(now)

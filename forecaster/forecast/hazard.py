@@ -1,0 +1,211 @@
+"""Idle-time hazards: the probability of any invocation in each coming step, from the gaps between invocations.
+
+For a sparse series the count in a step matters less than whether there is one
+at all: a replica held warm for a model that is not called is waste, one missing
+when it is called is a cold start. An invocation process is described here by
+its *idle times* (steps from one invoked step to the next) and their hazard:
+``h(a) = P(invoked at age a | not invoked since the last one, a steps ago)``.
+
+* Per series, the empirical hazard ``#{IT = a} / #{IT >= a}`` over its own
+  idle times (bins of one step up to ``max_age``, a geometric tail beyond),
+  shrunk towards a pooled hazard of all series in the same (activity, age)
+  bin with ``prior_weight`` pseudo-observations. Periodic timers get a sharp
+  hazard at their period, bursty series a decreasing one, series never seen
+  the pooled rate of their bin.
+* The probability of at least one invocation ``k`` steps ahead chains the
+  hazard from the current age through the renewal equation
+  (:func:`renewal_p_any`).
+
+Two users share these functions: the planner's causal
+:class:`~forecaster.planning.forecasts.EmpiricalForecast` (incremental state,
+all history) and the ensemble's ``p_any`` (:class:`IdleTimeHazard`: the pooled
+table is a parameter estimated once on the fit window, the per-series idle
+times are re-read at every origin from the last ``lookback`` steps, so the cost
+of a forecast does not grow with the stored history).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+#: Activity bins (invoked steps seen: 0, 1, 2-3, ...) x age bins (half octaves of steps since the last one).
+N_ACTIVITY_BINS = 20
+N_AGE_BINS = 26
+
+
+def age_bin(age: np.ndarray) -> np.ndarray:
+    """Half-octave bins of steps since the last invocation (1, 1.4, 2, 2.8, ... capped)."""
+    return np.minimum(np.floor(np.log2(np.maximum(age, 1)) * 2).astype(np.int64), N_AGE_BINS - 1)
+
+
+def activity_bin(active_steps: np.ndarray) -> np.ndarray:
+    """Bins of how many invoked steps a series has had (0, 1, 2-3, ...)."""
+    return np.minimum(np.floor(np.log2(np.asarray(active_steps) + 1) * 1.5).astype(np.int64), N_ACTIVITY_BINS - 1)
+
+
+def empty_pool() -> tuple[np.ndarray, np.ndarray]:
+    """Pooled (events, exposure) tables with a weak prior of 0.1 events per unit of exposure."""
+    return np.full((N_ACTIVITY_BINS, N_AGE_BINS), 0.1), np.ones((N_ACTIVITY_BINS, N_AGE_BINS))
+
+
+def hazard(
+    hist: np.ndarray,
+    excess: np.ndarray,
+    active: np.ndarray,
+    ages: np.ndarray,
+    pooled: np.ndarray,
+    *,
+    max_age: int,
+    prior_weight: float,
+) -> np.ndarray:
+    """Per series ``h(age)``: own idle-time hazard shrunk to the pooled one; ``ages`` is ``(N,)`` or ``(N, K)``.
+
+    Args:
+        hist: ``(N, max_age + 2)`` idle-time counts; column ``a`` = idle times of
+            ``a`` steps, column ``max_age + 1`` = the longer ones.
+        excess: ``(N,)`` sum over the longer idle times of ``IT - max_age``.
+        active: ``(N,)`` invoked steps seen (selects the pooled activity bin).
+        ages: steps since the last invocation at each step asked for.
+        pooled: ``(N_ACTIVITY_BINS, N_AGE_BINS)`` pooled hazard.
+    """
+    ages = np.asarray(ages)
+    two_d = ages.ndim == 2
+    a2 = ages if two_d else ages[:, None]
+    h0 = pooled[activity_bin(active)[:, None], age_bin(a2)]
+    survival = np.cumsum(hist[:, ::-1], axis=1)[:, ::-1]
+    idx = np.minimum(np.maximum(a2, 1), max_age + 1)
+    rows = np.arange(len(hist))[:, None]
+    num = hist[rows, idx]
+    den = survival[rows, idx]
+    h = (num + prior_weight * h0) / (den + prior_weight)
+    # beyond the histogram's range: geometric tail fitted to the overflow idle times (MLE n / sum of excess)
+    n_over = hist[:, max_age + 1][:, None]
+    tail = (n_over + prior_weight * h0) / (excess[:, None] + prior_weight / np.maximum(h0, 1e-6))
+    h = np.where(a2 > max_age, tail, h)
+    return h if two_d else h[:, 0]
+
+
+def renewal_p_any(hazard_at, age0: np.ndarray, active: np.ndarray, horizon: int) -> np.ndarray:
+    """``(N, horizon)`` P(at least one invocation) in each of the next ``horizon`` steps.
+
+    ``hazard_at(ages, active)`` is the hazard (:func:`hazard` with the state
+    bound). Step ``k`` (0-based) is the first event with probability
+    ``f(k) = h(a+k) prod_{j<k} (1 - h(a+j))`` from the current age ``a``; after
+    an event the chain restarts at age 1 (renewal):
+    ``u(k) = f(k) + sum_{j<k} u(j) g(k-j)``, ``g`` the idle-time distribution
+    after an event.
+    """
+    n = len(age0)
+    k = np.arange(horizon)
+    h_now = hazard_at(age0[:, None] + k[None, :], active)
+    survive = np.cumprod(np.concatenate([np.ones((n, 1)), 1 - h_now[:, :-1]], axis=1), axis=1)
+    first = h_now * survive
+    if horizon == 1:
+        return first
+    h_new = hazard_at(np.tile(k[None, :] + 1, (n, 1)), active + 1)
+    s_new = np.cumprod(np.concatenate([np.ones((n, 1)), 1 - h_new[:, :-1]], axis=1), axis=1)
+    g = h_new * s_new  # g[:, d-1] = P(next event d steps after an event)
+    u = np.zeros_like(first)
+    u[:, 0] = first[:, 0]
+    for step in range(1, horizon):
+        u[:, step] = first[:, step] + (u[:, :step] * g[:, step - 1::-1]).sum(axis=1)
+    return np.clip(u, 0.0, 1.0)
+
+
+def idle_time_state(invoked: np.ndarray, max_age: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """From a boolean ``(N, W)`` window: idle-time histogram, overflow excess, active steps, last invoked column.
+
+    Vectorised over the invoked cells (cost grows with the number of invoked
+    steps in the window, not with the window's width). ``last`` is -1 for a
+    series with no invocation in the window.
+    """
+    n = invoked.shape[0]
+    rows, cols = np.nonzero(invoked)  # row-major: sorted by row, then column
+    hist = np.zeros((n, max_age + 2))
+    excess = np.zeros(n)
+    same = rows[1:] == rows[:-1]
+    gaps = (cols[1:] - cols[:-1])[same]
+    gap_rows = rows[1:][same]
+    np.add.at(hist, (gap_rows, np.minimum(gaps, max_age + 1)), 1.0)
+    over = gaps > max_age
+    if over.any():
+        excess += np.bincount(gap_rows[over], weights=(gaps[over] - max_age).astype(np.float64), minlength=n)
+    active = np.bincount(rows, minlength=n).astype(np.float64)
+    last = np.full(n, -1, dtype=np.int64)
+    np.maximum.at(last, rows, cols)
+    return hist, excess, active, last
+
+
+class IdleTimeHazard:
+    """``p_any`` from idle times, for the ensemble: pooled table fitted once, per-series state read at each origin.
+
+    Args:
+        max_age: idle times binned one step each up to this many steps.
+        prior_weight: pseudo-observations of the pooled hazard per series.
+        lookback: steps before an origin whose idle times describe a series
+            (and whose invoked steps select its activity bin); bounds the cost
+            of a forecast whatever the stored history's length.
+    """
+
+    name = "hazard"
+
+    def __init__(self, *, max_age: int = 240, prior_weight: float = 3.0, lookback: int = 1440):
+        self.max_age = int(max_age)
+        self.prior_weight = float(prior_weight)
+        self.lookback = int(lookback)
+
+    def fit(self, values: np.ndarray, *, chunk_rows: int = 512) -> "IdleTimeHazard":
+        """Estimate the pooled (activity, age) hazard on ``values`` ``(N, T)`` (NaN = unknown = not invoked).
+
+        Every step of the window is one exposure in the bin of its series'
+        activity (invoked steps in the ``lookback`` before it) and age (steps
+        since its last invoked step; never seen = beyond ``max_age``), and an
+        event if the step is invoked: the same bins :meth:`p_any` looks up.
+        """
+        events, exposure = empty_pool()
+        width = values.shape[1]
+        if width:
+            steps = np.arange(width)
+            for lo in range(0, values.shape[0], chunk_rows):
+                invoked = np.nan_to_num(values[lo:lo + chunk_rows], nan=0.0) > 0
+                last_incl = np.maximum.accumulate(np.where(invoked, steps, -1), axis=1)
+                last_before = np.concatenate([np.full((len(invoked), 1), -1), last_incl[:, :-1]], axis=1)
+                cum = np.concatenate([np.zeros((len(invoked), 1)), np.cumsum(invoked, axis=1)], axis=1)
+                active = cum[:, :-1] - cum[:, np.maximum(steps - self.lookback, 0)]
+                age = np.where(last_before >= 0, steps - last_before, steps + 1 + self.max_age)
+                cell = (activity_bin(active) * N_AGE_BINS + age_bin(age)).ravel()
+                size = N_ACTIVITY_BINS * N_AGE_BINS
+                exposure += np.bincount(cell, minlength=size).reshape(exposure.shape)
+                events += np.bincount(cell, weights=invoked.ravel().astype(np.float64),
+                                      minlength=size).reshape(events.shape)
+        self.pooled_ = events / exposure
+        return self
+
+    def p_any(self, values: np.ndarray, origins: Sequence[int], h: int) -> np.ndarray:
+        """``(N, len(origins), h)``: P(any invocation) at each origin and horizon, from columns before the origin."""
+        return self.p_any_state(values, origins, h)[0]
+
+    def p_any_state(self, values: np.ndarray, origins: Sequence[int], h: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`p_any` plus each series' age (steps since its last invocation) and active steps, ``(N, O)``."""
+        if not hasattr(self, "pooled_"):
+            raise RuntimeError("IdleTimeHazard is not fitted; call fit() first")
+        out = np.zeros((values.shape[0], len(origins), h))
+        ages = np.zeros((values.shape[0], len(origins)))
+        actives = np.zeros((values.shape[0], len(origins)))
+        for j, origin in enumerate(origins):
+            lo = max(0, int(origin) - self.lookback)
+            invoked = np.nan_to_num(values[:, lo:int(origin)], nan=0.0) > 0
+            hist, excess, active, last = idle_time_state(invoked, self.max_age)
+            width = invoked.shape[1]
+            age0 = np.where(last >= 0, width - last, width + 1 + self.max_age)
+
+            def hazard_at(ages, act, hist=hist, excess=excess):
+                return hazard(hist, excess, act, ages, self.pooled_, max_age=self.max_age,
+                              prior_weight=self.prior_weight)
+
+            out[:, j] = renewal_p_any(hazard_at, age0, active, h)
+            ages[:, j], actives[:, j] = age0, active
+        return out, ages, actives

@@ -1,0 +1,231 @@
+"""The ensemble's probability of any invocation per step (``p_any``), stacked and checked on the validation tail.
+
+The planner's warm/cold decision for a sparse model rests on ``p_any``, and a
+point forecast with residual quantiles describes a mostly-zero series badly:
+measured on the Azure day's first 300 functions (``bench/p_any_check.py``,
+before this module), 58% of the invoked minutes of sparse series got a
+residual ``p_any`` below 0.01. Several cheap estimates each see a different
+part of the picture:
+
+* ``residuals``: the ensemble's point forecast plus its validation residual
+  distribution (what ``p_any`` was before);
+* ``hazard``: the idle-time hazard chained over the horizon
+  (:class:`~forecaster.forecast.hazard.IdleTimeHazard`; timers and bursts);
+* ``recent``: the share of invoked steps in the last hour before the origin;
+* ``long``: the share over the last ``lookback`` steps (a causal climatology);
+* ``poisson``: ``1 - exp(-point)``, the point forecast read as a Poisson mean.
+
+``stacked`` is a logistic regression on their logits (clipped to
+``[1e-4, 1 - 1e-4]``), the log horizon and the horizon's interaction with the
+hazard and the recent share, fitted on every (series, origin, horizon) of the
+validation tail (at most :data:`MAX_POINTS` sampled). Whether the stack or a
+single estimate is used is decided on the same tail, cross-fitted: the
+regression is fitted on the even validation origins and scored (Brier) on the
+odd ones and vice versa; the method with the lowest cross-fitted Brier score
+wins (``scores_``, ``method_``) and, if it is the stack, is refitted on all of
+them. The residual estimate on the validation tail is itself cross-fitted by the
+ensemble (residual quantiles of the other fold), so no estimate is scored on the
+residuals it was built from.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from forecaster.forecast.hazard import IdleTimeHazard
+
+log = logging.getLogger(__name__)
+
+#: Validation points the logistic regression is fitted on at most (sampled with a fixed seed).
+MAX_POINTS = 400_000
+#: Estimates the stack combines, in feature order.
+SOURCES = ("residuals", "hazard", "recent", "long", "poisson")
+_EPS = 1e-4
+
+
+def p_any_folds(n_origins: int) -> np.ndarray:
+    """Fold (0 or 1) of each validation origin: the first half of them, then the second.
+
+    Contiguous halves, not alternating origins: neighbouring origins forecast
+    the same target steps at different horizons, so alternating folds would
+    score an estimate on invocations its other fold has already seen (on the
+    Azure day that made the residual estimate look better than the hazard on
+    sparse series, the reverse of what held later).
+    """
+    return (np.arange(n_origins) >= (n_origins + 1) // 2).astype(np.int64)
+
+
+def _logit(p: np.ndarray) -> np.ndarray:
+    p = np.clip(np.nan_to_num(p, nan=0.5), _EPS, 1 - _EPS)
+    return np.log(p / (1 - p))
+
+
+def _share(invoked: np.ndarray, known: np.ndarray) -> np.ndarray:
+    """Smoothed share of invoked steps, ``(k + 0.5) / (n + 1)``."""
+    return (invoked.sum(axis=-1) + 0.5) / (known.sum(axis=-1) + 1.0)
+
+
+class PAnyModel:
+    """``p_any`` per series, origin and horizon (see the module docstring).
+
+    Args:
+        method: ``"stacked"`` (choose on the validation tail) or ``"residuals"``.
+        lookback: steps the hazard and the long-run share read before an origin.
+        recent_steps: steps of the recent share (60 = one hour of minutes).
+    """
+
+    def __init__(self, *, method: str = "stacked", lookback: int = 1440, recent_steps: int = 60):
+        if method not in ("stacked", "residuals"):
+            raise ValueError(f"p_any must be 'stacked' or 'residuals', got {method!r}")
+        self.method = method
+        self.lookback = int(lookback)
+        self.recent_steps = int(recent_steps)
+        self.method_ = "residuals"
+        self.scores_: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ features
+    def estimates(self, values: np.ndarray, origins: Sequence[int], point: np.ndarray,
+                  p_resid: np.ndarray) -> dict[str, np.ndarray]:
+        """Each source's ``(N, O, h)`` estimate at the given origins (columns before each origin only)."""
+        n, o, h = point.shape
+        recent = np.zeros((n, o))
+        long = np.zeros((n, o))
+        for j, origin in enumerate(origins):
+            window = values[:, max(0, int(origin) - self.lookback):int(origin)]
+            known = ~np.isnan(window)
+            invoked = np.nan_to_num(window, nan=0.0) > 0
+            long[:, j] = _share(invoked, known)
+            recent[:, j] = _share(invoked[:, -self.recent_steps:], known[:, -self.recent_steps:])
+        hazard, age, active = self.hazard_.p_any_state(values, origins, h)
+        self._state = (age, active)
+        return {
+            "residuals": p_resid,
+            "hazard": hazard,
+            "recent": np.broadcast_to(recent[:, :, None], point.shape),
+            "long": np.broadcast_to(long[:, :, None], point.shape),
+            "poisson": 1.0 - np.exp(-np.clip(np.nan_to_num(point, nan=0.0), 0.0, None)),
+        }
+
+    def design(self, estimates: dict[str, np.ndarray]) -> np.ndarray:
+        """``(N, O, h, F)`` regression inputs: the sources' logits, log horizon, log age, log activity, interactions."""
+        shape = estimates["residuals"].shape
+        log_h = np.broadcast_to(np.log(np.arange(1, shape[2] + 1, dtype=np.float64)), shape)
+        age, active = self._state
+        log_age = np.broadcast_to(np.log(np.minimum(age, self.lookback + 1))[:, :, None], shape)
+        log_active = np.broadcast_to(np.log1p(active)[:, :, None], shape)
+        z = [_logit(estimates[name]) for name in SOURCES]
+        hazard, recent = z[1], z[2]
+        return np.stack([*z, log_h, log_age, log_active, hazard * log_h, recent * log_h], axis=-1)
+
+    # ------------------------------------------------------------------ fit / predict
+    def fit(self, values: np.ndarray, first: int, origins: Sequence[int], point: np.ndarray, p_resid: np.ndarray,
+            actual: np.ndarray, *, say: Callable[[str], None] | None = None) -> "PAnyModel":
+        """Fit on the validation tail: ``point``/``p_resid``/``actual`` are ``(N, O, h)`` at ``origins``.
+
+        The hazard's pooled table is estimated on ``values[:, :first]`` (the
+        members' training part), the choice and the regression on the tail.
+        """
+        say = say or log.info
+        self.hazard_ = IdleTimeHazard(lookback=self.lookback).fit(values[:, :first])
+        if self.method == "residuals":
+            return self
+        estimates = self.estimates(values, origins, point, p_resid)
+        known = ~np.isnan(actual)
+        if not known.any():
+            return self
+        target = np.nan_to_num(actual, nan=0.0) > 0
+        features = self.design(estimates)
+        segment = segment_of(estimates["long"])
+        fold = np.broadcast_to(p_any_folds(len(origins))[None, :, None], actual.shape)
+
+        def brier(p: np.ndarray, mask: np.ndarray) -> float:
+            return float(np.mean((p[mask] - target[mask]) ** 2))
+
+        stacked_cv = np.full(actual.shape, np.nan)
+        for f in (0, 1):
+            held = known & (fold == f)
+            stack = SegmentedStack().fit(features, target, segment, known & (fold != f))
+            stacked_cv[held] = stack.predict(features[held], segment[held])
+        self.scores_ = {name: brier(estimates[name], known) for name in SOURCES}
+        if np.isfinite(stacked_cv[known]).all():
+            self.scores_["stacked"] = brier(stacked_cv, known)
+        self.method_ = min(self.scores_, key=self.scores_.get)
+        if self.method_ == "stacked":
+            self.stack_ = SegmentedStack().fit(features, target, segment, known)
+        say("ensemble: p_any on the validation tail (Brier, cross-fitted): "
+            + ", ".join(f"{k} {v:.4f}" for k, v in self.scores_.items()) + f"; using {self.method_}")
+        return self
+
+    def predict(self, values: np.ndarray, origins: Sequence[int], point: np.ndarray,
+                p_resid: np.ndarray) -> np.ndarray:
+        """``(N, O, h)`` p_any by the chosen method."""
+        if self.method_ == "residuals":
+            return p_resid
+        estimates = self.estimates(values, origins, point, p_resid)
+        if self.method_ != "stacked":
+            return np.array(estimates[self.method_], dtype=np.float64)
+        features = self.design(estimates)
+        segment = segment_of(estimates["long"])
+        return self.stack_.predict(features.reshape(-1, features.shape[-1]), segment.ravel()).reshape(point.shape)
+
+
+#: Edges of the activity segments (long-run share of invoked steps) that get a regression of their own.
+SEGMENT_EDGES = (0.02, 0.1, 0.3, 0.7)
+
+
+def segment_of(long_share: np.ndarray) -> np.ndarray:
+    """Activity segment of each point (0 = rarely invoked .. 4 = nearly always)."""
+    return np.searchsorted(np.asarray(SEGMENT_EDGES), np.asarray(long_share), side="right")
+
+
+class SegmentedStack:
+    """One logistic regression per activity segment, the pooled one where a segment has too few points.
+
+    A rarely invoked series and a busy one weigh the sources differently (the
+    hazard knows a timer's period; the residuals of a busy series' point
+    forecast know its level), so one global weighting trades one for the other.
+    """
+
+    min_points = 2_000
+
+    def fit(self, features: np.ndarray, target: np.ndarray, segment: np.ndarray, mask: np.ndarray
+            ) -> "SegmentedStack":
+        flat_x = features.reshape(-1, features.shape[-1])
+        flat_y = target.ravel()
+        flat_s = segment.ravel()
+        rows = np.flatnonzero(mask.ravel())
+        self.pooled_ = _logistic(flat_x, flat_y, rows)
+        self.by_segment_ = {}
+        for seg in np.unique(flat_s[rows]):
+            mine = rows[flat_s[rows] == seg]
+            if len(mine) >= self.min_points:
+                self.by_segment_[int(seg)] = _logistic(flat_x, flat_y, mine)
+        return self
+
+    def predict(self, features: np.ndarray, segment: np.ndarray) -> np.ndarray:
+        out = np.empty(len(features))
+        for seg in np.unique(segment):
+            rows = segment == seg
+            model = self.by_segment_.get(int(seg)) or self.pooled_
+            out[rows] = model(features[rows])
+        return out
+
+
+def _logistic(x: np.ndarray, y: np.ndarray, rows: np.ndarray):
+    """A fitted logistic regression on ``rows`` (at most :data:`MAX_POINTS`, fixed seed) as ``x -> p``.
+
+    With one class only, the smoothed share of that class.
+    """
+    from sklearn.linear_model import LogisticRegression
+
+    if len(rows) > MAX_POINTS:
+        rows = np.sort(np.random.default_rng(0).choice(rows, MAX_POINTS, replace=False))
+    labels = y[rows]
+    if labels.all() or not labels.any():
+        share = (labels.sum() + 0.5) / (len(labels) + 1.0)
+        return lambda features: np.full(len(features), share)
+    model = LogisticRegression(C=1.0, max_iter=500).fit(x[rows], labels)
+    return lambda features: model.predict_proba(features)[:, 1]

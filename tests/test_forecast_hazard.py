@@ -1,0 +1,89 @@
+"""Idle-time hazards and the ensemble's stacked p_any (forecaster/forecast/hazard.py, p_any.py)."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from forecaster.forecast.ensemble import Ensemble
+from forecaster.forecast.hazard import IdleTimeHazard, idle_time_state
+from forecaster.forecast.members import MovingAverage, actuals
+from forecaster.forecast.p_any import PAnyModel, p_any_folds, segment_of
+from forecaster.forecast.panel import Panel
+
+
+def test_idle_time_state_counts_gaps_by_hand():
+    invoked = np.array([[0, 1, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0, 1]], dtype=bool)
+    hist, excess, active, last = idle_time_state(invoked, max_age=4)
+    assert hist[0, 3] == 1 and hist[0, 1] == 1 and hist[0].sum() == 2  # gaps 3 and 1
+    assert hist[1].sum() == 0 and last[1] == -1 and active[1] == 0
+    assert hist[2, 5] == 1 and excess[2] == 2  # gap 6 > max_age 4: overflow bin, excess 6 - 4
+    assert list(active) == [3, 0, 2] and list(last) == [5, -1, 6]
+
+
+def timer_panel(n_steps: int = 600, period: int = 10) -> np.ndarray:
+    values = np.zeros((2, n_steps))
+    values[0, ::period] = 1.0  # a timer
+    values[1, 5::97] = 1.0  # rare calls
+    return values
+
+
+def test_hazard_of_a_timer_peaks_at_its_period_and_is_causal():
+    values = timer_panel()
+    model = IdleTimeHazard(max_age=60).fit(values[:, :400])
+    origin = 501  # last call at 500: the next is due 9 steps ahead (step 510)
+    p = model.p_any(values, [origin], 12)[0, 0]
+    assert p[9] > 0.8
+    assert p[:8].max() < 0.2
+    later = values.copy()
+    later[:, origin:] = 7.0  # what happens at or after the origin must not matter
+    assert np.array_equal(model.p_any(later, [origin], 12), model.p_any(values, [origin], 12))
+
+
+def test_p_any_folds_are_contiguous_halves():
+    assert list(p_any_folds(5)) == [0, 0, 0, 1, 1]
+    assert list(segment_of(np.array([0.0, 0.05, 0.2, 0.5, 0.9]))) == [0, 1, 2, 3, 4]
+
+
+def test_p_any_method_is_validated():
+    with pytest.raises(ValueError, match="p_any must be"):
+        PAnyModel(method="magic")
+
+
+def sparse_panel(seed: int = 0, n_steps: int = 720) -> Panel:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(12):
+        period = 7 + i
+        row = np.zeros(n_steps)
+        row[i::period] = 1.0  # timers of different periods
+        rows.append(row)
+    for rate in (0.02, 0.05, 0.1, 3.0):
+        rows.append(rng.poisson(rate, n_steps).astype(float))
+    values = np.array(rows)
+    ids = np.array([f"s{i:02d}" for i in range(len(values))], dtype=object)
+    return Panel(ids=ids, start=pd.Timestamp("2024-01-01", tz="UTC"), step=pd.Timedelta(minutes=1), values=values)
+
+
+def test_stacked_p_any_beats_the_residual_p_any_on_timers():
+    """The residual p_any of a smooth point forecast cannot see a timer's phase; the hazard can."""
+    panel = sparse_panel()
+    fit_steps = 600
+    train = Panel(panel.ids, panel.start, panel.step, panel.values[:, :fit_steps])
+    origins = list(range(fit_steps, 710, 5))
+    stacked = Ensemble([MovingAverage(window=30)], horizon=10, refit=False).fit_panel(train)
+    plain = Ensemble([MovingAverage(window=30)], horizon=10, refit=False, p_any="residuals").fit_panel(train)
+    assert stacked.p_any_model_.method_ != "residuals"
+    assert set(stacked.p_any_model_.scores_) >= {"residuals", "hazard", "recent", "long", "poisson"}
+    y = actuals(panel.values, origins, 10) > 0
+    brier = {}
+    for name, model in (("stacked", stacked), ("residuals", plain)):
+        p = model.forecast(panel, origins, 10)["p_any"]
+        assert np.all((p >= 0) & (p <= 1))
+        brier[name] = float(np.mean((p - y) ** 2))
+    assert brier["stacked"] < 0.5 * brier["residuals"], brier
+
+
+def test_one_member_wrappers_keep_the_residual_p_any():
+    panel = sparse_panel(n_steps=300)
+    model = Ensemble([MovingAverage(window=30)], horizon=5, fallback=False, refit=False).fit_panel(panel)
+    assert model.p_any_model_.method_ == "residuals"
