@@ -344,3 +344,20 @@ def test_heads_are_chosen_per_series_and_exact_series_keep_residual_bounds() -> 
     for column in ("q0.1", "ensemble", "q0.9"):  # exact forecasts, zero-width residual bounds
         np.testing.assert_array_equal(arrays[column][timer_rows], actual[timer_rows])
     assert (arrays["q0.9"][~timer_rows] > arrays["ensemble"][~timer_rows]).mean() > 0.5
+
+
+def test_shrunk_scores_follow_the_segment_without_evidence_and_the_series_with_it():
+    from forecaster.forecast.ensemble import shrunk_scores
+
+    # three sparse series (same segment); member 0 is better on two of them, member 1 on the third
+    mae = np.array([[1.0, 2.0], [1.0, 2.0], [2.0, 1.0]])
+    values = np.zeros((3, 100))
+    values[:, ::50] = 1.0
+    silent = np.zeros((3, 2, 5))
+    score = shrunk_scores(mae, values, silent, shrinkage=20.0)
+    assert (score.argmin(axis=1) == 0).all()  # no invoked validation step: the segment's choice
+    busy_tail = np.ones((3, 20, 5))
+    score = shrunk_scores(mae, values, busy_tail, shrinkage=20.0)
+    assert list(score.argmin(axis=1)) == [0, 0, 1]  # 100 invoked steps each: their own errors
+    mae[2, 1] = np.inf  # a member not available stays unavailable
+    assert np.isinf(shrunk_scores(mae, values, busy_tail, shrinkage=20.0)[2, 1])

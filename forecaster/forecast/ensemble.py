@@ -206,7 +206,13 @@ class Ensemble:
             q0.95 <= q0.99 always holds).
         validation_steps: the tail ``V``; ``None`` = ``min(max(4 * horizon, T // 5), T // 2)``.
         stride: steps between validation origins; ``None`` = ``max(1, horizon // 5)``.
-        weighting: ``"inverse_error"`` or ``"best"``.
+        weighting: ``"inverse_error"``, ``"best"`` or ``"shrunk"`` (the best member
+            per series by :func:`shrunk_scores`: its own relative validation
+            error shrunk towards its activity segment's, so that a series with
+            little evidence on the tail takes the member that does best on
+            series like it).
+        shrinkage: pseudo-observations (invoked validation steps) of the
+            segment's errors in ``"shrunk"``.
         power: exponent of the inverse error.
         refit: refit members on the whole window after validation.
         min_history: series with fewer known steps in the fit window use the fallback alone.
@@ -277,6 +283,7 @@ class Ensemble:
         stride: int | None = None,
         weighting: str = "best",
         power: float = 1.0,
+        shrinkage: float = 20.0,
         refit: bool = True,
         min_history: int = 30,
         min_residuals: int = 10,
@@ -295,6 +302,7 @@ class Ensemble:
         self.stride = stride
         self.weighting = weighting
         self.power = power
+        self.shrinkage = float(shrinkage)
         self.refit = refit
         self.min_history = min_history
         self.min_residuals = min_residuals
@@ -312,8 +320,8 @@ class Ensemble:
         return self.fit_panel(Panel.from_long(df))
 
     def fit_panel(self, panel: Panel) -> Ensemble:
-        if self.weighting not in ("inverse_error", "best"):
-            raise ValueError(f"weighting must be 'inverse_error' or 'best', got {self.weighting!r}")
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}")
         say = self.progress or log.info
         h = self.horizon
         tail = self.validation_steps or min(max(4 * h, panel.n_steps // 5), panel.n_steps // 2)
@@ -370,7 +378,7 @@ class Ensemble:
             mae = np.nanmean(np.abs(stacked - actual[None]), axis=(2, 3)).T  # (N, M)
         self.member_names_ = [m.name for m in fitted]
         self.validation_mae_ = mae
-        self.weights_ = self._weights(mae, panel)
+        self.weights_ = self._weights(mae, panel, actual)
         point = _combine(stacked, self.weights_)
         self._calibrate(point, actual, stacked, origins)
         self._calibrate_heads(point, actual, head_forecasts)
@@ -513,14 +521,16 @@ class Ensemble:
             self.head_offsets_[tau] = offsets
             self.head_base_[tau] = base
 
-    def _weights(self, mae: np.ndarray, panel: Panel) -> np.ndarray:
+    def _weights(self, mae: np.ndarray, panel: Panel, actual: np.ndarray | None = None) -> np.ndarray:
         """Per-series weights ``(N, M)`` from validation MAE (NaN = member not available)."""
         n, m = mae.shape
         available = np.isfinite(mae)
         fallback = m - 1
         available[:, fallback] = True
         safe = np.where(available, np.nan_to_num(mae, nan=0.0), np.inf)
-        if self.weighting == "best":
+        if self.weighting == "shrunk":
+            safe = shrunk_scores(safe, panel.values, actual, self.shrinkage)
+        if self.weighting in ("best", "shrunk"):
             best = np.argmin(safe, axis=1)
             # on a tie (all-zero validation tails are common) the simplest member wins
             tie = safe[:, fallback] <= safe[np.arange(n), best] * (1 + 1e-9) + 1e-12
@@ -695,6 +705,41 @@ def _combine(stacked: np.ndarray, weights: np.ndarray) -> np.ndarray:
         combined = (np.nan_to_num(stacked) * w).sum(axis=0) / total
     # the fallback (last member) is always finite: it covers rows whose weighted members all failed
     return np.where(total > 0, combined, stacked[-1])
+
+
+WEIGHTINGS = ("best", "inverse_error", "shrunk")
+
+
+def shrunk_scores(mae: np.ndarray, values: np.ndarray, actual: np.ndarray | None, shrinkage: float) -> np.ndarray:
+    """Per series and member, validation error relative to the series' typical member, shrunk to its segment's.
+
+    ``rel[i, m] = MAE[i, m] / mean_m MAE[i, m]``; the segment of a series is its
+    activity (share of invoked steps in the fit window, the bins of
+    :data:`~forecaster.forecast.p_any.SEGMENT_EDGES`); the score is
+    ``(e_i rel[i, m] + k pooled[seg_i, m]) / (e_i + k)`` with ``e_i`` the
+    series' invoked validation steps and ``pooled`` the segment's mean of
+    ``rel``. On a tail where a sparse series is invoked twice, its own ranking
+    of the members is mostly noise; the segment's is not. ``inf`` (a member
+    not available) stays ``inf``.
+    """
+    from forecaster.forecast.p_any import segment_of
+
+    finite = np.isfinite(mae)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        typical = np.nanmean(np.where(finite, mae, np.nan), axis=1, keepdims=True)
+        rel = np.where(finite, mae / np.where(typical > 0, typical, 1.0), np.nan)
+    invoked = np.nan_to_num(values, nan=0.0) > 0
+    segment = segment_of(invoked.mean(axis=1) if values.shape[1] else np.zeros(len(values)))
+    pooled = np.full_like(rel, np.nan)
+    for seg in np.unique(segment):
+        rows = segment == seg
+        with np.errstate(invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            pooled[rows] = np.nanmean(rel[rows], axis=0)
+    evidence = np.zeros(len(mae)) if actual is None else (np.nan_to_num(actual, nan=0.0) > 0).sum(axis=(1, 2))
+    score = (evidence[:, None] * np.nan_to_num(rel, nan=0.0) + shrinkage * np.nan_to_num(pooled, nan=0.0)) / (
+        evidence[:, None] + shrinkage)
+    return np.where(finite, score, np.inf)
 
 
 def residual_p_any(point: np.ndarray, spread: np.ndarray, grid: np.ndarray) -> np.ndarray:
