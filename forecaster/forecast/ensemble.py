@@ -19,8 +19,9 @@ Fitting (``Ensemble.fit``), on a fit window of ``T`` steps:
    (common: an all-zero tail) the fallback wins;
 4. the weighted forecasts' residuals on the tail give, per series and horizon,
    an empirical residual distribution (split conformal): ``q_tau = point +
-   Q_tau(residuals)`` clipped at 0, and ``p_any = P(point + residual >= 0.5)``
-   = probability of at least one invocation in the step;
+   Q_tau(residuals)`` clipped at 0; ``P(point + residual >= 0.5)`` is the
+   residual estimate of ``p_any``, the probability of at least one invocation
+   in the step (step 7 turns it into the ``p_any`` output);
 5. quantile heads (``quantile_heads``; on by default when a LightGBM member is
    in the ensemble): one global LightGBM per outer level (q0.1, q0.9) with the
    quantile objective on the LightGBM member's features, fitted on the same
@@ -36,7 +37,13 @@ Fitting (``Ensemble.fit``), on a fit window of ``T`` steps:
    and narrow elsewhere; series forecast exactly (timers) or idle keep their
    residual bounds, and only the series that use a head pay for its forecast;
 6. with ``refit=True`` the members (and the chosen heads) are refitted on the
-   whole window (weights and quantile offsets stay those of steps 3-5).
+   whole window (weights and quantile offsets stay those of steps 3-5);
+7. ``p_any`` (``p_any="stacked"``, the default with the fallback): the residual
+   estimate, an idle-time hazard, the recent and long-run shares of invoked
+   steps and the point forecast read as a Poisson mean, combined by a logistic
+   regression per activity segment on the validation tail, or the single one of
+   them that scores better there (cross-fitted Brier score on contiguous
+   halves of the validation origins; :mod:`forecaster.forecast.p_any`).
 
 A member that raises in fit or forecast is reported in ``failures_`` and
 skipped; the ``Fallback`` member always remains, and a series with fewer than
