@@ -22,17 +22,26 @@ Members (the ensemble's member kinds, STYLE.md contract: ``__init__`` stores
 settings, ``fit`` returns ``self``, fitted state ends in ``_``):
 
 * :class:`TreePhaseMember`: one LightGBM per target (each phase and the
-  total) on log seconds, features: cache tier, log sizes, node bandwidth, concurrency, hour,
-  the bandwidth prior of :mod:`forecaster.coldstart.physics`, and the last and
-  median recent cold start of the same model and tier;
-* :class:`RecentLatencyMember`: per (model, tier), an exponentially weighted
-  mean of the tree member's recent log errors: it tracks drift (a slower
-  registry, a new image) between refits.
+  total) on log seconds, features: cache tier, log sizes, node bandwidth,
+  concurrency, the bandwidth prior of :mod:`forecaster.coldstart.physics`, and
+  the history (:data:`HISTORY_LEVELS`): the last and median recent cold start
+  of the same (model, tier) and of the same (model, node, tier), and the
+  node's own speed (median log error of the prior on that node, per tier and
+  over all tiers). No hour of day: trees on it extrapolate to hours the
+  training window never saw; peak hours enter through the prior only.
+* :class:`RecentLatencyMember`: an exponentially weighted mean of the tree
+  member's recent log errors per (model, node, tier), falling back to (node,
+  tier), then (model, tier): it tracks drift (a slower registry, a degraded
+  node) between refits.
+* the (model, node, tier) trailing median (``log_median_node_total``).
 
-:class:`ColdStartModel` adds the second's correction to the first's log
-prediction with a weight chosen on the last 20 % (by time) of the training
-events; with fewer than ``min_events`` events it answers with the physics prior
-alone (no data yet is a normal answer, not an error).
+:class:`ColdStartModel` adds the recent member's correction to the trees' log
+prediction and blends in the node's trailing median, with the two weights
+chosen by a fixed rule on the last 20 % (by time) of the training events (see
+its docstring; ``validation_`` keeps the figures). A node with no history gets
+the model's and tier's history, then the global; with fewer than
+``min_events`` events it answers with the physics prior alone (no data yet is
+a normal answer, not an error).
 """
 
 from __future__ import annotations
