@@ -22,6 +22,14 @@ Usage:
    trailing median of the same (model, tier), of the same (model, node, tier),
    and of the same (node, tier).
 
+   What the model shares with the generator, and what it does not: both
+   start from the fleet-wide FleetConfig physics (byte counts over default
+   rates), so the prior knows how a start scales with the model's sizes and
+   the tier; it does not know any node's rates (slow nodes are 3-6x slower
+   on the network, 6-30x on disk, 1.5-3x on runtime init), their drift or
+   degradation, which it has to learn from each node's history. The
+   baselines use no prior at all.
+
 The earlier simulated-event check (the simulator's own events against a prior
 with the simulator's own parameters) was circular and is no longer reported.
 """
