@@ -7,7 +7,8 @@ Usage:
    configuration's next measured day; fit before 2025-06-01, conditioned on the
    latest lags after it (no refit). Members vs last value and trailing median
    (a configuration is the only "node" there, so the per-node baselines are
-   these).
+   these). Beside them, a non-causal reference (:func:`lambda_noise_floor`):
+   a centred 7-day median that sees the target day.
 2. Per-node replay (:func:`node_replay_events`): cold starts of the catalogue's
    models on 100 heterogeneous nodes, bimodal (fast local NVMe and network vs
    slow network-attached disks and links: a few seconds vs tens of seconds),
@@ -48,7 +49,7 @@ import pandas as pd
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from forecaster.coldstart.lambda_perf import LAMBDA_FILE, evaluate_lambda  # noqa: E402
+from forecaster.coldstart.lambda_perf import LAMBDA_FILE, evaluate_lambda, load_lambda  # noqa: E402
 from forecaster.coldstart.model import ColdStartModel, baseline_predictions  # noqa: E402
 from forecaster.settings import load_settings  # noqa: E402
 from forecaster.contracts.fleetconfig import FleetConfig  # noqa: E402
@@ -94,6 +95,24 @@ def simulated_events_check(events: pd.DataFrame, config: FleetConfig, chunks: in
             "model_vs_best_baseline_pct": 100.0 * (methods["model"]["mae_s"] / methods[best]["mae_s"] - 1.0),
             "model_vs_node_trailing_median_pct":
                 100.0 * (methods["model"]["mae_s"] / methods["node_trailing_median"]["mae_s"] - 1.0)}
+
+
+def lambda_noise_floor(path: Path, split_date: str = "2025-06-01", window: int = 7) -> dict:
+    """A reference, not a forecaster: MAE of each configuration's centred median of ``window`` days (the target
+    day included, so it sees the future) on the test days, beside the causal trailing median on the same days.
+
+    A 20 % cut below the trailing median on Lambda asks for about what this non-causal smoother reaches.
+    """
+    frame = load_lambda(path)
+    test = (frame["date"] >= pd.Timestamp(split_date)).to_numpy()
+    by = frame.groupby("config", sort=False)["y"]
+    centred = by.transform(lambda v: v.rolling(window, center=True, min_periods=1).median()).to_numpy()
+    trailing = by.transform(lambda v: v.shift(1).rolling(window, min_periods=1).median()).to_numpy()
+    ok = test & np.isfinite(trailing)
+    y = frame["y"].to_numpy()
+    return {"window_days": window, "rows": int(ok.sum()),
+            "centred_median_mae_ms": float(np.abs(centred[ok] - y[ok]).mean()),
+            "trailing_median_mae_ms": float(np.abs(trailing[ok] - y[ok]).mean())}
 
 
 def node_replay_events(n_nodes: int = 100, n_events: int = 12_000, days: float = 14.0, seed: int = 0
@@ -158,6 +177,8 @@ def run(traces: Path, configs: int | None = None, quick: bool = False, lambda_ch
         started = time.perf_counter()
         out["aws_lambda"] = evaluate_lambda(traces / LAMBDA_FILE, configs=configs or (60 if quick else None))
         out["aws_lambda"]["wall_s"] = time.perf_counter() - started
+        if configs is None and not quick:
+            out["aws_lambda"]["noise_floor_reference"] = lambda_noise_floor(traces / LAMBDA_FILE)
         print(f"lambda done in {out['aws_lambda']['wall_s']:.0f} s", file=sys.stderr, flush=True)
     events = node_replay_events(n_events=4_000 if quick else 12_000)
     slow_share = float(events["_slow_node"].mean())
