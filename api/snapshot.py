@@ -9,7 +9,9 @@ from what it holds, and says the answer is stale.
 
 Each model's lead time is the planner's: the latency model's predicted start
 from the warmest state the model is cached in on any node (``none`` when
-uncached), plus the planner's margins (:func:`forecaster.planning.lead_time.lead_time_s`).
+uncached), plus the planner's margins (:func:`forecaster.planning.lead_time.lead_time_s`). The latency is
+per node, reduced the way the planner reduces it (the nodes holding that state with room for a replica,
+:func:`forecaster.planning.fleet.node_latency`), so the API's lead is the plan job's.
 """
 
 from __future__ import annotations
@@ -120,14 +122,20 @@ class ForecastSnapshot:
                                "weights_bytes": [float(r[3] or 0) for r in catalogue]},
                               index=pd.Index([r[0] for r in catalogue], name="model_id"))
         try:
-            table = latency_table(self.engine, settings, models, hour=now.astimezone(timezone.utc).hour)
+            from forecaster.jobs.planning import fleet_from_store  # the plan job's own fleet, for its node choice
+
+            fleet = fleet_from_store(self.engine, now=now, default_cold_cost=settings.planner_cold_cost)
+            nodes = list(fleet.nodes.index.astype(str)) if len(fleet.nodes) else None
+            table = latency_table(self.engine, settings, models, hour=now.astimezone(timezone.utc).hour,
+                                  nodes=nodes)
             self.latency_model_version = latency_version(self.engine, settings)
         except OperationalError:
             raise
         except Exception:  # noqa: BLE001 - a broken latency model must not stop forecasts being served
             log.exception("latency model unavailable; lead times fall back to the default")
             return None
-        return lead_time_s(table, states, planner_settings_for(settings), model_ids=models.index)
+        return lead_time_s(table, states, planner_settings_for(settings), model_ids=models.index,
+                           fleet=None if nodes is None else fleet)
 
     def refresh_if_due(self) -> None:
         if time.monotonic() - self._last_refresh >= self.refresh_s:

@@ -22,7 +22,7 @@ from forecaster.contracts.actions import ActionKind
 from forecaster.contracts.phases import PHASES
 from forecaster.ingest.service import push_cold_starts, push_transfers
 from forecaster.jobs.planning import fleet_from_store, predicted_latency, stored_forecast
-from forecaster.planning.fleet import PlannerSettings
+from forecaster.planning.fleet import PlannerSettings, node_latency
 from forecaster.planning.lead_time import lead_time_s, warmest_states
 from forecaster.planning.planner import plan
 from forecaster.store.catalog import ServingModelSpec, upsert_models
@@ -81,8 +81,9 @@ def test_the_api_lead_time_is_the_latency_models_prediction_the_planner_uses(eng
     latency = predicted_latency(engine, store_fleet, now=NOW, settings=settings)
     states = warmest_states(store_fleet)
     assert states.to_dict() == {"a": "disk", "b": "image", "c": "none"}
-    expected = lead_time_s(latency, states, planner_settings_for(settings))
-    by_state = latency.set_index(["model_id", "state"])["total_s"]
+    assert set(latency["node_id"]) == {"n1", "n2"}  # the plan job asks per node of the fleet
+    expected = lead_time_s(latency, states, planner_settings_for(settings), fleet=store_fleet)
+    by_state = node_latency(latency, store_fleet).set_index(["model_id", "state"])["total_s"]
     for model, state in states.items():  # the lead is the planner's margins on the model's predicted total
         assert expected[model] == pytest.approx(PlannerSettings().lead(by_state[(model, state)]), rel=1e-12)
     assert expected["c"] > expected["a"] and len(set(expected.round(3))) == 3
@@ -111,3 +112,25 @@ def test_the_api_lead_time_is_the_latency_models_prediction_the_planner_uses(eng
     for model, action in first_scale.items():
         started_before_spike = SPIKE_MIN * 60.0 - (action.not_before - NOW).total_seconds()
         assert started_before_spike == pytest.approx(expected[model], abs=1e-3), model
+
+
+def test_the_api_answers_for_a_node(engine, settings, fleet):
+    """``?node=``: the lead of a start on that node from the state it holds; an unknown node is a 404."""
+    store_fleet = fleet_from_store(engine, now=NOW)
+    latency = predicted_latency(engine, store_fleet, now=NOW, settings=settings)
+    by = latency.set_index(["model_id", "node_id", "state"])["total_s"]
+    lead = planner_settings_for(settings).lead
+    token = create_token(engine, name="read", scopes=["read"])
+    with TestClient(create_app(settings, engine, clock=lambda: NOW)) as client:
+        client.headers["Authorization"] = f"Bearer {token}"
+        on_n1 = client.get("/v1/models/a/coldstarts", params={"node": "n1"}).json()
+        on_n2 = client.get("/v1/models/a/coldstarts", params={"node": "n2"}).json()
+        assert (on_n1["node_id"], on_n1["lead_time_start_state"]) == ("n1", "disk")  # a's weights on n1's disk
+        assert (on_n2["node_id"], on_n2["lead_time_start_state"]) == ("n2", "none")
+        assert on_n1["lead_time_s"] == pytest.approx(float(lead(by[("a", "n1", "disk")])), rel=1e-9)
+        assert on_n2["lead_time_s"] == pytest.approx(float(lead(by[("a", "n2", "none")])), rel=1e-9)
+        assert on_n2["lead_time_s"] > on_n1["lead_time_s"]
+        assert client.get("/v1/models/a/coldstarts").json()["node_id"] is None
+        missing = client.get("/v1/models/a/coldstarts", params={"node": "n9"})
+        assert missing.status_code == 404 and "unknown node" in missing.text
+        assert client.get("/v1/models/a/coldstarts", params={"node": ""}).status_code == 422

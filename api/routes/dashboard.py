@@ -114,6 +114,9 @@ class ColdStartsPublic(BaseModel):
                                               "from (its warmest cached state on any node).")
     latency_model_version: str | None = Field(default=None, description="Latency model version (None: the "
                                               "physics prior, no model trained yet).")
+    node_id: str | None = Field(default=None, description="The node asked for (``node`` query): the lead time "
+                                "and start state are then those of a start on that node, from its own history "
+                                "(falling back to the model's and tier's when the node has none).")
     observed_median_s: float | None = Field(default=None, description="Median total seconds of the last 20 "
                                             "observed cold starts (None: none observed).")
     note: str | None = None
@@ -260,8 +263,17 @@ def get_series(model_id: str, engine: EngineDep, settings: SettingsDep, clock: C
 async def get_cold_starts(model_id: str, request: Request, engine: EngineDep, settings: SettingsDep,
                           clock: ClockDep, _: ReadToken, start: datetime | None = _START,
                     end: datetime | None = Query(None, description="End, exclusive (UTC); default now."),
-                    limit: int = Query(10_000, ge=1, le=100_000)) -> ColdStartsPublic:
-    """Observed cold starts that began in the window; predicted ones only where the store holds them."""
+                    limit: int = Query(10_000, ge=1, le=100_000),
+                    node: str | None = Query(None, min_length=1, max_length=200,
+                                             description="A node id: the lead time of a start of this model on "
+                                                         "that node (404 when the fleet has no such node).")
+                    ) -> ColdStartsPublic:
+    """Observed cold starts that began in the window; predicted ones only where the store holds them.
+
+    With ``node``, ``lead_time_s`` and ``lead_time_start_state`` are those of a start on that node (the
+    latency model's per-node prediction from the state the node holds the model in, plus the planner's
+    margins); an unknown node is a 404.
+    """
     default_end = _floor_minute(clock().astimezone(timezone.utc)) + MINUTE
     start, end = _window(start, end, default_end=default_end, default_span=timedelta(days=1))
 
@@ -282,6 +294,21 @@ async def get_cold_starts(model_id: str, request: Request, engine: EngineDep, se
         await run_in_threadpool(snapshot.refresh)
         model_view = snapshot.get(model_id)
     predicted = model_view is not None and model_view.lead_time_s is not None
+    if node is not None:
+        try:
+            on_node = await run_in_threadpool(_node_lead_time, engine, settings, clock(), model_id, node)
+        except OperationalError:
+            raise _unavailable(settings) from None
+        if on_node is None:
+            raise HTTPException(status_code=404, detail=f"unknown node {node!r}")
+        lead, state = on_node
+        return ColdStartsPublic(
+            model_id=model_id, start=start, end=end, observed=[ColdStartPublic(**e) for e in view.observed],
+            predicted=view.predicted, predicted_stored=view.predicted_stored, lead_time_s=lead,
+            lead_time_source="latency_model", lead_time_start_state=state,
+            latency_model_version=snapshot.latency_model_version, observed_median_s=view.lead_time_s,
+            node_id=node,
+            note=None if view.predicted_stored else "no cold-start predictions are stored; showing observed only")
     return ColdStartsPublic(
         model_id=model_id, start=start, end=end, observed=[ColdStartPublic(**e) for e in view.observed],
         predicted=view.predicted, predicted_stored=view.predicted_stored,
@@ -291,6 +318,31 @@ async def get_cold_starts(model_id: str, request: Request, engine: EngineDep, se
         latency_model_version=snapshot.latency_model_version, observed_median_s=view.lead_time_s,
         note=None if view.predicted_stored else "no cold-start predictions are stored; showing observed only",
     )
+
+
+def _node_lead_time(engine, settings, now: datetime, model_id: str, node: str) -> tuple[float, str] | None:
+    """(lead seconds, start state) of a start of ``model_id`` on ``node``; None when the fleet has no such node."""
+    import pandas as pd
+
+    from api.snapshot import planner_settings_for
+    from forecaster.coldstart.service import latency_table
+    from forecaster.jobs.planning import fleet_from_store
+    from forecaster.planning.fleet import node_states
+    from forecaster.planning.lead_time import lead_time_s
+
+    fleet = fleet_from_store(engine, now=now, default_cold_cost=settings.planner_cold_cost)
+    if node not in set(fleet.nodes.index.astype(str)):
+        return None
+    if model_id in set(fleet.models.index.astype(str)):
+        held = node_states(fleet)
+        state = str(held.loc[(held["model_id"] == model_id) & (held["node_id"] == node), "state"].iloc[0])
+        sizes = fleet.models.loc[[model_id], ["image_bytes", "weights_bytes"]]
+    else:  # in the catalogue but not plannable (e.g. no usable sizes): nothing cached, sizes unknown
+        state, sizes = "none", pd.DataFrame({"image_bytes": [0.0], "weights_bytes": [0.0]}, index=[model_id])
+    table = latency_table(engine, settings, sizes, hour=now.astimezone(timezone.utc).hour, nodes=[node])
+    lead = lead_time_s(table.drop(columns="node_id"), {model_id: state}, planner_settings_for(settings),
+                       model_ids=[model_id])
+    return float(lead[model_id]), state
 
 
 @router.get("/models/{model_id}/actions", response_model=TimelinePublic, responses=_UNKNOWN_MODEL)

@@ -22,22 +22,32 @@ Members (the ensemble's member kinds, STYLE.md contract: ``__init__`` stores
 settings, ``fit`` returns ``self``, fitted state ends in ``_``):
 
 * :class:`TreePhaseMember`: one LightGBM per target (each phase and the
-  total) on log seconds, features: cache tier, log sizes, node bandwidth, concurrency, hour,
-  the bandwidth prior of :mod:`forecaster.coldstart.physics`, and the last and
-  median recent cold start of the same model and tier;
-* :class:`RecentLatencyMember`: per (model, tier), an exponentially weighted
-  mean of the tree member's recent log errors: it tracks drift (a slower
-  registry, a new image) between refits.
+  total) on log seconds, features: cache tier, log sizes, node bandwidth,
+  concurrency, the bandwidth prior of :mod:`forecaster.coldstart.physics`, and
+  the history (:data:`HISTORY_LEVELS`): the last and median recent cold start
+  of the same (model, tier) and of the same (model, node, tier), and the
+  node's own speed (median log error of the prior on that node, per tier and
+  over all tiers). No hour of day: trees on it extrapolate to hours the
+  training window never saw; peak hours enter through the prior only.
+* :class:`RecentLatencyMember`: an exponentially weighted mean of the tree
+  member's recent log errors per (model, node, tier), falling back to (node,
+  tier), then (model, tier): it tracks drift (a slower registry, a degraded
+  node) between refits.
+* the (model, node, tier) trailing median (``log_median_node_total``).
 
-:class:`ColdStartModel` adds the second's correction to the first's log
-prediction with a weight chosen on the last 20 % (by time) of the training
-events; with fewer than ``min_events`` events it answers with the physics prior
-alone (no data yet is a normal answer, not an error).
+:class:`ColdStartModel` adds the recent member's correction to the trees' log
+prediction and blends in the node's trailing median, with the two weights
+chosen by a fixed rule on the last 20 % (by time) of the training events (see
+its docstring; ``validation_`` keeps the figures). A node with no history gets
+the model's and tier's history, then the global; with fewer than
+``min_events`` events it answers with the physics prior alone (no data yet is
+a normal answer, not an error).
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -52,12 +62,27 @@ from forecaster.contracts.fleetconfig import FleetConfig
 
 TARGETS = (*PHASES, "total_seconds")
 STATE_RANKS = {"none": 0, "image": 1, "disk": 2, "host": 3, "gpu": 4, "sleeping": 4}
+#: Hour of day is deliberately not a tree feature: a fleet's training window need not cover every hour, and
+#: trees on hour_sin/hour_cos extrapolate to hours never seen (the issue-13 production fleet). Peak hours
+#: still enter through the physics prior (``log_prior_total``), whose slowdown is a stated parameter.
 SHARED_FEATURES = ("state_rank", "log_image_bytes", "log_weights_bytes", "log_node_bandwidth",
-                   "concurrent_node_transfers", "concurrent_registry_pulls", "hour_sin", "hour_cos",
-                   "log_prior_total")
-HISTORY_FEATURES = ("log_last_total", "log_median_total", "n_previous")
-#: Per target: the shared features, the log prior of that target, the history of the same model and tier.
+                   "concurrent_node_transfers", "concurrent_registry_pulls", "log_prior_total")
+#: History features, each from strictly earlier events: of the same (model, tier); of the same
+#: (model, node, tier); and the node's own speed, as the median log error of the prior on that node
+#: (per tier and over all tiers), which carries over to models the node never started.
+HISTORY_FEATURES = ("log_last_total", "log_median_total", "n_previous",
+                    "log_last_node_total", "log_median_node_total", "n_node_previous",
+                    "node_state_residual", "n_node_state", "node_residual", "n_node")
+#: Per target: the shared features, the log prior of that target, the history features.
 FEATURES = (*SHARED_FEATURES, "log_prior_phase", *HISTORY_FEATURES)
+#: (key columns, value column, window, feature names: last, median, count) of the history features.
+HISTORY_LEVELS = (
+    (("model_id", "cache_state"), "total_seconds", 5, ("log_last_total", "log_median_total", "n_previous")),
+    (("model_id", "node_id", "cache_state"), "total_seconds", 5,
+     ("log_last_node_total", "log_median_node_total", "n_node_previous")),
+    (("node_id", "cache_state"), "log_residual", 9, (None, "node_state_residual", "n_node_state")),
+    (("node_id",), "log_residual", 15, (None, "node_residual", "n_node")),
+)
 FILE_NAMES = {"metadata": "metadata.json", "booster": "{target}.txt"}
 
 
@@ -144,8 +169,13 @@ def prepare_events(events: pd.DataFrame, config: FleetConfig = FleetConfig(), *,
                    ) -> pd.DataFrame:
     """Sort events by start, fill optional columns, and add the features of :data:`FEATURES` (causal).
 
-    History features use only earlier events of the same model and tier: the
-    last total, the median of the last five, and how many there were.
+    History features (:data:`HISTORY_LEVELS`) use only earlier events: the
+    last total and the median of the last five of the same (model, tier) and
+    of the same (model, node, tier), how many there were, and the node's own
+    speed: the median log error of the prior (``log_residual``, log1p actual -
+    log1p prior total) over the node's last 9 starts in that tier and its last
+    15 in any tier. A row that already carries ``log_residual`` (history kept by
+    a fitted model) keeps it. A missing ``node_id`` is ``"-"``.
     """
     frame = events.copy()
     frame["started_s"] = _started_seconds(frame)
@@ -162,6 +192,8 @@ def prepare_events(events: pd.DataFrame, config: FleetConfig = FleetConfig(), *,
             frame["hour"] = pd.to_datetime(frame["started_at"], utc=True).dt.hour
         else:
             frame["hour"] = (frame["started_s"] // 3600 % 24).astype(np.int64)
+    frame["node_id"] = (frame["node_id"] if "node_id" in frame.columns else pd.Series("-", index=frame.index)) \
+        .fillna("-").astype(str)
     frame["cache_state"] = frame["cache_state"].fillna("none").astype(str)
     frame["state_rank"] = frame["cache_state"].map(STATE_RANKS).fillna(0).astype("float64")
     frame["log_image_bytes"] = np.log1p(frame["image_bytes"].fillna(0).astype("float64"))
@@ -171,8 +203,6 @@ def prepare_events(events: pd.DataFrame, config: FleetConfig = FleetConfig(), *,
     frame["node_bytes_per_s"] = pd.to_numeric(frame["node_bytes_per_s"], errors="coerce").astype("float64") \
         .fillna(config.node_nic_bytes_per_s)
     frame["log_node_bandwidth"] = np.log(frame["node_bytes_per_s"])
-    frame["hour_sin"] = np.sin(2 * np.pi * frame["hour"] / 24.0)
-    frame["hour_cos"] = np.cos(2 * np.pi * frame["hour"] / 24.0)
     prior = phase_seconds(frame["image_bytes"].fillna(0).to_numpy(), frame["weights_bytes"].fillna(0).to_numpy(),
                           np.minimum(frame["state_rank"].to_numpy(), 3).astype(np.int64),
                           concurrent=frame["concurrent_node_transfers"].to_numpy(),
@@ -182,16 +212,46 @@ def prepare_events(events: pd.DataFrame, config: FleetConfig = FleetConfig(), *,
     frame["log_prior_total"] = np.log1p(prior["total_s"])
     for phase in PHASES:
         frame[f"prior_{phase}"] = prior[phase]
+    residual = np.log1p(pd.to_numeric(frame["total_seconds"], errors="coerce").astype("float64")) \
+        - frame["log_prior_total"] if "total_seconds" in frame.columns else pd.Series(np.nan, index=frame.index)
+    if "log_residual" in frame.columns:
+        residual = pd.to_numeric(frame["log_residual"], errors="coerce").astype("float64").fillna(residual)
+    frame["log_residual"] = residual
     if not history:
         return frame
-    keys = [frame["model_id"], frame["cache_state"]]
-    group = frame.groupby(keys, sort=False)["total_seconds"]
-    previous = group.shift(1)
-    frame["log_last_total"] = np.log1p(previous)
-    median = previous.groupby(keys, sort=False).rolling(5, min_periods=1).median()
-    frame["log_median_total"] = np.log1p(median.reset_index(level=[0, 1], drop=True).sort_index())
-    frame["n_previous"] = group.cumcount().astype("float64")
+    for keys, value, window, (last_name, median_name, count_name) in HISTORY_LEVELS:
+        group = frame.groupby([frame[k] for k in keys], sort=False)[value]
+        previous = group.shift(1)
+        # median of the last ``window`` earlier values: a (rows, window) matrix of within-group lags
+        lags = np.column_stack([previous.to_numpy(dtype="float64")]
+                               + [group.shift(j).to_numpy(dtype="float64") for j in range(2, window + 1)])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows: no history yet
+            median = pd.Series(np.nanmedian(lags, axis=1), index=frame.index)
+        log = (lambda v: np.log1p(v)) if value == "total_seconds" else (lambda v: v)
+        if last_name is not None:
+            frame[last_name] = log(previous)
+        frame[median_name] = log(median)
+        frame[count_name] = group.cumcount().astype("float64")
     return frame
+
+
+def _history_stats(seen: pd.DataFrame, rows: pd.DataFrame) -> pd.DataFrame:
+    """The :data:`HISTORY_FEATURES` of ``rows`` from everything in ``seen`` (sorted by start), one lookup per level."""
+    out = pd.DataFrame(index=rows.index)
+    for keys, value, window, (last_name, median_name, count_name) in HISTORY_LEVELS:
+        keys = list(keys)
+        grouped = seen.groupby(keys, sort=False)[value]
+        stats = pd.DataFrame({"last": grouped.last(), "n": grouped.size()})
+        stats["median"] = seen.groupby(keys, sort=False).tail(window).groupby(keys)[value].median()
+        index = pd.MultiIndex.from_frame(rows[keys]) if len(keys) > 1 else pd.Index(rows[keys[0]])
+        joined = stats.reindex(index)
+        log = np.log1p if value == "total_seconds" else (lambda v: v)
+        if last_name is not None:
+            out[last_name] = log(joined["last"].to_numpy(dtype="float64"))
+        out[median_name] = log(joined["median"].to_numpy(dtype="float64"))
+        out[count_name] = joined["n"].fillna(0).to_numpy(dtype="float64")
+    return out
 
 
 # --------------------------------------------------------------------------- members
@@ -209,10 +269,10 @@ class TreePhaseMember:
     name = "trees"
 
     def __init__(self, n_estimators: int = 300, learning_rate: float = 0.05, num_leaves: int = 15,
-                 min_child_samples: int = 10, seed: int = 0):
+                 min_child_samples: int = 10, seed: int = 0, n_jobs: int = 2):
         self.params = {"n_estimators": n_estimators, "learning_rate": learning_rate, "num_leaves": num_leaves,
                        "min_child_samples": min_child_samples, "subsample": 0.8, "subsample_freq": 1,
-                       "colsample_bytree": 0.9, "random_state": seed, "n_jobs": 2, "verbose": -1}
+                       "colsample_bytree": 0.9, "random_state": seed, "n_jobs": n_jobs, "verbose": -1}
 
     def _matrix(self, frame: pd.DataFrame, target: str) -> np.ndarray:
         """The :data:`FEATURES`, with ``log_prior_phase`` the prior of ``target`` itself."""
@@ -234,10 +294,10 @@ class TreePhaseMember:
             self.boosters_[target] = model.booster_
         return self
 
-    def predict_log(self, frame: pd.DataFrame) -> dict[str, np.ndarray]:
-        """log1p seconds per target; the bandwidth prior where no booster was fitted."""
+    def predict_log(self, frame: pd.DataFrame, targets: tuple[str, ...] = TARGETS) -> dict[str, np.ndarray]:
+        """log1p seconds per target (default all); the bandwidth prior where no booster was fitted."""
         out = {}
-        for target in TARGETS:
+        for target in targets:
             booster = self.boosters_.get(target)
             prior = self._log_prior(frame, target)
             out[target] = prior if booster is None else prior + booster.predict(self._matrix(frame, target))
@@ -251,25 +311,47 @@ class TreePhaseMember:
 
 
 class RecentLatencyMember:
-    """Per (model, tier): exponentially weighted mean of recent log errors of the tree member."""
+    """Exponentially weighted mean of the tree member's recent log errors, per (model, node, tier) first.
+
+    Each error updates three levels: (model, node, tier), (node, tier) and
+    (model, tier). A correction is read from the first level that has one, so
+    a node that never started this model still gets its own recent drift, and
+    a node never seen gets the model's.
+    """
 
     name = "recent"
+    #: the key levels, most specific first (column names of an event frame)
+    LEVELS = (("model_id", "node_id", "cache_state"), ("node_id", "cache_state"), ("model_id", "cache_state"))
 
     def __init__(self, alpha: float = 0.3):
         self.alpha = alpha
 
-    def fit(self, keys: list[tuple[str, str]], log_errors: np.ndarray) -> "RecentLatencyMember":
-        self.level_: dict[tuple[str, str], float] = {}
+    @classmethod
+    def keys_of(cls, frame: pd.DataFrame) -> list[tuple[tuple, ...]]:
+        """Per row of ``frame``, its key at every level (most specific first)."""
+        columns = [list(zip(*(frame[c].astype(str) for c in level))) for level in cls.LEVELS]
+        return [tuple((i, *k) for i, k in enumerate(keys)) for keys in zip(*columns)]
+
+    def fit(self, keys: list[tuple[tuple, ...]], log_errors: np.ndarray) -> "RecentLatencyMember":
+        self.level_: dict[tuple, float] = {}
         for key, err in zip(keys, log_errors):
             self.observe(key, float(err))
         return self
 
-    def observe(self, key: tuple[str, str], log_error: float) -> None:
-        prev = self.level_.get(key)
-        self.level_[key] = log_error if prev is None else (1 - self.alpha) * prev + self.alpha * log_error
+    def observe(self, key: tuple[tuple, ...], log_error: float) -> None:
+        for k in key:
+            prev = self.level_.get(k)
+            self.level_[k] = log_error if prev is None else (1 - self.alpha) * prev + self.alpha * log_error
 
-    def correction(self, keys: list[tuple[str, str]]) -> np.ndarray:
-        return np.array([self.level_.get(k, 0.0) for k in keys])
+    def one(self, key: tuple[tuple, ...]) -> float:
+        for k in key:
+            value = self.level_.get(k)
+            if value is not None:
+                return value
+        return 0.0
+
+    def correction(self, keys: list[tuple[tuple, ...]]) -> np.ndarray:
+        return np.array([self.one(k) for k in keys], dtype="float64")
 
 
 class TransferRateMember:
@@ -322,14 +404,32 @@ class TransferRateMember:
 # --------------------------------------------------------------------------- the model
 
 
+#: What a fitted model keeps of each cold start to condition later predictions on.
+HISTORY_COLUMNS = ("model_id", "node_id", "cache_state", "started_s", "total_seconds", "log_residual",
+                   "node_bytes_per_s")
+
+
 @dataclass
 class ColdStartModel:
-    """Trees + recent-error correction; physics prior when there are too few events."""
+    """Trees + recent-error correction + the node's own trailing median; physics prior when there are too few events.
+
+    Member weights are chosen by a rule fixed here, on the last
+    ``validation_share`` (by start time) of the training events, walking
+    forward through them: trees fitted on the first part predict each
+    validation event from the history before it; the recent member's weight
+    ``w`` (``weights_grid``) and the weight ``a`` (``node_weights_grid``) of
+    the (model, node, tier) trailing median (log space; where the triple has
+    no history the trees' answer stands in) are the pair with the lowest
+    validation MAE, the smaller weights on a tie. ``validation_`` keeps those
+    figures (MAE in seconds of each member alone, of the chosen blend, and of
+    the per-node and global trailing medians on the same events).
+    """
 
     config: FleetConfig = FleetConfig()
     min_events: int = 30
     validation_share: float = 0.2
     weights_grid: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    node_weights_grid: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     tree_params: dict | None = None  # passed to TreePhaseMember (n_estimators, learning_rate, num_leaves, ...)
 
     def fit(self, events: pd.DataFrame, transfers: pd.DataFrame | None = None) -> "ColdStartModel":
@@ -354,32 +454,43 @@ class ColdStartModel:
         self.trees_: TreePhaseMember | None = None
         self.recent_ = RecentLatencyMember().fit([], np.zeros(0))
         self.weight_ = 0.0
-        self.history_ = frame[["model_id", "cache_state", "started_s", "total_seconds"]].copy()
+        self.node_weight_ = 0.0
+        self.validation_: dict = {}
+        self.history_ = frame[list(HISTORY_COLUMNS)].copy()
         if len(frame) < self.min_events:
             return self
         cut = int(len(frame) * (1 - self.validation_share))
         head, tail = frame.iloc[:cut], frame.iloc[cut:]
         trees = TreePhaseMember(**(self.tree_params or {})).fit(head)
-        # choose the recent member's weight on the held-out tail, walking forward through it
-        keys_head = list(zip(head["model_id"], head["cache_state"]))
         err_head = np.log1p(head["total_seconds"].to_numpy()) - trees.predict_log(head)["total_seconds"]
-        best_w, best_err = 0.0, np.inf
-        base_tail = trees.predict_log(tail)["total_seconds"]
+        base = trees.predict_log(tail)["total_seconds"]
+        actual = tail["total_seconds"].to_numpy(dtype="float64")
+        # the recent member's correction before each validation event, walking forward (it does not depend on w)
+        recent = RecentLatencyMember().fit(RecentLatencyMember.keys_of(head), err_head)
+        correction = np.zeros(len(tail))
+        for k, (key, b, y) in enumerate(zip(RecentLatencyMember.keys_of(tail), base, actual)):
+            correction[k] = recent.one(key)
+            recent.observe(key, float(np.log1p(y) - b))
+        node = tail["log_median_node_total"].to_numpy(dtype="float64")
+        best, best_err = (0.0, 0.0), np.inf
         for w in self.weights_grid:
-            recent = RecentLatencyMember().fit(keys_head, err_head)
-            errors = []
-            for key, base, actual in zip(zip(tail["model_id"], tail["cache_state"]), base_tail,
-                                         tail["total_seconds"].to_numpy()):
-                pred = np.expm1(base + w * recent.level_.get(key, 0.0))
-                errors.append(abs(pred - actual))
-                recent.observe(key, float(np.log1p(actual) - base))
-            if np.mean(errors) < best_err - 1e-12:
-                best_w, best_err = w, float(np.mean(errors))
-        self.weight_ = best_w
+            for a in self.node_weights_grid:
+                err = float(np.mean(np.abs(np.expm1(_blend(base + w * correction, node, a)) - actual)))
+                if err < best_err - 1e-9:
+                    best, best_err = (w, a), err
+        self.weight_, self.node_weight_ = best
+        node_med = np.where(np.isnan(node), np.nan, np.expm1(node))
+        global_med = np.expm1(tail["log_median_total"].to_numpy(dtype="float64"))
+        self.validation_ = {
+            "events": int(len(tail)), "recent_weight": self.weight_, "node_weight": self.node_weight_,
+            "mae_s": {"trees": float(np.mean(np.abs(np.expm1(base) - actual))),
+                      "chosen": best_err,
+                      "node_trailing_median_where_known": _mae(node_med, actual),
+                      "trailing_median_where_known": _mae(global_med, actual)},
+            "node_history_share": float(np.isfinite(node).mean())}
         self.trees_ = TreePhaseMember(**(self.tree_params or {})).fit(frame)
-        keys = list(zip(frame["model_id"], frame["cache_state"]))
         errors = np.log1p(frame["total_seconds"].to_numpy()) - self.trees_.predict_log(frame)["total_seconds"]
-        self.recent_ = RecentLatencyMember().fit(keys, errors)
+        self.recent_ = RecentLatencyMember().fit(RecentLatencyMember.keys_of(frame), errors)
         return self
 
     @property
@@ -394,12 +505,10 @@ class ColdStartModel:
             return
         frame = self._with_history(events)
         if self.trees_ is not None:
-            base = self.trees_.predict_log(frame)["total_seconds"]
-            for key, b, actual in zip(zip(frame["model_id"], frame["cache_state"]), base,
-                                      frame["total_seconds"].to_numpy()):
+            base = self.trees_.predict_log(frame, ("total_seconds",))["total_seconds"]
+            for key, b, actual in zip(RecentLatencyMember.keys_of(frame), base, frame["total_seconds"].to_numpy()):
                 self.recent_.observe(key, float(np.log1p(actual) - b))
-        self.history_ = pd.concat([self.history_, frame[["model_id", "cache_state", "started_s", "total_seconds"]]],
-                                  ignore_index=True)
+        self.history_ = pd.concat([self.history_, frame[list(HISTORY_COLUMNS)]], ignore_index=True)
 
     def _with_history(self, events: pd.DataFrame) -> pd.DataFrame:
         """Features for ``events`` with history from everything already seen plus earlier rows of ``events``."""
@@ -407,21 +516,20 @@ class ColdStartModel:
         new["started_s"] = _started_seconds(new)
         if "total_seconds" not in new.columns:
             new["total_seconds"] = np.nan
-        keys = ["model_id", "cache_state"]
         new["cache_state"] = new["cache_state"].fillna("none").astype(str)
-        if not new.duplicated(keys).any():
-            # each (model, tier) once: history statistics straight from what was seen (the planner's case)
+        new["node_id"] = (new["node_id"] if "node_id" in new.columns else pd.Series("-", index=new.index)) \
+            .fillna("-").astype(str)
+        if not new.duplicated(["model_id", "node_id", "cache_state"]).any() or new["total_seconds"].isna().all():
+            # no row can be another's history: statistics straight from what was seen (the planner's case)
             prepared = prepare_events(new, self.fitted_config, history=False)
             seen = self.history_.sort_values("started_s", kind="stable")
-            stats = seen.groupby(keys)["total_seconds"].agg(last="last", n="size")
-            stats["median"] = seen.groupby(keys).tail(5).groupby(keys)["total_seconds"].median()
-            joined = stats.reindex(pd.MultiIndex.from_frame(prepared[keys]))
-            prepared["log_last_total"] = np.log1p(joined["last"].to_numpy(dtype="float64"))
-            prepared["log_median_total"] = np.log1p(joined["median"].to_numpy(dtype="float64"))
-            prepared["n_previous"] = joined["n"].fillna(0).to_numpy(dtype="float64")
+            stats = _history_stats(seen, prepared)
+            for column in stats.columns:
+                prepared[column] = stats[column].to_numpy()
             return prepared
         seen = self.history_.assign(_known=True)
-        both = pd.concat([seen, new.assign(_known=False)], ignore_index=True, sort=False)
+        both = pd.concat([seen, new.drop(columns=["log_residual"], errors="ignore").assign(_known=False)],
+                         ignore_index=True, sort=False)
         for column in ("image_bytes", "weights_bytes"):
             if column not in both.columns:
                 both[column] = 0.0
@@ -429,41 +537,93 @@ class ColdStartModel:
                                   self.fitted_config)
         return prepared[~prepared["_known"].astype(bool)].reset_index(drop=True)
 
-    def predict(self, events: pd.DataFrame) -> pd.DataFrame:
-        """Predicted seconds per phase and ``total_seconds`` for each row of ``events`` (order kept)."""
+    def predict(self, events: pd.DataFrame, *, phases: bool = True) -> pd.DataFrame:
+        """Predicted seconds per phase and ``total_seconds`` for each row of ``events`` (order kept).
+
+        ``phases=False`` predicts the total only (the per-node planner table: one booster, not six).
+        """
         events = events.reset_index(drop=True).assign(_row=lambda f: np.arange(len(f)))
         frame = self._with_history(events)
+        shown = PHASES if phases else ()
         if self.trees_ is None:
-            out = pd.DataFrame({p: frame[f"prior_{p}"] for p in PHASES})
+            out = pd.DataFrame({p: frame[f"prior_{p}"] for p in shown}, index=frame.index)
             out["total_seconds"] = np.expm1(frame["log_prior_total"])
         else:
-            logs = self.trees_.predict_log(frame)
-            keys = list(zip(frame["model_id"], frame["cache_state"]))
-            correction = self.weight_ * self.recent_.correction(keys)
-            out = pd.DataFrame({t: np.maximum(np.expm1(logs[t]), 0.0) for t in PHASES})
-            out["total_seconds"] = np.maximum(np.expm1(logs["total_seconds"] + correction), 0.0)
+            logs = self.trees_.predict_log(frame, (*shown, "total_seconds"))
+            keys = RecentLatencyMember.keys_of(frame)
+            total = logs["total_seconds"] + self.weight_ * self.recent_.correction(keys)
+            total = _blend(total, frame["log_median_node_total"].to_numpy(dtype="float64"), self.node_weight_)
+            out = pd.DataFrame({t: np.maximum(np.expm1(logs[t]), 0.0) for t in shown}, index=frame.index)
+            out["total_seconds"] = np.maximum(np.expm1(total), 0.0)
         out["_row"] = frame["_row"].to_numpy()
         return out.sort_values("_row").drop(columns="_row").reset_index(drop=True)
 
     def latency_table(self, models: pd.DataFrame, *, hour: int, concurrent: float = 0.0,
-                      registry_pulls: float = 0.0) -> pd.DataFrame:
-        """Planner latency input for every model (index ``model_id``, ``image_bytes``, ``weights_bytes``) and state."""
-        rows = pd.DataFrame({
+                      registry_pulls: float = 0.0, nodes=None) -> pd.DataFrame:
+        """Planner latency input for every model (index ``model_id``, ``image_bytes``, ``weights_bytes``) and state.
+
+        Args:
+            nodes: None for one row per (model, state) with no node (history
+                of the model and tier, then global). Otherwise the node ids
+                to answer for (a sequence, an index, or a frame indexed by
+                ``node_id`` with an optional ``node_bytes_per_s``): one row
+                per (model, node, state) with a ``node_id`` column, from that
+                node's own history; a node with no history (or unknown) falls
+                back to the model's and tier's, then the global. The phases
+                of a per-node row are the node-less ones (only ``total_s`` is
+                per node). A node's bandwidth, when not given, is the last it
+                reported in the history.
+
+        Returns:
+            ``model_id, state, total_s``, the phases, and ``node_id`` when ``nodes`` is given.
+        """
+        base = self._table_rows(models, hour=hour, concurrent=concurrent, registry_pulls=registry_pulls)
+        last = float(self.history_["started_s"].max()) + 1.0 if len(self.history_) else 0.0
+        base["started_s"] = last
+        base["node_id"] = "-"
+        pred = self.predict(base)
+        out = pd.DataFrame({"model_id": base["model_id"], "state": base["cache_state"],
+                            "total_s": pred["total_seconds"].to_numpy()})
+        for phase in PHASES:
+            out[phase] = pred[phase].to_numpy()
+        if nodes is None:
+            return out
+        node_ids, bandwidth = self._node_inputs(nodes)
+        n_rows = len(base)
+        rows = base.loc[np.tile(np.arange(n_rows), len(node_ids))].reset_index(drop=True)
+        rows["node_id"] = np.repeat(node_ids, n_rows)
+        rows["node_bytes_per_s"] = np.repeat(bandwidth, n_rows)
+        total = self.predict(rows, phases=False)["total_seconds"].to_numpy()
+        per_node = out.loc[np.tile(np.arange(n_rows), len(node_ids))].reset_index(drop=True)
+        per_node.insert(1, "node_id", rows["node_id"].to_numpy())
+        per_node["total_s"] = total
+        return per_node
+
+    def _node_inputs(self, nodes) -> tuple[np.ndarray, np.ndarray]:
+        """Node ids (object array) and their bandwidths (NaN: the last reported, else the fleet default)."""
+        if isinstance(nodes, pd.DataFrame):
+            ids = nodes.index.astype(str).to_numpy(dtype=object)
+            given = pd.to_numeric(nodes["node_bytes_per_s"], errors="coerce").to_numpy(dtype="float64") \
+                if "node_bytes_per_s" in nodes.columns else np.full(len(ids), np.nan)
+        else:
+            if isinstance(nodes, str) or not all(isinstance(n, str) and n for n in nodes):
+                raise ValueError("nodes must be a sequence of non-empty node id strings (or a frame indexed by them)")
+            ids = np.asarray(list(nodes), dtype=object)
+            given = np.full(len(ids), np.nan)
+        seen = self.history_.dropna(subset=["node_bytes_per_s"]).sort_values("started_s", kind="stable")
+        reported = seen.groupby(seen["node_id"].astype(str))["node_bytes_per_s"].last()
+        fallback = reported.reindex(ids).to_numpy(dtype="float64")
+        return ids, np.where(np.isfinite(given), given, fallback)
+
+    @staticmethod
+    def _table_rows(models: pd.DataFrame, *, hour: int, concurrent: float, registry_pulls: float) -> pd.DataFrame:
+        return pd.DataFrame({
             "model_id": np.repeat(models.index.astype(str).to_numpy(), len(START_STATES)),
             "cache_state": np.tile(np.array(START_STATES, dtype=object), len(models)),
             "image_bytes": np.repeat(models["image_bytes"].to_numpy(dtype="float64"), len(START_STATES)),
             "weights_bytes": np.repeat(models["weights_bytes"].to_numpy(dtype="float64"), len(START_STATES)),
             "concurrent_node_transfers": concurrent, "concurrent_registry_pulls": registry_pulls, "hour": hour,
-            "node_id": "-",
         })
-        last = float(self.history_["started_s"].max()) + 1.0 if len(self.history_) else 0.0
-        rows["started_s"] = last
-        pred = self.predict(rows)
-        out = pd.DataFrame({"model_id": rows["model_id"], "state": rows["cache_state"],
-                            "total_s": pred["total_seconds"].to_numpy()})
-        for phase in PHASES:
-            out[phase] = pred[phase].to_numpy()
-        return out
 
     # ------------------------------------------------------------------ persistence
     def save(self, folder: str | Path) -> Path:
@@ -475,12 +635,13 @@ class ColdStartModel:
             for target, booster in self.trees_.boosters_.items():
                 booster.save_model(str(folder / FILE_NAMES["booster"].format(target=target)))
                 targets.append(target)
-        meta = {"kind": "coldstart", "n_events": self.n_events_, "weight": self.weight_, "targets": targets,
+        meta = {"kind": "coldstart", "n_events": self.n_events_, "weight": self.weight_,
+                "node_weight": self.node_weight_, "validation": getattr(self, "validation_", {}), "targets": targets,
                 "min_events": self.min_events, "skipped": getattr(self, "skipped_", {}),
                 "n_transfers": getattr(self, "n_transfers_", 0),
                 "rates": {} if getattr(self, "rates_", None) is None else self.rates_.rates_,
                 "rate_observations": {} if getattr(self, "rates_", None) is None else self.rates_.n_,
-                "recent": [[k[0], k[1], v] for k, v in self.recent_.level_.items()]}
+                "recent": [[list(k), v] for k, v in self.recent_.level_.items()]}
         (folder / FILE_NAMES["metadata"]).write_text(json.dumps(meta, indent=1))
         self.history_.to_csv(folder / "history.csv.gz", index=False)
         return folder
@@ -492,6 +653,8 @@ class ColdStartModel:
         model = ColdStartModel(config=config, min_events=meta["min_events"])
         model.n_events_ = meta["n_events"]
         model.weight_ = meta["weight"]
+        model.node_weight_ = meta.get("node_weight", 0.0)
+        model.validation_ = meta.get("validation", {})
         model.skipped_ = meta.get("skipped", {})
         model.n_transfers_ = meta.get("n_transfers", 0)
         model.rates_ = TransferRateMember()
@@ -499,8 +662,15 @@ class ColdStartModel:
         model.rates_.n_ = dict(meta.get("rate_observations", {}))
         model.config_ = model.rates_.config_for(config)
         model.recent_ = RecentLatencyMember()
-        model.recent_.level_ = {(m, s): v for m, s, v in meta["recent"]}
-        model.history_ = pd.read_csv(folder / "history.csv.gz", dtype={"model_id": str, "cache_state": str})
+        # versions saved before per-node keys hold [model, state, value]: the (model, tier) level
+        model.recent_.level_ = {tuple(item[0]) if len(item) == 2 else (2, item[0], item[1]): item[-1]
+                                for item in meta["recent"]}
+        history = pd.read_csv(folder / "history.csv.gz", dtype={"model_id": str, "cache_state": str, "node_id": str})
+        for column in HISTORY_COLUMNS:
+            if column not in history.columns:
+                history[column] = "-" if column == "node_id" else np.nan
+        history["node_id"] = history["node_id"].fillna("-")
+        model.history_ = history[list(HISTORY_COLUMNS)]
         model.trees_ = None
         if meta["targets"]:
             trees = TreePhaseMember()
@@ -510,34 +680,61 @@ class ColdStartModel:
         return model
 
 
+def _blend(log_pred: np.ndarray, log_node: np.ndarray, weight: float) -> np.ndarray:
+    """``(1 - weight) * log_pred + weight * log_node``, with ``log_pred`` where ``log_node`` is NaN (no history)."""
+    log_pred = np.asarray(log_pred, dtype="float64")
+    return (1.0 - weight) * log_pred + weight * np.where(np.isnan(log_node), log_pred, log_node)
+
+
+def _mae(predicted: np.ndarray, actual: np.ndarray) -> float | None:
+    ok = np.isfinite(predicted)
+    return float(np.mean(np.abs(predicted[ok] - actual[ok]))) if ok.any() else None
+
+
 # --------------------------------------------------------------------------- baselines and the store
 
 
 def baseline_predictions(train: pd.DataFrame, test: pd.DataFrame) -> pd.DataFrame:
-    """Last value and trailing median (last 5) of the same (model, tier), walking forward through ``test``.
+    """Last value and trailing median (last 5), globally and per node, walking forward through ``test``.
 
-    Falls back to the same statistic over all models in that tier, then over all
-    events, when the pair has no history yet.
+    * ``last_value``, ``trailing_median``: of the same (model, tier), falling
+      back to all models in that tier, then to all events;
+    * ``node_last_value``, ``node_trailing_median``: of the same (model, node,
+      tier), falling back to (model, tier), then tier, then all events;
+    * ``node_state_trailing_median``: of the same (node, tier) whatever the
+      model, falling back to (model, tier), tier, all.
     """
     both = pd.concat([train.assign(_test=False), test.assign(_test=True)], ignore_index=True)
     both["started_s"] = _started_seconds(both)
     both = both.sort_values("started_s", kind="stable").reset_index(drop=True)
-    last, median = [], []
+    nodes = (both["node_id"] if "node_id" in both.columns else pd.Series("-", index=both.index)).fillna("-") \
+        .astype(str)
+    out: dict[str, list[float]] = {k: [] for k in ("last_value", "trailing_median", "node_last_value",
+                                                   "node_trailing_median", "node_state_trailing_median")}
+    by_triple: dict[tuple, list[float]] = {}
+    by_node_state: dict[tuple, list[float]] = {}
     by_pair: dict[tuple[str, str], list[float]] = {}
     by_state: dict[str, list[float]] = {}
     everything: list[float] = []
-    for model_id, state, total, is_test in zip(both["model_id"], both["cache_state"], both["total_seconds"],
-                                               both["_test"]):
-        history = by_pair.get((model_id, state)) or by_state.get(state) or everything or [np.nan]
+    for model_id, node, state, total, is_test in zip(both["model_id"], nodes, both["cache_state"],
+                                                     both["total_seconds"], both["_test"]):
         if is_test:
-            last.append(history[-1])
-            median.append(float(np.median(history[-5:])))
+            pair = by_pair.get((model_id, state)) or by_state.get(state) or everything or [np.nan]
+            triple = by_triple.get((model_id, node, state)) or pair
+            node_state = by_node_state.get((node, state)) or pair
+            out["last_value"].append(pair[-1])
+            out["trailing_median"].append(float(np.median(pair[-5:])))
+            out["node_last_value"].append(triple[-1])
+            out["node_trailing_median"].append(float(np.median(triple[-5:])))
+            out["node_state_trailing_median"].append(float(np.median(node_state[-5:])))
+        by_triple.setdefault((model_id, node, state), []).append(total)
+        by_node_state.setdefault((node, state), []).append(total)
         by_pair.setdefault((model_id, state), []).append(total)
         by_state.setdefault(state, []).append(total)
         everything.append(total)
     tested = both[both["_test"]]
     return pd.DataFrame({"model_id": tested["model_id"].to_numpy(), "started_s": tested["started_s"].to_numpy(),
-                         "actual": tested["total_seconds"].to_numpy(), "last_value": last, "trailing_median": median})
+                         "actual": tested["total_seconds"].to_numpy(), **out})
 
 
 def running_at_start(start_s: np.ndarray, end_s: np.ndarray, counted: np.ndarray | None = None) -> np.ndarray:

@@ -76,11 +76,12 @@ def train_latency_model(engine: Engine, settings: Settings, now: datetime, *,
     staging.rename(final)
     train_start = pd.to_datetime(events["started_at"], utc=True, errors="coerce").min() if len(events) else None
     scores = {"n_events": model.n_events_, "n_transfers": model.n_transfers_, "skipped": model.skipped_,
-              "recent_weight": model.weight_, "rates_bytes_per_s": model.rates_.rates_,
+              "recent_weight": model.weight_, "node_weight": model.node_weight_, "validation": model.validation_,
+              "rates_bytes_per_s": model.rates_.rates_,
               "rate_observations": model.rates_.n_, "fit_s": round(time.perf_counter() - started, 3)}
     insert_version(engine, version_id=version_id, path=final, status="challenger",
                    train_start=None if train_start is None or pd.isna(train_start) else train_start.to_pydatetime(),
-                   train_end=now, members=["trees", "recent", "transfers"] if model.trees_ else ["prior", "transfers"],
+                   train_end=now, members=["trees", "recent", "node_median", "transfers"] if model.trees_ else ["prior", "transfers"],
                    scores=scores, code_version=_code_version(), kind=KIND)
     promote_version(engine, version_id)
     with _lock:
@@ -135,25 +136,33 @@ def _current(engine: Engine, settings: Settings, config: FleetConfig) -> tuple[s
     return version, model
 
 
-def latency_table(engine: Engine, settings: Settings, models: pd.DataFrame, *, hour: int) -> pd.DataFrame:
+def latency_table(engine: Engine, settings: Settings, models: pd.DataFrame, *, hour: int,
+                  nodes=None) -> pd.DataFrame:
     """Predicted seconds per model and start state (the planner's latency input) from the latency champion.
 
     Args:
         models: one row per model (index ``model_id``) with ``image_bytes`` and ``weights_bytes``.
         hour: UTC hour of the planned starts.
+        nodes: None (one row per model and state), or the node ids to answer for (one row per model, node and
+            state, from each node's own history; a node without history falls back to the model's and
+            tier's, then the global; see :meth:`ColdStartModel.latency_table`).
 
     Returns:
-        ``model_id, state, total_s`` and the phases (see :meth:`ColdStartModel.latency_table`); cached per
-        (version, hour, the models' sizes), so the plan job pays the prediction once an hour, not every minute.
+        ``model_id, state, total_s`` and the phases (and ``node_id`` when ``nodes`` is given); cached per
+        (version, hour, the models' sizes, the nodes), so the plan job pays the prediction once an hour, not every
+        minute.
     """
     version, model = _current(engine, settings, FleetConfig())
     sizes = models[["image_bytes", "weights_bytes"]].astype("float64")
     digest = int(pd.util.hash_pandas_object(sizes, index=True).sum())
-    key = (_key(engine, settings), version, int(hour), len(sizes), digest)
+    node_ids = None if nodes is None else tuple(str(n) for n in nodes)
+    if node_ids is not None and not all(node_ids):
+        raise ValueError("node ids must be non-empty strings")
+    key = (_key(engine, settings), version, int(hour), len(sizes), digest, node_ids)
     with _lock:
         table = _tables.get(key)
     if table is None:
-        table = model.latency_table(sizes, hour=int(hour))
+        table = model.latency_table(sizes, hour=int(hour), nodes=None if node_ids is None else list(node_ids))
         with _lock:
             if len(_tables) >= _TABLES_KEPT:
                 _tables.pop(next(iter(_tables)))

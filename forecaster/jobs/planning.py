@@ -74,15 +74,20 @@ def fleet_from_store(engine: Engine, *, now: datetime, default_cold_cost: float 
 
 def predicted_latency(engine: Engine, fleet: FleetState, *, now: datetime, settings: Settings | None = None
                       ) -> pd.DataFrame:
-    """Cold-start seconds per model and start state from the saved latency model (its prior when none is saved).
+    """Cold-start seconds per model, node of ``fleet`` and start state from the saved latency model.
 
+    One row per (model, node, state) (a ``node_id`` column): the planner reads,
+    per model and state, the nodes a start from that state would use
+    (:func:`forecaster.planning.fleet.node_latency`). The prior answers when no
+    model is saved; a node without history falls back to the model's and tier's.
     No refit here: the nightly retrain trains the model (see
     :func:`forecaster.coldstart.service.train_latency_model`); this loads it
     once per version and predicts once per (version, hour, catalogue).
     """
     from forecaster.coldstart.service import latency_table
 
-    return latency_table(engine, settings or Settings(), fleet.models, hour=now.hour)
+    nodes = list(fleet.nodes.index.astype(str)) if len(fleet.nodes) else None
+    return latency_table(engine, settings or Settings(), fleet.models, hour=now.hour, nodes=nodes)
 
 
 def _no_events() -> pd.DataFrame:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from forecaster.contracts.phases import PHASES, START_STATES
+from forecaster.contracts.phases import PHASES, START_STATES, STATE_RANK
 
 
 @dataclass(frozen=True)
@@ -66,11 +66,19 @@ class PlannerSettings:
         return np.asarray(seconds) * (1.0 + self.lead_margin_frac) + self.lead_margin_s
 
 
-def latency_table(latency: pd.DataFrame, model_ids: pd.Index) -> dict[str, np.ndarray]:
-    """Per start state, (N,) predicted totals and phases aligned to ``model_ids`` (NaN where missing)."""
+def latency_table(latency: pd.DataFrame, model_ids: pd.Index, fleet=None) -> dict[str, np.ndarray]:
+    """Per start state, (N,) predicted totals and phases aligned to ``model_ids`` (NaN where missing).
+
+    A per-node latency frame (with a ``node_id`` column, see
+    :meth:`forecaster.coldstart.model.ColdStartModel.latency_table`) is first
+    reduced to one row per (model, state) by :func:`node_latency`, for the
+    nodes of ``fleet`` a replica could start on (all its nodes when ``fleet`` is None).
+    """
     missing = [c for c in ("model_id", "state", "total_s") if c not in latency.columns]
     if missing:
         raise ValueError(f"latency lacks columns {missing}")
+    if "node_id" in latency.columns:
+        latency = node_latency(latency, fleet)
     out: dict[str, np.ndarray] = {}
     for state in START_STATES:
         rows = latency[latency["state"] == state].drop_duplicates("model_id").set_index("model_id")
@@ -83,3 +91,57 @@ def latency_table(latency: pd.DataFrame, model_ids: pd.Index) -> dict[str, np.nd
     for colder, warmer in zip(START_STATES, START_STATES[1:]):
         out[warmer] = np.where(np.isnan(out[warmer]), out[colder], out[warmer])
     return out
+
+
+def node_states(fleet) -> pd.DataFrame:
+    """Per (model, node) the warmest state the node holds for the model (``none`` where nothing): long frame.
+
+    Columns ``model_id, node_id, state``; every model of ``fleet`` on every node.
+    """
+    models = fleet.models.index.astype(str)
+    nodes = fleet.nodes.index.astype(str)
+    rank = np.zeros((len(models), len(nodes)), dtype=np.int64)
+    node_pos = pd.Index(nodes)
+    if len(fleet.images):
+        refs = fleet.models["image_ref"].astype(str).to_numpy()
+        held = fleet.images.assign(pos=node_pos.get_indexer(fleet.images["node_id"].astype(str)))
+        held = held[held["pos"] >= 0]
+        for ref, rows in held.groupby(held["image_ref"].astype(str))["pos"]:
+            rank[np.ix_(np.flatnonzero(refs == ref), rows.to_numpy())] = STATE_RANK["image"]
+    if len(fleet.cache):
+        cache = fleet.cache[fleet.cache["state"].isin(START_STATES)]
+        m = models.get_indexer(cache["model_id"].astype(str))
+        n = node_pos.get_indexer(cache["node_id"].astype(str))
+        ok = (m >= 0) & (n >= 0)
+        np.maximum.at(rank, (m[ok], n[ok]), cache["state"].map(STATE_RANK).to_numpy(dtype=np.int64)[ok])
+    return pd.DataFrame({"model_id": np.repeat(models.to_numpy(dtype=object), len(nodes)),
+                         "node_id": np.tile(nodes.to_numpy(dtype=object), len(models)),
+                         "state": np.asarray(START_STATES, dtype=object)[rank.ravel()]})
+
+
+def node_latency(latency: pd.DataFrame, fleet=None) -> pd.DataFrame:
+    """One row per (model, state) from a per-node latency frame: the nodes a start from that state would use.
+
+    A start from state ``s`` happens on a node whose warmest state for the
+    model is ``s`` and that has room for a replica (``gpus_free`` at least the
+    model's ``gpus``): ``total_s`` is the median over those nodes. Where no
+    node qualifies (or ``fleet`` is None) it is the median over the nodes with
+    room, else over every node in the frame. Phases are the median too.
+    """
+    frame = latency.assign(model_id=latency["model_id"].astype(str), node_id=latency["node_id"].astype(str))
+    value_columns = [c for c in ("total_s", *PHASES) if c in frame.columns]
+    everywhere = frame.groupby(["model_id", "state"], sort=False)[value_columns].median()
+    if fleet is None or not len(fleet.nodes):
+        return everywhere.reset_index()
+    gpus = fleet.models["gpus"].astype("float64")
+    gpus.index = gpus.index.astype(str)
+    free = fleet.nodes["gpus_free"].astype("float64")
+    free.index = free.index.astype(str)
+    room = free.reindex(frame["node_id"]).to_numpy() >= gpus.reindex(frame["model_id"]).to_numpy()
+    with_room = frame[room].groupby(["model_id", "state"], sort=False)[value_columns].median()
+    held = node_states(fleet)
+    here = frame.merge(held, on=["model_id", "node_id"], how="left", suffixes=("", "_held"))
+    here = here[room & (here["state"] == here["state_held"]).to_numpy()]
+    on_holders = here.groupby(["model_id", "state"], sort=False)[value_columns].median()
+    out = on_holders.combine_first(with_room).combine_first(everywhere)
+    return out.reset_index()

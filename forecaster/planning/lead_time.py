@@ -21,11 +21,14 @@ from forecaster.contracts.phases import START_STATES, STATE_RANK
 from forecaster.planning.fleet import PlannerSettings, latency_table
 
 
-def start_seconds(latency: pd.DataFrame, states: Mapping[str, str] | pd.Series, model_ids) -> pd.Series:
+def start_seconds(latency: pd.DataFrame, states: Mapping[str, str] | pd.Series, model_ids,
+                  fleet: FleetState | None = None) -> pd.Series:
     """Predicted cold-start seconds per model when a new replica starts from its state in ``states``.
 
     Args:
-        latency: the planner's latency input (``model_id, state, total_s`` ...).
+        latency: the planner's latency input (``model_id, state, total_s`` ..., optionally per ``node_id``).
+        fleet: with a per-node ``latency``, the fleet whose nodes the planner would start on (see
+            :func:`forecaster.planning.fleet.node_latency`); None: the median over the frame's nodes.
         states: model id -> start state (one of :data:`START_STATES`); a model left out starts from ``none``.
         model_ids: the models to answer for (the index of the result).
     """
@@ -34,14 +37,14 @@ def start_seconds(latency: pd.DataFrame, states: Mapping[str, str] | pd.Series, 
     unknown = sorted(set(states) - set(START_STATES))
     if unknown:
         raise ValueError(f"unknown start states {unknown}; expected some of {list(START_STATES)}")
-    by_state = latency_table(latency, ids)
+    by_state = latency_table(latency, ids, fleet)
     d = np.stack([np.nan_to_num(by_state[s], nan=0.0) for s in START_STATES], axis=1)  # as the planner reads it
     rank = states.map(STATE_RANK).to_numpy(dtype=np.int64)
     return pd.Series(d[np.arange(len(ids)), rank], index=ids, name="start_s")
 
 
 def lead_time_s(latency: pd.DataFrame, states: Mapping[str, str] | pd.Series, settings: PlannerSettings,
-                model_ids=None) -> pd.Series:
+                model_ids=None, fleet: FleetState | None = None) -> pd.Series:
     """Lead time in seconds per model: ``settings.lead`` of the predicted start from its state.
 
     Args:
@@ -50,10 +53,11 @@ def lead_time_s(latency: pd.DataFrame, states: Mapping[str, str] | pd.Series, se
             models left out start from ``none``.
         settings: the planner's settings (``lead_margin_s``, ``lead_margin_frac``).
         model_ids: models to answer for; default every model in ``latency``.
+        fleet: see :func:`start_seconds` (the planner passes its fleet; so does the API's snapshot).
     """
     if model_ids is None:
         model_ids = pd.unique(latency["model_id"].astype(str))
-    d = start_seconds(latency, states, model_ids)
+    d = start_seconds(latency, states, model_ids, fleet)
     return pd.Series(np.asarray(settings.lead(d.to_numpy()), dtype="float64"), index=d.index, name="lead_time_s")
 
 
