@@ -1,6 +1,7 @@
 """Library peers of ``bench/accuracy.py``: statsforecast AutoARIMA / AutoETS and an mlforecast global LightGBM.
 
-Installed from the ``bench`` extra only (``pip install -e .[bench]``). All three
+Installed only for benchmarks and their test (``pip install -e '.[peers]' && pip install --no-deps -r
+bench/requirements-peers.txt``; see the README's Benchmarks section). All three
 run the no-refit protocol of ``../shared/EVALUATION.md`` section 1:
 
 * **AutoARIMA / AutoETS** (statsforecast, non-seasonal, ``season_length=1``): one
@@ -47,13 +48,17 @@ PEER_NAMES = ("autoarima", "autoets", "lightgbm_global")
 
 
 def missing_libraries() -> list[str]:
-    """Names of the ``bench`` extra's libraries that cannot be imported."""
+    """The peer libraries that cannot be imported, each as ``"name (why)"``; empty when both import.
+
+    They are installed by ``bench/requirements-peers.txt`` (see the ``peers`` extra in ``pyproject.toml``); a
+    missing dependency of theirs (``No module named 'fugue'``) shows up here as the reason.
+    """
     missing = []
     for module in ("statsforecast", "mlforecast"):
         try:
             __import__(module)
-        except ImportError:
-            missing.append(module)
+        except ImportError as error:
+            missing.append(f"{module} ({error})")
     return missing
 
 
