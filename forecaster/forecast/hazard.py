@@ -30,6 +30,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+#: Age given to a series with no invocation in the window read: beyond every age bin, in fit and forecast alike.
+NEVER_AGE = 10**6
 #: Activity bins (invoked steps seen: 0, 1, 2-3, ...) x age bins (half octaves of steps since the last one).
 N_ACTIVITY_BINS = 20
 N_AGE_BINS = 26
@@ -174,7 +176,7 @@ class IdleTimeHazard:
                 last_before = np.concatenate([np.full((len(invoked), 1), -1), last_incl[:, :-1]], axis=1)
                 cum = np.concatenate([np.zeros((len(invoked), 1)), np.cumsum(invoked, axis=1)], axis=1)
                 active = cum[:, :-1] - cum[:, np.maximum(steps - self.lookback, 0)]
-                age = np.where(last_before >= 0, steps - last_before, steps + 1 + self.max_age)
+                age = np.where(last_before >= 0, steps - last_before, NEVER_AGE)
                 cell = (activity_bin(active) * N_AGE_BINS + age_bin(age)).ravel()
                 size = N_ACTIVITY_BINS * N_AGE_BINS
                 exposure += np.bincount(cell, minlength=size).reshape(exposure.shape)
@@ -200,7 +202,7 @@ class IdleTimeHazard:
             invoked = np.nan_to_num(values[:, lo:int(origin)], nan=0.0) > 0
             hist, excess, active, last = idle_time_state(invoked, self.max_age)
             width = invoked.shape[1]
-            age0 = np.where(last >= 0, width - last, width + 1 + self.max_age)
+            age0 = np.where(last >= 0, width - last, NEVER_AGE)
 
             def hazard_at(ages, act, hist=hist, excess=excess):
                 return hazard(hist, excess, act, ages, self.pooled_, max_age=self.max_age,
