@@ -71,6 +71,7 @@ from forecaster.forecast.backtest import (  # noqa: E402
     MethodForecasts,
     Protocol,
     azure_protocol,
+    busy_mask,
     evaluate,
     fit_scale,
     generic_protocol,
@@ -100,6 +101,12 @@ V2_CALIBRATION = ["coverage_q90_strict", "coverage_q90", "coverage_q99", "brier_
 #: fit windows longer than this many steps are cut to their last ones (7 days of minutes; EVALUATION.md's
 #: ``approximation`` note on long windows): Azure (1,080) and Huawei (6,624) are shorter
 MAX_FIT_STEPS = 7 * 1440
+#: on such a long trace the library peers get tighter bounds of their own, measured on a month of per-minute
+#: counts for 100 series (2 shared cores): AutoARIMA (approximation=True) took 35-200 s per series on 10,080
+#: steps, AutoETS about 5 s; LightGBM's conformal intervals refit it n_windows = 10 times. One day for the
+#: statistical peers (the Azure day's fit window is 1,080 steps), three days for LightGBM (its lags reach back
+#: one day on a trace with a daily season). Unused unless the fit window is longer than ``--max-fit-steps``.
+LONG_TRACE_PEER_FIT_STEPS = {"autoarima": 1440, "autoets": 1440, "lightgbm_global": 3 * 1440}
 #: ``--select`` candidates: keyword arguments of :class:`Ensemble` on top of the benchmark's members and horizon.
 #: Extend freely; the winner rule (:data:`SELECT_RULE`) is fixed before any candidate is scored.
 SELECT_CANDIDATES: list[dict] = [
@@ -185,8 +192,10 @@ def run_dataset(name: str, panel: Panel, refit: bool, library_peers: bool = True
         forecasts[peer_name] = run_backtest(peer, panel, protocol, max_fit_steps=bound)["ensemble"]
         say(f"[{name}] peer {peer_name}: {time.perf_counter() - started:.1f} s")
     if library_peers and not missing_libraries():
+        peer_bounds = {p: min(bound, LONG_TRACE_PEER_FIT_STEPS.get(p, bound)) if bound else None
+                       for p in LIBRARY_PEERS}
         forecasts |= run_peers(panel, protocol, forecasts["naive"], say=lambda m: say(f"[{name}] {m}"),
-                               max_fit_steps=bound)
+                               max_fit_steps=peer_bounds)
     skipped = [p for p in LIBRARY_PEERS if p not in forecasts]
     result = evaluate(panel, protocol, forecasts)
     extra = {
@@ -198,10 +207,12 @@ def run_dataset(name: str, panel: Panel, refit: bool, library_peers: bool = True
         "peer_failures": {p: forecasts[p].extra.get("failed_series", 0) for p in LIBRARY_PEERS if p in forecasts},
         "fit_bound": {
             "fit_steps": protocol.fit_steps, "max_fit_steps": bound,
-            "fitted_on_steps": bound or protocol.fit_steps,
+            "fitted_on_steps": {m: (forecasts[m].extra.get("fit_steps") if m in LIBRARY_PEERS else bound)
+                                or protocol.fit_steps for m in ["ensemble", *peers(protocol), *LIBRARY_PEERS]
+                                if m in forecasts},
             "bounded": ["ensemble", *peers(protocol), *[p for p in LIBRARY_PEERS if p in forecasts]] if bound else [],
-            "note": ("fitted on the last max_fit_steps steps of the fit window; autoarima / autoets forward over "
-                     "the last max_fit_steps steps before each origin") if bound else "whole fit window",
+            "note": ("each method fitted on the last fitted_on_steps steps of the fit window; autoarima / autoets "
+                     "also forward over that many steps before each origin") if bound else "whole fit window",
         },
     }
     return result, extra
@@ -259,8 +270,8 @@ def v2_targets(rows: pd.DataFrame, peer_names: list[str], subset: str, method: s
     mase_gain = 1 - ens["mase_median_active"] / rows.loc[best_mase, "mase_median_active"]
     wql_gain = 1 - ens["wql"] / rows.loc[best_wql, "wql"]
     brier_gain = 1 - ens["brier_any"] / baseline
-    spike_ok = bool(np.nan_to_num(ens["spike_recall"], nan=-1) >= np.nan_to_num(rows.loc[best_spike, "spike_recall"],
-                                                                                  nan=-1))
+    spike_ok = bool(not np.isnan(ens["spike_recall"])  # no spikes in the subset: not met
+                    and ens["spike_recall"] >= np.nan_to_num(rows.loc[best_spike, "spike_recall"], nan=-1))
     return {
         "mase_median_active": {"value": _num(ens["mase_median_active"]), "best_peer": best_mase,
                                "peer_value": _num(rows.loc[best_mase, "mase_median_active"]),
@@ -280,7 +291,35 @@ def v2_targets(rows: pd.DataFrame, peer_names: list[str], subset: str, method: s
     }
 
 
+class _Fmt(dict):
+    """Figures for printing: a missing value (None: no spikes, no q0.99) prints as n/a."""
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        return _Fmt(value) if isinstance(value, dict) else _Na(value)
+
+
+class _Na:
+    def __init__(self, value):
+        self.value = value
+
+    def __format__(self, spec: str) -> str:
+        return "n/a" if self.value is None else format(self.value, spec)
+
+    def __str__(self) -> str:
+        return "n/a" if self.value is None else str(self.value)
+
+    def __mul__(self, other):
+        return _Na(None if self.value is None else self.value * other)
+
+    __rmul__ = __mul__
+
+    def __bool__(self) -> bool:
+        return bool(self.value)
+
+
 def print_targets(t: dict) -> None:
+    t = _Fmt(t)
     ok = lambda met: "met" if met else "NOT met"  # noqa: E731
     m, w, c, q, b, s = (t[k] for k in ("mase_median_active", "wql", "coverage_q90_bracket", "coverage_q99",
                                         "brier_any", "spike_recall"))
@@ -318,8 +357,8 @@ def print_tables(name: str, panel: Panel, result: BacktestResult, extra: dict, f
         print(rows[calibration_columns].to_string(float_format=lambda v: f"{v:.4f}"))
         if extra.get("fit_bound", {}).get("max_fit_steps"):
             bound = extra["fit_bound"]
-            print(f"fit window bounded: last {bound['max_fit_steps']} of {bound['fit_steps']} steps for "
-                  + ", ".join(bound["bounded"]))
+            print(f"fit window bounded (of {bound['fit_steps']} steps), fitted on the last: " + ", ".join(
+                f"{m} {k}" for m, k in bound["fitted_on_steps"].items()))
         if extra["skipped_peers"]:
             print("library peers skipped (bench extra not installed, failed, or --skip-library-peers): "
                   + ", ".join(extra["skipped_peers"]))
@@ -375,7 +414,7 @@ def ablation(panel: Panel, protocol: Protocol, ensemble: Ensemble, forecasts: di
         combine = lambda attr: _combine(np.stack([getattr(f, attr) for f in parts]), weights)  # noqa: B023, E731
         built[label] = MethodForecasts(combine("point"), combine("q10"), combine("q90"))
     summary = evaluate(panel, protocol, built).summary
-    busy = (panel.values[:, : protocol.fit_steps].mean(axis=1) >= protocol.busy_threshold)
+    busy = busy_mask(panel, protocol)
     chosen = np.argmax(ensemble.weights_, axis=1)
     out: dict = {"rows": {}, "chosen_share": {}, "mean_weight": {}}
     for subset, mask in (("all", np.ones(panel.n_series, dtype=bool)), ("busy", busy)):

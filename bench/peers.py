@@ -239,18 +239,20 @@ def run_mlforecast(
 
 def run_peers(
     panel: Panel, protocol: Protocol, naive: MethodForecasts, say: Callable[[str], None] = print,
-    max_fit_steps: int | None = None,
+    max_fit_steps: int | dict[str, int | None] | None = None,
 ) -> dict[str, MethodForecasts]:
     """The three library peers; a peer whose run raises as a whole is reported and left out.
 
     ``max_fit_steps`` bounds their fit window (and AutoARIMA / AutoETS's
-    ``forward`` history) on long traces; ``None`` = the whole fit window.
+    ``forward`` history) on long traces: one bound for all, or one per peer
+    name (a missing name: no bound); ``None`` = the whole fit window.
     """
+    bound = max_fit_steps if isinstance(max_fit_steps, dict) else dict.fromkeys(PEER_NAMES, max_fit_steps)
     out: dict[str, MethodForecasts] = {}
     runs = {
-        "autoarima": lambda: run_statsforecast("autoarima", panel, protocol, naive, say, max_fit_steps),
-        "autoets": lambda: run_statsforecast("autoets", panel, protocol, naive, say, max_fit_steps),
-        "lightgbm_global": lambda: run_mlforecast(panel, protocol, naive, say, max_fit_steps),
+        "autoarima": lambda: run_statsforecast("autoarima", panel, protocol, naive, say, bound.get("autoarima")),
+        "autoets": lambda: run_statsforecast("autoets", panel, protocol, naive, say, bound.get("autoets")),
+        "lightgbm_global": lambda: run_mlforecast(panel, protocol, naive, say, bound.get("lightgbm_global")),
     }
     for name, run in runs.items():
         started = time.perf_counter()
