@@ -3,6 +3,7 @@
 Usage:
     python bench/accuracy.py [--traces DIR] [--datasets azure,huawei_dc4] [--json PATH] [--no-refit]
     python bench/accuracy.py --trace PATH --format F [--json PATH]
+    options: [--series N] [--max-fit-steps N] [--ablation] [--select] [--skip-library-peers]
 
 For each dataset it fits the ensemble once on the fit window (members, weights
 and conformal quantiles learned inside it), forecasts every origin without
@@ -20,10 +21,35 @@ validation tail) and the peers measured in the same run:
   to naive and are counted); otherwise, or with ``--skip-library-peers``,
   they are listed as skipped.
 
-Then the targets of issue 3 (ensemble vs best peer), a paired per-series
-comparison, and two speed figures: 60-minute quantile forecasts for 10,000
-series (the Azure series tiled, fitted ensemble, one origin) against the
-fastest peer, and the ensemble's retrain time on the fit window.
+Two tables per subset: accuracy (the v2 headline ``mase_median_active``, the
+v1 ``mase_median``, per-horizon MASE over active series and wQL) and
+calibration (the coverage bracket [``coverage_q90_strict``, ``coverage_q90``],
+``coverage_q99``, ``brier_any`` with its two baselines, spike recall at q0.9
+and q0.99). Then the targets of protocol v2 (issue 13; ensemble vs the best
+peer), a paired per-series comparison, and two speed figures: 60-minute
+quantile forecasts for 10,000 series (the Azure series tiled, fitted ensemble,
+one origin) against the fastest peer, and the ensemble's retrain time on the
+fit window.
+
+Long traces: a fit window longer than ``--max-fit-steps`` (default 10,080 = 7
+days of minutes) is cut to its last ``--max-fit-steps`` steps for the ensemble,
+the simple peers and the library peers (AutoARIMA / AutoETS also ``forward``
+over that many steps before each origin); the bound is printed and recorded in
+the JSON (``fit_bounds``). The Azure day and Huawei's 23 days are shorter and
+unaffected. On a long trace the library peers get tighter bounds still
+(:data:`LONG_TRACE_PEER_FIT_STEPS`). Measured: ``--trace`` on a month of
+per-minute counts for 100 series (a timing trace: each day a Poisson resample
+of 100 Azure-day series) took 17 min 19 s wall on the 2 shared cores with the
+job getting 49% of one core (516 CPU s): ensemble 731 s, AutoARIMA 153 s,
+AutoETS 28 s, LightGBM 58 s, loading about 60 s.
+
+``--ablation``: each member alone (with the fallback), the ensemble without
+each member, and the share of series on which each member is chosen, from the
+one fitted ensemble (no refits: see :func:`ablation`). ``--select``: nested
+validation of the candidate configurations :data:`SELECT_CANDIDATES` inside
+the fit window (see :func:`select`); the test window is never used.
+``--series N`` keeps N series (evenly spaced in id order, chosen before any
+data is read) for smoke runs; figures on a subset are labelled as such.
 Data is read through the ingest path (``read_trace`` + ``build_count_batch``),
 so the benchmark sees exactly what the store would hold.
 """
@@ -47,15 +73,17 @@ sys.path.insert(0, str(REPO))
 
 from forecaster.forecast.backtest import (  # noqa: E402
     BacktestResult,
+    MethodForecasts,
     Protocol,
     azure_protocol,
+    busy_mask,
     evaluate,
     fit_scale,
     generic_protocol,
     huawei_protocol,
     run_backtest,
 )
-from forecaster.forecast.ensemble import Ensemble, default_members  # noqa: E402
+from forecaster.forecast.ensemble import Ensemble, _combine, default_members  # noqa: E402
 from forecaster.forecast.members import MovingAverage, Naive, SeasonalNaive, actuals  # noqa: E402
 from forecaster.forecast.panel import Panel  # noqa: E402
 from forecaster.ingest.traces import read_trace  # noqa: E402
@@ -70,6 +98,31 @@ DATASETS = {
 LIBRARY_PEERS = ("autoarima", "autoets", "lightgbm_global")
 COLUMNS = ["mase_median", "mase", "mase_h{a}", "mase_h{b}", "mase_h{c}", "wql", "coverage_q90", "spike_recall",
            "seconds_per_1000_series"]
+#: protocol v2 columns (EVALUATION.md section 1, "Protocol v2 additions"); the v1 columns above stay in the JSON
+V2_ACCURACY = ["mase_median_active", "active_series", "mase_median", "mase_active_h{a}", "mase_active_h{b}",
+               "mase_active_h{c}", "wql", "wql_h{a}", "wql_h{b}", "wql_h{c}", "seconds_per_1000_series"]
+V2_CALIBRATION = ["coverage_q90_strict", "coverage_q90", "coverage_q99", "brier_any", "brier_any_climatology",
+                  "brier_any_recent", "spikes", "spike_recall", "spike_recall_q99"]
+#: fit windows longer than this many steps are cut to their last ones (7 days of minutes; EVALUATION.md's
+#: ``approximation`` note on long windows): Azure (1,080) and Huawei (6,624) are shorter
+MAX_FIT_STEPS = 7 * 1440
+#: on such a long trace the library peers get tighter bounds of their own, measured on a month of per-minute
+#: counts for 100 series (2 shared cores): AutoARIMA (approximation=True) took 35-200 s per series on 10,080
+#: steps, AutoETS about 5 s; LightGBM's conformal intervals refit it n_windows = 10 times. One day for the
+#: statistical peers (the Azure day's fit window is 1,080 steps), three days for LightGBM (its lags reach back
+#: one day on a trace with a daily season). Unused unless the fit window is longer than ``--max-fit-steps``.
+LONG_TRACE_PEER_FIT_STEPS = {"autoarima": 1440, "autoets": 1440, "lightgbm_global": 3 * 1440}
+#: ``--select`` candidates: keyword arguments of :class:`Ensemble` on top of the benchmark's members and horizon.
+#: Extend freely; the winner rule (:data:`SELECT_RULE`) is fixed before any candidate is scored.
+SELECT_CANDIDATES: list[dict] = [
+    {"weighting": "best"},
+    {"weighting": "inverse_error", "power": 2.0},
+    {"weighting": "inverse_error", "power": 8.0},
+    {"weighting": "best", "interval_scale": "sqrt"},
+    {"weighting": "best", "quantile_heads": False},
+]
+#: lowest inner-validation wQL on all series, ties (within 1e-9) broken by the lower mase_median_active
+SELECT_RULE = ("wql", "mase_median_active")
 
 
 def load_panel(path: Path, fmt: str | None) -> Panel:
@@ -119,20 +172,35 @@ def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run_dataset(name: str, panel: Panel, refit: bool, library_peers: bool = True) -> tuple[BacktestResult, dict]:
+def fit_bound(protocol: Protocol, max_fit_steps: int | None) -> int | None:
+    """The fit-window bound in force for ``protocol`` (``None``: the whole window is used)."""
+    if not max_fit_steps or protocol.fit_steps <= max_fit_steps:
+        return None
+    return int(max_fit_steps)
+
+
+def run_dataset(name: str, panel: Panel, refit: bool, library_peers: bool = True,
+                max_fit_steps: int | None = MAX_FIT_STEPS) -> tuple[BacktestResult, dict]:
     protocol = protocol_for(name, panel)
+    bound = fit_bound(protocol, max_fit_steps)
     say(f"[{name}] {panel.n_series} series x {panel.n_steps} steps; fit {protocol.fit_steps} steps, "
-        f"{len(protocol.origins)} origins, horizons 1..{protocol.horizon}")
+        f"{len(protocol.origins)} origins, horizons 1..{protocol.horizon}"
+        + (f"; fit window bounded to its last {bound} steps" if bound else ""))
     ensemble = Ensemble(
         default_members(protocol.horizon), horizon=protocol.horizon, refit=refit, progress=lambda m: say(f"[{name}] {m}")
     )
-    forecasts = run_backtest(ensemble, panel, protocol, members=True)
+    started = time.perf_counter()
+    forecasts = run_backtest(ensemble, panel, protocol, members=True, max_fit_steps=bound)
+    say(f"[{name}] ensemble: {time.perf_counter() - started:.1f} s")
     for peer_name, peer in peers(protocol).items():
         started = time.perf_counter()
-        forecasts[peer_name] = run_backtest(peer, panel, protocol)["ensemble"]
+        forecasts[peer_name] = run_backtest(peer, panel, protocol, max_fit_steps=bound)["ensemble"]
         say(f"[{name}] peer {peer_name}: {time.perf_counter() - started:.1f} s")
     if library_peers and not missing_libraries():
-        forecasts |= run_peers(panel, protocol, forecasts["naive"], say=lambda m: say(f"[{name}] {m}"))
+        peer_bounds = {p: min(bound, LONG_TRACE_PEER_FIT_STEPS.get(p, bound)) if bound else None
+                       for p in LIBRARY_PEERS}
+        forecasts |= run_peers(panel, protocol, forecasts["naive"], say=lambda m: say(f"[{name}] {m}"),
+                               max_fit_steps=peer_bounds)
     skipped = [p for p in LIBRARY_PEERS if p not in forecasts]
     result = evaluate(panel, protocol, forecasts)
     extra = {
@@ -142,6 +210,15 @@ def run_dataset(name: str, panel: Panel, refit: bool, library_peers: bool = True
         "fit_seconds": forecasts["ensemble"].extra["fit_seconds"],
         "skipped_peers": skipped,
         "peer_failures": {p: forecasts[p].extra.get("failed_series", 0) for p in LIBRARY_PEERS if p in forecasts},
+        "fit_bound": {
+            "fit_steps": protocol.fit_steps, "max_fit_steps": bound,
+            "fitted_on_steps": {m: (forecasts[m].extra.get("fit_steps") if m in LIBRARY_PEERS else bound)
+                                or protocol.fit_steps for m in ["ensemble", *peers(protocol), *LIBRARY_PEERS]
+                                if m in forecasts},
+            "bounded": ["ensemble", *peers(protocol), *[p for p in LIBRARY_PEERS if p in forecasts]] if bound else [],
+            "note": ("each method fitted on the last fitted_on_steps steps of the fit window; autoarima / autoets "
+                     "also forward over that many steps before each origin") if bound else "whole fit window",
+        },
     }
     return result, extra
 
@@ -172,10 +249,105 @@ def paired(panel: Panel, protocol: Protocol, result: BacktestResult, subset_mask
             f"series; median MAE ratio {ratio.median():.3f}")
 
 
-def print_tables(name: str, panel: Panel, result: BacktestResult, extra: dict, figures: dict) -> None:
+def json_row(row: pd.Series, protocol: Protocol) -> dict:
+    """One method's JSON figures: the v1 keys and the v2 keys (per-horizon keys named h1 / h5 / h15)."""
+    a, b, c = protocol.report_horizons
+    names = {}
+    for template in [*COLUMNS, *V2_ACCURACY, *V2_CALIBRATION]:
+        names[template.format(a=a, b=b, c=c)] = template.format(a=1, b=5, c=15)
+    out = {key: _num(row[col]) for col, key in names.items() if col in row.index}
+    out["series"] = int(row["series"])
+    out["active_series"] = int(row["active_series"])
+    out["brier_any_baselines"] = {"climatology": _num(row["brier_any_climatology"]),
+                                  "recent": _num(row["brier_any_recent"])}
+    return out
+
+
+def v2_targets(rows: pd.DataFrame, peer_names: list[str], subset: str, method: str = "ensemble") -> dict:
+    """Protocol v2 targets of issue 13 for ``method`` against the best peer on each figure."""
+    ens = rows.loc[method]
+    best_mase = min(peer_names, key=lambda p: np.nan_to_num(rows.loc[p, "mase_median_active"], nan=np.inf))
+    best_wql = min(peer_names, key=lambda p: np.nan_to_num(rows.loc[p, "wql"], nan=np.inf))
+    best_spike = max(peer_names, key=lambda p: np.nan_to_num(rows.loc[p, "spike_recall"], nan=-1))
+    lo, hi = float(ens["coverage_q90_strict"]), float(ens["coverage_q90"])
+    bracket = bool(lo - 0.03 <= 0.9 <= hi + 0.03)
+    baseline = min(ens["brier_any_climatology"], ens["brier_any_recent"])
+    mase_gain = 1 - ens["mase_median_active"] / rows.loc[best_mase, "mase_median_active"]
+    wql_gain = 1 - ens["wql"] / rows.loc[best_wql, "wql"]
+    brier_gain = 1 - ens["brier_any"] / baseline
+    spike_ok = bool(not np.isnan(ens["spike_recall"])  # no spikes in the subset: not met
+                    and ens["spike_recall"] >= np.nan_to_num(rows.loc[best_spike, "spike_recall"], nan=-1))
+    return {
+        "mase_median_active": {"value": _num(ens["mase_median_active"]), "best_peer": best_mase,
+                               "peer_value": _num(rows.loc[best_mase, "mase_median_active"]),
+                               "gain": _num(mase_gain), "met": bool(mase_gain >= 0.10)},
+        "wql": {"value": _num(ens["wql"]), "best_peer": best_wql, "peer_value": _num(rows.loc[best_wql, "wql"]),
+                "gain": _num(wql_gain), "met": bool(wql_gain >= 0.10)},
+        "coverage_q90_bracket": {"strict": _num(lo), "inclusive": _num(hi), "met": bracket,
+                                 "target_subset": "busy", "applies": subset == "busy"},
+        "coverage_q99": {"value": _num(ens["coverage_q99"]), "met": bool(ens["coverage_q99"] >= 0.98)},
+        "brier_any": {"value": _num(ens["brier_any"]), "baseline": _num(baseline),
+                      "baselines": {"climatology": _num(ens["brier_any_climatology"]),
+                                    "recent": _num(ens["brier_any_recent"])},
+                      "gain": _num(brier_gain), "met": bool(brier_gain >= 0.10)},
+        "spike_recall": {"value": _num(ens["spike_recall"]), "best_peer": best_spike,
+                         "peer_value": _num(rows.loc[best_spike, "spike_recall"]),
+                         "met": bool(spike_ok and bracket)},
+    }
+
+
+class _Fmt(dict):
+    """Figures for printing: a missing value (None: no spikes, no q0.99) prints as n/a."""
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        return _Fmt(value) if isinstance(value, dict) else _Na(value)
+
+
+class _Na:
+    def __init__(self, value):
+        self.value = value
+
+    def __format__(self, spec: str) -> str:
+        return "n/a" if self.value is None else format(self.value, spec)
+
+    def __str__(self) -> str:
+        return "n/a" if self.value is None else str(self.value)
+
+    def __mul__(self, other):
+        return _Na(None if self.value is None else self.value * other)
+
+    __rmul__ = __mul__
+
+    def __bool__(self) -> bool:
+        return bool(self.value)
+
+
+def print_targets(t: dict) -> None:
+    t = _Fmt(t)
+    ok = lambda met: "met" if met else "NOT met"  # noqa: E731
+    m, w, c, q, b, s = (t[k] for k in ("mase_median_active", "wql", "coverage_q90_bracket", "coverage_q99",
+                                        "brier_any", "spike_recall"))
+    print(f"targets (protocol v2, issue 13): median MASE (active series) {m['value']:.4f} vs best peer "
+          f"{m['best_peer']} {m['peer_value']:.4f} -> {100 * m['gain']:.1f}% lower (>= 10%: {ok(m['met'])})")
+    print(f"         wQL {w['value']:.4f} vs best peer {w['best_peer']} {w['peer_value']:.4f} -> "
+          f"{100 * w['gain']:.1f}% lower (>= 10%: {ok(w['met'])})")
+    print(f"         coverage bracket [{c['strict']:.3f}, {c['inclusive']:.3f}] holds 0.9 within 0.03: "
+          f"{ok(c['met'])}" + ("" if c["applies"] else " (the target is on busy)"))
+    print(f"         coverage_q99 {q['value']:.3f} (>= 0.98: {ok(q['met'])})")
+    print(f"         brier_any {b['value']:.4f} vs the better baseline {b['baseline']:.4f} (climatology "
+          f"{b['baselines']['climatology']:.4f}, recent {b['baselines']['recent']:.4f}) -> "
+          f"{100 * b['gain']:.1f}% lower (>= 10%: {ok(b['met'])})")
+    print(f"         spike recall q0.9 {s['value']:.3f} vs best peer {s['best_peer']} {s['peer_value']:.3f} "
+          f"(at least the peer's, with the bracket holding: {ok(s['met'])})")
+
+
+def print_tables(name: str, panel: Panel, result: BacktestResult, extra: dict, figures: dict,
+                 targets: dict | None = None) -> None:
     protocol = extra["protocol"]
     a, b, c = protocol.report_horizons
-    columns = [col.format(a=a, b=b, c=c) for col in COLUMNS]
+    accuracy_columns = [col.format(a=a, b=b, c=c) for col in V2_ACCURACY]
+    calibration_columns = [col.format(a=a, b=b, c=c) for col in V2_CALIBRATION]
     busy = (result.table.drop_duplicates("unique_id").set_index("unique_id").loc[panel.ids, "busy"]).to_numpy()
     peer_names = [p for p in ("naive", "moving_average_60", "seasonal_naive", *LIBRARY_PEERS)
                   if p in extra["forecasts"]]
@@ -184,7 +356,14 @@ def print_tables(name: str, panel: Panel, result: BacktestResult, extra: dict, f
         key = f"{name}/{subset}"
         print(f"\n## {key}: {int(rows.loc['ensemble', 'series'])} series, {len(protocol.origins)} origins x "
               f"{protocol.horizon} horizons (fit once on steps 0..{protocol.fit_steps - 1}, no refit at origins)")
-        print(rows[columns].to_string(float_format=lambda v: f"{v:.4f}"))
+        print("accuracy (v2 headline mase_median_active; mase_median = v1, all series):")
+        print(rows[accuracy_columns].to_string(float_format=lambda v: f"{v:.4f}"))
+        print("calibration (coverage bracket [strict <, inclusive <=]; brier_any with its baselines; spike recall):")
+        print(rows[calibration_columns].to_string(float_format=lambda v: f"{v:.4f}"))
+        if extra.get("fit_bound", {}).get("max_fit_steps"):
+            bound = extra["fit_bound"]
+            print(f"fit window bounded (of {bound['fit_steps']} steps), fitted on the last: " + ", ".join(
+                f"{m} {k}" for m, k in bound["fitted_on_steps"].items()))
         if extra["skipped_peers"]:
             print("library peers skipped (bench extra not installed, failed, or --skip-library-peers): "
                   + ", ".join(extra["skipped_peers"]))
@@ -194,28 +373,145 @@ def print_tables(name: str, panel: Panel, result: BacktestResult, extra: dict, f
         fastest = min(peer_names, key=lambda p: rows.loc[p, "seconds_per_1000_series"])
         print(f"time per 1000 series: ensemble {rows.loc['ensemble', 'seconds_per_1000_series']:.1f} s, "
               f"fastest peer {fastest} {rows.loc[fastest, 'seconds_per_1000_series']:.1f} s")
-        # JSON keys are fixed (mase_h1, mase_h5, mase_h15) and hold the protocol's three report horizons
-        json_key = dict(zip(columns, [c.format(a=1, b=5, c=15) for c in COLUMNS], strict=True))
-        figures[key] = {
-            method: {json_key[col]: _num(rows.loc[method, col]) for col in columns}
-            | {"series": int(rows.loc[method, "series"])}
-            for method in rows.index
-        }
-        best_mase = min(peer_names, key=lambda p: rows.loc[p, "mase_median"])
-        best_wql = min(peer_names, key=lambda p: rows.loc[p, "wql"])
-        best_spike = max(peer_names, key=lambda p: np.nan_to_num(rows.loc[p, "spike_recall"], nan=-1))
-        ens = rows.loc["ensemble"]
-        gain = 1 - ens["mase_median"] / rows.loc[best_mase, "mase_median"]
-        print(f"targets: median MASE {ens['mase_median']:.4f} vs best peer {best_mase} "
-              f"{rows.loc[best_mase, 'mase_median']:.4f} -> {100 * gain:.1f}% lower (target >= 10%)")
-        print(f"         wQL {ens['wql']:.4f} vs best peer {best_wql} {rows.loc[best_wql, 'wql']:.4f} "
-              f"({'lower' if ens['wql'] < rows.loc[best_wql, 'wql'] else 'NOT lower'})")
-        print(f"         coverage_q90 {ens['coverage_q90']:.3f} (target 0.85..0.95); spike recall "
-              f"{ens['spike_recall']:.3f} vs best peer {best_spike} {rows.loc[best_spike, 'spike_recall']:.3f} "
-              f"({100 * (ens['spike_recall'] - rows.loc[best_spike, 'spike_recall']):+.1f} points; target +10)")
+        # JSON keys are fixed (mase_h1, mase_h5, mase_h15, ...) and hold the protocol's three report horizons
+        figures[key] = {method: json_row(rows.loc[method], protocol) for method in rows.index}
+        t = v2_targets(rows, peer_names, subset)
+        if targets is not None:
+            targets[key] = t
+        print_targets(t)
         mask = busy if subset == "busy" else np.ones(panel.n_series, dtype=bool)
         print("         " + zero_coverage(panel, protocol, extra["forecasts"]["ensemble"], mask))
-        print("         " + paired(panel, protocol, result, mask, best_mase))
+        print("         " + paired(panel, protocol, result, mask, t["mase_median_active"]["best_peer"]))
+
+
+def ablation(panel: Panel, protocol: Protocol, ensemble: Ensemble, forecasts: dict[str, MethodForecasts]) -> dict:
+    """Member ablation from the one fitted ensemble: no refits.
+
+    Rows: ``all members`` (the reference), ``only <m>`` (member ``m`` plus the
+    fallback) and ``without <m>`` for every member. A row's per-series weights
+    are the ensemble's own rule (:meth:`Ensemble._weights`: same weighting,
+    tie -> fallback, too-short series -> fallback) applied to the fitted
+    ensemble's validation MAE of the members it keeps; its test forecasts
+    combine those members' test forecasts (``run_backtest(members=True)``)
+    with those weights, and its q0.1 / q0.9 combine each member's own conformal
+    bounds from the same validation tail. With ``weighting="best"`` (the
+    default) a series' point is one member's forecast, so these bounds are
+    exactly the residual quantiles such an ensemble would learn; what the
+    rows leave out is the quantile heads, the pooled q0.99 and ``p_any``
+    (``brier_any`` uses the quantile-derived p_any, as for any method without
+    one). Compare rows with ``all members``, not with the full ensemble.
+
+    Returns ``{"rows": {subset: {row: figures}}, "chosen_share": {subset: {member: share}}}``.
+    """
+    names = list(ensemble.member_names_)
+    mae = ensemble.validation_mae_
+    last = names[-1]  # the member of last resort (the fallback)
+    configs = {"all members": names}
+    for m in names[:-1]:
+        configs[f"only {m}"] = [m, last]
+    for m in names[:-1]:
+        configs[f"without {m}"] = [x for x in names if x != m]
+    built: dict[str, MethodForecasts] = {}
+    for label, keep in configs.items():
+        cols = [names.index(x) for x in keep]
+        weights = ensemble._weights(mae[:, cols], ensemble.panel_)
+        parts = [forecasts[x] for x in keep]
+        combine = lambda attr: _combine(np.stack([getattr(f, attr) for f in parts]), weights)  # noqa: B023, E731
+        built[label] = MethodForecasts(combine("point"), combine("q10"), combine("q90"))
+    summary = evaluate(panel, protocol, built).summary
+    busy = busy_mask(panel, protocol)
+    chosen = np.argmax(ensemble.weights_, axis=1)
+    out: dict = {"rows": {}, "chosen_share": {}, "mean_weight": {}}
+    for subset, mask in (("all", np.ones(panel.n_series, dtype=bool)), ("busy", busy)):
+        rows = summary[summary["subset"] == subset].set_index("method")
+        out["rows"][subset] = {label: json_row(rows.loc[label], protocol) for label in rows.index}
+        out["chosen_share"][subset] = {m: float(np.mean(chosen[mask] == j)) if mask.any() else None
+                                       for j, m in enumerate(names)}
+        out["mean_weight"][subset] = {m: float(ensemble.weights_[mask, j].mean()) if mask.any() else None
+                                      for j, m in enumerate(names)}
+    out["note"] = ("from one fitted ensemble: weights by the ensemble's rule on its validation MAE, members' own "
+                   "conformal q0.1 / q0.9; no quantile heads, no q0.99, p_any from quantiles")
+    return out
+
+
+def print_ablation(name: str, table: dict) -> None:
+    for subset, rows in table["rows"].items():
+        frame = pd.DataFrame(rows).T[["series", "mase_median_active", "wql", "coverage_q90_strict", "coverage_q90",
+                                      "brier_any", "spike_recall"]]
+        print(f"\n## {name}/{subset}: member ablation (one fitted ensemble, no refits; {table['note']})")
+        print(frame.to_string(float_format=lambda v: f"{v:.4f}"))
+        print("share of series on which each member is chosen: " + ", ".join(
+            f"{m} {v:.3f}" for m, v in table["chosen_share"][subset].items() if v is not None))
+
+
+def inner_protocol(protocol: Protocol, stride: int = 15) -> Protocol:
+    """Nested validation inside the fit window: inner fit = its first ~80%, origins every ``stride`` steps after."""
+    outer = protocol.fit_steps
+    inner = outer - math.ceil(0.2 * outer)
+    origins = tuple(range(inner, outer - protocol.horizon + 1, stride))
+    if not origins:
+        raise ValueError(f"a fit window of {outer} steps leaves no inner validation origin")
+    season = protocol.season if protocol.season and inner >= 2 * protocol.season else None
+    return Protocol(f"{protocol.name}-inner", inner, origins, protocol.horizon, protocol.step_minutes, season,
+                    protocol.report_horizons)
+
+
+def select(name: str, panel: Panel, protocol: Protocol, candidates: list[dict] | None = None,
+           max_fit_steps: int | None = MAX_FIT_STEPS) -> dict:
+    """Score :data:`SELECT_CANDIDATES` by nested validation on the fit window only; the winner by :data:`SELECT_RULE`.
+
+    Each candidate is ``Ensemble(default_members(H), horizon=H, refit=False,
+    **candidate)``, fitted on the inner fit part (:func:`inner_protocol`) and
+    scored on the inner validation origins with the v2 metrics. ``refit=False``
+    for all candidates: the refit re-estimates the members only, the same for
+    every candidate, and would double the cost. The test window is cut off
+    before anything is fitted (``panel.head(fit_steps)``).
+    """
+    candidates = SELECT_CANDIDATES if candidates is None else candidates
+    inner = inner_protocol(protocol)
+    window = panel.head(protocol.fit_steps)  # the outer test window never reaches the candidates
+    bound = fit_bound(inner, max_fit_steps)
+    rows = []
+    for k, config in enumerate(candidates):
+        started = time.perf_counter()
+        ensemble = Ensemble(default_members(inner.horizon), horizon=inner.horizon, refit=False, **config,
+                            progress=lambda m: None)
+        fc = run_backtest(ensemble, window, inner, max_fit_steps=bound)
+        summary = evaluate(window, inner, fc).summary.set_index(["method", "subset"])
+        seconds = time.perf_counter() - started
+        say(f"[{name}] select {k + 1}/{len(candidates)} {config}: {seconds:.0f} s")
+        row = {"candidate": k, "config": json.dumps(config, sort_keys=True), "seconds": seconds}
+        for subset in ("all", "busy"):
+            r = summary.loc[("ensemble", subset)]
+            for col in ("mase_median_active", "wql", "coverage_q90_strict", "coverage_q90", "coverage_q99",
+                        "brier_any", "spike_recall"):
+                row[f"{subset}:{col}"] = float(r[col])
+        rows.append(row)
+    primary, tiebreak = (f"all:{c}" for c in SELECT_RULE)
+    best = min(r[primary] for r in rows)
+    tied = [r for r in rows if r[primary] <= best + 1e-9]
+    winner = min(tied, key=lambda r: np.nan_to_num(r[tiebreak], nan=np.inf))["candidate"]
+    return {"inner_fit_steps": inner.fit_steps, "inner_origins": len(inner.origins), "outer_fit_steps":
+            protocol.fit_steps, "rule": f"lowest {primary}, ties by {tiebreak}", "winner": winner,
+            "winner_config": candidates[winner], "candidates": rows}
+
+
+def print_select(name: str, table: dict) -> None:
+    frame = pd.DataFrame(table["candidates"]).set_index("candidate")
+    frame.insert(0, "winner", np.where(frame.index == table["winner"], "*", ""))
+    print(f"\n## {name}: --select, nested validation inside the fit window (inner fit steps "
+          f"0..{table['inner_fit_steps'] - 1}, {table['inner_origins']} inner origins every 15 steps up to step "
+          f"{table['outer_fit_steps'] - 1}; the test window is never used); winner rule: {table['rule']}")
+    print(frame.to_string(float_format=lambda v: f"{v:.4f}"))
+    print(f"winner: candidate {table['winner']} {table['winner_config']}")
+
+
+def subset_series(panel: Panel, n: int | None) -> Panel:
+    """``n`` series evenly spaced in id order (chosen by position, not from the data); all when ``n`` is None."""
+    if not n or n >= panel.n_series:
+        return panel
+    rows = np.unique(np.linspace(0, panel.n_series - 1, n).round().astype(int))
+    return Panel(panel.ids[rows], panel.start, panel.step, panel.values[rows])
 
 
 def _num(value) -> float | None:
@@ -258,17 +554,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speed-series", type=int, default=10_000)
     parser.add_argument("--skip-library-peers", action="store_true",
                         help="leave out autoarima, autoets and lightgbm_global (minutes on the Azure day)")
+    parser.add_argument("--series", type=int, help="keep this many series (evenly spaced in id order): smoke runs")
+    parser.add_argument("--max-fit-steps", type=int, default=MAX_FIT_STEPS,
+                        help="fit the ensemble and the peers on at most the last N steps of the fit window "
+                             f"(default {MAX_FIT_STEPS} = 7 days of minutes; 0 = no bound)")
+    parser.add_argument("--ablation", action="store_true", help="member ablation table (no refits)")
+    parser.add_argument("--select", action="store_true",
+                        help="nested validation of SELECT_CANDIDATES inside the fit window (one fit each)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
     jobs = [(args.trace.name.split(".")[0], args.trace, args.fmt)] if args.trace else [
         (name, args.traces / DATASETS[name][0], DATASETS[name][1]) for name in args.datasets.split(",")
     ]
-    figures: dict = {"datasets": {}, "speed": {}, "retrain_seconds": {}, "members": {}, "peer_failures": {}}
+    figures: dict = {"protocol": "v2", "datasets": {}, "targets": {}, "speed": {}, "retrain_seconds": {},
+                     "members": {}, "peer_failures": {}, "fit_bounds": {}, "series_subset": {}}
+    if args.ablation:
+        figures["ablation"] = {}
+    if args.select:
+        figures["select"] = {}
     for name, path, fmt in jobs:
         panel = load_panel(path, fmt)
-        result, extra = run_dataset(name, panel, refit=not args.no_refit, library_peers=not args.skip_library_peers)
-        print_tables(name, panel, result, extra, figures["datasets"])
+        full = panel.n_series
+        panel = subset_series(panel, args.series)
+        if panel.n_series < full:
+            say(f"[{name}] --series: {panel.n_series} of {full} series (evenly spaced in id order)")
+        figures["series_subset"][name] = {"series": panel.n_series, "of": full}
+        result, extra = run_dataset(name, panel, refit=not args.no_refit, library_peers=not args.skip_library_peers,
+                                    max_fit_steps=args.max_fit_steps or None)
+        if panel.n_series < full:
+            print(f"\n(smoke run: {panel.n_series} of {full} series, evenly spaced in id order)")
+        print_tables(name, panel, result, extra, figures["datasets"], figures["targets"])
+        figures["fit_bounds"][name] = extra["fit_bound"]
         ensemble = extra["ensemble"]
         figures["retrain_seconds"][name] = extra["fit_seconds"]
         figures["peer_failures"][name] = extra["peer_failures"]
@@ -289,6 +606,15 @@ def main(argv: list[str] | None = None) -> int:
               f"q0.1 + q0.9 per point: {scores or 'no heads'})")
         print("share of series per chosen member: " + ", ".join(
             f"{k} {v:.3f}" for k, v in figures["members"][name]["mean_weight"].items()))
+        if args.ablation:
+            started = time.perf_counter()
+            figures["ablation"][name] = ablation(panel, extra["protocol"], ensemble, extra["forecasts"])
+            figures["ablation"][name]["seconds"] = time.perf_counter() - started
+            print_ablation(name, figures["ablation"][name])
+            print(f"ablation: {figures['ablation'][name]['seconds']:.1f} s (no refits)")
+        if args.select:
+            figures["select"][name] = select(name, panel, extra["protocol"], max_fit_steps=args.max_fit_steps or None)
+            print_select(name, figures["select"][name])
         if args.speed_series and panel.step_minutes <= 1:
             figures["speed"][name] = speed(panel, ensemble, args.speed_series)
             s = figures["speed"][name]

@@ -50,6 +50,9 @@ def check(out: MethodForecasts, panel: Panel) -> None:
     assert out.point.shape == (panel.n_series, len(PROTOCOL.origins), PROTOCOL.horizon)
     assert np.isfinite(out.point).all() and (out.q10 >= 0).all()
     assert (out.q10 <= out.point + 1e-9).all() and (out.point <= out.q90 + 1e-9).all()
+    # q0.99 from the same machinery (native 98% interval / conformal 98%): finite and above q0.9
+    assert out.q99 is not None and np.isfinite(out.q99).all() and (out.q90 <= out.q99 + 1e-9).all()
+    assert (out.q99 > out.q90 + 1e-9).any()
     assert out.seconds > 0
 
 
@@ -91,6 +94,28 @@ def test_statsforecast_failed_fit_falls_back_to_naive_and_is_counted(monkeypatch
     assert out.extra["failed_series"] == 1 and out.extra["failed_fits"] == 1
     np.testing.assert_array_equal(out.point[1], naive.point[1])
     np.testing.assert_array_equal(out.q90[1], naive.q90[1])
+    np.testing.assert_array_equal(out.q99[1], naive.q90[1])  # a naive without q0.99 lends its q0.9
+
+
+def test_statsforecast_peer_fit_window_bound(monkeypatch) -> None:
+    panel = small_panel()
+    fits: list[int] = []
+    forwards: list[int] = []
+    make = peers._statsforecast_model
+
+    def counting(kind_, fit_steps):
+        model = make(kind_, fit_steps)
+        fit, forward = model.fit, model.forward
+        model.fit = lambda y, *a, **k: fits.append(len(y)) or fit(y, *a, **k)
+        model.forward = lambda y, *a, **k: forwards.append(len(y)) or forward(y, *a, **k)
+        return model
+
+    monkeypatch.setattr(peers, "_statsforecast_model", counting)
+    out = peers.run_statsforecast("autoets", panel, PROTOCOL, naive_forecasts(panel), say=lambda m: None,
+                                  max_fit_steps=100)
+    check(out, panel)
+    assert fits == [200] + [100] * panel.n_series and out.extra["fit_steps"] == 100
+    assert set(forwards[1:]) == {100}  # after the warm-up: the last 100 steps before each origin
 
 
 def test_mlforecast_peer_updates_without_refitting(monkeypatch) -> None:

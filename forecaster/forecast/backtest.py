@@ -17,6 +17,28 @@ per-horizon table and the aggregate rows:
   60 minutes before ``t`` and actual >= 5; forecasts made at least 5 minutes
   ahead count; recall = share of them with q0.9 >= 0.8 x actual.
 
+Protocol v2 additions (the v1 keys above stay):
+
+* ``mase_median_active``: median MASE over the *active* series only (at least
+  one invocation in the test window; ``active_series`` counts them, and
+  ``mase_active_skipped`` those among them with ``scale_i = 0``); also per
+  horizon (``mase_active_h<k>``) next to the pooled ``wql_h<k>``;
+* ``coverage_q90_strict``: share of test points with actual < q0.9, so that
+  [``coverage_q90_strict``, ``coverage_q90``] brackets the true coverage of a
+  count quantile; ``coverage_q99``: share with actual <= q0.99 (NaN for a
+  method without q0.99);
+* ``brier_any``: pooled mean of ``(p_any - 1{actual > 0})^2``. A method without
+  its own ``p_any`` takes the planner's
+  :func:`~forecaster.contracts.forecast.p_any_from_quantiles` of the levels it
+  has (q0.1, q0.5 = point, q0.9, q0.99): 1 - the highest level whose quantile is
+  0 (and 1 - 0.1 / 2 when even the lowest is positive, as the planner does).
+  Baselines scored on the same points: ``brier_any_climatology`` (each series'
+  share of non-zero steps in the fit window) and ``brier_any_recent`` (its
+  share of non-zero steps in the hour before the origin: 60 steps per-minute,
+  12 on 5-minute data; the climatology where that hour holds no known step);
+* ``spike_recall_q99``: spike recall with q0.99 in place of q0.9 (same spikes,
+  same h >= 5 minutes rule).
+
 Subsets: ``all`` and ``busy`` (fit-window mean >= 1 per minute, i.e. >= 5 per
 5-minute step), chosen from fit data only.
 """
@@ -32,6 +54,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from forecaster.contracts.forecast import p_any_from_quantiles
 from forecaster.forecast.members import actuals
 from forecaster.forecast.panel import Panel
 
@@ -124,9 +147,38 @@ class MethodForecasts:
     q90: np.ndarray | None = None
     seconds: float = float("nan")
     extra: dict[str, Any] = field(default_factory=dict)
+    #: q0.99 where the method has one (coverage_q99, spike_recall_q99)
+    q99: np.ndarray | None = None
+    #: P(count > 0) where the method gives one; otherwise derived from the quantiles (see ``brier_any``)
+    p_any: np.ndarray | None = None
+
+    def derived_p_any(self) -> np.ndarray:
+        """``p_any``, or the planner's coarse one from the quantile levels the method has."""
+        if self.p_any is not None:
+            return self.p_any
+        pairs = [(0.1, self.q10), (0.5, self.point), (0.9, self.q90), (0.99, self.q99)]
+        levels = np.array([level for level, values in pairs if values is not None])
+        stacked = np.stack([np.nan_to_num(values, nan=0.0) for _, values in pairs if values is not None], axis=-1)
+        # the planner makes the levels non-decreasing first (np.maximum.accumulate); so does this
+        return p_any_from_quantiles(levels, np.maximum.accumulate(stacked, axis=-1))
 
 
-def run_backtest(model: Any, panel: Panel, protocol: Protocol, *, members: bool = False) -> dict[str, MethodForecasts]:
+def fit_window(panel: Panel, protocol: Protocol, max_fit_steps: int | None = None) -> Panel:
+    """The fit window ``0..fit_steps-1``, or only its last ``max_fit_steps`` steps (start moved accordingly).
+
+    The bound is an approximation EVALUATION.md allows for long traces (labelled
+    in the benchmark's output): parameters are estimated on the recent part of
+    the fit window only; forecasts still condition on all data before each origin.
+    """
+    if max_fit_steps is None or max_fit_steps >= protocol.fit_steps:
+        return panel.head(protocol.fit_steps)
+    first = protocol.fit_steps - int(max_fit_steps)
+    return Panel(panel.ids, panel.start + first * panel.step, panel.step, panel.values[:, first : protocol.fit_steps])
+
+
+def run_backtest(
+    model: Any, panel: Panel, protocol: Protocol, *, members: bool = False, max_fit_steps: int | None = None
+) -> dict[str, MethodForecasts]:
     """Fit ``model`` once on the fit window and forecast every origin (no refit).
 
     Args:
@@ -136,24 +188,29 @@ def run_backtest(model: Any, panel: Panel, protocol: Protocol, *, members: bool 
         protocol: fit window, origins, horizon.
         members: for an ensemble, also return every member's forecasts with its
             own conformal q0.1 / q0.9.
+        max_fit_steps: fit on the last ``max_fit_steps`` steps of the fit
+            window only (:func:`fit_window`; ``None`` = all of it).
 
     Returns:
         method name -> forecasts; ``seconds`` = fit plus all origins' forecasts.
     """
     started = time.perf_counter()
-    model.fit_panel(panel.head(protocol.fit_steps))
+    model.fit_panel(fit_window(panel, protocol, max_fit_steps))
     fitted = time.perf_counter()
     if hasattr(model, "members_") or hasattr(model, "shard_of_"):  # an ensemble, sharded or not
         arrays = model.forecast(panel, protocol.origins, protocol.horizon, members=members)
         seconds = time.perf_counter() - started
-        out = {model.name: MethodForecasts(arrays[model.name], arrays.get("q0.1"), arrays.get("q0.9"), seconds)}
+        out = {model.name: MethodForecasts(arrays[model.name], arrays.get("q0.1"), arrays.get("q0.9"), seconds,
+                                           q99=arrays.get("q0.99"), p_any=arrays.get("p_any"))}
         out[model.name].extra["p_any"] = arrays.get("p_any")
         if members:
             for name, fit_seconds in model.fit_seconds_.items():
                 if name in arrays:
                     # fit (on the validation split, its validation forecasts, and any refit) + test forecasts
                     seconds = fit_seconds + model.forecast_seconds_.get(name, 0.0)
-                    out[name] = MethodForecasts(arrays[name], arrays[f"{name}-q0.1"], arrays[f"{name}-q0.9"], seconds)
+                    # members have q0.1 / q0.9 of their own (q0.99 and p_any where the ensemble gives them)
+                    out[name] = MethodForecasts(arrays[name], arrays[f"{name}-q0.1"], arrays[f"{name}-q0.9"], seconds,
+                                                q99=arrays.get(f"{name}-q0.99"), p_any=arrays.get(f"{name}-p_any"))
         out[model.name].extra["fit_seconds"] = fitted - started
         return out
     point = model.forecast(panel, protocol.origins, protocol.horizon)
@@ -207,13 +264,20 @@ class BacktestResult:
 
     Attributes:
         table: one row per method, series and horizon: ``method, unique_id, h,
-            busy, points, mae, mase, wql, coverage_q90, spikes, spike_recall``
+            busy, points, mae, mase, wql, coverage_q90, coverage_q90_strict,
+            coverage_q99, brier_any, spikes, spike_recall, spike_recall_q99``
             and the sums behind them (``abs_actual``, ``pinball_q0.1`` ...,
-            ``covered``, ``spikes_hit``), so that any aggregate can be recomputed.
+            ``covered``, ``covered_strict``, ``covered_q99``, ``spikes_hit``,
+            ``spikes_hit_q99``, ``positives``, ``brier_sum``,
+            ``brier_climatology_sum``, ``brier_recent_sum``), so that any
+            aggregate can be recomputed.
         summary: one row per method and subset (the aggregate rows):
-            ``method, subset, series, mase_skipped, mase_median, mase, mase_h<k>,
-            mae, wql, wql_q0.1, wql_q0.5, wql_q0.9, coverage_q90, spikes,
-            spike_recall, seconds_per_1000_series``.
+            ``method, subset, series, mase_skipped, mase_median, mase,
+            active_series, mase_active_skipped, mase_median_active, mase_h<k>,
+            mase_active_h<k>, wql_h<k>, mae, wql, wql_q0.1, wql_q0.5, wql_q0.9,
+            coverage_q90, coverage_q90_strict, coverage_q99, brier_any,
+            brier_any_climatology, brier_any_recent, spikes, spike_recall,
+            spike_recall_q99, seconds_per_1000_series``.
     """
 
     table: pd.DataFrame
@@ -232,12 +296,13 @@ def evaluate(panel: Panel, protocol: Protocol, forecasts: dict[str, MethodForeca
     scale = fit_scale(panel, protocol)
     busy = busy_mask(panel, protocol)
     spikes = spike_mask(panel, protocol)
+    baselines = p_any_baselines(panel, protocol)
     n, _, h = actual.shape
     tables, rows = [], []
     for method, fc in forecasts.items():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            sums = _series_horizon_sums(actual, known, spikes, fc)
+            sums = _series_horizon_sums(actual, known, spikes, fc, baselines)
         frame = pd.DataFrame(
             {
                 "method": method,
@@ -254,14 +319,48 @@ def evaluate(panel: Panel, protocol: Protocol, forecasts: dict[str, MethodForeca
                 frame[[f"pinball_q{q:g}" for q in QUANTILES]].mean(axis=1, skipna=False) * 2 / frame["abs_actual"]
             )
             frame["coverage_q90"] = frame["covered"] / frame["points"]
+            frame["coverage_q90_strict"] = frame["covered_strict"] / frame["points"]
+            frame["coverage_q99"] = frame["covered_q99"] / frame["points"]
+            frame["brier_any"] = frame["brier_sum"] / frame["points"]
             frame["spike_recall"] = frame["spikes_hit"] / frame["spikes"]
+            frame["spike_recall_q99"] = frame["spikes_hit_q99"] / frame["spikes"]
         tables.append(frame)
         for subset, mask in (("all", np.ones(n, dtype=bool)), ("busy", busy)):
             rows.append(_aggregate(method, subset, mask, sums, scale, protocol, fc.seconds, n))
     return BacktestResult(pd.concat(tables, ignore_index=True), pd.DataFrame(rows))
 
 
-def _series_horizon_sums(actual, known, spikes, fc: MethodForecasts) -> dict[str, np.ndarray]:
+def p_any_baselines(panel: Panel, protocol: Protocol) -> dict[str, np.ndarray]:
+    """The two reference forecasts of ``brier_any``, each ``(N, O, H)``.
+
+    ``climatology``: each series' share of non-zero steps among the known steps
+    of the fit window (0 where none is known). ``recent``: its share of non-zero
+    steps among the known steps of the hour before the origin (60 steps
+    per-minute, 12 on 5-minute data; :attr:`Protocol.spike_window`), the
+    climatology where that hour holds no known step; the same for every horizon
+    of an origin.
+    """
+    fit = panel.values[:, : protocol.fit_steps]
+    known_fit = ~np.isnan(fit)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        clim = np.nan_to_num((known_fit & (np.nan_to_num(fit) > 0)).sum(axis=1) / known_fit.sum(axis=1), nan=0.0)
+    known = ~np.isnan(panel.values)
+    nonzero = known & (np.nan_to_num(panel.values) > 0)
+    cz = np.concatenate([np.zeros((panel.n_series, 1)), np.cumsum(nonzero, axis=1)], axis=1)
+    ck = np.concatenate([np.zeros((panel.n_series, 1)), np.cumsum(known, axis=1)], axis=1)
+    origins = np.asarray(protocol.origins)
+    lo = np.clip(origins - protocol.spike_window, 0, None)
+    count = ck[:, origins] - ck[:, lo]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        recent = np.where(count > 0, (cz[:, origins] - cz[:, lo]) / np.where(count > 0, count, 1), clim[:, None])
+    shape = (panel.n_series, len(origins), protocol.horizon)
+    return {
+        "climatology": np.broadcast_to(clim[:, None, None], shape),
+        "recent": np.broadcast_to(recent[:, :, None], shape),
+    }
+
+
+def _series_horizon_sums(actual, known, spikes, fc: MethodForecasts, baselines=None) -> dict[str, np.ndarray]:
     """Sums over origins, per series and horizon ``(N, H)``.
 
     Points where the method has no forecast (a member covering some series
@@ -282,13 +381,24 @@ def _series_horizon_sums(actual, known, spikes, fc: MethodForecasts) -> dict[str
             out[f"pinball_q{q:g}"] = np.full((a.shape[0], a.shape[2]), np.nan)
         else:
             out[f"pinball_q{q:g}"] = np.where(known, pinball(a, np.where(known, bound, 0.0), q), 0.0).sum(axis=1)
+    missing = np.full((a.shape[0], a.shape[2]), np.nan)
     if fc.q90 is None:
-        out["covered"] = np.full((a.shape[0], a.shape[2]), np.nan)
-        out["spikes_hit"] = np.full((a.shape[0], a.shape[2]), np.nan)
+        out["covered"] = out["covered_strict"] = out["spikes_hit"] = missing
     else:
         out["covered"] = (known & (actual <= fc.q90)).sum(axis=1).astype(float)
+        out["covered_strict"] = (known & (actual < fc.q90)).sum(axis=1).astype(float)
         out["spikes_hit"] = (spikes & (fc.q90 >= 0.8 * actual)).sum(axis=1).astype(float)
+    if fc.q99 is None:
+        out["covered_q99"] = out["spikes_hit_q99"] = missing.copy()
+    else:
+        out["covered_q99"] = (known & (actual <= fc.q99)).sum(axis=1).astype(float)
+        out["spikes_hit_q99"] = (spikes & (fc.q99 >= 0.8 * actual)).sum(axis=1).astype(float)
     out["spikes"] = spikes.sum(axis=1).astype(float)
+    out["positives"] = (known & (a > 0)).sum(axis=1).astype(float)
+    event = (a > 0).astype(float)
+    out["brier_sum"] = np.where(known, (np.nan_to_num(fc.derived_p_any()) - event) ** 2, 0.0).sum(axis=1)
+    for name, p in (baselines or {}).items():
+        out[f"brier_{name}_sum"] = np.where(known, (p - event) ** 2, 0.0).sum(axis=1)
     return out
 
 
@@ -310,17 +420,39 @@ def _aggregate(method, subset, mask, sums, scale, protocol: Protocol, seconds: f
             "mase_median": float(np.nanmedian(mase_i)) if len(mase_i) else np.nan,
             "mase": float(np.nanmean(mase_i)) if len(mase_i) else np.nan,
         }
+        # v2 headline: active series only (at least one invocation in the test window)
+        active = s["positives"].sum(axis=1) > 0
+        active_usable = active & (scale[mask] > 0)
+        mase_active = mae_i[active_usable] / scale[mask][active_usable]
+        row["active_series"] = int(active.sum())
+        row["mase_active_skipped"] = int((active & ~(scale[mask] > 0)).sum())
+        row["mase_median_active"] = float(np.nanmedian(mase_active)) if len(mase_active) else np.nan
         for k in protocol.report_horizons:
             per_h = s["abs_error"][usable, k - 1] / s["points"][usable, k - 1] / scale[mask][usable]
             row[f"mase_h{k}"] = float(np.nanmedian(per_h)) if len(per_h) else np.nan
+        for k in protocol.report_horizons:
+            per_h = (s["abs_error"][active_usable, k - 1] / s["points"][active_usable, k - 1]
+                     / scale[mask][active_usable])
+            row[f"mase_active_h{k}"] = float(np.nanmedian(per_h)) if len(per_h) else np.nan
+            actual_h = s["abs_actual"][:, k - 1].sum()
+            row[f"wql_h{k}"] = float(np.mean([2 * s[f"pinball_q{q:g}"][:, k - 1].sum() / actual_h for q in QUANTILES]))
         total_actual = s["abs_actual"].sum()
-        row["mae"] = float(s["abs_error"].sum() / s["points"].sum())
+        points = s["points"].sum()
+        row["mae"] = float(s["abs_error"].sum() / points)
         wql = [2 * s[f"pinball_q{q:g}"].sum() / total_actual for q in QUANTILES]
         for q, value in zip(QUANTILES, wql, strict=True):
             row[f"wql_q{q:g}"] = float(value)
         row["wql"] = float(np.mean(wql))
-        row["coverage_q90"] = float(s["covered"].sum() / s["points"].sum())
+        row["coverage_q90"] = float(s["covered"].sum() / points)
+        row["coverage_q90_strict"] = float(s["covered_strict"].sum() / points)
+        row["coverage_q99"] = float(s["covered_q99"].sum() / points)
+        row["brier_any"] = float(s["brier_sum"].sum() / points)
+        for name in ("climatology", "recent"):
+            key = f"brier_{name}_sum"
+            row[f"brier_any_{name}"] = float(s[key].sum() / points) if key in s else np.nan
         row["spikes"] = int(s["spikes"].sum())
-        row["spike_recall"] = float(s["spikes_hit"].sum() / s["spikes"].sum()) if s["spikes"].sum() else np.nan
+        spikes = s["spikes"].sum()
+        row["spike_recall"] = float(s["spikes_hit"].sum() / spikes) if spikes else np.nan
+        row["spike_recall_q99"] = float(s["spikes_hit_q99"].sum() / spikes) if spikes else np.nan
         row["seconds_per_1000_series"] = float(seconds / n_total * 1000)
     return row

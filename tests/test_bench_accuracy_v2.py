@@ -1,0 +1,86 @@
+"""bench/accuracy.py protocol v2 pieces: targets, member ablation, nested-validation --select (small members)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from bench import accuracy
+from forecaster.forecast.backtest import azure_protocol, evaluate, generic_protocol, run_backtest
+from forecaster.forecast.ensemble import Ensemble
+from forecaster.forecast.members import MovingAverage, Naive
+from forecaster.forecast.panel import Panel
+
+START = pd.Timestamp("2024-03-01 00:00", tz="UTC")
+
+
+def small_panel(n_steps: int = 400) -> Panel:
+    rng = np.random.default_rng(4)
+    t = np.arange(n_steps)
+    values = np.stack([np.where(t % 15 == 0, 3.0, 0.0), rng.poisson(4, n_steps), rng.poisson(0.3, n_steps),
+                       np.zeros(n_steps)]).astype(float)
+    return Panel.from_wide(["a_timer", "b_busy", "c_rare", "d_idle"], values, start=START, step="1min")
+
+
+def test_inner_protocol_stays_inside_the_fit_window() -> None:
+    outer = azure_protocol(1440)
+    inner = accuracy.inner_protocol(outer)
+    assert inner.fit_steps == 1080 - 216  # ceil(0.2 * 1080) = 216
+    assert inner.origins == tuple(range(864, 1066, 15))
+    assert inner.origins[-1] + inner.horizon <= outer.fit_steps
+
+
+def test_select_never_sees_the_test_window_and_applies_the_fixed_rule(monkeypatch) -> None:
+    monkeypatch.setattr(accuracy, "default_members", lambda h: [MovingAverage(30), Naive()])
+    panel = small_panel()
+    protocol = generic_protocol(panel.n_steps, 1.0)
+    candidates = [{"weighting": "best"}, {"weighting": "inverse_error", "power": 1.0},
+                  {"weighting": "best", "interval_scale": "sqrt"}]
+    clean = accuracy.select("small", panel, protocol, candidates, max_fit_steps=None)
+    tampered = panel.values.copy()
+    tampered[:, protocol.fit_steps:] = 99.0
+    dirty = accuracy.select("small", Panel(panel.ids, panel.start, panel.step, tampered), protocol, candidates,
+                            max_fit_steps=None)
+    assert [r["all:wql"] for r in clean["candidates"]] == [r["all:wql"] for r in dirty["candidates"]]
+    wql = [r["all:wql"] for r in clean["candidates"]]
+    assert clean["winner"] == int(np.argmin(wql)) and clean["winner_config"] == candidates[clean["winner"]]
+    assert clean["inner_fit_steps"] == protocol.fit_steps - int(np.ceil(0.2 * protocol.fit_steps))
+
+
+def test_ablation_reference_row_is_the_ensemble_without_heads() -> None:
+    panel = small_panel()
+    protocol = generic_protocol(panel.n_steps, 1.0)
+    ensemble = Ensemble([MovingAverage(30), Naive()], horizon=protocol.horizon)  # no LightGBM: no heads
+    forecasts = run_backtest(ensemble, panel, protocol, members=True)
+    table = accuracy.ablation(panel, protocol, ensemble, forecasts)
+    rows = table["rows"]["all"]
+    assert set(rows) == {"all members", "only moving_average_30", "only naive", "without moving_average_30",
+                         "without naive"}
+    reference = evaluate(panel, protocol, {"ensemble": forecasts["ensemble"]}).summary.set_index("subset")
+    assert rows["all members"]["mase_median_active"] == pytest.approx(reference.loc["all", "mase_median_active"])
+    assert rows["all members"]["coverage_q90"] == pytest.approx(reference.loc["all", "coverage_q90"])
+    # with two members, "without naive" is "only moving_average_30"
+    assert rows["without naive"] == rows["only moving_average_30"]
+    share = table["chosen_share"]["all"]
+    assert sum(share.values()) == pytest.approx(1.0)
+    assert share == {m: pytest.approx(float(np.mean(np.argmax(ensemble.weights_, axis=1) == j)))
+                     for j, m in enumerate(ensemble.member_names_)}
+
+
+def test_v2_targets_against_the_best_peer() -> None:
+    rows = pd.DataFrame({
+        "mase_median_active": [0.8, 1.0, 0.95], "wql": [0.3, 0.32, 0.31], "coverage_q90_strict": [0.85, 0.8, 0.8],
+        "coverage_q90": [0.92, 0.9, 0.9], "coverage_q99": [0.985, 0.99, 0.99], "brier_any": [0.08, 0.1, 0.1],
+        "brier_any_climatology": [0.12, 0.12, 0.12], "brier_any_recent": [0.1, 0.1, 0.1],
+        "spike_recall": [0.5, 0.4, 0.55],
+    }, index=["ensemble", "naive", "moving_average_60"])
+    t = accuracy.v2_targets(rows, ["naive", "moving_average_60"], "busy")
+    assert t["mase_median_active"]["best_peer"] == "moving_average_60"
+    assert t["mase_median_active"]["gain"] == pytest.approx(1 - 0.8 / 0.95) and t["mase_median_active"]["met"]
+    assert t["wql"]["gain"] == pytest.approx(1 - 0.3 / 0.31) and not t["wql"]["met"]
+    assert t["coverage_q90_bracket"]["met"] and t["coverage_q99"]["met"]
+    assert t["brier_any"]["baseline"] == 0.1 and t["brier_any"]["met"]  # 20% below the recent baseline
+    assert t["spike_recall"]["best_peer"] == "moving_average_60" and not t["spike_recall"]["met"]
+    rows.loc["ensemble", ["coverage_q90_strict", "coverage_q90"]] = [0.75, 0.86]  # bracket misses 0.9 by > 0.03
+    assert not accuracy.v2_targets(rows, ["naive"], "busy")["coverage_q90_bracket"]["met"]
