@@ -15,8 +15,33 @@ Default run (traces from ``PREWARM_TRACES_DIR``, default ``../shared/traces``):
 2. ``azure2019_fleet``: the same day in the fleet simulator: 1,350 models
    mapped onto the catalogue of real models and images, 160 nodes x 8 GPUs,
    same warm-up and scored window.
-3. ``azure_llm_code`` (``--llm``): a bursty per-request LLM trace in the fleet
-   simulator (16 nodes; first 10 minutes warm-up).
+3. ``azure_llm_code``, ``azure_llm_conv``, ``mooncake`` (``--llm``, default all
+   three): per-request LLM traces in the fleet simulator (16 nodes; first 10
+   minutes warm-up; an hour each).
+
+Protocol v2 (EVALUATION.md sections 2-3) adds, per trace, under ``v2`` (and
+top-level ``curves``, ``at_equal_cost``, ``oracle_gap_closed``, ``budget``):
+
+* ``curves``: every tunable policy over a grid fixed before the run: keep-alive
+  K in 5..240 minutes (on the fleet day with ``--quick``: 5, 10, 30, 120), the
+  hybrid histogram over its range (60..480 minutes; 240 is the paper's point),
+  prewarm and prewarm_empirical (and scale-only on the fleet) over the
+  cold-cost grid; oracle and reactive as points;
+* ``at_equal_cost``: each curve read by linear interpolation, never
+  extrapolated (``None`` = out of the curve's range,
+  :mod:`forecaster.simulation.curves`): p75 cold % and p99 wait at the hybrid's
+  waste, waste at the hybrid's p75 cold % (minute protocol and fleet day); p99
+  at the oracle's GPU-seconds and at 0.6x reactive's, tiered vs scale-only at
+  each GPU-seconds level (LLM traces);
+* ``oracle_gap_closed``: (hybrid - policy) / (hybrid - oracle) on p75 cold % at
+  the hybrid's waste;
+* ``budget``: ``prewarm_budget100``, the product in budget mode
+  (:mod:`forecaster.planning.budget`) at 100 % of the 10-minute keep-alive's
+  waste: the spend it reached over the scored window and its cold % / p99;
+* ``targets_v2``: issue 14's targets with their values and pass/miss.
+
+With ``--forecaster empirical`` prewarm and prewarm_empirical are one run,
+reported under both names.
 
 Every planner row runs the product's plan step through its actuator (the
 guardrails of the default settings) onto the simulated cluster:
