@@ -102,7 +102,7 @@ BUDGETS_PCT = (100.0,)  # budget mode: % of the 10-minute keep-alive's waste
 MINUTE_GRID = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 FLEET_GRID = (4.0, 16.0, 64.0)
 FLEET_KEEPALIVE_QUICK = (5, 10, 30, 120)  # --quick: a shorter keep-alive curve on the fleet day
-LLM_GRID = (1.0, 2.0, 4.0, 8.0, 16.0)
+LLM_GRID = (0.0625, 0.25, 1.0, 2.0, 4.0, 8.0, 16.0)  # reaches down towards the oracle's GPU-seconds
 FIELDS = ("cold_pct_p75", "cold_pct_overall", "wasted_norm_pct", "wait_p99_s", "slo_attainment", "gpu_seconds")
 
 
@@ -580,7 +580,7 @@ def main() -> None:
         cfg = FleetConfig(n_nodes=160 if wl.n_models > 100 else 16,
                           score_from_s=WARMUP_MIN * 60 if wl.duration_s > 2 * WARMUP_MIN * 60 else 600.0)
         grid = (LLM_GRID if wl.n_models == 1 else FLEET_GRID) if args.grid else ()
-        table, info = fleet(wl, models_for(wl, traces_dir=traces), cfg, grid, **loop)
+        table, info = fleet(wl, models_for(wl, traces_dir=traces), cfg, grid, budgets=budgets, **loop)
         report["traces"][name] = table
         report["grids"][name] = grid
         report["info"][name] = info
