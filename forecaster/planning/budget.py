@@ -18,13 +18,15 @@ multiplies every model's cold cost by a factor ``f = exp(u)`` and moves ``u`` af
   ``e = log((A + eps) / (S + eps))`` (``eps = 1e-9 + 0.01 (A + S)``, so ``|e| <= log 101``: positive when under
   budget); then an integral step on log(cold cost), ``u <- clip(u + gain dt e, -log(max_factor), log(max_factor))``.
 
-Gains (fixed, principled, not fitted to any scored window): with spend elasticity ``k = d log(spend) /
-d log(cold cost)``, the discounted window is a first-order lag of ``window_min`` and the integral step closes a
-second-order loop ``W s^2 + s + gain k = 0`` whose damping ratio is ``1 / (2 sqrt(gain k W))``. ``gain = 1 /
-window_min`` makes it critically damped at ``k = 1/4`` and damped at 0.5 at ``k = 1`` (the planner's waste grows
-slower than its cold cost, ``k`` below 1), settling within a few windows: with the default 60-minute window,
-within the 4-hour warm-up of the minute protocol. ``max_factor`` (1000) bounds the cold cost to three orders of
-magnitude either way of the configured one.
+Gains: with spend elasticity ``k = d log(spend) / d log(cold cost)``, the discounted window is a first-order lag
+of ``W = window_min`` and the integral step closes a second-order loop ``W s^2 + s + gain k = 0`` whose damping
+ratio is ``1 / (2 sqrt(gain k W))``. ``gain = 1 / W`` makes it critically damped at ``k = 1/4`` and damped at 0.5
+at ``k = 1`` (the planner's waste grows slower than its cold cost: ``k`` is about 0.3 on the Azure minute
+protocol's cold-cost curve), so the loop never oscillates much and settles in a few ``W / k``. The window itself
+(15 minutes) was chosen by ``bench/budget_gains.py`` on the Azure day's warm-up minutes 0-239 only, from the
+fixed set W in {15, 30, 60} with gain 1/W (and 2/W for 15 and 30): budget 100 %, spend over warm-up minutes
+120-239 closest to the budget (60: 115 %, 30: 102 %, 15: 99.8 %, 15 with 2/W: 101.2 %). ``max_factor`` (1000)
+bounds the cold cost to three orders of magnitude either way of the configured one.
 
 Everything here is pure: :class:`BudgetState` is a small frozen value the drivers carry from plan to plan (the
 plan job stores it in the plan's summary); :func:`update_budget` never returns NaN or infinity, and ignores a
@@ -55,7 +57,7 @@ class WasteBudget:
     gpu_seconds_per_hour: float | None = None
     pct: float | None = None
     reference_min: int = 10
-    window_min: float = 60.0
+    window_min: float = 15.0
     gain: float | None = None
     max_factor: float = 1000.0
 
