@@ -148,3 +148,16 @@ def test_gap_closed():
     assert gap_closed(20.0, 10.0, 0.0) == pytest.approx(0.5)
     assert gap_closed(20.0, 25.0, 0.0) == pytest.approx(-0.25)
     assert gap_closed(20.0, None, 0.0) is None and gap_closed(1.0, 1.0, 1.0) is None
+
+
+def test_busy_requests_counts_the_replica_time_requests_kept_busy():
+    held = np.array([3, 1, 0])
+    counts = np.array([90.0, 30.0, 5.0])  # at 60 a minute per replica: 1.5, 0.5 and 1/12 replica busy
+    rpm = np.full(3, 60.0)
+    gpus = np.array([2.0, 1.0, 1.0])
+    assert idle_gpu_seconds(held, counts, rpm, gpus, busy="requests") == pytest.approx((1.5 * 2 + 0.5) * 60.0)
+    # a keep-alive holding the 2 replicas minute 0 needed, through a minute with 30 requests: 1.5 replicas idle
+    window = np.array([[90.0, 30.0]])
+    assert keepalive_idle_gpu_seconds(window, rpm[:1], gpus[:1], busy="requests") == pytest.approx(1.5 * 2 * 60.0)
+    with pytest.raises(ValueError):
+        idle_gpu_seconds(held, counts, rpm, gpus, busy="magic")

@@ -107,8 +107,8 @@ def budget_state(engine: Engine, settings: Settings, fleet: FleetState, *, now: 
     What was spent, measured from the store over the whole minutes since the newest plan with a budget state
     (at most :data:`MAX_BUDGET_GAP_MIN`; the first plan measures the minute before ``now``): per model and
     minute, the replicas the actuator last set (``fleet.models.replicas``, taken as held through those minutes)
-    beyond the replicas the stored invocations of the minute needed (``ceil(count / replica_rpm)``, at least 1
-    with any request), x its GPUs x 60 s. Minutes the store has no counts for count as no requests. The
+    beyond the replica time the stored invocations of the minute kept busy (``count / replica_rpm``), x its
+    GPUs x 60 s. Minutes the store has no counts for count as no requests. The
     normalised budget's reference is what a keep-alive of ``reference_min`` minutes would have held idle on
     the same stored invocations. A plan in the same minute as the newest one leaves the state as it was.
     """
@@ -134,8 +134,10 @@ def budget_state(engine: Engine, settings: Settings, fleet: FleetState, *, now: 
     counts = np.nan_to_num(grid[order], nan=0.0)
     models = fleet.models
     rpm, gpus = models["replica_rpm"].to_numpy(dtype="float64"), models["gpus"].to_numpy(dtype="float64")
-    spent = idle_gpu_seconds(models["replicas"].to_numpy(dtype="float64"), counts[:, -minutes:], rpm, gpus)
-    reference = keepalive_idle_gpu_seconds(counts, rpm, gpus, minutes=budget.reference_min, last=minutes)
+    spent = idle_gpu_seconds(models["replicas"].to_numpy(dtype="float64"), counts[:, -minutes:], rpm, gpus,
+                             busy="requests")
+    reference = keepalive_idle_gpu_seconds(counts, rpm, gpus, minutes=budget.reference_min, last=minutes,
+                                           busy="requests")
     return update_budget(state, budget, spent_gpu_s=spent, reference_idle_gpu_s=reference, minutes=float(minutes))
 
 

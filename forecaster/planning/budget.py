@@ -5,10 +5,11 @@ spent so far, not by picking a point of a curve after scoring. The planner's one
 value of a second of wait in GPU-seconds); spending more idle GPU-seconds buys fewer cold starts. Budget mode
 multiplies every model's cold cost by a factor ``f = exp(u)`` and moves ``u`` after each plan:
 
-* **what was spent** (``spent_gpu_s``, per plan interval): idle GPU-seconds, replicas held but not used. Each
-  driver measures it where it can: the plan job from the store (replicas the actuator last set vs replicas the
-  stored invocations of the interval needed, :func:`idle_gpu_seconds`), the fleet replay from the simulator's
-  allocated minus busy GPU-seconds, the minute protocol from loaded-but-idle minutes x memory.
+* **what was spent** (``spent_gpu_s``, per plan interval): idle GPU-seconds, replicas held but not used
+  (:func:`idle_gpu_seconds`). The plan job measures it from the store (replicas the actuator last set vs the
+  replica time the stored invocations of the interval kept busy, count / replica_rpm: the fleet simulator's own
+  accounting of busy GPU-seconds); the fleet replay the same way with the replicas it held (sampled every tick);
+  the minute protocol as it scores, loaded-but-idle minutes x memory.
 * **what was allowed** (``allowed_gpu_s``): the absolute budget (GPU-seconds per hour x the interval) and/or
   the normalised one: ``pct`` % of what a fixed keep-alive of ``reference_min`` minutes would have wasted on
   the same invocations in the same interval (:func:`keepalive_idle_gpu_seconds`; causal, it reads only
@@ -157,48 +158,65 @@ def update_budget(state: BudgetState, budget: WasteBudget, *, spent_gpu_s: float
 # --------------------------------------------------------------------------- what was spent, what the reference spent
 
 
-def _need(counts: np.ndarray, replica_rpm: np.ndarray) -> np.ndarray:
-    """Replicas a minute's requests used: ceil(count / replica_rpm), at least 1 when any (0 for unknown counts)."""
+BUSY_KINDS = ("replicas", "requests")
+
+
+def _need(counts: np.ndarray, replica_rpm: np.ndarray, busy: str = "replicas") -> np.ndarray:
+    """Replicas a minute's requests used (0 for unknown counts).
+
+    ``busy="replicas"``: whole replicas, ceil(count / replica_rpm), at least 1 with any request (the minute
+    protocol's accounting: a loaded minute with an invocation is not waste). ``busy="requests"``: the share of
+    replica time the requests kept busy, count / replica_rpm (the fleet simulator's accounting, busy GPU-seconds
+    = served requests x GPUs / replica_rps, and what the plan job can measure from stored counts).
+    """
+    if busy not in BUSY_KINDS:
+        raise ValueError(f"busy must be one of {BUSY_KINDS}, got {busy!r}")
     c = np.nan_to_num(np.asarray(counts, dtype="float64"), nan=0.0, posinf=0.0, neginf=0.0).clip(min=0.0)
     rpm = np.asarray(replica_rpm, dtype="float64")
     rpm = np.where(np.isfinite(rpm) & (rpm > 0), rpm, np.inf)
     rpm = rpm if c.ndim == 1 else rpm[:, None]
+    if busy == "requests":
+        return c / rpm
     return np.where(c > 0, np.maximum(1.0, np.ceil(c / rpm)), 0.0)
 
 
-def idle_gpu_seconds(replicas_held: np.ndarray, counts: np.ndarray, replica_rpm: np.ndarray, gpus: np.ndarray
-                     ) -> float:
+def idle_gpu_seconds(replicas_held: np.ndarray, counts: np.ndarray, replica_rpm: np.ndarray, gpus: np.ndarray,
+                     *, busy: str = "replicas") -> float:
     """Idle GPU-seconds of ``replicas_held`` (per model) over the minutes in ``counts`` (models x minutes, or one
-    minute per model): per minute, held replicas beyond those the minute's requests used, x GPUs x 60 s."""
+    minute per model): per minute, held replicas beyond what the minute's requests used (``busy``, see
+    :func:`_need`), x GPUs x 60 s."""
     counts = np.asarray(counts, dtype="float64")
     counts = counts[:, None] if counts.ndim == 1 else counts
     held = np.nan_to_num(np.asarray(replicas_held, dtype="float64"), nan=0.0).clip(min=0.0)[:, None]
     g = np.nan_to_num(np.asarray(gpus, dtype="float64"), nan=0.0).clip(min=0.0)[:, None]
-    idle = np.maximum(held - _need(counts, replica_rpm), 0.0)
+    idle = np.maximum(held - _need(counts, replica_rpm, busy), 0.0)
     return float((idle * g).sum() * 60.0)
 
 
 def keepalive_idle_gpu_seconds(counts: np.ndarray, replica_rpm: np.ndarray, gpus: np.ndarray, *, minutes: int = 10,
-                               last: int = 1) -> float:
+                               last: int = 1, busy: str = "replicas") -> float:
     """Idle GPU-seconds a fixed keep-alive of ``minutes`` would have held in the last ``last`` columns of ``counts``.
 
     ``counts`` (models x minutes, ended minutes only) must reach ``minutes`` columns before the scored ones. In a
     scored minute a model is alive when it had requests in one of the ``minutes`` minutes before; it holds as many
-    replicas as the busiest of them used (as :class:`~forecaster.simulation.policies.KeepAlivePolicy`), and what
-    the minute's own requests did not use is idle. With one replica per model this is the minute protocol's
+    replicas as the busiest of them used (as :class:`~forecaster.simulation.policies.KeepAlivePolicy`; with
+    requests in the minute, at least what they need), and what the minute's own requests did not use (``busy``,
+    see :func:`_need`) is idle. With one replica per model and ``busy="replicas"`` this is the minute protocol's
     keep-alive waste exactly (loaded and not invoked).
     """
     counts = np.asarray(counts, dtype="float64")
     if counts.ndim != 2 or counts.shape[1] == 0:
         return 0.0
-    need = _need(counts, replica_rpm)
+    whole = _need(counts, replica_rpm, "replicas")
+    used = whole if busy == "replicas" else _need(counts, replica_rpm, busy)
     g = np.nan_to_num(np.asarray(gpus, dtype="float64"), nan=0.0).clip(min=0.0)
     total = 0.0
     width = counts.shape[1]
     for j in range(max(0, width - last), width):
-        window = need[:, max(0, j - minutes):j]
+        window = whole[:, max(0, j - minutes):j]
         if not window.shape[1]:
             continue
         hold = window.max(axis=1)
-        total += float((np.maximum(hold - need[:, j], 0.0) * g).sum() * 60.0)
+        hold = np.where(hold > 0, np.maximum(hold, whole[:, j]), 0.0)
+        total += float((np.maximum(hold - used[:, j], 0.0) * g).sum() * 60.0)
     return total

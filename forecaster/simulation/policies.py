@@ -303,8 +303,9 @@ class PlannerPolicy:
         record_plans: keep every plan made (tests; off for long replays).
         budget: budget mode (:mod:`forecaster.planning.budget`): before each plan the controller is updated with
             the minute before, as the plan job measures it: mean replicas held (ready + starting, sampled every
-            tick) beyond those the minute's requests needed, x GPUs x 60 s; the normalised budget's reference is
-            a keep-alive of ``budget.reference_min`` minutes on the same counts.
+            tick) beyond the replica time the minute's requests kept busy (count / replica_rpm, the simulator's
+            busy GPU-seconds), x GPUs x 60 s; the normalised budget's reference is a keep-alive of
+            ``budget.reference_min`` minutes on the same counts, accounted the same way.
     """
 
     reactive_overload = True
@@ -369,9 +370,10 @@ class PlannerPolicy:
             gpus = models["gpus"].to_numpy(dtype="float64")
             rpm = models["replica_rps"].to_numpy(dtype="float64") * 60.0
             held = self._held_replica_s / 60.0
-            spent = idle_gpu_seconds(held, view.counts[:, m], rpm, gpus)
+            spent = idle_gpu_seconds(held, view.counts[:, m], rpm, gpus, busy="requests")
             window = view.counts[:, max(0, m - self.budget.reference_min):m + 1]
-            reference = keepalive_idle_gpu_seconds(window, rpm, gpus, minutes=self.budget.reference_min)
+            reference = keepalive_idle_gpu_seconds(window, rpm, gpus, minutes=self.budget.reference_min,
+                                                   busy="requests")
             self.budget_state = update_budget(self.budget_state, self.budget, spent_gpu_s=spent,
                                               reference_idle_gpu_s=reference,
                                               minutes=float(view.minute - m))
