@@ -284,8 +284,9 @@ def at_equal_cost(table: dict, curve_set: dict[str, list[dict]], llm: bool) -> d
                 "p75_cold_pct_at_hybrid_waste": p75,
                 "waste_at_hybrid_p75_cold_pct": cost_at(_xy(curve, "wasted_norm_pct", "cold_pct_p75"),
                                                         h["cold_pct_p75"]),
-                "wait_p99_s_at_hybrid_waste": value_at(_xy(curve, "wasted_norm_pct", "wait_p99_s"),
-                                                       h["wasted_norm_pct"]),
+                **({"wait_p99_s_at_hybrid_waste": value_at(_xy(curve, "wasted_norm_pct", "wait_p99_s"),
+                                                           h["wasted_norm_pct"])}
+                   if h.get("wait_p99_s") is not None else {}),  # no waits in the minute protocol
                 "oracle_distance_at_hybrid_waste": {
                     "cold_pct_p75": None if p75 is None or o.get("cold_pct_p75") is None else p75 - o["cold_pct_p75"],
                     "wasted_norm_pct": None if o.get("wasted_norm_pct") is None
@@ -484,7 +485,8 @@ def print_v2(report: dict) -> None:
             print("  oracle gap closed: " + ", ".join(f"{k} {_fmt(v)}" for k, v in entry["oracle_gap_closed"].items()))
         for bname, b in entry.get("budget", {}).items():
             print(f"  budget {bname}: budget {b['budget_pct']:g} %, spend reached {_fmt(b['spend_reached_pct'])} %, "
-                  f"p75 cold {_fmt(b['cold_pct_p75'])} %, p99 wait {_fmt(b['wait_p99_s'])} s, final factor "
+                  f"p75 cold {_fmt(b['cold_pct_p75'])} %, p99 wait "
+                  f"{'-' if b['wait_p99_s'] is None else _fmt(b['wait_p99_s'])} s, final factor "
                   f"{_fmt(b['final_factor'])}")
     print("\n== issue 14 targets (v2) ==")
     for name, checks in report.get("targets_v2", {}).items():
