@@ -34,7 +34,7 @@ def _run(budget: WasteBudget, *, scale: float, elasticity: float, steps: int, se
 @pytest.mark.parametrize("scale,elasticity", [(20.0, 0.3), (300.0, 0.5), (100.0, 1.0)])
 def test_the_controller_spends_the_budget_on_a_synthetic_stream(scale, elasticity):
     budget = WasteBudget(pct=100.0)  # 100 GPU-s a minute allowed
-    state, spent, allowed, factors = _run(budget, scale=scale, elasticity=elasticity, steps=1440)
+    _, spent, allowed, factors = _run(budget, scale=scale, elasticity=elasticity, steps=1440)
     # after a 4-hour warm-up (the protocol's), the rest of the day spends within 5 % of what was allowed
     assert abs(sum(spent[240:]) / sum(allowed[240:]) - 1.0) < 0.05
     assert all(math.isfinite(f) and 1e-3 <= f <= 1e3 for f in factors)
