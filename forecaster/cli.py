@@ -393,6 +393,12 @@ def backtest_cmd(
     typer.echo(f"backtest run {run_id} stored; tables in {table_path} and {summary_path}")
 
 
+def waste_budget_text(rows: dict[str, dict]) -> str:
+    """Allowed vs spent idle GPU-seconds of the budget controllers (whole replay, warm-up included)."""
+    return "; ".join(f"{name}: spent {row['budget_state']['spent_total']:.0f} of {row['budget_state']['allowed_total']:.0f}"
+                     " idle GPU-s allowed" for name, row in rows.items())
+
+
 @app.command("simulate")
 def simulate_cmd(
     trace: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="Trace file (any supported format).")],
@@ -414,12 +420,18 @@ def simulate_cmd(
         help="prewarm: GPU-seconds one second of cold-start wait is worth (default PREWARM_PLANNER_COLD_COST).")]
     = None,
     model_id: Annotated[Optional[str], typer.Option(help="Model id for single-service traces.")] = None,
+    waste_budget: Annotated[Optional[str], typer.Option(
+        "--waste-budget", help="Budget mode for prewarm, prewarm_empirical and prewarm_scale_only: 'N%' = N % of "
+                               "what a 10-minute keep-alive wastes on the same traffic, or 'N' = N idle GPU-seconds "
+                               "per hour (default: PREWARM_PLANNER_WASTE_BUDGET_*, if set).")] = None,
     as_json: Annotated[Optional[Path], typer.Option("--json", help="Also write the figures here as JSON.")] = None,
 ) -> None:
     """Replay a trace against a simulated GPU fleet under each policy: cold starts, waits, GPU-seconds, bytes.
 
     Planner policies run the product's plan step and actuator (its guardrails from the settings) on the simulated
     cluster; the table's last columns say which forecaster each used, its retrains and what the guardrails refused.
+    In budget mode (--waste-budget) their cold cost follows the budget causally, and the table shows the spend
+    reached (wasted_norm_pct: keep-alive 10 = 100 %) and the controller's final cold-cost factor.
     """
     from forecaster.contracts.fleetconfig import FleetConfig
     from forecaster.simulation.runner import (FORECASTERS, ForecastSources, ReplayProgress, format_table, models_for,
@@ -427,6 +439,17 @@ def simulate_cmd(
     from forecaster.simulation.workload import load_workload
 
     settings = _settings()
+    budget = None
+    if waste_budget is not None:
+        from forecaster.planning.step import waste_budget as budget_from
+
+        text_value = waste_budget.strip()
+        try:
+            value = float(text_value.rstrip("%").strip())
+            budget = budget_from(settings, **({"pct": value} if text_value.endswith("%") else
+                                              {"gpu_seconds_per_hour": value}))
+        except ValueError as exc:
+            _fail(f"--waste-budget {waste_budget!r}: {exc} (expected e.g. 100% or 3600)", 2)
     try:
         workload = load_workload(trace, fmt=fmt, model_id=model_id)
     except (IngestError, ValueError) as exc:
@@ -450,6 +473,7 @@ def simulate_cmd(
     try:
         results = run_policies(workload, models_for(workload, traces_dir=settings.traces_dir), config, names,
                                cold_cost=cold_cost, forecaster=forecaster, sources=sources, product=settings,
+                               budget=budget,
                                progress=ReplayProgress(workload.duration_s / 60.0,
                                                        echo=lambda line: typer.echo(line, err=True)))
     except ValueError as exc:
@@ -458,6 +482,12 @@ def simulate_cmd(
     typer.echo(format_table(table))
     typer.echo(format_table({k: v for k, v in table.items() if "forecaster" in v},
                             ("forecaster", "retrains", "cold_cost", "guardrail_refusals")))
+    in_budget = {k: {**v, "budget_factor": v["budget_state"]["factor"]} for k, v in table.items()
+                 if v.get("budget_state")}
+    if in_budget:
+        typer.echo("budget mode (" + waste_budget_text(in_budget) + "):")
+        typer.echo(format_table(in_budget, ("wasted_norm_pct", "cold_pct_p75", "wait_p99_s", "gpu_seconds",
+                                            "budget_factor")))
     if as_json:
         as_json.write_text(json.dumps({"trace": trace.name, "policies": table}, indent=1, default=float))
 

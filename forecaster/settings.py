@@ -124,6 +124,29 @@ class Settings(BaseSettings):
     planner_lead_margin_frac: float = Field(default=0.2, ge=0, le=10, description="Extra lead time, share.")
     planner_release_hold_min: int = Field(default=0, ge=0, le=1440, description="Minutes below before a release.")
     planner_quantile_for_shape: float = Field(default=0.9, gt=0, lt=1)
+    # budget mode (forecaster.planning.budget): the cold cost follows a stated waste budget
+    planner_waste_budget_gpu_seconds_per_hour: float | None = Field(
+        default=None, ge=0, allow_inf_nan=False,
+        description="Budget mode: idle GPU-seconds per hour the planner may spend (replicas held but not used); "
+                    "each plan scales every cold cost by a factor a controller moves from the spend so far. Unset "
+                    "(and no _pct): no budget, the cold costs as configured.")
+    planner_waste_budget_pct: float | None = Field(
+        default=None, ge=0, le=1e6, allow_inf_nan=False,
+        description="Budget mode, normalised: % of the idle GPU-seconds a fixed keep-alive of "
+                    "planner_waste_budget_reference_min minutes would have spent on the same invocations (100 = "
+                    "as wasteful as a 10-minute keep-alive). With the absolute form too, the smaller allowance holds.")
+    planner_waste_budget_reference_min: int = Field(default=10, ge=1, le=1440,
+                                                    description="Keep-alive minutes of the normalised budget's 100 %.")
+    planner_waste_budget_window_min: float = Field(
+        default=15.0, gt=0, le=10080, allow_inf_nan=False,
+        description="Pacing window of the budget controller, minutes (15: chosen by bench/budget_gains.py on the "
+                    "Azure day's warm-up minutes 0-239 only, among 15/30/60 with gain 1/window or 2/window).")
+    planner_waste_budget_gain: float | None = Field(
+        default=None, gt=0, le=10, allow_inf_nan=False,
+        description="Integral gain per minute on log(cold cost); unset: 1 / planner_waste_budget_window_min.")
+    planner_waste_budget_max_factor: float = Field(
+        default=1000.0, ge=1, le=1e6, allow_inf_nan=False,
+        description="Budget mode keeps the cold cost within [1/f, f] x the configured one.")
     retrain_holdout_min: int = Field(default=120, ge=30, description="Held-out tail scoring challenger vs champion.")
     retrain_hour_utc: int = Field(default=3, ge=0, le=23)
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from datetime import datetime, timedelta, timezone
 
 import pandas as pd
+import pytest
 from sqlalchemy import text
 
 from forecaster.coldstart.service import train_latency_model
@@ -105,3 +107,42 @@ def test_a_poisoned_model_and_a_poisoned_cold_start_never_stop_the_plan(engine, 
     with engine.connect() as conn:
         planned = {r[0] for r in conn.execute(text("SELECT DISTINCT model_id FROM actions"))}
     assert "llama" in planned and "huge" not in planned
+
+
+def _planned_replicas(engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text("SELECT coalesce(max((spec->>'replicas')::int), 0) FROM actions "
+                                     "WHERE kind = 'scale' AND plan_id = (SELECT max(id) FROM plans)")).scalar())
+
+
+def test_budget_mode_carries_its_state_from_plan_to_plan_and_measures_the_idle_replicas(engine, settings):
+    """Replicas the plan job scaled up and no stored invocation used are spent idle GPU-seconds; the next plan's
+    cold cost comes down (nothing was allowed: no invocations, so the keep-alive reference wasted nothing)."""
+    _setup(engine)
+    budgeted = settings.model_copy(update={"planner_waste_budget_pct": 100.0})
+    first = plan_job(engine, budgeted, NOW)
+    assert first["summary"]["budget"]["updates"] == 1 and first["summary"]["budget"]["spent_total"] == 0.0
+    plan_job(engine, budgeted, NOW + timedelta(minutes=5))  # the scales ahead of the spike are due: carried out
+    third = plan_job(engine, budgeted, NOW + timedelta(minutes=6))
+    state = third["summary"]["budget"]
+    assert state["updates"] == 3 and state["spent_total"] > 0 and state["allowed_total"] == 0.0
+    assert 0 < state["factor"] < 1
+    again = plan_job(engine, budgeted, NOW + timedelta(minutes=6, seconds=30))  # same minute: no new measurement
+    assert again["summary"]["budget"]["updates"] == 3
+    with engine.connect() as conn:
+        stored = conn.execute(text("SELECT summary->'budget'->>'updates' FROM plans ORDER BY id")).scalars().all()
+    assert stored == ["1", "2", "3", "3"]
+
+
+def test_budget_mode_scales_the_cold_cost_the_plan_job_plans_with(engine, settings):
+    _setup(engine)
+    plan_job(engine, settings, NOW)
+    unbudgeted = _planned_replicas(engine)
+    with engine.begin() as conn:  # a controller that has driven the cold cost a thousandfold down
+        conn.execute(text("DELETE FROM actions"))
+        conn.execute(text("INSERT INTO plans (planned_at, summary) VALUES (:t, CAST(:s AS jsonb))"),
+                     {"t": NOW, "s": '{"budget": {"log_factor": -6.9}}'})
+    budgeted = settings.model_copy(update={"planner_waste_budget_gpu_seconds_per_hour": 1.0})
+    result = plan_job(engine, budgeted, NOW + timedelta(seconds=10))
+    assert result["summary"]["budget"]["factor"] == pytest.approx(math.exp(-6.9))
+    assert unbudgeted >= 5 and _planned_replicas(engine) < unbudgeted

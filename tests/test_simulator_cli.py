@@ -38,3 +38,21 @@ def test_simulate_rejects_an_unknown_policy(tmp_path):
     result = CliRunner().invoke(app, ["simulate", str(sample_path(AZURE_LLM2023_CODE_HEAD)), "--policy", "magic"])
     assert result.exit_code == 2
     assert "unknown policy 'magic'" in result.output
+
+
+def test_simulate_in_budget_mode_reports_the_spend_and_the_controller(tmp_path):
+    out = tmp_path / "sim.json"
+    result = CliRunner().invoke(app, ["simulate", str(sample_path(AZURE_LLM2023_CODE_HEAD)), "--policy",
+                                      "prewarm_empirical", "--nodes", "4", "--waste-budget", "50%", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "budget mode" in result.stdout and "budget_factor" in result.stdout
+    row = json.loads(out.read_text())["policies"]["prewarm_empirical"]
+    state = row["budget_state"]
+    assert state["updates"] > 0 and 1e-3 <= state["factor"] <= 1e3 and state["allowed_total"] >= 0
+
+
+@pytest.mark.parametrize("value", ["-5%", "nan", "lots"])
+def test_simulate_rejects_a_bad_waste_budget(value):
+    result = CliRunner().invoke(app, ["simulate", str(sample_path(AZURE_LLM2023_CODE_HEAD)), "--policy",
+                                      "prewarm_empirical", "--waste-budget", value])
+    assert result.exit_code == 2 and "--waste-budget" in result.output

@@ -97,3 +97,21 @@ def test_the_causal_planner_trades_cold_starts_for_memory_with_its_cold_cost():
     s_dear = score_loaded(counts, memory, dear, warmup=60)
     assert s_dear.cold_minutes < s_cheap.cold_minutes
     assert s_dear.wasted_memory_mb_min > s_cheap.wasted_memory_mb_min
+
+
+def test_budget_mode_moves_the_spend_towards_a_normalised_budget_causally():
+    """From a cold cost far too high for the budget, budget mode lowers its factor, and a smaller budget spends
+    less (the normalised waste: a 10-minute keep-alive = 100 %)."""
+    from forecaster.planning.budget import WasteBudget
+
+    rng = np.random.default_rng(7)
+    rates = rng.choice([0.02, 0.05, 0.2, 0.6], size=20)
+    counts = rng.poisson(rates[:, None], size=(20, 200)).astype(float)
+    mb = rng.uniform(128, 1024, 20)
+    reference = score_loaded(counts, mb, keepalive_loaded(counts, 10), warmup=60).wasted_memory_mb_min
+    spent = {}
+    for pct in (100.0, 40.0):
+        loaded, info = planner_loaded(counts, mb, cold_cost=50.0, budget=WasteBudget(pct=pct))
+        spent[pct] = 100.0 * score_loaded(counts, mb, loaded, warmup=60).wasted_memory_mb_min / reference
+        assert info["budget"]["updates"] == 199 and 1e-3 <= info["budget"]["factor"] < 1.0
+    assert spent[100.0] > spent[40.0]

@@ -6,6 +6,10 @@ the actuator, and predicted cold-start latencies from the latency model
 trained on observed cold starts), plans, and hands the plan to the actuator,
 which records it and carries out what is due through the configured backend
 (``dry-run`` by default).
+
+Budget mode (``PREWARM_PLANNER_WASTE_BUDGET_*``, see :mod:`forecaster.planning.budget`): before planning, the
+job measures what was spent since the newest stored plan and updates the controller state stored in that plan's
+summary (:func:`budget_state`); the plan's cold costs carry the new factor and its summary the new state.
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ import pandas as pd
 from sqlalchemy import Engine
 
 from forecaster.contracts.fleet import FleetState, build_fleet
-from forecaster.planning.step import plan_step, planner_settings
+from forecaster.planning.budget import BudgetState, idle_gpu_seconds, keepalive_idle_gpu_seconds, update_budget
+from forecaster.planning.step import plan_step, planner_settings, waste_budget
 from forecaster.settings import Settings
+from forecaster.store.actions import newest_plan_budget
 from forecaster.store.fleet import read_fleet_inputs
 from forecaster.store.forecasts import read_newest_runs
+from forecaster.store.invocations import read_grid
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +103,49 @@ def _no_events() -> pd.DataFrame:
                                  "concurrent_registry_pulls"])
 
 
+MAX_BUDGET_GAP_MIN = 60
+
+
+def budget_state(engine: Engine, settings: Settings, fleet: FleetState, *, now: datetime) -> BudgetState | None:
+    """Budget mode's controller state for the plan at ``now`` (None when no budget is set).
+
+    What was spent, measured from the store over the whole minutes since the newest plan with a budget state
+    (at most :data:`MAX_BUDGET_GAP_MIN`; the first plan measures the minute before ``now``): per model and
+    minute, the replicas the actuator last set (``fleet.models.replicas``, taken as held through those minutes)
+    beyond the replica time the stored invocations of the minute kept busy (``count / replica_rpm``), x its
+    GPUs x 60 s. Minutes the store has no counts for count as no requests. The
+    normalised budget's reference is what a keep-alive of ``reference_min`` minutes would have held idle on
+    the same stored invocations. A plan in the same minute as the newest one leaves the state as it was.
+    """
+    budget = waste_budget(settings)
+    if budget is None:
+        return None
+    first = now.replace(second=0, microsecond=0)
+    with engine.connect() as conn:
+        previous = newest_plan_budget(conn)
+    if previous is None:
+        state, minutes = BudgetState(), 1
+    else:
+        planned_at, values = previous
+        state = BudgetState.from_dict(values)
+        gap = (first - planned_at.replace(second=0, microsecond=0)).total_seconds() / 60.0
+        minutes = int(min(max(gap, 0.0), MAX_BUDGET_GAP_MIN))
+    if minutes < 1 or not len(fleet.models):
+        return state
+    ids = [str(m) for m in fleet.models.index]
+    width = minutes + budget.reference_min
+    grid_ids, _, grid = read_grid(engine, ids, first - timedelta(minutes=width), first)
+    order = pd.Index(grid_ids).get_indexer(ids)
+    counts = np.nan_to_num(grid[order], nan=0.0)
+    models = fleet.models
+    rpm, gpus = models["replica_rpm"].to_numpy(dtype="float64"), models["gpus"].to_numpy(dtype="float64")
+    spent = idle_gpu_seconds(models["replicas"].to_numpy(dtype="float64"), counts[:, -minutes:], rpm, gpus,
+                             busy="requests")
+    reference = keepalive_idle_gpu_seconds(counts, rpm, gpus, minutes=budget.reference_min, last=minutes,
+                                           busy="requests")
+    return update_budget(state, budget, spent_gpu_s=spent, reference_idle_gpu_s=reference, minutes=float(minutes))
+
+
 def plan_job(engine: Engine, settings: Settings, now: datetime, *, actuator=None) -> dict:
     """Plan the next minutes from the stored forecasts and carry the plan out through the actuator.
 
@@ -112,7 +162,8 @@ def plan_job(engine: Engine, settings: Settings, now: datetime, *, actuator=None
         return {"skipped": "no forecasts yet"}
     fleet = fleet_from_store(engine, now=now, default_cold_cost=settings.planner_cold_cost)
     latency = predicted_latency(engine, fleet, now=now, settings=settings)
-    planned = plan_step(now, forecast, fleet, latency, planner_settings(settings))
+    budget = budget_state(engine, settings, fleet, now=now)
+    planned = plan_step(now, forecast, fleet, latency, planner_settings(settings), budget=budget)
     actuator = actuator or Actuator(engine, settings, build_backend(settings))
     submitted, reports = actuator.apply(planned, now=now)
     statuses: dict[str, int] = {}

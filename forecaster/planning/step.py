@@ -13,6 +13,7 @@ are left out, counted in the plan's summary (``skipped``) and logged by name; th
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from datetime import datetime
 
 import numpy as np
@@ -21,6 +22,7 @@ import pandas as pd
 from forecaster.contracts.actions import Plan
 from forecaster.contracts.fleet import FleetState
 from forecaster.contracts.forecast import quantile_levels
+from forecaster.planning.budget import BudgetState, WasteBudget
 from forecaster.planning.fleet import PlannerSettings
 from forecaster.planning.planner import plan
 from forecaster.settings import Settings
@@ -51,6 +53,23 @@ def planner_settings(settings: Settings, **overrides) -> PlannerSettings:
     return PlannerSettings(**values)
 
 
+def waste_budget(settings: Settings, *, pct: float | None = None, gpu_seconds_per_hour: float | None = None
+                 ) -> WasteBudget | None:
+    """Budget mode's budget from the settings (``PREWARM_PLANNER_WASTE_BUDGET_*``), or None when none is set.
+
+    ``pct`` / ``gpu_seconds_per_hour`` replace the settings' values (a replay's ``--waste-budget``).
+    """
+    pct = settings.planner_waste_budget_pct if pct is None else pct
+    absolute = settings.planner_waste_budget_gpu_seconds_per_hour if gpu_seconds_per_hour is None \
+        else gpu_seconds_per_hour
+    if pct is None and absolute is None:
+        return None
+    return WasteBudget(gpu_seconds_per_hour=absolute, pct=pct,
+                       reference_min=settings.planner_waste_budget_reference_min,
+                       window_min=settings.planner_waste_budget_window_min, gain=settings.planner_waste_budget_gain,
+                       max_factor=settings.planner_waste_budget_max_factor)
+
+
 def _usable_forecast(forecasts: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
     """Rows the planner can read; models with a NaN, infinite or negative value are dropped whole."""
     if forecasts.empty:
@@ -68,7 +87,7 @@ def _usable_forecast(forecasts: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, s
 
 
 def plan_step(now: datetime, forecasts: pd.DataFrame, fleet: FleetState, latency: pd.DataFrame,
-              settings: PlannerSettings) -> Plan:
+              settings: PlannerSettings, *, budget: BudgetState | None = None) -> Plan:
     """Plan the next ``settings.horizon_min`` minutes (see the module docstring).
 
     Args:
@@ -77,6 +96,9 @@ def plan_step(now: datetime, forecasts: pd.DataFrame, fleet: FleetState, latency
         fleet: from :func:`~forecaster.contracts.fleet.build_fleet`; its ``skipped`` models are reported.
         latency: ``model_id, state, total_s, <phases>`` per start state.
         settings: from :func:`planner_settings`.
+        budget: budget mode's controller state (:mod:`forecaster.planning.budget`), already updated by the driver
+            with what was spent up to ``now``: every model's cold cost is multiplied by its factor, and the state
+            goes into ``summary["budget"]`` (the plan job reads it back from the newest stored plan).
 
     Returns:
         The plan; ``summary["skipped"]`` counts the models left out and ``summary["skipped_models"]`` names up to
@@ -87,7 +109,12 @@ def plan_step(now: datetime, forecasts: pd.DataFrame, fleet: FleetState, latency
     if skipped:
         log.warning("plan step at %s skips %d models it cannot use: %s", now.isoformat(), len(skipped),
                     "; ".join(f"{m}: {why}" for m, why in list(skipped.items())[:5]))
+    if budget is not None:
+        fleet = replace(fleet, models=fleet.models.assign(cold_cost=budget.cold_cost(
+            fleet.models["cold_cost"].to_numpy(dtype="float64"))))
     result = plan(forecasts, latency, fleet, settings, now)
     summary = {**result.summary, "skipped": len(skipped),
                "skipped_models": dict(list(skipped.items())[:20])}
+    if budget is not None:
+        summary["budget"] = budget.as_dict()
     return Plan(planned_at=result.planned_at, actions=result.actions, summary=summary)

@@ -35,6 +35,8 @@ from forecaster.actuation.backends.base import ModelTarget, Outcome, ReplicaStat
 from forecaster.contracts.actions import Action, FailureReason
 from forecaster.contracts.fleet import build_fleet
 from forecaster.contracts.phases import START_STATES
+from forecaster.planning.budget import BudgetState, WasteBudget, idle_gpu_seconds, keepalive_idle_gpu_seconds, \
+    update_budget
 from forecaster.planning.fleet import PlannerSettings
 from forecaster.planning.forecasts import CountPanel, EmpiricalForecast
 from forecaster.planning.step import plan_step
@@ -157,7 +159,8 @@ class MinuteCluster:
 def planner_loaded(counts: np.ndarray, memory_mb: np.ndarray, *, cold_cost: float,
                    source_factory: Callable[[CountPanel], object] | None = None, source: object | None = None,
                    start: pd.Timestamp = pd.Timestamp("2019-07-15", tz="UTC"), product: Settings | None = None,
-                   progress: Callable[[float], None] | None = None) -> tuple[np.ndarray, dict]:
+                   progress: Callable[[float], None] | None = None, budget: WasteBudget | None = None
+                   ) -> tuple[np.ndarray, dict]:
     """Drive the plan step once a minute, through the actuator, and read back whether each function is loaded.
 
     Each minute ``t`` the forecast source (``source``, else ``source_factory(panel)``, default
@@ -167,6 +170,12 @@ def planner_loaded(counts: np.ndarray, memory_mb: np.ndarray, *, cold_cost: floa
     cold-start percentage weighs the same, as in the protocol's per-function headline; a cold start costs 60 s.
     The plan goes through the production actuator (the ``actuator_*`` guardrails of ``product``) onto a
     :class:`MinuteCluster`: ``scale`` loads the function for minute ``t``, ``release`` unloads it.
+
+    With a ``budget`` (budget mode, :mod:`forecaster.planning.budget`) the cold costs carry the controller's
+    factor, updated before each minute's plan from the minute before: spent = loaded-but-idle minutes x memory
+    (GB-seconds), and the normalised budget's reference = what a ``budget.reference_min``-minute keep-alive
+    would have held idle in that minute on the same invocations (for 10 minutes, the protocol's 100 % exactly,
+    minute by minute), so ``pct`` is the protocol's normalised waste, met causally.
 
     Returns:
         ``loaded`` (functions x minutes) and a summary (actions by reason, the actuator's report).
@@ -191,12 +200,21 @@ def planner_loaded(counts: np.ndarray, memory_mb: np.ndarray, *, cold_cost: floa
     reasons: dict[str, int] = {}
     base = pd.DataFrame({"image_ref": None, "image_bytes": 0.0, "weights_uri": None, "weights_bytes": 0.0,
                          "gpus": gpus, "replica_rpm": 1e12, "slo_s": np.nan}, index=pd.Index(ids, name="model_id"))
+    state = BudgetState() if budget is not None else None
+    factors: list[float] = []
+    one_each = np.full(n, np.inf)
     for t in range(t_count):
         now = (start + timedelta(minutes=t)).to_pydatetime()
+        if state is not None and t > 0:
+            spent = idle_gpu_seconds(loaded[:, t - 1], counts[:, t - 1], one_each, gpus)
+            window = counts[:, max(0, t - 1 - budget.reference_min):t]
+            reference = keepalive_idle_gpu_seconds(window, one_each, gpus, minutes=budget.reference_min)
+            state = update_budget(state, budget, spent_gpu_s=spent, reference_idle_gpu_s=reference)
+            factors.append(state.factor)
         rate = (cumulative + 1.0) / (t + 1.0)
         models = base.assign(cold_cost=cold_cost / rate, replicas=cluster.current)
         forecast = source.quantiles(now, 1)
-        result = plan_step(now, forecast, build_fleet(models, nodes), latency, settings)
+        result = plan_step(now, forecast, build_fleet(models, nodes), latency, settings, budget=state)
         for action in result.actions:
             reasons[action.reason.value] = reasons.get(action.reason.value, 0) + 1
         actuation.submit(result, now)
@@ -208,4 +226,8 @@ def planner_loaded(counts: np.ndarray, memory_mb: np.ndarray, *, cold_cost: floa
         cumulative += counts[:, t]
         if progress is not None and t % 120 == 0:
             progress(t / t_count)
-    return loaded, {"actions_by_reason": reasons, **actuation.report()}
+    info = {"actions_by_reason": reasons, **actuation.report()}
+    if state is not None:
+        info["budget"] = {**state.as_dict(), "factor_quantiles": {
+            q: float(np.quantile(factors, q)) for q in (0.0, 0.1, 0.5, 0.9, 1.0)} if factors else {}}
+    return loaded, info

@@ -31,6 +31,8 @@ from forecaster.actuation.ledger import MemoryLedger
 from forecaster.contracts.actions import Plan
 from forecaster.contracts.fleet import FleetState, build_fleet
 from forecaster.contracts.forecast import ForecastSource
+from forecaster.planning.budget import BudgetState, WasteBudget, idle_gpu_seconds, keepalive_idle_gpu_seconds, \
+    update_budget
 from forecaster.planning.fleet import PlannerSettings
 from forecaster.planning.step import plan_step
 from forecaster.settings import Settings
@@ -299,6 +301,11 @@ class PlannerPolicy:
             the same, as a per-model SLO does).
         product: the product settings whose ``actuator_*`` guardrails the replay applies (default: defaults).
         record_plans: keep every plan made (tests; off for long replays).
+        budget: budget mode (:mod:`forecaster.planning.budget`): before each plan the controller is updated with
+            the minute before, as the plan job measures it: mean replicas held (ready + starting, sampled every
+            tick) beyond the replica time the minute's requests kept busy (count / replica_rpm, the simulator's
+            busy GPU-seconds), x GPUs x 60 s; the normalised budget's reference is a keep-alive of
+            ``budget.reference_min`` minutes on the same counts, accounted the same way.
     """
 
     reactive_overload = True
@@ -307,8 +314,13 @@ class PlannerPolicy:
 
     def __init__(self, source: ForecastSource, latency: LatencyProvider, settings: PlannerSettings = PlannerSettings(),
                  *, name: str = "prewarm", cold_cost: float = 1.0, normalise_by_rate: bool = False,
-                 product: Settings | None = None, record_plans: bool = False):
+                 product: Settings | None = None, record_plans: bool = False, budget: WasteBudget | None = None):
         self.source = source
+        self.budget = budget
+        self.budget_state: BudgetState | None = BudgetState() if budget is not None else None
+        self.budget_factors: list[float] = []
+        self._held_replica_s: np.ndarray | None = None
+        self._held_minute = -1
         self.latency = latency
         self.settings = settings
         self.name = name
@@ -347,14 +359,40 @@ class PlannerPolicy:
             ends_at=[now + timedelta(seconds=s - view.now_s) for s in transfers["ends_at_s"]]).drop(columns="ends_at_s")
         return build_fleet(self.model_frame(view), inputs["nodes"], inputs["artefacts"], transfers)
 
+    def _measure(self, view: SimView) -> None:
+        """Budget mode: sample what is held this tick; at a new minute, update the controller with the last one."""
+        models = view.models
+        if self._held_replica_s is None:
+            self._held_replica_s = np.zeros(len(models))
+            self._held_minute = view.minute
+        if view.minute != self._held_minute:
+            m = self._held_minute
+            gpus = models["gpus"].to_numpy(dtype="float64")
+            rpm = models["replica_rps"].to_numpy(dtype="float64") * 60.0
+            held = self._held_replica_s / 60.0
+            spent = idle_gpu_seconds(held, view.counts[:, m], rpm, gpus, busy="requests")
+            window = view.counts[:, max(0, m - self.budget.reference_min):m + 1]
+            reference = keepalive_idle_gpu_seconds(window, rpm, gpus, minutes=self.budget.reference_min,
+                                                   busy="requests")
+            self.budget_state = update_budget(self.budget_state, self.budget, spent_gpu_s=spent,
+                                              reference_idle_gpu_s=reference,
+                                              minutes=float(view.minute - m))
+            self.budget_factors.append(self.budget_state.factor)
+            self._held_replica_s = np.zeros(len(models))
+            self._held_minute = view.minute
+        self._held_replica_s += (view.ready + view.starting) * self.decide_every_s
+
     def decide(self, view: SimView) -> None:
         if self.actuation is None:
             raise RuntimeError("PlannerPolicy acts through the simulator's actuator: run it in a FleetSimulator")
         now = (view.start + pd.Timedelta(seconds=view.now_s)).to_pydatetime()
+        if self.budget is not None:
+            self._measure(view)
         if view.now_s + 1e-9 >= self._next_plan_s:
             self._next_plan_s += 60.0
             forecast = self.source.quantiles(now, self.settings.horizon_min)
-            result = plan_step(now, forecast, self.fleet(view, now), self.latency(view), self.settings)
+            result = plan_step(now, forecast, self.fleet(view, now), self.latency(view), self.settings,
+                               budget=self.budget_state)
             self.summaries.append(result.summary)
             if self.plans is not None:
                 self.plans.append(result)

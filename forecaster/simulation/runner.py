@@ -18,7 +18,8 @@ import pandas as pd
 from forecaster.coldstart.model import ColdStartModel
 from forecaster.coldstart.physics import physics_latency_table
 from forecaster.planning.fleet import PlannerSettings
-from forecaster.planning.step import planner_settings
+from forecaster.planning.budget import WasteBudget
+from forecaster.planning.step import planner_settings, waste_budget
 from forecaster.settings import Settings
 from forecaster.planning.forecasts import EmpiricalForecast, OracleForecast
 from forecaster.simulation.catalog import assign_models
@@ -158,12 +159,14 @@ def policy_forecaster(name: str, forecaster: str) -> str | None:
 def make_policy(name: str, workload: Workload, config: FleetConfig, *, latency: LatencyInput | None = None,
                 settings: PlannerSettings | None = None, cold_cost: float | None = None,
                 normalise_by_rate: bool | None = None, forecaster: str = "ensemble",
-                sources: ForecastSources | None = None, product: Settings | None = None):
+                sources: ForecastSources | None = None, product: Settings | None = None,
+                budget: WasteBudget | None = None):
     """A policy by its report name (one of :data:`POLICY_NAMES`, or ``keepalive_<minutes>``).
 
     Planner policies (``prewarm``, ``prewarm_empirical``, ``prewarm_scale_only``, ``oracle``) run the product's
     plan step with the product's settings (``product``, default: defaults) through its actuator; ``forecaster``
-    names the source of ``prewarm`` and ``prewarm_scale_only``.
+    names the source of ``prewarm`` and ``prewarm_scale_only``. ``budget`` puts them (not the oracle) in budget
+    mode; default: the product's own budget (``PREWARM_PLANNER_WASTE_BUDGET_*``), if it sets one.
     """
     product = product or Settings()
     latency = latency or LatencyInput(config)
@@ -182,15 +185,17 @@ def make_policy(name: str, workload: Workload, config: FleetConfig, *, latency: 
     if sources is None:
         sources = ForecastSources(workload.panel, train_until_min=int(config.score_from_s // 60), settings=product)
     tiers = settings.tiers and name != "prewarm_scale_only"
+    budget = waste_budget(product) if budget is None else budget
     return PlannerPolicy(sources.get(source_name), latency, replace(settings, tiers=tiers), name=name,
-                         cold_cost=cold_cost, normalise_by_rate=normalise, product=product)
+                         cold_cost=cold_cost, normalise_by_rate=normalise, product=product,
+                         budget=None if name == "oracle" else budget)
 
 
 def run_policies(workload: Workload, models: pd.DataFrame, config: FleetConfig, names: list[str], *,
                  latency: LatencyInput | None = None, settings: PlannerSettings | None = None,
                  cold_cost: float | None = None, progress: Callable[[str, float], None] | None = None,
                  forecaster: str = "ensemble", sources: ForecastSources | None = None,
-                 product: Settings | None = None) -> dict[str, SimResult]:
+                 product: Settings | None = None, budget: WasteBudget | None = None) -> dict[str, SimResult]:
     """Simulate each named policy on the same workload and fleet (planner policies share ``sources``)."""
     product = product or Settings()
     if sources is None:
@@ -198,7 +203,7 @@ def run_policies(workload: Workload, models: pd.DataFrame, config: FleetConfig, 
     results = {}
     for name in names:
         policy = make_policy(name, workload, config, latency=latency, settings=settings, cold_cost=cold_cost,
-                             forecaster=forecaster, sources=sources, product=product)
+                             forecaster=forecaster, sources=sources, product=product, budget=budget)
         report = (lambda frac, _n=name: progress(_n, frac)) if progress else None
         results[name] = FleetSimulator(workload, models, policy, config, progress=report).run()
         if isinstance(policy, PlannerPolicy):
@@ -215,6 +220,10 @@ def run_policies(workload: Workload, models: pd.DataFrame, config: FleetConfig, 
             results[name].extra["cold_cost"] = policy.cold_cost
             results[name].extra["guardrail_refusals"] = actuation.get("guardrail_refusals", {})
             results[name].extra["actuator"] = actuation
+            if policy.budget_state is not None:
+                factors = policy.budget_factors
+                results[name].extra["budget_state"] = {**policy.budget_state.as_dict(), "factor_quantiles": {
+                    q: float(np.quantile(factors, q)) for q in (0.0, 0.1, 0.5, 0.9, 1.0)} if factors else {}}
     return results
 
 

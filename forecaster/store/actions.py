@@ -48,6 +48,13 @@ def record_plan(conn: Connection, plan: Plan) -> int:
                         {"t": plan.planned_at, "s": json.dumps(summary, default=str)}).scalar_one()
 
 
+def newest_plan_budget(conn: Connection) -> tuple[datetime, object] | None:
+    """(planned_at, summary["budget"]) of the newest plan that carries budget mode's controller state, if any."""
+    row = conn.execute(text("SELECT planned_at, summary->'budget' FROM plans WHERE summary->'budget' IS NOT NULL "
+                            "ORDER BY id DESC LIMIT 1")).first()
+    return None if row is None else (row[0], row[1])
+
+
 def submit_action(conn: Connection, plan_id: int | None, action: Action, *, backend: str,
                   now: datetime) -> tuple[int, bool]:
     """Record ``action`` as pending, or merge it into the open unit with the same key.

@@ -1,0 +1,222 @@
+"""Budget mode: the operator states a waste budget and the planner's cold cost follows it, causally.
+
+EVALUATION.md section 2 (v2): the policy must meet a stated waste budget by adjusting itself from what it has
+spent so far, not by picking a point of a curve after scoring. The planner's one knob is the cold cost (the
+value of a second of wait in GPU-seconds); spending more idle GPU-seconds buys fewer cold starts. Budget mode
+multiplies every model's cold cost by a factor ``f = exp(u)`` and moves ``u`` after each plan:
+
+* **what was spent** (``spent_gpu_s``, per plan interval): idle GPU-seconds, replicas held but not used
+  (:func:`idle_gpu_seconds`). The plan job measures it from the store (replicas the actuator last set vs the
+  replica time the stored invocations of the interval kept busy, count / replica_rpm: the fleet simulator's own
+  accounting of busy GPU-seconds); the fleet replay the same way with the replicas it held (sampled every tick);
+  the minute protocol as it scores, loaded-but-idle minutes x memory.
+* **what was allowed** (``allowed_gpu_s``): the absolute budget (GPU-seconds per hour x the interval) and/or
+  the normalised one: ``pct`` % of what a fixed keep-alive of ``reference_min`` minutes would have wasted on
+  the same invocations in the same interval (:func:`keepalive_idle_gpu_seconds`; causal, it reads only
+  minutes that have ended). With both set the smaller allowance holds.
+* **the controller**: exponentially discounted totals over a window of ``window_min`` minutes,
+  ``S <- l S + spent``, ``A <- l A + allowed`` with ``l = exp(-dt / window_min)``; the pace error
+  ``e = log((A + eps) / (S + eps))`` (``eps = 1e-9 + 0.01 (A + S)``, so ``|e| <= log 101``: positive when under
+  budget); then an integral step on log(cold cost), ``u <- clip(u + gain dt e, -log(max_factor), log(max_factor))``.
+
+Gains: with spend elasticity ``k = d log(spend) / d log(cold cost)``, the discounted window is a first-order lag
+of ``W = window_min`` and the integral step closes a second-order loop ``W s^2 + s + gain k = 0`` whose damping
+ratio is ``1 / (2 sqrt(gain k W))``. ``gain = 1 / W`` makes it critically damped at ``k = 1/4`` and damped at 0.5
+at ``k = 1`` (the planner's waste grows slower than its cold cost: ``k`` is about 0.3 on the Azure minute
+protocol's cold-cost curve), so the loop never oscillates much and settles in a few ``W / k``. The window itself
+(15 minutes) was chosen by ``bench/budget_gains.py`` on the Azure day's warm-up minutes 0-239 only, from the
+fixed set W in {15, 30, 60} with gain 1/W (and 2/W for 15 and 30): budget 100 %, spend over warm-up minutes
+120-239 closest to the budget (60: 115 %, 30: 102 %, 15: 99.8 %, 15 with 2/W: 101.2 %). ``max_factor`` (1000)
+bounds the cold cost to three orders of magnitude either way of the configured one.
+
+Everything here is pure: :class:`BudgetState` is a small frozen value the drivers carry from plan to plan (the
+plan job stores it in the plan's summary); :func:`update_budget` never returns NaN or infinity, and ignores a
+non-finite or negative measurement (counted in ``ignored``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class WasteBudget:
+    """The operator's waste budget and the controller's parameters (see the module docstring).
+
+    Args:
+        gpu_seconds_per_hour: idle GPU-seconds allowed per hour (absolute form).
+        pct: % of what a ``reference_min``-minute keep-alive would have wasted on the same traffic (normalised).
+        reference_min: the reference keep-alive, minutes (10: the protocol's 100 %).
+        window_min: pacing window of the discounted totals, minutes.
+        gain: integral gain per minute on log(cold cost); default ``1 / window_min``.
+        max_factor: the cold cost stays within ``[1 / max_factor, max_factor]`` x the configured one.
+    """
+
+    gpu_seconds_per_hour: float | None = None
+    pct: float | None = None
+    reference_min: int = 10
+    window_min: float = 15.0
+    gain: float | None = None
+    max_factor: float = 1000.0
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_seconds_per_hour", "pct"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"waste budget {name} must be a finite number >= 0, got {value!r}")
+        if self.gpu_seconds_per_hour is None and self.pct is None:
+            raise ValueError("a waste budget needs gpu_seconds_per_hour and/or pct")
+        if not (isinstance(self.reference_min, int) and self.reference_min >= 1):
+            raise ValueError(f"reference_min must be a whole number of minutes >= 1, got {self.reference_min!r}")
+        if not (math.isfinite(self.window_min) and self.window_min > 0):
+            raise ValueError(f"window_min must be > 0, got {self.window_min!r}")
+        if self.gain is not None and not (math.isfinite(self.gain) and self.gain > 0):
+            raise ValueError(f"gain must be > 0, got {self.gain!r}")
+        if not (math.isfinite(self.max_factor) and self.max_factor >= 1):
+            raise ValueError(f"max_factor must be >= 1, got {self.max_factor!r}")
+
+    @property
+    def gain_per_min(self) -> float:
+        return self.gain if self.gain is not None else 1.0 / self.window_min
+
+    def allowed(self, minutes: float, reference_idle_gpu_s: float | None) -> float:
+        """GPU-seconds the budget allows over ``minutes`` minutes in which the reference wasted the given amount."""
+        options = []
+        if self.gpu_seconds_per_hour is not None:
+            options.append(self.gpu_seconds_per_hour * minutes / 60.0)
+        if self.pct is not None and reference_idle_gpu_s is not None and math.isfinite(reference_idle_gpu_s):
+            options.append(self.pct / 100.0 * max(reference_idle_gpu_s, 0.0))
+        return float(min(options)) if options else 0.0
+
+
+@dataclass(frozen=True)
+class BudgetState:
+    """The controller's state between plans (JSON-safe through :meth:`as_dict` / :meth:`from_dict`)."""
+
+    log_factor: float = 0.0
+    spent: float = 0.0  # discounted idle GPU-seconds
+    allowed: float = 0.0  # discounted allowance
+    spent_total: float = 0.0
+    allowed_total: float = 0.0
+    updates: int = 0
+    ignored: int = 0
+
+    @property
+    def factor(self) -> float:
+        """The multiplier on every model's cold cost."""
+        return float(math.exp(self.log_factor))
+
+    def cold_cost(self, base):
+        """``base`` (a number or an array of cold costs) times the factor."""
+        return base * self.factor
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "factor": self.factor}
+
+    @classmethod
+    def from_dict(cls, values: object) -> "BudgetState":
+        """A state read back from a plan's summary; anything unusable starts afresh (never raises)."""
+        if not isinstance(values, dict):
+            return cls()
+        fields = {}
+        for name in ("log_factor", "spent", "allowed", "spent_total", "allowed_total"):
+            v = values.get(name, 0.0)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                return cls()
+            fields[name] = float(v)
+        if min(fields["spent"], fields["allowed"], fields["spent_total"], fields["allowed_total"]) < 0:
+            return cls()
+        for name in ("updates", "ignored"):
+            v = values.get(name, 0)
+            fields[name] = int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
+                else 0
+        return cls(**fields)
+
+
+def update_budget(state: BudgetState, budget: WasteBudget, *, spent_gpu_s: float, reference_idle_gpu_s: float | None,
+                  minutes: float = 1.0) -> BudgetState:
+    """One controller step after an interval of ``minutes`` minutes (see the module docstring)."""
+    values = (spent_gpu_s, minutes) + (() if reference_idle_gpu_s is None else (reference_idle_gpu_s,))
+    if not all(isinstance(v, (int, float, np.floating, np.integer)) and math.isfinite(v) and v >= 0 for v in values) \
+            or minutes <= 0:
+        return replace(state, ignored=state.ignored + 1)
+    allowed = budget.allowed(minutes, reference_idle_gpu_s)
+    keep = math.exp(-minutes / budget.window_min)
+    s = keep * state.spent + float(spent_gpu_s)
+    a = keep * state.allowed + allowed
+    eps = 1e-9 + 0.01 * (a + s)
+    error = math.log((a + eps) / (s + eps))
+    bound = math.log(budget.max_factor)
+    log_factor = min(max(state.log_factor + budget.gain_per_min * minutes * error, -bound), bound)
+    return BudgetState(log_factor=log_factor, spent=s, allowed=a, spent_total=state.spent_total + float(spent_gpu_s),
+                       allowed_total=state.allowed_total + allowed, updates=state.updates + 1, ignored=state.ignored)
+
+
+# --------------------------------------------------------------------------- what was spent, what the reference spent
+
+
+BUSY_KINDS = ("replicas", "requests")
+
+
+def _need(counts: np.ndarray, replica_rpm: np.ndarray, busy: str = "replicas") -> np.ndarray:
+    """Replicas a minute's requests used (0 for unknown counts).
+
+    ``busy="replicas"``: whole replicas, ceil(count / replica_rpm), at least 1 with any request (the minute
+    protocol's accounting: a loaded minute with an invocation is not waste). ``busy="requests"``: the share of
+    replica time the requests kept busy, count / replica_rpm (the fleet simulator's accounting, busy GPU-seconds
+    = served requests x GPUs / replica_rps, and what the plan job can measure from stored counts).
+    """
+    if busy not in BUSY_KINDS:
+        raise ValueError(f"busy must be one of {BUSY_KINDS}, got {busy!r}")
+    c = np.nan_to_num(np.asarray(counts, dtype="float64"), nan=0.0, posinf=0.0, neginf=0.0).clip(min=0.0)
+    rpm = np.asarray(replica_rpm, dtype="float64")
+    rpm = np.where(np.isfinite(rpm) & (rpm > 0), rpm, np.inf)
+    rpm = rpm if c.ndim == 1 else rpm[:, None]
+    if busy == "requests":
+        return c / rpm
+    return np.where(c > 0, np.maximum(1.0, np.ceil(c / rpm)), 0.0)
+
+
+def idle_gpu_seconds(replicas_held: np.ndarray, counts: np.ndarray, replica_rpm: np.ndarray, gpus: np.ndarray,
+                     *, busy: str = "replicas") -> float:
+    """Idle GPU-seconds of ``replicas_held`` (per model) over the minutes in ``counts`` (models x minutes, or one
+    minute per model): per minute, held replicas beyond what the minute's requests used (``busy``, see
+    :func:`_need`), x GPUs x 60 s."""
+    counts = np.asarray(counts, dtype="float64")
+    counts = counts[:, None] if counts.ndim == 1 else counts
+    held = np.nan_to_num(np.asarray(replicas_held, dtype="float64"), nan=0.0).clip(min=0.0)[:, None]
+    g = np.nan_to_num(np.asarray(gpus, dtype="float64"), nan=0.0).clip(min=0.0)[:, None]
+    idle = np.maximum(held - _need(counts, replica_rpm, busy), 0.0)
+    return float((idle * g).sum() * 60.0)
+
+
+def keepalive_idle_gpu_seconds(counts: np.ndarray, replica_rpm: np.ndarray, gpus: np.ndarray, *, minutes: int = 10,
+                               last: int = 1, busy: str = "replicas") -> float:
+    """Idle GPU-seconds a fixed keep-alive of ``minutes`` would have held in the last ``last`` columns of ``counts``.
+
+    ``counts`` (models x minutes, ended minutes only) must reach ``minutes`` columns before the scored ones. In a
+    scored minute a model is alive when it had requests in one of the ``minutes`` minutes before; it holds as many
+    replicas as the busiest of them used (as :class:`~forecaster.simulation.policies.KeepAlivePolicy`; with
+    requests in the minute, at least what they need), and what the minute's own requests did not use (``busy``,
+    see :func:`_need`) is idle. With one replica per model and ``busy="replicas"`` this is the minute protocol's
+    keep-alive waste exactly (loaded and not invoked).
+    """
+    counts = np.asarray(counts, dtype="float64")
+    if counts.ndim != 2 or counts.shape[1] == 0:
+        return 0.0
+    whole = _need(counts, replica_rpm, "replicas")
+    used = whole if busy == "replicas" else _need(counts, replica_rpm, busy)
+    g = np.nan_to_num(np.asarray(gpus, dtype="float64"), nan=0.0).clip(min=0.0)
+    total = 0.0
+    width = counts.shape[1]
+    for j in range(max(0, width - last), width):
+        window = whole[:, max(0, j - minutes):j]
+        if not window.shape[1]:
+            continue
+        hold = window.max(axis=1)
+        hold = np.where(hold > 0, np.maximum(hold, whole[:, j]), 0.0)
+        total += float((np.maximum(hold - used[:, j], 0.0) * g).sum() * 60.0)
+    return total

@@ -1,0 +1,48 @@
+"""bench/policies.py's v2 analysis on a hand-made report: curves, readings at equal cost, the oracle gap, targets."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import policies
+
+
+def _row(waste, p75, p99=None, gpu=None, **extra):
+    return {"wasted_norm_pct": waste, "cold_pct_p75": p75, "cold_pct_overall": p75 / 10, "wait_p99_s": p99,
+            "gpu_seconds": gpu, **extra}
+
+
+def test_minute_protocol_analysis():
+    table = {"keepalive_5": _row(80, 50), "keepalive_10": _row(100, 40), "keepalive_60": _row(160, 15),
+             "hybrid_histogram": _row(150, 20), "oracle": _row(0, 2), "reactive": _row(40, 90),
+             "prewarm_k0.5": _row(100, 14), "prewarm_k1": _row(140, 8), "prewarm_k2": _row(170, 6),
+             "prewarm_budget100": _row(103, 16, budget_pct=100.0, budget_state={"factor": 0.5, "spent_total": 10,
+                                                                                "allowed_total": 10})}
+    report = {"traces": {"azure2019_minute": table}, "grids": {"azure2019_minute": (0.5, 1.0, 2.0)}}
+    policies.add_v2(report)
+    v2 = report["v2"]["azure2019_minute"]
+    assert [p["param"] for p in v2["curves"]["keepalive"]] == [5, 10, 60]
+    equal = v2["at_equal_cost"]["prewarm"]
+    assert equal["p75_cold_pct_at_hybrid_waste"] == pytest.approx(22 / 3)  # a third of the way 140 (8) -> 170 (6)
+    assert equal["waste_at_hybrid_p75_cold_pct"] is None  # the curve's p75 never reaches 20: out of range
+    assert v2["oracle_gap_closed"]["prewarm"] == pytest.approx((20 - 22 / 3) / (20 - 2))
+    targets = report["targets_v2"]["azure2019_minute"]
+    assert targets["p75_cold_pct_at_hybrid_waste <= 10.0"]["met"] is True
+    assert targets["waste_at_hybrid_p75_cold_pct <= 82"]["met"] is None
+    assert targets["prewarm_budget100: spend within 5 % of 100 %"]["met"] is True
+    assert report["budget"]["azure2019_minute"]["prewarm_budget100"]["spend_reached_pct"] == 103
+
+
+def test_llm_analysis_compares_tiers_with_scale_only_at_equal_gpu_seconds():
+    table = {"keepalive_10": _row(100, 5, 30, 3000), "hybrid_histogram": _row(50, 10, 40, 1000),
+             "reactive": _row(20, 50, 40.0, 2000), "oracle": _row(0, 1, 2.0, 1000),
+             "prewarm_k1": _row(0, 0, 3.0, 1100), "prewarm_k4": _row(0, 0, 1.0, 2000),
+             "prewarm_scale_only_k1": _row(0, 0, 5.0, 1200), "prewarm_scale_only_k4": _row(0, 0, 2.0, 2100)}
+    report = {"traces": {"azure_llm_code": table}, "grids": {"azure_llm_code": (1.0, 4.0)}}
+    policies.add_v2(report)
+    equal = report["v2"]["azure_llm_code"]["at_equal_cost"]
+    assert equal["prewarm"]["wait_p99_s_at_oracle_gpu_seconds"] is None  # below the curve's least GPU-seconds
+    assert equal["prewarm"]["wait_p99_s_at_0.6x_reactive_gpu_seconds"] == pytest.approx(3.0 - 2.0 * 100 / 900)
+    rows = equal["tiered_vs_scale_only"]
+    assert [r["gpu_seconds"] for r in rows] == [1200, 2000]
+    assert report["targets_v2"]["azure_llm_code"]["tiered <= scale-only at every GPU-seconds level"]["met"] is True

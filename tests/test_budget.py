@@ -1,0 +1,163 @@
+"""Budget mode's controller (forecaster.planning.budget), the equal-cost readings of curves, and their settings."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from forecaster.planning.budget import (BudgetState, WasteBudget, idle_gpu_seconds, keepalive_idle_gpu_seconds,
+                                        update_budget)
+from forecaster.planning.step import waste_budget
+from forecaster.settings import Settings, SettingsError, load_settings
+from forecaster.simulation.curves import cost_at, gap_closed, value_at
+from forecaster.simulation.minute import keepalive_loaded
+
+
+def _run(budget: WasteBudget, *, scale: float, elasticity: float, steps: int, seed: int = 0,
+         reference: float = 100.0) -> tuple[BudgetState, list[float], list[float], list[float]]:
+    """A synthetic plant: spend per minute = scale x factor^elasticity x lognormal noise."""
+    rng = np.random.default_rng(seed)
+    state = BudgetState()
+    spent, allowed, factors = [], [], []
+    for _ in range(steps):
+        s = scale * state.factor ** elasticity * float(rng.lognormal(0.0, 0.5))
+        before = state.allowed_total
+        state = update_budget(state, budget, spent_gpu_s=s, reference_idle_gpu_s=reference)
+        spent.append(s)
+        allowed.append(state.allowed_total - before)
+        factors.append(state.factor)
+    return state, spent, allowed, factors
+
+
+@pytest.mark.parametrize("scale,elasticity", [(20.0, 0.3), (300.0, 0.5), (100.0, 1.0)])
+def test_the_controller_spends_the_budget_on_a_synthetic_stream(scale, elasticity):
+    budget = WasteBudget(pct=100.0)  # 100 GPU-s a minute allowed
+    _, spent, allowed, factors = _run(budget, scale=scale, elasticity=elasticity, steps=1440)
+    # after a 4-hour warm-up (the protocol's), the rest of the day spends within 5 % of what was allowed
+    assert abs(sum(spent[240:]) / sum(allowed[240:]) - 1.0) < 0.05
+    assert all(math.isfinite(f) and 1e-3 <= f <= 1e3 for f in factors)
+    # and moves the cold cost the right way: up when it spent too little, down when too much
+    assert (factors[-1] > 1.0) == (scale < 100.0)
+
+
+def test_the_cold_cost_moves_the_right_way_step_by_step():
+    budget = WasteBudget(gpu_seconds_per_hour=600.0)  # 10 a minute
+    under = update_budget(BudgetState(), budget, spent_gpu_s=1.0, reference_idle_gpu_s=None)
+    over = update_budget(BudgetState(), budget, spent_gpu_s=100.0, reference_idle_gpu_s=None)
+    exact = update_budget(BudgetState(), budget, spent_gpu_s=10.0, reference_idle_gpu_s=None)
+    assert under.factor > 1.0 > over.factor and exact.factor == pytest.approx(1.0)
+    assert under.cold_cost(2.0) == pytest.approx(2.0 * under.factor)
+
+
+def test_the_controller_is_bounded_and_never_nan():
+    budget = WasteBudget(pct=50.0, max_factor=10.0)
+    state = BudgetState()
+    for _ in range(2000):  # nothing ever spent: the factor climbs to its bound and stays there
+        state = update_budget(state, budget, spent_gpu_s=0.0, reference_idle_gpu_s=1e12)
+    assert state.factor == pytest.approx(10.0)
+    for _ in range(2000):  # everything overspent with nothing allowed: down to the other bound
+        state = update_budget(state, budget, spent_gpu_s=1e15, reference_idle_gpu_s=0.0)
+    assert state.factor == pytest.approx(0.1)
+    for bad in (float("nan"), float("inf"), -1.0):  # bad measurements are ignored and counted
+        after = update_budget(state, budget, spent_gpu_s=bad, reference_idle_gpu_s=1.0)
+        assert after.log_factor == state.log_factor and after.ignored == state.ignored + 1
+    after = update_budget(state, budget, spent_gpu_s=1.0, reference_idle_gpu_s=float("nan"))
+    assert after.ignored == state.ignored + 1
+    # nothing allowed and nothing spent: no move
+    idle = update_budget(BudgetState(), budget, spent_gpu_s=0.0, reference_idle_gpu_s=0.0)
+    assert idle.log_factor == 0.0
+
+
+def test_the_state_round_trips_through_a_plan_summary_and_garbage_starts_afresh():
+    state = update_budget(BudgetState(), WasteBudget(pct=100.0), spent_gpu_s=3.0, reference_idle_gpu_s=10.0)
+    assert BudgetState.from_dict(state.as_dict()) == state
+    for garbage in (None, "x", {"log_factor": float("nan")}, {"log_factor": "1"}, {"spent": -1.0}):
+        assert BudgetState.from_dict(garbage) == BudgetState()
+
+
+def test_a_budget_needs_a_finite_nonnegative_value():
+    for bad in (dict(pct=-1.0), dict(pct=float("nan")), dict(gpu_seconds_per_hour=float("inf")), dict()):
+        with pytest.raises(ValueError):
+            WasteBudget(**bad)
+    # with both forms the smaller allowance holds
+    both = WasteBudget(pct=100.0, gpu_seconds_per_hour=60.0)
+    assert both.allowed(1.0, 5.0) == 1.0 and both.allowed(1.0, 0.5) == 0.5
+
+
+def test_settings_refuse_a_negative_or_nan_budget_with_a_clear_error(monkeypatch):
+    for name, value in (("PREWARM_PLANNER_WASTE_BUDGET_GPU_SECONDS_PER_HOUR", "-5"),
+                        ("PREWARM_PLANNER_WASTE_BUDGET_PCT", "nan"),
+                        ("PREWARM_PLANNER_WASTE_BUDGET_PCT", "inf")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(SettingsError, match=name):
+            load_settings()
+        monkeypatch.delenv(name)
+    assert waste_budget(Settings()) is None
+    budget = waste_budget(Settings(planner_waste_budget_pct=80.0, planner_waste_budget_window_min=30.0))
+    assert budget.pct == 80.0 and budget.gain_per_min == pytest.approx(1 / 30.0)
+    assert waste_budget(Settings(), gpu_seconds_per_hour=10.0).gpu_seconds_per_hour == 10.0
+
+
+def test_the_keepalive_reference_is_the_protocols_keepalive_waste_minute_by_minute():
+    rng = np.random.default_rng(3)
+    counts = (rng.random((40, 200)) < 0.08) * rng.integers(1, 5, (40, 200))
+    gpus = rng.uniform(0.1, 2.0, 40)
+    one_each = np.full(40, np.inf)
+    loaded = keepalive_loaded(counts, 10)
+    expected = ((loaded & (counts == 0)) * gpus[:, None]).sum(axis=0) * 60.0
+    for t in range(1, 200):
+        got = keepalive_idle_gpu_seconds(counts[:, max(0, t - 10):t + 1], one_each, gpus, minutes=10)
+        assert got == pytest.approx(expected[t])
+        assert idle_gpu_seconds(loaded[:, t], counts[:, t], one_each, gpus) == pytest.approx(expected[t])
+
+
+def test_idle_gpu_seconds_counts_replicas_beyond_what_requests_needed():
+    held = np.array([3, 1, 0, 2])
+    counts = np.array([130.0, 0.0, 5.0, np.nan])  # 130 at 60/replica: 3 needed; NaN = unknown = no requests
+    rpm = np.array([60.0, 60.0, 60.0, 60.0])
+    gpus = np.array([2.0, 1.0, 1.0, 4.0])
+    assert idle_gpu_seconds(held, counts, rpm, gpus) == (0 + 1 * 1 + 0 + 2 * 4) * 60.0
+
+
+# --------------------------------------------------------------------------- curves at equal cost
+
+
+def test_value_at_interpolates_along_the_curve_and_never_extrapolates():
+    curve = [(10.0, 50.0), (20.0, 30.0), (40.0, 10.0)]
+    assert value_at(curve, 15.0) == pytest.approx(40.0)
+    assert value_at(curve, 40.0) == pytest.approx(10.0)
+    assert value_at(curve, 30.0) == pytest.approx(20.0)
+    assert value_at(curve, 9.99) is None and value_at(curve, 41.0) is None
+    assert value_at(curve, None) is None and value_at([], 1.0) is None
+    assert cost_at(curve, 40.0) == pytest.approx(15.0)
+    assert cost_at(curve, 5.0) is None and cost_at(curve, 60.0) is None
+    # grid order need not be sorted, and missing values drop out
+    assert value_at([(40.0, 10.0), (None, 1.0), (10.0, 50.0)], 25.0) == pytest.approx(30.0)
+    # a single point answers only at itself
+    assert value_at([(5.0, 7.0)], 5.0) == 7.0 and value_at([(5.0, 7.0)], 5.1) is None
+
+
+def test_a_non_monotone_curve_reads_its_best_crossing():
+    curve = [(10.0, 50.0), (30.0, 10.0), (20.0, 20.0)]  # waste falls back between the last grid points
+    assert value_at(curve, 25.0) == pytest.approx(15.0)  # crossings at 20 (seg 1) and 15 (seg 2): the lower
+
+
+def test_gap_closed():
+    assert gap_closed(20.0, 10.0, 0.0) == pytest.approx(0.5)
+    assert gap_closed(20.0, 25.0, 0.0) == pytest.approx(-0.25)
+    assert gap_closed(20.0, None, 0.0) is None and gap_closed(1.0, 1.0, 1.0) is None
+
+
+def test_busy_requests_counts_the_replica_time_requests_kept_busy():
+    held = np.array([3, 1, 0])
+    counts = np.array([90.0, 30.0, 5.0])  # at 60 a minute per replica: 1.5, 0.5 and 1/12 replica busy
+    rpm = np.full(3, 60.0)
+    gpus = np.array([2.0, 1.0, 1.0])
+    assert idle_gpu_seconds(held, counts, rpm, gpus, busy="requests") == pytest.approx((1.5 * 2 + 0.5) * 60.0)
+    # a keep-alive holding the 2 replicas minute 0 needed, through a minute with 30 requests: 1.5 replicas idle
+    window = np.array([[90.0, 30.0]])
+    assert keepalive_idle_gpu_seconds(window, rpm[:1], gpus[:1], busy="requests") == pytest.approx(1.5 * 2 * 60.0)
+    with pytest.raises(ValueError):
+        idle_gpu_seconds(held, counts, rpm, gpus, busy="magic")
