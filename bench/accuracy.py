@@ -120,6 +120,9 @@ SELECT_CANDIDATES: list[dict] = [
     {"weighting": "inverse_error", "power": 8.0},
     {"weighting": "best", "interval_scale": "sqrt"},
     {"weighting": "best", "quantile_heads": False},
+    {"weighting": "shrunk", "shrinkage": 5.0},
+    {"weighting": "shrunk", "shrinkage": 20.0},
+    {"weighting": "best", "p_any": "residuals"},
 ]
 #: lowest inner-validation wQL on all series, ties (within 1e-9) broken by the lower mase_median_active
 SELECT_RULE = ("wql", "mase_median_active")
