@@ -87,3 +87,19 @@ def test_one_member_wrappers_keep_the_residual_p_any():
     panel = sparse_panel(n_steps=300)
     model = Ensemble([MovingAverage(window=30)], horizon=5, fallback=False, refit=False).fit_panel(panel)
     assert model.p_any_model_.method_ == "residuals"
+
+
+def test_unseen_cells_of_the_pool_take_their_nearest_seen_neighbour():
+    from forecaster.forecast.hazard import carry_forward, empty_pool
+
+    events, exposure = empty_pool()
+    events[2, 3] += 5.0
+    exposure[2, 3] += 100.0  # one seen cell: hazard 5.1 / 101
+    pooled = carry_forward(events, exposure)
+    seen_rate = 5.1 / 101.0
+    assert pooled[2, 3] == pytest.approx(seen_rate)
+    assert pooled[2, 20] == pytest.approx(seen_rate)  # older ages than ever seen
+    assert pooled[2, 0] == pytest.approx(seen_rate)  # younger too
+    assert pooled[7, 10] == pytest.approx(seen_rate)  # an activity bin never seen: the nearest lower seen one
+    assert pooled[0, 10] == pytest.approx(seen_rate)  # below every seen bin: the nearest higher one
+    assert not np.isclose(pooled, 0.1).any()  # the prior's 0.1 per step never stands for an unseen cell

@@ -140,6 +140,39 @@ def idle_time_state(invoked: np.ndarray, max_age: int) -> tuple[np.ndarray, np.n
     return hist, excess, active, last
 
 
+def carry_forward(events: np.ndarray, exposure: np.ndarray, min_exposure: float = 10.0) -> np.ndarray:
+    """Pooled hazard ``events / exposure`` where a cell was seen, else its nearest seen neighbour's.
+
+    A fit window of ``T`` steps never sees ages beyond ``T`` (nor activity
+    beyond its busiest series), yet forecasts look such cells up; the weak
+    prior of :func:`empty_pool` alone would give them a hazard of 0.1 per step.
+    Unseen ages take the last seen age's hazard of the same activity bin;
+    activity bins never seen take the nearest lower seen bin's row (else the
+    nearest higher one's, else the window's overall rate).
+    """
+    rate = events / exposure
+    seen = exposure - 1.0 >= min_exposure  # empty_pool's one unit of exposure is the prior
+    out = rate.copy()
+    overall = float(events.sum() / exposure.sum())
+    for a in range(out.shape[0]):
+        last = None
+        for g in range(out.shape[1]):
+            if seen[a, g]:
+                last = rate[a, g]
+            elif last is not None:
+                out[a, g] = last
+    row_seen = seen.any(axis=1)
+    for a in np.flatnonzero(row_seen):  # ages before a seen row's first seen one take that one's hazard
+        first = int(np.argmax(seen[a]))
+        out[a, :first] = rate[a, first]
+    for a in np.flatnonzero(~row_seen):
+        lower = [b for b in range(a) if row_seen[b]]
+        higher = [b for b in range(a + 1, out.shape[0]) if row_seen[b]]
+        source = lower[-1] if lower else (higher[0] if higher else None)
+        out[a] = overall if source is None else out[source]
+    return out
+
+
 class IdleTimeHazard:
     """``p_any`` from idle times, for the ensemble: pooled table fitted once, per-series state read at each origin.
 
@@ -182,7 +215,7 @@ class IdleTimeHazard:
                 exposure += np.bincount(cell, minlength=size).reshape(exposure.shape)
                 events += np.bincount(cell, weights=invoked.ravel().astype(np.float64),
                                       minlength=size).reshape(events.shape)
-        self.pooled_ = events / exposure
+        self.pooled_ = carry_forward(events, exposure)
         return self
 
     def p_any(self, values: np.ndarray, origins: Sequence[int], h: int) -> np.ndarray:

@@ -15,10 +15,11 @@ part of the picture:
 * ``long``: the share over the last ``lookback`` steps (a causal climatology);
 * ``poisson``: ``1 - exp(-point)``, the point forecast read as a Poisson mean.
 
-``stacked`` is a logistic regression on their logits (clipped to
-``[1e-4, 1 - 1e-4]``), the log horizon and the horizon's interaction with the
-hazard and the recent share, fitted on every (series, origin, horizon) of the
-validation tail (at most :data:`MAX_POINTS` sampled). Whether the stack or a
+``stacked`` is the hazard corrected, per activity segment, by a penalised
+logistic regression on the other sources' logits (clipped to
+``[1e-9, 1 - 1e-9]``), the log horizon, age and activity, and two interactions,
+fitted on every (series, origin, horizon) of the validation tail (at most
+:data:`MAX_POINTS` sampled; :class:`SegmentedStack`). Whether the stack or a
 single estimate is used is decided on the same tail, cross-fitted: the
 regression is fitted on the even validation origins and scored (Brier) on the
 odd ones and vice versa; the method with the lowest cross-fitted Brier score
