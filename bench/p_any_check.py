@@ -1,10 +1,18 @@
-"""p_any of the product ensemble against the causal empirical hazard, on the minutes after its first fit.
+"""p_any of the product ensemble against the planner's causal empirical hazard, on the minutes after its first fit.
 
-Why the ensemble-driven prewarm holds sparse models so rarely (issue 11's closing note): the first 300 functions
-of the Azure 2019 day, the ensemble fitted at minute 240 on minutes 0..239, one-minute-ahead ``p_any`` for
-minutes 240..359 from both sources; per subset (sparse: under 20 % active minutes in the fit window) the mean
-p_any on minutes with and without an invocation, the share of invoked minutes given p_any < 0.01, the Brier
-score, and how often q0.99 > 0 on invoked minutes. Takes about 4 minutes on 2 cores.
+The first 300 functions of the Azure 2019 day; the product ensemble (``EnsembleForecast``, production defaults)
+fitted at minute 240 on minutes 0..239; one-minute-ahead ``p_any`` for minutes 240..599 from both sources.
+Two views:
+
+1. calibration, per subset (sparse: under 20 % active minutes before minute 240): mean p_any on minutes with and
+   without an invocation, the share of invoked minutes given p_any < 0.01, the Brier score;
+2. the planner's use: the minute protocol holds a function in minute t when ``p * kappa / rate >= 1 - p``
+   (its cold cost weighted by the inverse of its invocation rate so far, as ``planner_loaded`` does); for a
+   fixed grid of ``kappa``, the 75th percentile over functions of their cold % and the idle minutes held.
+   Brier scores hardly see probabilities of 1e-4 vs 1e-3, but for a function called once an hour that is the
+   difference between holding it all day and not.
+
+Takes about 5 minutes on 2 cores.
 
     .venv/bin/python bench/p_any_check.py
 """
@@ -19,26 +27,36 @@ sys.path.insert(0, str(ROOT))
 from forecaster.planning.ensemble_source import EnsembleForecast  # noqa: E402
 from forecaster.planning.forecasts import CountPanel, EmpiricalForecast  # noqa: E402
 from forecaster.settings import Settings  # noqa: E402
+
+FIT_MIN, END_MIN, N_FUNCTIONS = 240, 600, 300
+KAPPAS = (1, 3, 10, 30, 100, 300)
+
 inv = pd.read_csv(Settings().traces_dir / "azure_functions_2019_sample1350" / "invocations_per_function_1day_1350fn.csv.gz")
-counts = inv[[c for c in inv.columns if c.startswith("minute_")]].to_numpy(dtype="float64")[:300, :720]
+counts = inv[[c for c in inv.columns if c.startswith("minute_")]].to_numpy(dtype="float64")[:N_FUNCTIONS, :720]
 ids = np.array([f"f{i}" for i in range(len(counts))], dtype=object)
 start = pd.Timestamp("2019-07-15", tz="UTC")
 panel = CountPanel(ids=ids, start=start, counts=counts)
-ens = EnsembleForecast(panel, train_until_min=240, settings=Settings())
-emp = EmpiricalForecast(panel)
-rows = []
-for t in range(240, 360):
+sources = {"ensemble": EnsembleForecast(panel, train_until_min=FIT_MIN, settings=Settings()),
+           "empirical": EmpiricalForecast(panel)}
+p_any = {name: np.zeros((len(ids), END_MIN - FIT_MIN)) for name in sources}
+for t in range(FIT_MIN, END_MIN):
     now = (start + pd.Timedelta(minutes=t)).to_pydatetime()
-    for name, src in (("ensemble", ens), ("empirical", emp)):
-        f = src.quantiles(now, 1)
-        f = f.set_index("unique_id").reindex(ids)
-        rows.append(pd.DataFrame({"source": name, "t": t, "p_any": f["p_any"].to_numpy(), "q0.99": f["q0.99"].to_numpy(),
-                                  "actual": counts[:, t]}))
-df = pd.concat(rows)
-df["any"] = df["actual"] > 0
-sparse = np.repeat((counts[:, :240] > 0).mean(axis=1) < 0.2, 1)
-df["sparse"] = np.tile(sparse, 240)
-for (name, sp), g in df.groupby(["source", "sparse"]):
-    print(f"{name:10s} sparse={sp!s:5s} n={len(g):6d} mean p_any | invoked {g.loc[g['any'], 'p_any'].mean():.3f}"
-          f" | idle {g.loc[~g['any'], 'p_any'].mean():.3f} | share p_any<0.01 on invoked {(g.loc[g['any'], 'p_any'] < 0.01).mean():.3f}"
-          f" | Brier {((g['p_any'] - g['any']) ** 2).mean():.4f} | q0.99>0 on invoked {(g.loc[g['any'], 'q0.99'] > 0).mean():.3f}")
+    for name, source in sources.items():
+        frame = source.quantiles(now, 1).set_index("unique_id").reindex(ids)
+        p_any[name][:, t - FIT_MIN] = frame["p_any"].to_numpy()
+invoked = counts[:, FIT_MIN:END_MIN] > 0
+sparse = (counts[:, :FIT_MIN] > 0).mean(axis=1) < 0.2
+rate = (np.cumsum(counts, axis=1)[:, FIT_MIN - 1:END_MIN - 1] + 1.0) / (np.arange(FIT_MIN, END_MIN) + 1.0)
+for name, p in p_any.items():
+    for subset, rows in (("sparse", sparse), ("busy", ~sparse)):
+        pi, yi = p[rows], invoked[rows]
+        print(f"{name:10s} {subset:6s} mean p_any | invoked {pi[yi].mean():.3f} | idle {pi[~yi].mean():.4f}"
+              f" | share p_any<0.01 on invoked {(pi[yi] < 0.01).mean():.3f} | Brier {((pi - yi) ** 2).mean():.4f}")
+for name, p in p_any.items():
+    line = []
+    for kappa in KAPPAS:
+        held = p >= 1.0 / (1.0 + kappa / rate)
+        calls = invoked.sum(axis=1)
+        cold = ((~held) & invoked).sum(axis=1)[calls > 0] / calls[calls > 0]
+        line.append(f"kappa {kappa}: p75 cold {100 * np.percentile(cold, 75):.1f}% idle {int((held & ~invoked).sum())}")
+    print(f"{name:10s} " + " | ".join(line))
