@@ -8,9 +8,12 @@ Fitting (``Ensemble.fit``), on a fit window of ``T`` steps:
    its parameters fixed, as in the backtest;
 3. per series, all weight goes to the member with the lowest MAE on that tail
    (``weighting="best"``, the default), or member ``m`` gets weight
-   ``1 / MAE_m^power`` (``weighting="inverse_error"``). Measured on the Azure
-   day (members fitted on 864 steps, median MASE all / busy over the 24 test
-   origins): inverse error with power 1: 0.0140 / 0.747, power 2: 0.0103 /
+   ``1 / MAE_m^power`` (``weighting="inverse_error"``), or the best by
+   :func:`shrunk_scores` (``weighting="shrunk"``). The inner-validation
+   comparison of these is ``bench/accuracy.py --select`` (issue 13's note). The
+   figures that follow are *test-origin* figures from before protocol v2, kept
+   for the record, not the basis of a choice: Azure day (members fitted on 864
+   steps, median MASE all / busy over the 24 test origins): inverse error with power 1: 0.0140 / 0.747, power 2: 0.0103 /
    0.721, power 8: 0.0099 / 0.690, equal weights on the best two: 0.0109 /
    0.697, best: 0.0089 / 0.669 (the per-series oracle choice on test data:
    0.0056 / 0.668). Averaging pulls the sharp, often exact forecasts of timer
@@ -232,8 +235,9 @@ class Ensemble:
             before taking their quantiles and multiplies back at forecast time
             (normalised conformal scores: intervals widen when the forecast
             level is high, as Poisson-like counts do); ``"none"`` (default) uses
-            plain residuals. Measured on the Azure day with the fallback alone
-            (all / busy): plain wQL 0.364 / 0.332, spike recall 0.571 / 0.657;
+            plain residuals. Measured on the Azure day's test origins with the
+            fallback alone, before protocol v2 (not yet re-made on validation;
+            ``--select`` holds a sqrt candidate) (all / busy): plain wQL 0.364 / 0.332, spike recall 0.571 / 0.657;
             sqrt wQL 0.374 / 0.343, recall 0.599 / 0.689. The naive peer's busy
             wQL is 0.333, so sqrt would trade the wQL target for recall.
         quantile_heads: ``None`` (default): fit quantile heads when a
@@ -247,7 +251,9 @@ class Ensemble:
             heads / heads with the empirical quantile / per-series choice):
             Azure day 0.1383 / 0.1372 / 0.1294 / 0.1232 (heads on 20% of the
             series), Huawei 186.7 / 163.3 / 163.2 / 163.2. On the test origins
-            (``bench/accuracy.py``; residual quantiles only -> with heads):
+            (``bench/accuracy.py``, before protocol v2; for the record only,
+            the choice itself is the validation figure above; residual
+            quantiles only -> with heads):
             Azure all wQL 0.333 -> 0.310, spike recall 0.516 -> 0.549,
             coverage 0.982 -> 0.981; busy wQL 0.296 -> 0.276, recall 0.593 ->
             0.627, coverage 0.944 -> 0.938; Huawei wQL 0.145 -> 0.128, recall

@@ -13,7 +13,9 @@ Multi-step strategy (``strategy=``):
 * ``"recursive"``: a one-step model whose forecasts are fed back as lags.
 
 Direct is the default because it measured better on the Azure day (LightGBM,
-fit on steps 0..1079, 24 test origins, median MASE all / busy): direct 0.0124 /
+fit on steps 0..1079, 24 test origins, median MASE all / busy; *test-origin*
+figures from before protocol v2, not yet re-made on a validation split, see
+issue 13's note): direct 0.0124 /
 0.699 (busy h1 0.682, h15 0.531), recursive 0.0191 / 0.708 (busy h1 0.645,
 h15 0.632); forecasting the 24 origins took 2.3 s direct vs 12.1 s recursive.
 Recursive wins at h = 1 only: with an absolute-error objective its one-step
