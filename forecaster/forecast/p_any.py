@@ -90,7 +90,8 @@ class PAnyModel:
     # ------------------------------------------------------------------ features
     def estimates(self, values: np.ndarray, origins: Sequence[int], point: np.ndarray,
                   p_resid: np.ndarray) -> dict[str, np.ndarray]:
-        """Each source's ``(N, O, h)`` estimate at the given origins (columns before each origin only)."""
+        """Each source's ``(N, O, h)`` estimate at the given origins (columns before each origin only), plus the
+        hazard's state ``age`` and ``active`` ``(N, O)`` that :meth:`design` reads."""
         n, o, h = point.shape
         recent = np.zeros((n, o))
         long = np.zeros((n, o))
@@ -101,8 +102,9 @@ class PAnyModel:
             long[:, j] = _share(invoked, known)
             recent[:, j] = _share(invoked[:, -self.recent_steps:], known[:, -self.recent_steps:])
         hazard, age, active = self.hazard_.p_any_state(values, origins, h)
-        self._state = (age, active)
         return {
+            "age": age,  # (N, O): steps since the last invocation, and invoked steps in the lookback
+            "active": active,
             "residuals": p_resid,
             "hazard": hazard,
             "recent": np.broadcast_to(recent[:, :, None], point.shape),
@@ -115,7 +117,7 @@ class PAnyModel:
         other sources' logits, log horizon, log age, log activity and two interactions."""
         shape = estimates["residuals"].shape
         log_h = np.broadcast_to(np.log(np.arange(1, shape[2] + 1, dtype=np.float64)), shape)
-        age, active = self._state
+        age, active = estimates["age"], estimates["active"]
         log_age = np.broadcast_to(np.log(np.minimum(age, self.lookback + 1))[:, :, None], shape)
         log_active = np.broadcast_to(np.log1p(active)[:, :, None], shape)
         z = {name: _logit(estimates[name]) for name in SOURCES}
