@@ -103,3 +103,46 @@ def test_unseen_cells_of_the_pool_take_their_nearest_seen_neighbour():
     assert pooled[7, 10] == pytest.approx(seen_rate)  # an activity bin never seen: the nearest lower seen one
     assert pooled[0, 10] == pytest.approx(seen_rate)  # below every seen bin: the nearest higher one
     assert not np.isclose(pooled, 0.1).any()  # the prior's 0.1 per step never stands for an unseen cell
+
+
+def test_the_origin_pool_follows_the_window_not_the_fit():
+    """With pool="origin" an origin's p_any depends on its lookback window only, not on which window was fitted."""
+    values = sparse_panel(n_steps=720).values
+    early = IdleTimeHazard(max_age=60, lookback=300).fit(values[:, :100])
+    late = IdleTimeHazard(max_age=60, lookback=300).fit(values[:, :500])
+    frozen = IdleTimeHazard(max_age=60, lookback=300, pool="fit").fit(values[:, :100])
+    origins = [600, 650, 700]
+    assert np.array_equal(early.p_any(values, origins, 5), late.p_any(values, origins, 5))
+    assert not np.array_equal(early.p_any(values, origins, 5), frozen.p_any(values, origins, 5))
+    with pytest.raises(ValueError, match="pool must be"):
+        IdleTimeHazard(pool="magic")
+
+
+def test_p_any_is_chosen_per_segment_and_horizon_band():
+    """Every (segment, band) cell of the tail gets a method; thin cells keep the hazard; predict follows the cells."""
+    from forecaster.forecast.p_any import HORIZON_BAND_EDGES, SEGMENT_EDGES, SegmentedStack, horizon_band
+
+    assert list(horizon_band(12)) == [0, 1, 1, 2, 2, 2, 2, 2, 2, 2, 3, 3]
+    panel = sparse_panel()
+    train = Panel(panel.ids, panel.start, panel.step, panel.values[:, :600])
+    model = Ensemble([MovingAverage(window=30)], horizon=10, refit=False).fit_panel(train).p_any_model_
+    assert model.method_ == "per_segment" and model.segment_methods_
+    for (seg, band), name in model.segment_methods_.items():
+        assert 0 <= seg <= len(SEGMENT_EDGES) and 0 <= band <= len(HORIZON_BAND_EDGES)
+        scores = model.segment_scores_[(seg, band)]
+        assert name == "hazard" or name == min(scores, key=scores.get)
+    assert SegmentedStack.min_events > 0
+    origins = list(range(600, 700, 7))
+    values = panel.values
+    point = np.zeros((len(values), len(origins), 10))
+    p_resid = np.full_like(point, 0.5)
+    estimates = model.estimates(values, origins, point, p_resid)
+    p = model.predict(values, origins, point, p_resid)
+    segment = segment_of(estimates["long"])
+    band = np.broadcast_to(horizon_band(10)[None, None, :], point.shape)
+    for (seg, b), name in model.segment_methods_.items():
+        mine = (segment == seg) & (band == b)
+        if mine.any() and name != "stacked":
+            assert np.allclose(p[mine], np.broadcast_to(estimates[name], p.shape)[mine])
+    unchosen = ~np.isin(segment * 10 + band, [s * 10 + b for s, b in model.segment_methods_])
+    assert np.allclose(p[unchosen], estimates["hazard"][unchosen])

