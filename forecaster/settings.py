@@ -22,6 +22,47 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 PLACEHOLDER_SECRETS = frozenset({"", "changethis", "changeme", "secret", "token"})
 
+#: Action kinds each single actuator backend can carry out: what ``PREWARM_ACTUATOR_ROUTES`` is checked against.
+#: The backends declare the same sets as their ``actions`` attribute (``tests/test_composite_actuator.py`` holds
+#: the two together); they live here too because settings sit below the actuation package.
+BACKEND_ACTIONS: dict[str, frozenset[str]] = {
+    "dry-run": frozenset({"prepull", "preload", "scale", "release"}),
+    "agent": frozenset({"prepull", "preload"}),
+    "kubernetes": frozenset({"prepull", "scale", "release"}),
+}
+ACTION_KINDS = ("prepull", "preload", "scale", "release")
+
+
+def parse_actuator_routes(value: str | None) -> dict[str, str]:
+    """``scale=kubernetes,release=kubernetes,prepull=agent,preload=agent`` as {action kind: backend}.
+
+    Kinds not named go to ``dry-run``; scale and release must go to the same backend (the one whose
+    replica state bounds both). Raises ValueError saying what is wrong with which entry.
+    """
+    routes = dict.fromkeys(ACTION_KINDS, "dry-run")
+    seen: set[str] = set()
+    for entry in filter(None, (part.strip() for part in (value or "").split(","))):
+        kind, sep, backend = (p.strip() for p in entry.partition("="))
+        if not sep or not kind or not backend:
+            raise ValueError(f"entry {entry!r} is not KIND=BACKEND (e.g. scale=kubernetes,preload=agent)")
+        if kind not in ACTION_KINDS:
+            raise ValueError(f"entry {entry!r}: unknown action kind {kind!r}; kinds are {', '.join(ACTION_KINDS)}")
+        if backend not in BACKEND_ACTIONS:
+            raise ValueError(f"entry {entry!r}: unknown backend {backend!r}; backends are "
+                             f"{', '.join(BACKEND_ACTIONS)}")
+        if kind in seen:
+            raise ValueError(f"action kind {kind!r} is routed twice")
+        if kind not in BACKEND_ACTIONS[backend]:
+            able = [b for b, kinds in BACKEND_ACTIONS.items() if kind in kinds]
+            raise ValueError(f"entry {entry!r}: the {backend} backend cannot {kind}; route it to one of "
+                             f"{', '.join(able)}")
+        seen.add(kind)
+        routes[kind] = backend
+    if routes["scale"] != routes["release"]:
+        raise ValueError(f"scale ({routes['scale']}) and release ({routes['release']}) must go to the same backend: "
+                         "its replica state bounds both")
+    return routes
+
 
 class SettingsError(ValueError):
     """Settings could not be loaded; the message names each bad variable and value."""
@@ -162,7 +203,12 @@ class Settings(BaseSettings):
     shard_retries: int = Field(default=2, ge=0, le=20, description="Extra attempts for a shard that fails.")
 
     # --- actuator (forecaster.actuation) ---------------------------------
-    actuator_backend: Literal["dry-run", "agent", "kubernetes"] = "dry-run"
+    actuator_backend: Literal["dry-run", "agent", "kubernetes", "composite"] = "dry-run"
+    actuator_routes: str | None = Field(
+        default=None,
+        description="With actuator_backend=composite: the backend of each action kind, e.g. "
+                    "'scale=kubernetes,release=kubernetes,prepull=agent,preload=agent' (prepull=kubernetes: pre-pull "
+                    "Jobs where no agent runs); kinds not named stay dry-run.")
     actuator_kill_switch: bool = Field(default=False, description="Hard stop: every action is dropped.")
     actuator_max_actions_per_minute: int = Field(
         default=600, ge=0, description="Actions started per minute at most; the rest are dropped with a reason.")
@@ -276,6 +322,26 @@ class Settings(BaseSettings):
         if "{node}" not in value and "{" in value:
             raise ValueError(f"may only use the placeholder {{node}}, got {value!r}")
         return value
+
+    @field_validator("actuator_routes")
+    @classmethod
+    def _routes_parse(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        routes = parse_actuator_routes(value)
+        return ",".join(f"{kind}={backend}" for kind, backend in routes.items())
+
+    @model_validator(mode="after")
+    def _routes_need_composite(self) -> "Settings":
+        if self.actuator_routes is not None and self.actuator_backend != "composite":
+            raise ValueError(f"PREWARM_ACTUATOR_ROUTES={self.actuator_routes!r} is set but PREWARM_ACTUATOR_BACKEND="
+                             f"{self.actuator_backend!r}; routes apply only to PREWARM_ACTUATOR_BACKEND=composite")
+        return self
+
+    @property
+    def actuator_route_map(self) -> dict[str, str]:
+        """{action kind: backend} of the composite actuator (every kind ``dry-run`` when no route is set)."""
+        return parse_actuator_routes(self.actuator_routes)
 
     @model_validator(mode="after")
     def _retention_ages_ascend(self) -> "Settings":

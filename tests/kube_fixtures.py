@@ -11,6 +11,9 @@ with ``kubernetes-validate`` in strict mode; a custom resource is checked agains
 schema below. An invalid object fails the request with 422 and is kept in ``invalid`` for the test to see.
 
 A ``kubelet`` hook may change a Job when it is created (complete it, or give its pod an image pull error).
+
+:meth:`FakeKubeApi.rbac_calls` names every request in RBAC's terms, (API group, resource[/subresource], verb),
+so a test can hold the shipped Role to exactly the calls the code makes (``tests/test_deploy.py``).
 """
 
 from __future__ import annotations
@@ -219,6 +222,19 @@ class FakeKubeApi:
             return _Response(200, {"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}})
         return _Response(405, {"kind": "Status", "code": 405, "message": method})
 
+    def rbac_calls(self) -> set[tuple[str, str, str]]:
+        """(apiGroup, resource, verb) of every request seen, as an RBAC rule names it ("" = the core group)."""
+        verbs = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
+        seen = set()
+        for method, path, _ in self.requests:
+            match = _PATH.match(path)
+            if match is None:
+                raise AssertionError(f"request to an unknown path {path}")
+            resource = match["resource"] + (f"/{match['sub']}" if match["sub"] else "")
+            verb = ("get" if match["name"] else "list") if method == "GET" else verbs[method]
+            seen.add((match["group"] or "", resource, verb))
+        return seen
+
     @staticmethod
     def _scale(deployment: dict) -> dict:
         meta = deployment["metadata"]
@@ -282,3 +298,25 @@ def fail_pulls(message: str) -> Callable[[dict, FakeKubeApi], None]:
         api.put(pod)
 
     return kubelet
+
+
+def ready_pod(name: str, model: str, node: str, created: str, started: str, ready: str) -> dict:
+    """A model server's pod, ready: created, its container started, then Ready (times in ISO 8601)."""
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default", "labels": {"prewarm.io/model": model},
+                         "creationTimestamp": created},
+            "spec": {"nodeName": node, "containers": [{"name": "server", "image": "vllm/vllm-openai:v0.6.0"}]},
+            "status": {"phase": "Running",
+                       "conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": created},
+                                      {"type": "Ready", "status": "True", "lastTransitionTime": ready}],
+                       "containerStatuses": [{"name": "server", "image": "vllm/vllm-openai:v0.6.0", "imageID": "",
+                                              "ready": True, "restartCount": 0,
+                                              "state": {"running": {"startedAt": started}}}]}}
+
+
+def kubelet_event(pod: str, reason: str, message: str, when: str, node: str = "gpu-node-1") -> dict:
+    return {"apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{pod}.{reason.lower()}", "namespace": "default"},
+            "involvedObject": {"kind": "Pod", "name": pod, "namespace": "default"},
+            "reason": reason, "message": message, "firstTimestamp": when, "lastTimestamp": when,
+            "source": {"component": "kubelet", "host": node}, "type": "Normal"}

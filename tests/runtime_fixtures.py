@@ -299,6 +299,29 @@ def start_seaweedfs(workdir: Path, *, access_key: str = "prewarm-test-key",
     return server
 
 
+# --- the node agent ------------------------------------------------------------------------------------------
+
+
+def start_agent_process(workdir: Path, s3: S3Server, socket: Path | None, port: int, *, token: str,
+                        node_name: str = "node-a", **env_extra: str) -> subprocess.Popen:
+    """``prewarm agent`` on 127.0.0.1:``port`` for node ``node_name``, pulling through containerd's ``socket``
+    (None: a socket that does not exist) and pre-loading from ``s3``; returns once ``/healthz`` answers."""
+    import httpx
+
+    env = {**os.environ, "PREWARM_AGENT_TOKEN": token, "PREWARM_AGENT_NODE_NAME": node_name,
+           "PREWARM_AGENT_CACHE_DIR": str(workdir / "agent-cache"), "PREWARM_AGENT_S3_ENDPOINT_URL": s3.endpoint_url,
+           "PREWARM_AGENT_S3_ACCESS_KEY_ID": s3.access_key, "PREWARM_AGENT_S3_SECRET_ACCESS_KEY": s3.secret_key,
+           "PREWARM_AGENT_DISK_RESERVE_BYTES": "0", "PREWARM_DATA_DIR": str(workdir / "data"),
+           "PREWARM_AGENT_CONTAINERD_SOCKET": str(socket or workdir / "none.sock"), **env_extra}
+    log = open(workdir / f"agent-{port}.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "forecaster.cli", "agent", "--port", str(port)], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200, timeout=30,
+               what="agent", proc=proc, log=workdir / f"agent-{port}.log")
+    return proc
+
+
 # --- pytest fixtures -----------------------------------------------------------------------------------------
 
 

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -34,7 +33,7 @@ from forecaster.agent.weights import S3WeightsSource
 from forecaster.coldstart.service import load_latency_model, train_latency_model
 from forecaster.contracts.actions import Action, ActionKind, ActionStatus, FailureReason, Plan, Reason, Tier
 from tests import runtime_fixtures
-from tests.runtime_fixtures import S3Server, free_port, stop_process, wait_until
+from tests.runtime_fixtures import S3Server, free_port, start_agent_process, stop_process, wait_until
 
 # Session fixtures: real registry, images, containerd and S3 (see tests/runtime_fixtures.py).
 registry = runtime_fixtures.registry
@@ -290,18 +289,7 @@ def test_lru_budget_evicts_the_least_recently_used_but_never_what_a_replica_uses
 
 
 def _start_agent_process(tmp_path: Path, s3: S3Server, socket: Path | None, port: int, **env_extra):
-    env = {**os.environ, "PREWARM_AGENT_TOKEN": TOKEN, "PREWARM_AGENT_NODE_NAME": "node-a",
-           "PREWARM_AGENT_CACHE_DIR": str(tmp_path / "agent-cache"), "PREWARM_AGENT_S3_ENDPOINT_URL": s3.endpoint_url,
-           "PREWARM_AGENT_S3_ACCESS_KEY_ID": s3.access_key, "PREWARM_AGENT_S3_SECRET_ACCESS_KEY": s3.secret_key,
-           "PREWARM_AGENT_DISK_RESERVE_BYTES": "0", "PREWARM_DATA_DIR": str(tmp_path / "data"),
-           "PREWARM_AGENT_CONTAINERD_SOCKET": str(socket or tmp_path / "none.sock"), **env_extra}
-    log = open(tmp_path / f"agent-{port}.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "forecaster.cli", "agent", "--port", str(port)], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    log.close()
-    wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200, timeout=30,
-               what="agent", proc=proc, log=tmp_path / f"agent-{port}.log")
-    return proc
+    return start_agent_process(tmp_path, s3, socket, port, token=TOKEN, **env_extra)
 
 
 def _peak_rss_bytes(pid: int) -> int:

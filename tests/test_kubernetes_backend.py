@@ -22,7 +22,9 @@ from tests.kube_fixtures import (
     fail_pulls,
     hpa,
     inference_service,
+    kubelet_event as _event,
     pod_autoscaler,
+    ready_pod as _pod,
     validate_manifest,
 )
 
@@ -218,27 +220,6 @@ def test_preload_is_unsupported_without_the_agent(backend):
 
 
 # --- cold starts from pod status and kubelet events -------------------------------------------------------------
-
-
-def _pod(name: str, model: str, node: str, created: str, started: str, ready: str) -> dict:
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": "default", "labels": {"prewarm.io/model": model},
-                         "creationTimestamp": created},
-            "spec": {"nodeName": node, "containers": [{"name": "server", "image": "vllm/vllm-openai:v0.6.0"}]},
-            "status": {"phase": "Running",
-                       "conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": created},
-                                      {"type": "Ready", "status": "True", "lastTransitionTime": ready}],
-                       "containerStatuses": [{"name": "server", "image": "vllm/vllm-openai:v0.6.0", "imageID": "",
-                                              "ready": True, "restartCount": 0,
-                                              "state": {"running": {"startedAt": started}}}]}}
-
-
-def _event(pod: str, reason: str, message: str, when: str, node: str = "gpu-node-1") -> dict:
-    return {"apiVersion": "v1", "kind": "Event",
-            "metadata": {"name": f"{pod}.{reason.lower()}", "namespace": "default"},
-            "involvedObject": {"kind": "Pod", "name": pod, "namespace": "default"},
-            "reason": reason, "message": message, "firstTimestamp": when, "lastTimestamp": when,
-            "source": {"component": "kubelet", "host": node}, "type": "Normal"}
 
 
 def test_go_durations():

@@ -7,7 +7,8 @@ GPU budget, the reactive autoscaler's floor, deadlines). Backends:
 * ``dry-run`` (default): records what it would do and why, changes nothing;
 * ``agent``: the node agents (``prewarm agent``) pre-pull and pre-load;
 * ``kubernetes``: scales Deployments (or their HPA floor) and KServe InferenceServices ahead of time, and
-  pre-pulls with per-node Jobs where no agent runs.
+  pre-pulls with per-node Jobs where no agent runs;
+* ``composite``: each action kind routed to one of the above (``PREWARM_ACTUATOR_ROUTES``), for whole plans.
 """
 
 from forecaster.actuation.actuator import Actuator, build_backend

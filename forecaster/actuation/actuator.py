@@ -1,4 +1,5 @@
-"""The actuator: record a plan's actions, then carry out those that are due, through one backend.
+"""The actuator: record a plan's actions, then carry out those that are due, through one backend (which may be
+the composite, routing each action kind to its own backend).
 
 The records live in an :class:`~forecaster.actuation.ledger.ActionLedger`: the store in production
 (:class:`~forecaster.actuation.ledger.StoreLedger`), memory in replays
@@ -59,8 +60,19 @@ class Submitted:
 
 
 def build_backend(settings: Settings, **overrides) -> Backend:
-    """The backend named by ``settings.actuator_backend``."""
-    name = settings.actuator_backend
+    """The backend named by ``settings.actuator_backend``.
+
+    For ``composite``, ``overrides`` may hold ``members``: backends already made, by name (the rest are built
+    from ``settings`` as each would be alone); see :mod:`forecaster.actuation.backends.composite`.
+    """
+    if settings.actuator_backend == "composite":
+        from forecaster.actuation.backends.composite import CompositeBackend
+
+        return CompositeBackend.from_settings(settings, build=_single_backend, **overrides)
+    return _single_backend(settings.actuator_backend, settings, **overrides)
+
+
+def _single_backend(name: str, settings: Settings, **overrides) -> Backend:
     if name == "dry-run":
         from forecaster.actuation.backends.dryrun import DryRunBackend
 
@@ -85,7 +97,7 @@ class Actuator:
         ledger: where records go: an :class:`ActionLedger`, or an ``Engine`` for the store's
             (:class:`StoreLedger`, with observations pushed through the ingest path).
         settings: guardrail settings (``actuator_*``).
-        backend: dry-run, agent, kubernetes or simulated.
+        backend: dry-run, agent, kubernetes, composite (each action kind routed to one of those) or simulated.
     """
 
     def __init__(self, ledger: ActionLedger | Engine, settings: Settings, backend: Backend) -> None:
@@ -105,7 +117,8 @@ class Actuator:
         with self.ledger.session() as ledger:
             plan_id = ledger.record_plan(plan)
             for action in plan.actions:
-                action_id, was_merged = ledger.submit_action(plan_id, action, backend=self.backend.name, now=now)
+                action_id, was_merged = ledger.submit_action(plan_id, action, backend=self._label(action.kind),
+                                                             now=now)
                 ids.append(action_id)
                 if was_merged:
                     merged.append(action_id)
@@ -171,6 +184,16 @@ class Actuator:
             reports.extend(f.result() for f in futures)
         return reports
 
+    def _carrier(self, kind: ActionKind | str) -> str:
+        """Name of the backend that carries out ``kind``: a composite's member, else the backend itself."""
+        carrier = getattr(self.backend, "carrier", None)
+        return self.backend.name if carrier is None else carrier(kind)
+
+    def _label(self, kind: ActionKind | str) -> str:
+        """The ledger's ``backend`` of an action: ``composite:kubernetes`` for a routed one, else the name."""
+        carrier = self._carrier(kind)
+        return self.backend.name if carrier == self.backend.name else f"{self.backend.name}:{carrier}"
+
     def _refused(self, reason: FailureReason | str) -> None:
         self.refusals[str(reason)] = self.refusals.get(str(reason), 0) + 1
 
@@ -222,8 +245,8 @@ class Actuator:
     def _finish(self, row: dict, action: Action, outcome: Outcome, now: datetime) -> ActionReport:
         detail = {"message": outcome.message, **outcome.detail}
         if outcome.observations:
-            detail["observations"] = self.ledger.store_observations(list(outcome.observations), now=now,
-                                                                    source=f"actuator-{self.backend.name}")
+            detail["observations"] = self.ledger.store_observations(
+                list(outcome.observations), now=now, source=f"actuator-{self._carrier(action.kind)}")
         attempts = (row["attempts"] or 0) + 1
         if outcome.status is ActionStatus.SUCCEEDED:
             status, reason, next_at = ActionStatus.SUCCEEDED, None, None
@@ -248,7 +271,7 @@ class Actuator:
         events = observe(since=since)
         if not events:
             return {"inserted": 0, "updated": 0}
-        return self.ledger.store_observations(events, now=now, source=f"actuator-{self.backend.name}")
+        return self.ledger.store_observations(events, now=now, source=f"actuator-{self._carrier(ActionKind.SCALE)}")
 
 
 def action_from_row(row: dict) -> Action:

@@ -51,6 +51,8 @@ class AgentBackend:
     """
 
     name = "agent"
+    #: the action kinds it carries out (the others come back ``unsupported``)
+    actions = frozenset((ActionKind.PREPULL, ActionKind.PRELOAD))
 
     def __init__(self, *, url_template: str, token: str | None, connect_timeout_s: float = 5.0,
                  transport: httpx.BaseTransport | None = None) -> None:

@@ -18,6 +18,8 @@ class DryRunBackend:
     """
 
     name = "dry-run"
+    #: the action kinds it carries out: all of them, on paper
+    actions = frozenset(ActionKind)
 
     def __init__(self, fleet: Mapping[str, ReplicaState] | None = None) -> None:
         self.fleet = dict(fleet or {})

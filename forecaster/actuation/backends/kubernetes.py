@@ -113,6 +113,8 @@ class KubernetesBackend:
     """
 
     name = "kubernetes"
+    #: the action kinds it carries out (the others come back ``unsupported``)
+    actions = frozenset((ActionKind.PREPULL, ActionKind.SCALE, ActionKind.RELEASE))
 
     def __init__(self, api_client, *, namespace: str = "default", model_label: str = "prewarm.io/model",
                  helper_image: str = "busybox:1.36", job_ttl_s: int = 600, job_wait_s: float = 300.0,
