@@ -39,10 +39,22 @@ def create_app(settings: Settings, engine: Engine, *, clock: Callable[[], dateti
 
             refresher = threading.Thread(target=refresh_forever, name="forecast-snapshot", daemon=True)
             refresher.start()
-        yield
-        stop.set()
-        if refresher is not None:
-            refresher.join(timeout=5)
+        scaler = None
+        try:
+            if settings.keda_grpc_port is not None:  # KEDA's external scaler beside REST, on the same snapshot
+                from api.keda_scaler import KedaScalerServer
+
+                scaler = KedaScalerServer(snapshot, settings, clock, host=settings.api_host,
+                                          port=settings.keda_grpc_port)
+                app.state.keda_scaler = scaler
+                scaler.start()
+            yield
+        finally:
+            if scaler is not None:
+                scaler.stop()
+            stop.set()
+            if refresher is not None:
+                refresher.join(timeout=5)
 
     app = FastAPI(
         lifespan=lifespan,
