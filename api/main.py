@@ -14,7 +14,7 @@ from api.cache import LastGood
 from api.errors import BodySizeLimit, TextGuard, install_error_handlers
 from api.metrics import LatencyMiddleware, ServiceMetrics
 from api.snapshot import ForecastSnapshot
-from api.routes import audit, dashboard, forecasts, health, ingest, models, replays
+from api.routes import audit, coldstart, dashboard, forecasts, health, ingest, models, replays
 from forecaster import __version__
 from forecaster.settings import Settings
 
@@ -39,10 +39,22 @@ def create_app(settings: Settings, engine: Engine, *, clock: Callable[[], dateti
 
             refresher = threading.Thread(target=refresh_forever, name="forecast-snapshot", daemon=True)
             refresher.start()
-        yield
-        stop.set()
-        if refresher is not None:
-            refresher.join(timeout=5)
+        scaler = None
+        try:
+            if settings.keda_grpc_port is not None:  # KEDA's external scaler beside REST, on the same snapshot
+                from api.keda_scaler import KedaScalerServer
+
+                scaler = KedaScalerServer(snapshot, settings, clock, host=settings.api_host,
+                                          port=settings.keda_grpc_port)
+                app.state.keda_scaler = scaler
+                scaler.start()
+            yield
+        finally:
+            if scaler is not None:
+                scaler.stop()
+            stop.set()
+            if refresher is not None:
+                refresher.join(timeout=5)
 
     app = FastAPI(
         lifespan=lifespan,
@@ -61,7 +73,7 @@ def create_app(settings: Settings, engine: Engine, *, clock: Callable[[], dateti
     app.add_middleware(BodySizeLimit, max_bytes=settings.api_max_body_bytes)
     app.add_middleware(LatencyMiddleware)  # outermost: it also counts what the guards refuse
     install_error_handlers(app)
-    for module in (health, models, forecasts, ingest, audit, dashboard, replays):
+    for module in (health, models, forecasts, ingest, audit, dashboard, replays, coldstart):
         app.include_router(module.router)
     app.mount("/dashboard", dashboard.static_files(), name="dashboard")
     return app

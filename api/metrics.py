@@ -84,6 +84,63 @@ class RecommendationCollector:
         yield gauge
 
 
+class ColdStartHorizonCollector:
+    """Per model: the latency model's predicted cold-start seconds per tier, the lead time prewarm acts on, and the
+    observed rolling p90 (:mod:`api.coldstart_horizon`, the numbers of ``GET /v1/models/{id}/cold-start``).
+
+    Cardinality is bounded: only models with a forecast in the API's snapshot, at most
+    ``PREWARM_COLDSTART_METRICS_MAX_MODELS`` (default 1,000) of them in id order, so at most 6 series per model
+    (4 tiers, the lead time, the p90); ``prewarm_cold_start_metrics_models_left_out`` counts the rest.
+    """
+
+    def __init__(self, engine: Engine, snapshot, settings, clock: Callable[[], datetime]) -> None:
+        self._engine = engine
+        self._snapshot = snapshot
+        self._settings = settings
+        self._clock = clock
+
+    def collect(self):
+        from api.coldstart_horizon import OBSERVED_QUANTILE, observed_p90, predict_horizon
+        from forecaster.contracts.phases import START_STATES
+        from forecaster.store.coldstarts import RECENT_COLD_STARTS
+
+        if self._snapshot.newest_issued_at is None:
+            self._snapshot.refresh_if_due()
+        forecast = sorted(m for m, view in list(self._snapshot.models.items()) if view.forecast is not None)
+        cap = self._settings.coldstart_metrics_max_models
+        ids = forecast[:cap]
+        left_out = GaugeMetricFamily("prewarm_cold_start_metrics_models_left_out",
+                                     "Models with a forecast left out of the prewarm_cold_start_* gauges "
+                                     "(PREWARM_COLDSTART_METRICS_MAX_MODELS)")
+        left_out.add_metric([], float(len(forecast) - len(ids)))
+        yield left_out
+        predicted = GaugeMetricFamily("prewarm_cold_start_predicted_seconds",
+                                      "Latency model's predicted cold-start seconds of a new replica, per start tier "
+                                      "(none, image, disk, host)", labels=["model_id", "tier"])
+        lead = GaugeMetricFamily("prewarm_cold_start_lead_time_seconds",
+                                 "Lead time prewarm acts on: the predicted start from the model's warmest cached "
+                                 "tier plus the planner's margins", labels=["model_id"])
+        observed = GaugeMetricFamily("prewarm_cold_start_observed_p90_seconds",
+                                     f"Rolling p{OBSERVED_QUANTILE * 100:g} of the newest {RECENT_COLD_STARTS} "
+                                     "stored cold starts", labels=["model_id"])
+        if ids:
+            try:
+                horizon = predict_horizon(self._engine, self._settings, self._clock(), ids)
+                recent = observed_p90(self._engine, ids)
+            except OperationalError:
+                return  # prewarm_database_up says why
+            seconds = horizon.predicted_s.to_numpy()
+            for i, model_id in enumerate(horizon.predicted_s.index):
+                for j, tier in enumerate(START_STATES):
+                    predicted.add_metric([model_id, tier], float(seconds[i, j]))
+                lead.add_metric([model_id], float(horizon.lead_time_s.iloc[i]))
+            for model_id, p90 in zip(recent["model_id"], recent["seconds"]):
+                observed.add_metric([str(model_id)], float(p90))
+        yield predicted
+        yield lead
+        yield observed
+
+
 class ServiceMetrics:
     def __init__(self, engine: Engine, clock: Callable[[], datetime], snapshot=None, settings=None) -> None:
         self.registry = CollectorRegistry()
@@ -93,6 +150,7 @@ class ServiceMetrics:
         self.registry.register(StoreCollector(engine, clock))
         if snapshot is not None:
             self.registry.register(RecommendationCollector(snapshot, settings, clock))
+            self.registry.register(ColdStartHorizonCollector(engine, snapshot, settings, clock))
 
 
 class LatencyMiddleware:

@@ -128,6 +128,16 @@ class Settings(BaseSettings):
     ingest_retry_after_s: int = Field(default=5, ge=1)
     api_snapshot_refresh_s: float = Field(
         default=2.0, ge=0, description="How often the API reloads new forecast runs; 0 = on every request.")
+    # KEDA external scaler (gRPC, api/keda_scaler.py), served by the API process next to REST when a port is set
+    keda_grpc_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="Port of KEDA's external scaler (gRPC) on PREWARM_API_HOST; unset = not served; 0 = any free port.")
+    keda_stream_check_s: float = Field(
+        default=5.0, gt=0, le=300,
+        description="How often StreamIsActive re-evaluates each model (and picks up a new forecast snapshot).")
+    coldstart_metrics_max_models: int = Field(
+        default=1000, ge=0, le=100_000,
+        description="/metrics cold-start gauges cover at most this many models (those with a forecast, by id).")
 
     # --- scheduler ------------------------------------------------------
     ingest_interval_s: int = Field(default=60, ge=1)

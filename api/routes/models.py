@@ -46,6 +46,7 @@ def _links_to_the_model() -> dict:
                "GetRecommendation": "get_recommendation_v1_models__model_id__recommendation_get",
                "GetSeries": "get_series_v1_models__model_id__series_get",
                "GetColdStarts": "get_cold_starts_v1_models__model_id__coldstarts_get",
+               "GetColdStartHorizon": "get_cold_start_horizon_v1_models__model_id__cold_start_get",
                "GetActions": "get_action_timeline_v1_models__model_id__actions_get",
                "PutModelAgain": "put_model_v1_models__model_id__put"}
     return {name: {"operationId": op, "parameters": {"model_id": "$response.body#/id"}}

@@ -21,6 +21,16 @@ from forecaster.contracts.phases import START_STATES, STATE_RANK
 from forecaster.planning.fleet import PlannerSettings, latency_table
 
 
+def start_seconds_by_state(latency: pd.DataFrame, model_ids, fleet: FleetState | None = None) -> pd.DataFrame:
+    """Predicted cold-start seconds per model (rows) and start state (columns :data:`START_STATES`), as the planner
+    reads them: per-node rows reduced over ``fleet`` (see :func:`start_seconds`), a state missing from the table
+    costing what the next colder one costs, and 0 where nothing is known."""
+    ids = pd.Index([str(m) for m in model_ids])
+    by_state = latency_table(latency, ids, fleet)
+    d = np.stack([np.nan_to_num(by_state[s], nan=0.0) for s in START_STATES], axis=1)
+    return pd.DataFrame(d, index=ids, columns=list(START_STATES))
+
+
 def start_seconds(latency: pd.DataFrame, states: Mapping[str, str] | pd.Series, model_ids,
                   fleet: FleetState | None = None) -> pd.Series:
     """Predicted cold-start seconds per model when a new replica starts from its state in ``states``.
@@ -37,8 +47,7 @@ def start_seconds(latency: pd.DataFrame, states: Mapping[str, str] | pd.Series, 
     unknown = sorted(set(states) - set(START_STATES))
     if unknown:
         raise ValueError(f"unknown start states {unknown}; expected some of {list(START_STATES)}")
-    by_state = latency_table(latency, ids, fleet)
-    d = np.stack([np.nan_to_num(by_state[s], nan=0.0) for s in START_STATES], axis=1)  # as the planner reads it
+    d = start_seconds_by_state(latency, ids, fleet).to_numpy()
     rank = states.map(STATE_RANK).to_numpy(dtype=np.int64)
     return pd.Series(d[np.arange(len(ids)), rank], index=ids, name="start_s")
 

@@ -74,6 +74,51 @@ class MinuteQuantiles:
         )
 
 
+def _demand_at(forecast: MinuteQuantiles, quantile: float) -> tuple[float | None, np.ndarray]:
+    """(level used, demand per minute): the stored level nearest ``quantile`` (the higher on a tie), else the point."""
+    if not forecast.levels:
+        return None, forecast.point
+    column = min(range(len(forecast.levels)), key=lambda j: (abs(forecast.levels[j] - quantile), -forecast.levels[j]))
+    return forecast.levels[column], forecast.values[:, column]
+
+
+def _minute_starts(now: datetime, lead_time_s: float) -> tuple[float, float]:
+    """(current minute, minute a replica started now is ready in) as epoch seconds."""
+    now_s = now.timestamp()
+    return now_s // 60 * 60, (now_s + lead_time_s) // 60 * 60
+
+
+def _as_minutes(forecast: StoredForecast | MinuteQuantiles | None) -> MinuteQuantiles | None:
+    if isinstance(forecast, StoredForecast):
+        return MinuteQuantiles.from_stored(forecast) if not forecast.frame.empty else None
+    return forecast
+
+
+def demand_within_lead(
+    forecast: StoredForecast | MinuteQuantiles | None,
+    *,
+    now: datetime,
+    lead_time_s: float,
+    quantile: float = 0.9,
+) -> float | None:
+    """The largest forecast demand (requests per minute) from the current minute to the end of the lead window.
+
+    The window is the current minute through the minute after the one in which a replica started now would be
+    ready (the same end as :func:`recommend`'s lead window), so a spike anywhere before it counts: what an
+    autoscaler that scales from zero must see to wake up early enough. None when the forecast does not reach the
+    lead window (no forecast, or expired).
+    """
+    forecast = _as_minutes(forecast)
+    if forecast is None or not len(forecast.minutes_s):
+        return None
+    _, values = _demand_at(forecast, quantile)
+    current, ready_at = _minute_starts(now, lead_time_s)
+    if not ((forecast.minutes_s >= ready_at) & (forecast.minutes_s <= ready_at + 60)).any():
+        return None
+    window = values[(forecast.minutes_s >= current) & (forecast.minutes_s <= ready_at + 60)]
+    return float(window.max())
+
+
 def recommend(
     forecast: StoredForecast | MinuteQuantiles | None,
     *,
@@ -89,21 +134,12 @@ def recommend(
     replica started now would become ready and the one after, so a ramp there
     is covered.
     """
-    if isinstance(forecast, StoredForecast):
-        forecast = MinuteQuantiles.from_stored(forecast) if not forecast.frame.empty else None
+    forecast = _as_minutes(forecast)
     if forecast is None or not len(forecast.minutes_s):
         return Recommendation(model_id, None, None, lead_time_s, None, None, None, "no_forecast", None, None, None)
-    if forecast.levels:
-        column = min(range(len(forecast.levels)),
-                     key=lambda j: (abs(forecast.levels[j] - quantile), -forecast.levels[j]))
-        level: float | None = forecast.levels[column]
-        values = forecast.values[:, column]
-    else:
-        level, values = None, forecast.point
-    now_s = now.timestamp()
-    age_s = now_s - forecast.issued_at.timestamp()
-    current = now_s // 60 * 60
-    ready_at = (now_s + lead_time_s) // 60 * 60
+    level, values = _demand_at(forecast, quantile)
+    age_s = now.timestamp() - forecast.issued_at.timestamp()
+    current, ready_at = _minute_starts(now, lead_time_s)
     at_now = values[forecast.minutes_s == current]
     at_lead = values[(forecast.minutes_s >= ready_at) & (forecast.minutes_s <= ready_at + 60)]
     if len(at_lead) == 0:

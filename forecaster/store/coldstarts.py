@@ -43,6 +43,43 @@ def recent_cold_start_seconds(conn, *, model_id: str, last_n: int = 20) -> float
     ).scalar()
 
 
+#: How many of a model's newest stored cold starts its observed rolling figures cover (the dashboard's median too).
+RECENT_COLD_STARTS = 20
+
+
+def recent_cold_start_percentiles(conn, *, model_ids: list[str], quantile: float = 0.9,
+                                  last_n: int = RECENT_COLD_STARTS, by_cache_state: bool = False) -> pd.DataFrame:
+    """The ``quantile`` of total seconds over each model's ``last_n`` newest stored cold starts, in one query.
+
+    Args:
+        model_ids: the models to answer for; a model without stored cold starts gets no row.
+        quantile: in [0, 1] (0.9: the rolling p90); interpolated between starts (``percentile_cont``).
+        by_cache_state: one row per (model, ``cache_state``) over the ``last_n`` newest starts from that state
+            (states never observed get no row; an unreported state is ``unknown``).
+
+    Returns:
+        ``model_id, [cache_state,] seconds, n`` (``n``: how many starts the figure covers, at most ``last_n``).
+    """
+    columns = ["model_id", *(["cache_state"] if by_cache_state else []), "seconds", "n"]
+    if not model_ids:
+        return pd.DataFrame(columns=columns)
+    if by_cache_state:
+        query = text(
+            "SELECT model_id, cache_state, percentile_cont(:q) WITHIN GROUP (ORDER BY total_seconds) AS seconds, "
+            "count(*) AS n FROM (SELECT model_id, coalesce(cache_state, 'unknown') AS cache_state, total_seconds, "
+            "row_number() OVER (PARTITION BY model_id, coalesce(cache_state, 'unknown') "
+            "ORDER BY started_at DESC, id DESC) AS age FROM cold_starts WHERE model_id = ANY(:ids)) AS ranked "
+            "WHERE age <= :n GROUP BY model_id, cache_state ORDER BY model_id, cache_state")
+    else:  # one index walk (cold_starts_model_time) per model, newest first
+        query = text(
+            "SELECT m.id AS model_id, percentile_cont(:q) WITHIN GROUP (ORDER BY r.total_seconds) AS seconds, "
+            "count(*) AS n FROM unnest(CAST(:ids AS text[])) AS m(id) CROSS JOIN LATERAL ("
+            "SELECT total_seconds FROM cold_starts c WHERE c.model_id = m.id "
+            "ORDER BY c.started_at DESC, c.id DESC LIMIT :n) AS r GROUP BY m.id ORDER BY m.id")
+    rows = conn.execute(query, {"q": float(quantile), "ids": list(model_ids), "n": int(last_n)}).all()
+    return pd.DataFrame([tuple(r) for r in rows], columns=columns)
+
+
 def read_cold_start_events(engine: Engine) -> pd.DataFrame:
     """Every stored cold start (oldest first) with the model's sizes and the node's bandwidth, for the latency model.
 

@@ -1,0 +1,312 @@
+"""KEDA external scaler benchmark: ``GetMetrics`` latency and throughput at 10,000 models, REST as the baseline.
+
+Usage:
+    python bench/keda_scaler.py [--models 10000] [--concurrency 100] [--seconds 10] [--streams 10000] [--json PATH]
+
+How the fleet is built: a fresh database (embedded PostgreSQL unless PREWARM_BENCH_ADMIN_URL names a server) gets
+N synthetic models (``model-000000``...; ``replica_rps`` uniform in 0.5..20, seed 7) and one 60-minute forecast run
+each, issued now (level gamma(1, 50) requests per minute times a slow sine, q0.1/q0.5/q0.9 at 0.7/1/1.4 of it):
+the shape of ``bench/api.py``'s fleet. ``prewarm serve --no-scheduler`` then runs as its own process with
+``PREWARM_KEDA_GRPC_PORT`` set, so the gRPC scaler and the REST API answer from the one in-memory snapshot of the
+same process, as in production.
+
+What is measured, each phase for ``--seconds`` after a warm-up, from this process over loopback (closed loop,
+``--concurrency`` calls in flight, each for a random model; latency from send to full reply):
+
+0. in this process, the server's own work per query (parse the metadata, evaluate on the snapshot) on a synthetic
+   snapshot of N models built in memory (:func:`in_process`), with no transport;
+1. ``GetMetrics`` over one gRPC channel (KEDA shares one connection per scaler address);
+2. the baseline in the same run: ``GET /v1/models/{id}/recommendation`` (what KEDA's metrics-api scaler polls) over
+   keep-alive HTTP/1.1 connections;
+3. ``GetMetrics`` again while ``--streams`` ``StreamIsActive`` streams are open (one per model, as KEDA's
+   ``external-push`` trigger holds them), which the server re-evaluates every ``PREWARM_KEDA_STREAM_CHECK_S``.
+
+Client and server share this machine's cores, so the figures include the load generator's contention; the Python
+client is itself a bottleneck, so throughput here is a lower bound of what the server sustains.
+``PREWARM_BENCH_SERVER_LOG=PATH`` keeps the server's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import grpc
+import httpx
+import numpy as np
+import pandas as pd
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from api.keda_scaler import METRIC_NAME  # noqa: E402
+from api.proto import externalscaler_pb2 as pb  # noqa: E402
+from api.proto import externalscaler_pb2_grpc as pb_grpc  # noqa: E402
+from forecaster.store.catalog import ServingModelSpec, upsert_models  # noqa: E402
+from forecaster.store.db import embedded_server, make_engine, upgrade  # noqa: E402
+from forecaster.store.forecasts import write_forecasts  # noqa: E402
+from forecaster.store.tokens import create_token  # noqa: E402
+
+DATABASE = "bench_keda"
+#: Streams opened at once. grpcio 1.85's server cancels about a quarter of a burst of 3,000 new streams on one
+#: connection (CANCELLED, with a bare grpc.aio servicer too, whatever grpc.max_concurrent_streams says); batches of
+#: 500 open 10,000 without a failure. KEDA opens a stream per ScaledObject and retries a failed one with back-off.
+STREAM_BATCH = 500
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_ids(n_models: int) -> list[str]:
+    return [f"model-{i:06d}" for i in range(n_models)]
+
+
+def prepare(admin_url: str, n_models: int) -> tuple[str, str]:
+    """A fresh database with ``n_models`` synthetic models and one forecast run each; (its URL, a read token)."""
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)"))
+        conn.execute(text(f"CREATE DATABASE {DATABASE}"))
+    admin.dispose()
+    url = make_url(admin_url).set(database=DATABASE).render_as_string(hide_password=False)
+    engine = make_engine(url)
+    upgrade(engine)
+    rng = np.random.default_rng(7)
+    ids = model_ids(n_models)
+    with engine.begin() as conn:
+        for start in range(0, n_models, 2000):
+            upsert_models(conn, [ServingModelSpec(id=i, replica_rps=float(rng.uniform(0.5, 20)))
+                                 for i in ids[start:start + 2000]])
+    issued = datetime.now(timezone.utc).replace(microsecond=0)
+    minutes = pd.date_range(pd.Timestamp(issued).floor("min"), periods=60, freq="min")
+    base = rng.gamma(1.0, 50.0, size=n_models)
+    frame = pd.DataFrame({"unique_id": np.repeat(ids, 60), "ds": np.tile(minutes, n_models)})
+    level = np.repeat(base, 60) * (1 + 0.2 * np.sin(np.tile(np.arange(60), n_models) / 9))
+    frame["point"] = level
+    frame["q0.1"], frame["q0.5"], frame["q0.9"] = level * 0.7, level, level * 1.4
+    write_forecasts(engine, frame, issued_at=issued, model_version_id=None)
+    token = create_token(engine, name="bench", scopes=["read"])
+    engine.dispose()
+    return url, token
+
+
+@contextlib.contextmanager
+def serving(url: str, token: str, probe_model: str, *, timeout_s: float = 180.0):
+    """``prewarm serve`` with the KEDA scaler on; yields (REST base URL, gRPC address) once both answer."""
+    http_port, grpc_port = free_port(), free_port()
+    env = {**os.environ, "DATABASE_URL": url, "PREWARM_KEDA_GRPC_PORT": str(grpc_port)}
+    base, address = f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
+    with open(os.environ.get("PREWARM_BENCH_SERVER_LOG", os.devnull), "w") as server_log:
+        server = subprocess.Popen([sys.executable, "-m", "forecaster.cli", "serve", "--port", str(http_port),
+                                   "--no-scheduler"], env=env, cwd=REPO, stdout=server_log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    rest_up = httpx.get(f"{base}/v1/models/{probe_model}/recommendation",
+                                        headers={"Authorization": f"Bearer {token}"}, timeout=30).status_code == 200
+                    with grpc.insecure_channel(address) as channel:
+                        pb_grpc.ExternalScalerStub(channel).GetMetrics(request(probe_model), timeout=30)
+                    if rest_up:
+                        break
+                except (httpx.HTTPError, grpc.RpcError):
+                    pass
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"prewarm serve did not come up (exit code {server.poll()})")
+                time.sleep(0.5)
+            yield base, address
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+
+def scaled_object(model_id: str) -> pb.ScaledObjectRef:
+    return pb.ScaledObjectRef(name=f"vllm-{model_id}", namespace="serving",
+                              scalerMetadata={"scalerAddress": "prewarm:9090", "model": model_id, "quantile": "0.9"})
+
+
+def request(model_id: str) -> pb.GetMetricsRequest:
+    return pb.GetMetricsRequest(scaledObjectRef=scaled_object(model_id), metricName=METRIC_NAME)
+
+
+async def closed_loop(call, ids: list[str], concurrency: int, seconds: float, warmup_s: float
+                      ) -> tuple[list[float], int]:
+    """``concurrency`` workers calling ``await call(model_id)`` back to back; latencies after the warm-up."""
+    latencies: list[float] = []
+    errors = 0
+    measure_from = time.perf_counter() + warmup_s
+    stop_at = measure_from + seconds
+
+    async def worker(seed: int) -> None:
+        nonlocal errors
+        rng = random.Random(seed)
+        while True:
+            started = time.perf_counter()
+            if started >= stop_at:
+                return
+            ok = await call(rng.choice(ids))
+            if started >= measure_from:
+                if ok:
+                    latencies.append(time.perf_counter() - started)
+                else:
+                    errors += 1
+
+    await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    return latencies, errors
+
+
+async def grpc_phase(address: str, ids: list[str], concurrency: int, seconds: float, streams: int) -> dict:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.ExternalScalerStub(channel)
+        opened, first = [], []
+        started = time.perf_counter()
+        for lo in range(0, streams, STREAM_BATCH):  # each batch's first answers before the next batch opens
+            batch = [stub.StreamIsActive(scaled_object(model_id)) for model_id in ids[lo:lo + STREAM_BATCH]]
+            first += await asyncio.gather(*(s.read() for s in batch), return_exceptions=True)
+            opened += batch
+        failed = [f for f in first if isinstance(f, BaseException)]
+        if failed:
+            print(f"  {len(failed)} of {len(opened)} streams failed to open: {failed[0]!r}", file=sys.stderr)
+        open_s = time.perf_counter() - started
+
+        async def get_metrics(model_id: str) -> bool:
+            try:
+                reply = await stub.GetMetrics(request(model_id), timeout=10)
+            except grpc.aio.AioRpcError:
+                return False
+            return len(reply.metricValues) == 1
+
+        latencies, errors = await closed_loop(get_metrics, ids, concurrency, seconds, warmup_s=2.0)
+        for s in opened:
+            s.cancel()
+    return summary(latencies, errors, seconds) | {"streams_open": len(opened) - len(failed),
+                                                  "streams_failed": len(failed), "streams_open_s": round(open_s, 2)}
+
+
+async def rest_phase(base: str, token: str, ids: list[str], concurrency: int, seconds: float) -> dict:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {token}"}, limits=limits,
+                                 timeout=10) as client:
+        async def recommendation(model_id: str) -> bool:
+            response = await client.get(f"/v1/models/{model_id}/recommendation")
+            return response.status_code == 200 and response.json()["replicas_at_lead_time"] is not None
+
+        latencies, errors = await closed_loop(recommendation, ids, concurrency, seconds, warmup_s=2.0)
+    return summary(latencies, errors, seconds)
+
+
+def summary(latencies: list[float], errors: int, seconds: float) -> dict:
+    ms = np.array(latencies) * 1000.0
+    return {"p50_ms": round(float(np.percentile(ms, 50)), 3), "p99_ms": round(float(np.percentile(ms, 99)), 3),
+            "calls_per_s": round(len(ms) / seconds, 1), "calls": int(len(ms)), "errors": errors}
+
+
+def in_process(n_models: int, calls: int = 50_000) -> dict:
+    """Microseconds per parse + evaluate of one GetMetrics query on a synthetic in-memory snapshot (no gRPC, no DB).
+
+    The snapshot holds ``n_models`` views built directly (60-minute runs, three levels, as :func:`prepare` writes
+    them); this is the server's own work per call, the ceiling one core would reach without transport costs.
+    """
+    from api.keda_scaler import ForecastFloor, parse_query
+    from api.snapshot import ForecastSnapshot, ModelView
+    from forecaster.planning.recommendation import MinuteQuantiles
+    from forecaster.settings import Settings
+
+    settings = Settings()
+    now = datetime.now(timezone.utc)
+    snapshot = ForecastSnapshot(engine=None, settings=settings, clock=lambda: now)
+    rng = np.random.default_rng(7)
+    minutes_s = (np.arange(60) * 60 + int(now.timestamp()) // 60 * 60).astype("int64")
+    for model_id, base in zip(model_ids(n_models), rng.gamma(1.0, 50.0, size=n_models)):
+        level = base * (1 + 0.2 * np.sin(np.arange(60) / 9))
+        snapshot.models[model_id] = ModelView(
+            replica_rps=float(rng.uniform(0.5, 20)), lead_time_s=19.76, start_state="none",
+            forecast=MinuteQuantiles(issued_at=now, model_version_id=None, minutes_s=minutes_s,
+                                     levels=(0.1, 0.5, 0.9), values=np.stack([level * 0.7, level, level * 1.4], 1),
+                                     point=level))
+    snapshot.healthy = True
+    floors = ForecastFloor(snapshot, settings, lambda: now)
+    refs = [scaled_object(m).scalerMetadata for m in random.Random(7).choices(model_ids(n_models), k=calls)]
+    started = time.perf_counter()
+    for metadata in refs:
+        query = parse_query(metadata, settings.recommendation_quantile)
+        floors.evaluate(query, snapshot.get(query.model_id))
+    per_call_us = (time.perf_counter() - started) / calls * 1e6
+    return {"per_call_us": round(per_call_us, 1), "calls": calls, "calls_per_s_one_core": round(1e6 / per_call_us)}
+
+
+def run(admin_url: str, n_models: int, concurrency: int, seconds: float, streams: int) -> dict:
+    cost = in_process(n_models)
+    started = time.perf_counter()
+    url, token = prepare(admin_url, n_models)
+    prepare_s = time.perf_counter() - started
+    ids = model_ids(n_models)
+    with serving(url, token, ids[0]) as (base, address):
+        grpc_figures = asyncio.run(grpc_phase(address, ids, concurrency, seconds, streams=0))
+        rest_figures = asyncio.run(rest_phase(base, token, ids, concurrency, seconds))
+        streamed = asyncio.run(grpc_phase(address, ids, concurrency, seconds, streams=min(streams, n_models))
+                               ) if streams else None
+    return {"models": n_models, "concurrency": concurrency, "seconds": seconds, "prepare_s": round(prepare_s, 1),
+            "in_process": cost,
+            "get_metrics": grpc_figures, "rest_recommendation": rest_figures, "get_metrics_with_streams": streamed,
+            "throughput_ratio_grpc_over_rest": round(grpc_figures["calls_per_s"] / rest_figures["calls_per_s"], 2)}
+
+
+def describe(name: str, figures: dict) -> str:
+    return (f"{name}: p50 {figures['p50_ms']:.2f} ms, p99 {figures['p99_ms']:.2f} ms, "
+            f"{figures['calls_per_s']:,.0f} calls/s ({figures['calls']:,} calls, {figures['errors']} errors)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", type=int, default=10_000)
+    parser.add_argument("--concurrency", type=int, default=100)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--streams", type=int, default=10_000, help="StreamIsActive streams in phase 3 (0: skip).")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    admin_url = os.environ.get("PREWARM_BENCH_ADMIN_URL")
+    if admin_url:
+        figures = run(admin_url, args.models, args.concurrency, args.seconds, args.streams)
+    else:
+        with tempfile.TemporaryDirectory(prefix="prewarm-bench-keda-") as tmp:
+            os.chmod(tmp, 0o755)
+            with embedded_server(Path(tmp) / "pgdata") as url:
+                figures = run(url, args.models, args.concurrency, args.seconds, args.streams)
+    print(f"KEDA external scaler, {figures['models']:,} models, {figures['concurrency']} calls in flight, "
+          f"{figures['seconds']:g} s per phase (fleet prepared in {figures['prepare_s']:g} s)")
+    cost = figures["in_process"]
+    print(f"  in process (synthetic snapshot, no gRPC): {cost['per_call_us']:.1f} us per query, "
+          f"{cost['calls_per_s_one_core']:,} queries/s on one core")
+    print("  " + describe("gRPC GetMetrics", figures["get_metrics"]))
+    print("  " + describe("REST recommendation (baseline)", figures["rest_recommendation"]))
+    if figures["get_metrics_with_streams"]:
+        print("  " + describe(f"gRPC GetMetrics, {figures['get_metrics_with_streams']['streams_open']:,} streams open",
+                              figures["get_metrics_with_streams"]))
+    print(f"  throughput gRPC / REST: {figures['throughput_ratio_grpc_over_rest']:.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""The per-model cold-start horizon (``GET /v1/models/{id}/cold-start`` and the ``/metrics`` gauges) against a real
+PostgreSQL: a latency model trained from stored cold starts, two nodes with caches, forecasts (the fleet of
+``tests/test_lead_time.py``), and the plan job's own readers as the reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import text
+
+from api.main import create_app
+from forecaster.contracts.phases import START_STATES
+from forecaster.jobs.planning import fleet_from_store, predicted_latency
+from forecaster.planning.fleet import PlannerSettings
+from forecaster.planning.lead_time import start_seconds_by_state, warmest_states
+from forecaster.store.catalog import ServingModelSpec, upsert_models
+from forecaster.store.tokens import create_token
+from tests.test_lead_time import NOW, SIZES, fleet  # noqa: F401 - the fixture: models, nodes, caches, latency model
+
+
+@pytest.fixture
+def client(engine, settings, fleet):  # noqa: F811 - the imported fixture
+    with engine.begin() as conn:  # registered, never forecast, never started
+        upsert_models(conn, [ServingModelSpec(id="d", replica_rps=1.0)])
+    token = create_token(engine, name="read", scopes=["read"])
+    with TestClient(create_app(settings, engine, clock=lambda: NOW)) as client:
+        client.headers["Authorization"] = f"Bearer {token}"
+        yield client
+
+
+def newest_totals(engine, model_id: str, cache_state: str | None = None, n: int = 20) -> np.ndarray:
+    where = "model_id = :m" + ("" if cache_state is None else " AND cache_state = :s")
+    rows = engine.connect().execute(text(f"SELECT total_seconds FROM cold_starts WHERE {where} "
+                                         "ORDER BY started_at DESC LIMIT :n"),
+                                    {"m": model_id, "s": cache_state, "n": n}).scalars().all()
+    return np.array(rows)
+
+
+def test_horizon_is_the_planners_prediction_and_lead(engine, settings, fleet, client):  # noqa: F811
+    store_fleet = fleet_from_store(engine, now=NOW)
+    reference = start_seconds_by_state(predicted_latency(engine, store_fleet, now=NOW, settings=settings),
+                                       list(SIZES), store_fleet)  # the plan job's latency input, reduced per tier
+    states = warmest_states(store_fleet)
+    for model in SIZES:
+        body = client.get(f"/v1/models/{model}/cold-start").json()
+        assert [t["tier"] for t in body["tiers"]] == list(START_STATES)
+        for tier in body["tiers"]:
+            assert tier["predicted_s"] == pytest.approx(reference.loc[model, tier["tier"]], rel=1e-9)
+        assert body["start_tier"] == states[model] and body["node_id"] is None and body["hour_utc"] == 12
+        assert body["latency_model_version"] == fleet
+        assert body["predicted_start_s"] == pytest.approx(reference.loc[model, states[model]], rel=1e-9)
+        assert body["lead_time_s"] == pytest.approx(PlannerSettings().lead(body["predicted_start_s"]), rel=1e-12)
+        recommendation = client.get(f"/v1/models/{model}/recommendation").json()
+        assert body["lead_time_s"] == pytest.approx(recommendation["lead_time_s"], rel=1e-9)  # what prewarm uses
+        predicted = [t["predicted_s"] for t in body["tiers"]]
+        assert predicted[0] > 2 * predicted[-1]  # from nothing is far slower than from host memory
+
+
+def test_observed_rolling_p90_overall_and_per_cache_state(engine, client):
+    body = client.get("/v1/models/a/cold-start").json()
+    newest = newest_totals(engine, "a")
+    assert body["observed"] == {"p90_s": pytest.approx(float(np.percentile(newest, 90))), "n": 20}
+    assert len(newest) == 20 and len(newest_totals(engine, "a", n=100)) == 30  # 30 stored, the newest 20 count
+    by_state = body["observed_by_cache_state"]
+    assert set(by_state) <= set(START_STATES) and len(by_state) >= 2
+    for state, figure in by_state.items():
+        totals = newest_totals(engine, "a", state)
+        assert figure == {"p90_s": pytest.approx(float(np.percentile(totals, 90))), "n": len(totals)}
+    never = client.get("/v1/models/d/cold-start").json()  # registered, nothing observed: the prediction only
+    assert never["observed"] is None and never["observed_by_cache_state"] == {}
+    assert never["start_tier"] == "none" and never["tiers"][0]["predicted_s"] > 0
+
+
+def test_a_node_asked_about_and_the_404s(client):
+    on_n1 = client.get("/v1/models/a/cold-start?node=n1").json()
+    assert on_n1["node_id"] == "n1" and on_n1["start_tier"] == "disk"  # a's weights are on n1's disk
+    dashboard = client.get("/v1/models/a/coldstarts?node=n1").json()
+    assert on_n1["lead_time_s"] == pytest.approx(dashboard["lead_time_s"], rel=1e-9)
+    on_n2 = client.get("/v1/models/a/cold-start?node=n2").json()
+    assert on_n2["start_tier"] == "none" and on_n2["lead_time_s"] > on_n1["lead_time_s"]
+    unknown_node = client.get("/v1/models/a/cold-start?node=n9")
+    assert unknown_node.status_code == 404 and unknown_node.json()["detail"] == "unknown node 'n9'"
+    unknown = client.get("/v1/models/nope/cold-start")
+    assert unknown.status_code == 404 and unknown.json()["detail"] == "model 'nope' is not registered"
+    assert client.get("/v1/models/a/cold-start", headers={"Authorization": ""}).status_code == 401
+    assert client.get("/v1/models/a/cold-start?node=").status_code == 422
+
+
+def scrape(client) -> dict[str, dict[tuple, float]]:
+    families = text_string_to_metric_families(client.get("/metrics").text)
+    return {f.name: {tuple(sorted(s.labels.items())): s.value for s in f.samples} for f in families
+            if f.name.startswith("prewarm_cold_start")}
+
+
+def test_metrics_carry_the_same_figures_for_models_with_a_forecast(client):
+    gauges = scrape(client)
+    for model in SIZES:
+        body = client.get(f"/v1/models/{model}/cold-start").json()
+        for tier in body["tiers"]:
+            key = (("model_id", model), ("tier", tier["tier"]))
+            assert gauges["prewarm_cold_start_predicted_seconds"][key] == pytest.approx(tier["predicted_s"])
+        assert gauges["prewarm_cold_start_lead_time_seconds"][(("model_id", model),)] == pytest.approx(
+            body["lead_time_s"])
+        assert gauges["prewarm_cold_start_observed_p90_seconds"][(("model_id", model),)] == pytest.approx(
+            body["observed"]["p90_s"])
+    models = {dict(k)["model_id"] for k in gauges["prewarm_cold_start_predicted_seconds"]}
+    assert models == set(SIZES)  # d has no forecast: not on /metrics
+    assert len(gauges["prewarm_cold_start_predicted_seconds"]) == 4 * len(SIZES)
+    assert gauges["prewarm_cold_start_metrics_models_left_out"] == {(): 0.0}
+
+
+def test_metrics_cardinality_is_capped(engine, settings, fleet):  # noqa: F811
+    capped = settings.model_copy(update={"coldstart_metrics_max_models": 2})
+    with TestClient(create_app(capped, engine, clock=lambda: NOW)) as client:
+        gauges = scrape(client)
+    assert {dict(k)["model_id"] for k in gauges["prewarm_cold_start_lead_time_seconds"]} == {"a", "b"}
+    assert gauges["prewarm_cold_start_metrics_models_left_out"] == {(): 1.0}

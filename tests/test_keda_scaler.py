@@ -1,0 +1,235 @@
+"""KEDA's external scaler over gRPC: a real server on loopback, a client generated from our externalscaler.proto,
+forecasts stored in a real PostgreSQL and read through the API's forecast snapshot."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from datetime import datetime, timedelta, timezone
+
+import grpc
+import pandas as pd
+import pytest
+from fastapi.testclient import TestClient
+
+from api.keda_scaler import METRIC_NAME, KedaScalerServer
+from api.main import create_app
+from api.proto import externalscaler_pb2 as pb
+from api.proto import externalscaler_pb2_grpc as pb_grpc
+from api.snapshot import ForecastSnapshot
+from forecaster.store.catalog import ServingModelSpec, upsert_models
+from forecaster.store.forecasts import write_forecasts
+from forecaster.store.tokens import create_token
+
+START = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+#: No latency model, no sizes: the physics prior's start from nothing (12.3 s) with the planner's margins.
+PRIOR_LEAD_S = 12.3 * 1.2 + 5.0
+
+
+class SteppedClock:
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return SteppedClock(START + timedelta(seconds=30))
+
+
+@pytest.fixture
+def scaler_settings(settings):
+    return settings.model_copy(update={"keda_stream_check_s": 0.05})
+
+
+@pytest.fixture
+def stub(engine, scaler_settings, clock):
+    with engine.begin() as conn:  # 2 requests per second per replica = 120 per minute
+        upsert_models(conn, [ServingModelSpec(id="llama", image_ref="vllm/vllm-openai:v0.6", replica_rps=2.0),
+                             ServingModelSpec(id="unforecast", replica_rps=2.0)])
+    snapshot = ForecastSnapshot(engine, refresh_s=0, settings=scaler_settings, clock=clock)
+    server = KedaScalerServer(snapshot, scaler_settings, clock, host="127.0.0.1", port=0)
+    port = server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield pb_grpc.ExternalScalerStub(channel)
+    finally:
+        channel.close()
+        server.stop()
+
+
+def store_run(engine, *, issued_at: datetime, q90: list[float], model_id: str = "llama") -> None:
+    minutes = pd.date_range(pd.Timestamp(issued_at).floor("min"), periods=len(q90), freq="min")
+    frame = pd.DataFrame({"unique_id": model_id, "ds": minutes, "point": [v * 0.7 for v in q90], "p_any": 1.0,
+                          "q0.5": [v * 0.6 for v in q90], "q0.9": q90})
+    write_forecasts(engine, frame, issued_at=issued_at, model_version_id=None)
+
+
+def ref(**metadata) -> pb.ScaledObjectRef:
+    return pb.ScaledObjectRef(name="vllm-llama", namespace="serving",
+                              scalerMetadata={"scalerAddress": "prewarm.prewarm.svc:9090", **metadata})
+
+
+def floor_value(stub, **metadata) -> float:
+    reply = stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=ref(**metadata), metricName=METRIC_NAME), timeout=10)
+    (value,) = reply.metricValues
+    assert value.metricName == METRIC_NAME and value.metricValue == int(value.metricValueFloat)
+    return value.metricValueFloat
+
+
+def status_of(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as caught:
+        call()
+    return caught.value.code(), caught.value.details()
+
+
+def test_metric_spec_asks_for_one_replica_per_unit(stub):
+    spec = stub.GetMetricSpec(ref(model="llama"), timeout=10)
+    assert [(s.metricName, s.targetSize, s.targetSizeFloat) for s in spec.metricSpecs] == [(METRIC_NAME, 1, 1.0)]
+
+
+def test_floor_is_the_rest_recommendation_at_the_lead_time(stub, engine, scaler_settings, clock):
+    q90 = [150.0] * 5 + [450.0] * 55  # 150/min -> 2 replicas, a spike to 450/min (4 replicas) from 12:05
+    store_run(engine, issued_at=START, q90=q90)
+    token = create_token(engine, name="read", scopes=["read"])
+    with TestClient(create_app(scaler_settings, engine, clock=clock)) as rest:
+        for now, expected in ((START + timedelta(seconds=30), 2), (START + timedelta(minutes=4, seconds=45), 4)):
+            clock.now = now
+            body = rest.get("/v1/models/llama/recommendation", headers={"Authorization": f"Bearer {token}"}).json()
+            assert body["lead_time_s"] == pytest.approx(PRIOR_LEAD_S)
+            assert body["replicas_at_lead_time"] == expected
+            assert floor_value(stub, model="llama") == expected
+    # another quantile: q0.5 is 0.6 x q0.9 = 270/min at the spike -> 3 replicas; 0.55 picks the nearest, 0.5
+    assert floor_value(stub, model="llama", quantile="0.5") == 3
+    assert floor_value(stub, model="llama", quantile="0.55") == 3
+    assert stub.IsActive(ref(model="llama"), timeout=10).result is True
+
+
+@pytest.mark.parametrize(("metadata", "code", "words"), [
+    ({}, grpc.StatusCode.INVALID_ARGUMENT, "scalerMetadata.model is required"),
+    ({"model": "  "}, grpc.StatusCode.INVALID_ARGUMENT, "scalerMetadata.model is required"),
+    ({"model": "bad\x07id"}, grpc.StatusCode.INVALID_ARGUMENT, "control character U+0007"),
+    ({"model": "nope"}, grpc.StatusCode.NOT_FOUND, "model 'nope' is not registered"),
+    ({"model": "llama", "quantile": "abc"}, grpc.StatusCode.INVALID_ARGUMENT, "quantile must be a number in (0, 1)"),
+    ({"model": "llama", "quantile": "1.5"}, grpc.StatusCode.INVALID_ARGUMENT, "quantile must be a number in (0, 1)"),
+    ({"model": "llama", "quantile": "0"}, grpc.StatusCode.INVALID_ARGUMENT, "quantile must be a number in (0, 1)"),
+    ({"model": "llama", "quantile": "nan"}, grpc.StatusCode.INVALID_ARGUMENT, "quantile must be a number in (0, 1)"),
+])
+def test_bad_metadata_is_a_precise_status_on_every_rpc(stub, engine, metadata, code, words):
+    store_run(engine, issued_at=START, q90=[150.0] * 60)
+    calls = {
+        "GetMetrics": lambda: stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=ref(**metadata)), timeout=10),
+        "GetMetricSpec": lambda: stub.GetMetricSpec(ref(**metadata), timeout=10),
+        "IsActive": lambda: stub.IsActive(ref(**metadata), timeout=10),
+        "StreamIsActive": lambda: next(stub.StreamIsActive(ref(**metadata), timeout=10)),
+    }
+    for name, call in calls.items():
+        got, details = status_of(call)
+        assert got == code and words in details, (name, got, details)
+
+
+def test_unknown_metric_name_and_missing_forecasts(stub, engine, clock):
+    store_run(engine, issued_at=START, q90=[150.0] * 60)
+    got, details = status_of(lambda: stub.GetMetrics(
+        pb.GetMetricsRequest(scaledObjectRef=ref(model="llama"), metricName="queue-length"), timeout=10))
+    assert got == grpc.StatusCode.INVALID_ARGUMENT and METRIC_NAME in details
+    # registered without a forecast: no value (KEDA's fallback), and not active
+    got, details = status_of(lambda: floor_value(stub, model="unforecast"))
+    assert got == grpc.StatusCode.FAILED_PRECONDITION and "no forecast yet" in details
+    assert stub.IsActive(ref(model="unforecast"), timeout=10).result is False
+    # the run's last minute is 12:59: at 12:59:45 a replica started now is ready in 13:00, past the run
+    clock.now = START + timedelta(minutes=59, seconds=45)
+    got, details = status_of(lambda: floor_value(stub, model="llama"))
+    assert got == grpc.StatusCode.FAILED_PRECONDITION and "expired" in details
+    assert stub.IsActive(ref(model="llama"), timeout=10).result is False
+
+
+class StreamReader:
+    """Reads a StreamIsActive call in a thread so the test can wait on each pushed value with a timeout."""
+
+    def __init__(self, call) -> None:
+        self.call = call
+        self.values: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for message in self.call:
+                self.values.put(message.result)
+        except grpc.RpcError as exc:
+            self.values.put(exc.code())
+
+    def next(self, timeout_s: float = 10.0):
+        return self.values.get(timeout=timeout_s)
+
+    def nothing_within(self, seconds: float) -> bool:
+        try:
+            self.values.get(timeout=seconds)
+        except queue.Empty:
+            return True
+        return False
+
+    def close(self) -> None:
+        self.call.cancel()
+        self._thread.join(timeout=5)
+
+
+def test_stream_pushes_active_a_lead_time_before_the_spike_arrives(stub, engine, clock):
+    spike_at = START + timedelta(minutes=10)
+    store_run(engine, issued_at=START, q90=[0.0] * 10 + [600.0] * 50)  # nothing until 12:10, then 5 replicas
+    reader = StreamReader(stub.StreamIsActive(ref(model="llama")))
+    try:
+        assert reader.next() is False  # the current value at once
+        clock.now = START + timedelta(minutes=8, seconds=30)  # lead window 12:08-12:09: still quiet
+        assert reader.nothing_within(0.5)  # ten checks, no change, nothing sent
+        clock.now = START + timedelta(minutes=9, seconds=10)  # lead window 12:09-12:10 reaches the spike
+        assert reader.next() is True
+        assert clock.now < spike_at  # pushed before the demand arrives
+        assert floor_value(stub, model="llama") == 5
+        clock.now = START + timedelta(minutes=70)  # the run has expired: nothing forecast, inactive again
+        assert reader.next() is False
+    finally:
+        reader.close()
+
+
+def test_stream_re_evaluates_when_a_new_forecast_run_lands(stub, engine, clock):
+    store_run(engine, issued_at=START, q90=[0.0] * 60)
+    reader = StreamReader(stub.StreamIsActive(ref(model="llama")))
+    try:
+        assert reader.next() is False
+        assert reader.nothing_within(0.3)
+        store_run(engine, issued_at=START + timedelta(seconds=20), q90=[0.0] + [300.0] * 59)  # clock unchanged
+        assert reader.next() is True
+        assert stub.IsActive(ref(model="llama"), timeout=10).result is True
+    finally:
+        reader.close()
+
+
+def test_the_api_process_serves_the_scaler_when_a_port_is_set(engine, settings, clock):
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id="llama", replica_rps=2.0)])
+    store_run(engine, issued_at=START, q90=[150.0] * 60)
+    app = create_app(settings.model_copy(update={"keda_grpc_port": 0}), engine, clock=clock)
+    with TestClient(app):
+        port = app.state.keda_scaler.port
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            assert floor_value(pb_grpc.ExternalScalerStub(channel), model="llama") == 2
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # stopped with the app
+        got, _ = status_of(lambda: pb_grpc.ExternalScalerStub(channel).IsActive(ref(model="llama"), timeout=2))
+        assert got == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_port_in_use_fails_start_up_with_the_address(engine, scaler_settings, clock):
+    snapshot = ForecastSnapshot(engine, refresh_s=0, settings=scaler_settings, clock=clock)
+    first = KedaScalerServer(snapshot, scaler_settings, clock, host="127.0.0.1", port=0)
+    port = first.start()
+    try:
+        second = KedaScalerServer(snapshot, scaler_settings, clock, host="127.0.0.1", port=port)
+        with pytest.raises(RuntimeError, match=f"127.0.0.1:{port}"):
+            second.start()
+        second.stop()
+    finally:
+        first.stop()
