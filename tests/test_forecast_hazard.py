@@ -146,3 +146,17 @@ def test_p_any_is_chosen_per_segment_and_horizon_band():
             assert np.allclose(p[mine], np.broadcast_to(estimates[name], p.shape)[mine])
     unchosen = ~np.isin(segment * 10 + band, [s * 10 + b for s, b in model.segment_methods_])
     assert np.allclose(p[unchosen], estimates["hazard"][unchosen])
+
+
+def test_a_sampled_pool_keeps_the_cell_rates():
+    """pool_counts with a stride samples exposures; on a stationary panel each well-seen cell's rate stays put."""
+    from forecaster.forecast.hazard import pool_counts
+
+    rng = np.random.default_rng(3)
+    values = (rng.random((4000, 600)) < 0.1).astype(float)
+    full_events, full_exposure = pool_counts(values, 300)
+    events, exposure = pool_counts(values, 300, stride=5)
+    assert exposure.sum() < 0.25 * full_exposure.sum()
+    seen = full_exposure > 20_000
+    assert seen.sum() >= 3
+    np.testing.assert_allclose((events / exposure)[seen], (full_events / full_exposure)[seen], rtol=0.1)

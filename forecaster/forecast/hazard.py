@@ -173,18 +173,42 @@ def carry_forward(events: np.ndarray, exposure: np.ndarray, min_exposure: float 
     return out
 
 
-def pool_counts(values: np.ndarray, lookback: int, *, chunk_rows: int = 512) -> tuple[np.ndarray, np.ndarray]:
+def pool_counts(values: np.ndarray, lookback: int, *, stride: int = 1, chunk_rows: int = 512
+                ) -> tuple[np.ndarray, np.ndarray]:
     """Pooled (events, exposure) per (activity, age) cell over the steps of ``values`` ``(N, T)``.
 
     Every step is one exposure in the cell of its series' activity (invoked
     steps in the ``lookback`` before it, within ``values``) and age (steps since
     its last invoked step; never seen = :data:`NEVER_AGE`), and an event if the
     step is invoked (NaN = unknown = not invoked): the cells :func:`hazard` looks up.
+    With ``stride`` > 1 only every ``stride``-th step (counted back from the
+    last) is an exposure, a sample that leaves each cell's rate unbiased and
+    divides the cost of the binning by ``stride``.
     """
     events, exposure = empty_pool()
     width = values.shape[1]
     if not width:
         return events, exposure
+    steps = np.arange(width, dtype=np.int32)
+    sample = steps[::-1][::max(1, int(stride))][::-1]
+    before = np.maximum(sample - 1, 0)
+    back = np.maximum(sample - lookback, 0)
+    size = N_ACTIVITY_BINS * N_AGE_BINS
+    for lo in range(0, values.shape[0], chunk_rows):
+        invoked = values[lo:lo + chunk_rows] > 0  # NaN compares False: unknown = not invoked
+        last_incl = np.maximum.accumulate(np.where(invoked, steps, -1), axis=1)
+        cum = np.cumsum(invoked, axis=1, dtype=np.int32)  # invoked steps in 0..t
+        first = sample == 0
+        last_before = np.where(first, -1, last_incl[:, before])
+        cum_before = np.where(first, 0, cum[:, before])  # invoked steps before each sampled step
+        cum_back = np.where(back > 0, cum[:, np.maximum(back - 1, 0)], 0)  # ... before its lookback window
+        active = cum_before - cum_back
+        age = np.where(last_before >= 0, sample - last_before, NEVER_AGE)
+        cell = (activity_bin(active) * N_AGE_BINS + age_bin(age)).ravel()
+        exposure += np.bincount(cell, minlength=size).reshape(exposure.shape)
+        events += np.bincount(cell, weights=invoked[:, sample].ravel().astype(np.float64),
+                              minlength=size).reshape(events.shape)
+    return events, exposure
     steps = np.arange(width)
     size = N_ACTIVITY_BINS * N_AGE_BINS
     for lo in range(0, values.shape[0], chunk_rows):
@@ -194,6 +218,9 @@ def pool_counts(values: np.ndarray, lookback: int, *, chunk_rows: int = 512) -> 
         cum = np.concatenate([np.zeros((len(invoked), 1)), np.cumsum(invoked, axis=1)], axis=1)
         active = cum[:, :-1] - cum[:, np.maximum(steps - lookback, 0)]
         age = np.where(last_before >= 0, steps - last_before, NEVER_AGE)
+        if stride > 1:
+            sample = steps[::-1][::stride][::-1]
+            active, age, invoked = active[:, sample], age[:, sample], invoked[:, sample]
         cell = (activity_bin(active) * N_AGE_BINS + age_bin(age)).ravel()
         exposure += np.bincount(cell, minlength=size).reshape(exposure.shape)
         events += np.bincount(cell, weights=invoked.ravel().astype(np.float64), minlength=size).reshape(events.shape)
@@ -222,15 +249,21 @@ class IdleTimeHazard:
             (and whose invoked steps select its activity bin); bounds the cost
             of a forecast whatever the stored history's length.
         pool: ``"origin"`` or ``"fit"``, see above.
+        pool_steps: steps per series an origin's pool samples at most (every ``width // pool_steps``-th step of
+            its window, :func:`pool_counts`). The default takes every step of a day's window: about 1.4 s per
+            origin per 20,000 series on one core (random sparse data); 240 cuts that to 0.4 s, but on the Azure
+            day's 1,350 functions (window up to 600 steps, so every second step) moved the one-step decision
+            curve at kappa 1 from 30.9 % to 33.9 % p75 cold, so the exact pool stays the default.
     """
 
     name = "hazard"
 
     def __init__(self, *, max_age: int = 240, prior_weight: float = 3.0, lookback: int = 1440,
-                 pool: str = "origin"):
+                 pool: str = "origin", pool_steps: int = 1440):
         if pool not in ("origin", "fit"):
             raise ValueError(f"pool must be 'origin' or 'fit', got {pool!r}")
         self.pool = pool
+        self.pool_steps = max(1, int(pool_steps))
         self.max_age = int(max_age)
         self.prior_weight = float(prior_weight)
         self.lookback = int(lookback)
@@ -265,7 +298,8 @@ class IdleTimeHazard:
             age0 = np.where(last >= 0, width - last, NEVER_AGE)
             pooled = self.pooled_
             if self.pool == "origin" and width:
-                pooled = carry_forward(*pool_counts(values[:, lo:int(origin)], self.lookback))
+                stride = max(1, width // self.pool_steps)
+                pooled = carry_forward(*pool_counts(values[:, lo:int(origin)], self.lookback, stride=stride))
 
             def hazard_at(ages, act, hist=hist, excess=excess, pooled=pooled):
                 return hazard(hist, excess, act, ages, pooled, max_age=self.max_age,
