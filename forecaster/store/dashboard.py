@@ -300,6 +300,13 @@ def _err_sql(only_page: bool) -> str:
     ``:ids`` are read, each by its primary key range.
     """
     ids = "model_id = ANY(:ids) AND" if only_page else ""
+    if only_page:  # a page's minutes: one primary-key probe each (the planner misjudges range_agg's rows)
+        counts = ("LEFT JOIN LATERAL (SELECT sum(count) AS count FROM invocations WHERE model_id = f.model_id "
+                  "AND minute = f.target_minute) i ON true")
+    else:  # the fleet's: one range read of the window's counts, merged with the forecast minutes
+        counts = ("LEFT JOIN (SELECT model_id, minute, sum(count) AS count FROM invocations "
+                  "WHERE minute >= :s AND minute < :e GROUP BY model_id, minute) i "
+                  "ON i.model_id = f.model_id AND i.minute = f.target_minute")
     return f"""
 cov AS (
     SELECT model_id, range_agg(ranges) AS ranges FROM coverage
@@ -312,11 +319,7 @@ cov AS (
     SELECT f.model_id, count(*) AS n, sum(abs(f.point - coalesce(i.count, 0))) AS abs_err,
            sum(coalesce(i.count, 0)) AS actual, sum(f.point) AS forecast
     FROM f JOIN cov ON cov.model_id = f.model_id
-    -- One range read of the window's counts, merged with the forecast minutes (not one probe per minute).
-    LEFT JOIN (
-        SELECT model_id, minute, sum(count) AS count FROM invocations
-        WHERE {ids} minute >= :s AND minute < :e GROUP BY model_id, minute
-    ) i ON i.model_id = f.model_id AND i.minute = f.target_minute
+    {counts}
     WHERE cov.ranges @> tstzrange(f.target_minute, f.target_minute + interval '1 minute', '[)')
     GROUP BY f.model_id
 )"""
