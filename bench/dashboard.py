@@ -1,7 +1,7 @@
-"""Dashboard reads at fleet scale: ``GET /v1/fleet`` over 1,350 models, and one model's week-long series.
+"""Dashboard reads at fleet scale: one page of ``GET /v1/fleet`` over N models, and one model's week-long series.
 
 Usage:
-    python bench/dashboard.py [--models 1350] [--runs-min 120] [--window-min 60] [--repeat 20] [--json PATH]
+    python bench/dashboard.py [--models 100000] [--runs-min 60] [--window-min 60] [--repeat 20] [--json PATH]
 
 A fresh database (embedded PostgreSQL unless PREWARM_BENCH_ADMIN_URL names a
 server) is filled in SQL: N models, one forecast run per model per minute for
@@ -9,6 +9,11 @@ server) is filled in SQL: N models, one forecast run per model per minute for
 them), per-minute counts with coverage, cold starts and actions. The app runs
 under uvicorn in this process on loopback; each figure is the wall time of a
 full HTTP request (query, JSON encoding, transfer), after one warm-up request.
+The fleet figures are one page (50 rows, as the page asks) ranked by wMAPE (the
+default: reads every model's forecasts in the window), by model id and by cold
+starts (read the window's narrow rows only), and the page at offset N/2.
+Like ``bench/scale.py`` the fleet is generated, but here in SQL (the forecast
+rows as the forecast job stores them), since only the reads are measured.
 """
 
 from __future__ import annotations
@@ -53,16 +58,16 @@ def fill(engine, *, models: int, runs_min: int, week_model: bool) -> dict[str, i
     ensure_partitions(engine, END - timedelta(days=8), END + timedelta(days=1))
     ensure_forecast_partitions(engine, [(END - timedelta(days=d)).date() for d in range(9)])
     with engine.begin() as conn:
-        conn.execute(text("INSERT INTO serving_models (id) SELECT 'model-' || lpad(g::text, 5, '0') "
+        conn.execute(text("INSERT INTO serving_models (id) SELECT 'model-' || lpad(g::text, 6, '0') "
                           "FROM generate_series(1, :n) g"), {"n": models})
         # One row per model and run, 60 target minutes as arrays (as write_forecasts stores them).
         conn.execute(text(
             "INSERT INTO forecasts (model_id, issued_at, first_target, point, p_any, quantile_levels, quantiles) "
-            "SELECT m.id, r.t, r.t, ARRAY(SELECT CAST(10 + (hashtext(m.id) & 7) + k % 5 AS real) "
-            "                            FROM generate_series(0, 59) k), "
+            "SELECT m.id, r.t, r.t, pt.point, "
             "array_fill(CAST(0.9 AS real), ARRAY[60]), CAST('{0.1,0.5,0.9}' AS real[]), p.q "
-            "FROM serving_models m, generate_series(CAST(:a AS timestamptz), CAST(:b AS timestamptz), "
-            "interval '1 minute') r(t), "
+            "FROM serving_models m JOIN (SELECT c, ARRAY(SELECT CAST(10 + c + k % 5 AS real) "
+            "FROM generate_series(0, 59) k) AS point FROM generate_series(0, 7) c) pt ON pt.c = hashtext(m.id) & 7, "
+            "generate_series(CAST(:a AS timestamptz), CAST(:b AS timestamptz), interval '1 minute') r(t), "
             "(SELECT ARRAY[ARRAY(SELECT CAST(5 + k % 5 AS real) FROM generate_series(0, 59) k), "
             "              ARRAY(SELECT CAST(10 + k % 5 AS real) FROM generate_series(0, 59) k), "
             "              ARRAY(SELECT CAST(20 + k % 5 AS real) FROM generate_series(0, 59) k)] AS q) p"),
@@ -89,17 +94,17 @@ def fill(engine, *, models: int, runs_min: int, week_model: bool) -> dict[str, i
             week_start = END - timedelta(days=7)
             conn.execute(text(
                 "INSERT INTO forecasts (model_id, issued_at, first_target, point, quantile_levels, quantiles) "
-                "SELECT 'model-00001', r.t, r.t, ARRAY(SELECT CAST(10 + k % 5 AS real) FROM generate_series(0, 59) k), "
+                "SELECT 'model-000001', r.t, r.t, ARRAY(SELECT CAST(10 + k % 5 AS real) FROM generate_series(0, 59) k), "
                 "CAST('{0.1,0.5,0.9}' AS real[]), array_cat(array_cat(array_fill(CAST(5 AS real), ARRAY[1, 60]), "
                 "array_fill(CAST(10 AS real), ARRAY[1, 60])), array_fill(CAST(20 AS real), ARRAY[1, 60])) "
                 "FROM generate_series(CAST(:a AS timestamptz), CAST(:b AS timestamptz), interval '1 minute') r(t) "
                 "ON CONFLICT DO NOTHING"), {"a": week_start, "b": first_run})
             conn.execute(text(
-                "INSERT INTO invocations (model_id, minute, count) SELECT 'model-00001', t, 7 "
+                "INSERT INTO invocations (model_id, minute, count) SELECT 'model-000001', t, 7 "
                 "FROM generate_series(CAST(:a AS timestamptz), CAST(:b AS timestamptz) - interval '1 minute', "
                 "interval '1 minute') t ON CONFLICT DO NOTHING"), {"a": week_start, "b": first_run})
             conn.execute(text("UPDATE coverage SET ranges = ranges + tstzmultirange(tstzrange(:a, :b, '[)')) "
-                              "WHERE model_id = 'model-00001'"), {"a": week_start, "b": first_run})
+                              "WHERE model_id = 'model-000001'"), {"a": week_start, "b": first_run})
         counts = {table: conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one()
                   for table in ("serving_models", "forecasts", "invocations", "cold_starts", "actions")}
     return counts
@@ -115,7 +120,9 @@ def timed(client: httpx.Client, url: str, repeat: int) -> dict[str, float]:
         response.raise_for_status()
         size = len(response.content)
     times.sort()
-    return {"p50_ms": round(statistics.median(times), 1), "max_ms": round(times[-1], 1), "bytes": size}
+    p95 = times[min(len(times) - 1, round(0.95 * (len(times) - 1)))]
+    return {"p50_ms": round(statistics.median(times), 1), "p95_ms": round(p95, 1), "max_ms": round(times[-1], 1),
+            "bytes": size, "requests": repeat}
 
 
 def run(admin_url: str, args) -> dict:
@@ -133,6 +140,7 @@ def run(admin_url: str, args) -> dict:
     upgrade(engine)
     started = time.perf_counter()
     counts = fill(engine, models=args.models, runs_min=args.runs_min, week_model=True)
+    fill_s = time.perf_counter() - started
     with engine.begin() as conn:
         conn.execute(text("ANALYZE"))
     print(f"filled in {time.perf_counter() - started:.0f} s: {counts}", flush=True)
@@ -146,22 +154,31 @@ def run(admin_url: str, args) -> dict:
         thread.start()
         while not server.started:
             time.sleep(0.05)
-        results = {"models": args.models, "forecast_runs": counts["forecasts"], "window_min": args.window_min}
+        results = {"models": args.models, "forecast_runs": counts["forecasts"], "window_min": args.window_min,
+                   "fill_s": round(fill_s, 1)}
         try:
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60,
                               headers={"Authorization": f"Bearer {token}"}) as client:
-                for horizon in (5, 30):
-                    figure = timed(client, f"/v1/fleet?horizon={horizon}&window_min={args.window_min}", args.repeat)
-                    results[f"fleet_h{horizon}"] = figure
-                    print(f"GET /v1/fleet?horizon={horizon}&window_min={args.window_min} ({args.models} models): "
-                          f"p50 {figure['p50_ms']} ms, max {figure['max_ms']} ms, {figure['bytes']} bytes",
-                          flush=True)
-                week = (f"/v1/models/model-00001/series?horizon=5&start={(END - timedelta(days=7)).isoformat()}"
+                base = f"/v1/fleet?horizon=5&window_min={args.window_min}&limit=50"
+                figures = (("fleet_wmape", "", "wmape"), ("fleet_h30_wmape", "&horizon=30", "wmape"),
+                           ("fleet_model_id", "&sort=model_id", "model_id"),
+                           ("fleet_cold_starts", "&sort=cold_starts", "cold_starts"),
+                           ("fleet_wmape_middle_page", f"&offset={args.models // 2}", "wmape"),
+                           ("fleet_search", "&search=model-00012&sort=model_id", "model_id"))
+                for name, query, sort in figures:
+                    if sort not in args.fleet_sorts.split(","):
+                        continue
+                    url = base.replace("horizon=5&", "") + query if "horizon=" in query else base + query
+                    figure = timed(client, url, args.repeat)
+                    results[name] = figure
+                    print(f"GET {url} ({args.models} models): p50 {figure['p50_ms']} ms, p95 {figure['p95_ms']} ms, "
+                          f"max {figure['max_ms']} ms, {figure['bytes']} bytes", flush=True)
+                week = (f"/v1/models/model-000001/series?horizon=5&start={(END - timedelta(days=7)).isoformat()}"
                         f"&end={END.isoformat()}").replace("+", "%2B")
-                figure = timed(client, week, max(3, args.repeat // 4))
+                figure = timed(client, week, max(5, args.repeat // 2))
                 results["series_week"] = figure
-                print(f"GET /v1/models/model-00001/series (10,080 minutes): p50 {figure['p50_ms']} ms, "
-                      f"max {figure['max_ms']} ms, {figure['bytes']} bytes", flush=True)
+                print(f"GET /v1/models/model-000001/series (10,080 minutes): p50 {figure['p50_ms']} ms, "
+                      f"p95 {figure['p95_ms']} ms, max {figure['max_ms']} ms, {figure['bytes']} bytes", flush=True)
         finally:
             server.should_exit = True
             thread.join(timeout=10)
@@ -171,10 +188,12 @@ def run(admin_url: str, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", type=int, default=1350)
-    parser.add_argument("--runs-min", type=int, default=120, help="minutes of forecast runs per model")
+    parser.add_argument("--models", type=int, default=100_000)
+    parser.add_argument("--runs-min", type=int, default=60, help="minutes of forecast runs per model")
     parser.add_argument("--window-min", type=int, default=60)
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--fleet-sorts", default="wmape,model_id,cold_starts",
+                        help="fleet sort keys to measure (wmape reads every model's forecasts in the window)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     external = os.environ.get("PREWARM_BENCH_ADMIN_URL")

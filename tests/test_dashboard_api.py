@@ -29,7 +29,7 @@ def minute(hh_mm: str) -> datetime:
 
 
 def store_run(engine, model_id: str, issued_at: datetime, points: list[float], band: float | None = 100.0) -> None:
-    """One forecast run: target minutes from the issuing minute on, ``points[k]`` at horizon k."""
+    """One forecast run: target minutes from the issuing minute on, ``points[k]`` at horizon k + 1."""
     first = pd.Timestamp(issued_at).floor("min")
     frame = pd.DataFrame({"unique_id": model_id, "ds": pd.date_range(first, periods=len(points), freq="min"),
                           "point": points})
@@ -71,7 +71,7 @@ def fleet_data(engine, settings):
     rows += [{"model_id": "mistral", "minute": (T0 + timedelta(minutes=i)).isoformat(), "count": 10}
              for i in range(10)]
     push_counts(engine, settings, rows, now=NOW)
-    # Issued at 11:50:20 for 11:50+k (horizon k) and at 11:51:10 for 11:51+k.
+    # Issued at 11:50:20 for 11:50+k (horizon k + 1) and at 11:51:10 for 11:51+k.
     store_run(engine, "llama", T0 + timedelta(seconds=20), [100.0 + k for k in range(10)])
     store_run(engine, "llama", T0 + timedelta(minutes=1, seconds=10), [200.0 + k for k in range(10)])
     store_run(engine, "mistral", T0 + timedelta(seconds=20), [10.0] * 10)
@@ -97,12 +97,12 @@ def fleet_data(engine, settings):
 
 def test_series_shows_each_forecast_at_its_own_horizon(client, fleet_data):
     window = {"start": "2026-11-29T11:48:00", "end": "2026-11-29T12:02:00Z"}  # naive start is UTC
-    h5 = client.get("/v1/models/llama/series", params={**window, "horizon": 5}).json()
+    h5 = client.get("/v1/models/llama/series", params={**window, "horizon": 6}).json()
     assert h5["t"][0] == int(minute("11:48").timestamp()) and len(h5["t"]) == 14
     assert all(b - a == 60 for a, b in zip(h5["t"], h5["t"][1:]))
     # unknown before 11:50 and from 12:00; 11:52 is a zero inside the pushed window
     assert h5["actual"] == [None, None, *map(float, LLAMA_COUNTS), None, None]
-    # issued 11:50:20 for 11:55 is horizon 5; issued 11:51:10 for 11:56 is horizon 5
+    # issued 11:50:20 for 11:55 is horizon 6 (11:50 itself is horizon 1); issued 11:51:10 for 11:56 too
     expected = [None] * 14
     expected[7], expected[8] = 105.0, 205.0
     assert h5["forecast"] == expected
@@ -112,18 +112,24 @@ def test_series_shows_each_forecast_at_its_own_horizon(client, fleet_data):
     assert h5["error"] == {"scored_minutes": 2, "mae": 127.5, "wmape": pytest.approx(255 / 55),
                            "band_coverage": 0.5}
 
-    h4 = client.get("/v1/models/llama/series", params={**window, "horizon": 4}).json()
-    assert h4["forecast"][7] == 204.0  # 11:55 at horizon 4 comes from the 11:51 run, not the 11:50 run's 105
-    assert h4["forecast"][6] == 104.0 and h4["forecast"][8] is None  # no run was issued at 11:52
-    h0 = client.get("/v1/models/llama/series", params={**window, "horizon": 0}).json()
-    assert h0["forecast"][2:4] == [100.0, 200.0]  # each run's own issuing minute
+    h5 = client.get("/v1/models/llama/series", params={**window, "horizon": 5}).json()
+    assert h5["forecast"][7] == 204.0  # 11:55 at horizon 5 comes from the 11:51 run, not the 11:50 run's 105
+    assert h5["forecast"][6] == 104.0 and h5["forecast"][8] is None  # no run was issued at 11:52
+    h1 = client.get("/v1/models/llama/series", params={**window, "horizon": 1}).json()
+    assert h1["forecast"][2:4] == [100.0, 200.0]  # each run's own issuing minute is 1 minute ahead
+    # a run of 10 elements holds horizons 1..10: horizon 10 is its last element, 11 is not stored
+    h10 = client.get("/v1/models/llama/series", params={**window, "horizon": 10}).json()
+    assert h10["forecast"][11:13] == [109.0, 209.0]
+    h11 = client.get("/v1/models/llama/series", params={**window, "horizon": 11}).json()
+    assert set(h11["forecast"]) == {None}
 
 
 def test_series_rerun_in_the_same_minute_wins_and_default_window_runs_past_now(client, engine, fleet_data):
     store_run(engine, "llama", T0 + timedelta(seconds=40), [300.0 + k for k in range(10)], band=None)
-    body = client.get("/v1/models/llama/series", params={"horizon": 5, "span_min": 20}).json()
-    # default end: the minute after now's minute + horizon (12:00 + 5 + 1); span 20 minutes
+    body = client.get("/v1/models/llama/series", params={"horizon": 6, "span_min": 20}).json()
+    # default end: after the last minute forecast 6 ahead from now's minute (12:00 + 5, exclusive 12:06)
     assert body["end"] == "2026-11-29T12:06:00Z" and body["start"] == "2026-11-29T11:46:00Z"
+    assert body["end_source"] == "now"
     assert body["forecast"][body["t"].index(int(minute("11:55").timestamp()))] == 305.0
     assert body["band"] == ["0.1", "0.9"] and body["quantiles"]["0.1"][9] is None  # the re-run has no band
 
@@ -175,7 +181,7 @@ def test_action_timeline_keeps_actions_overlapping_the_window(client, fleet_data
 
 
 def test_fleet_ranks_every_model_by_forecast_error(client, fleet_data):
-    params = {"horizon": 5, "window_min": 10, "end": "2026-11-29T12:00:00Z"}
+    params = {"horizon": 6, "window_min": 10, "end": "2026-11-29T12:00:00Z"}
     body = client.get("/v1/fleet", params=params).json()
     assert (body["start"], body["end"], body["count"], body["sort"]) == (
         "2026-11-29T11:50:00Z", "2026-11-29T12:00:00Z", 3, "wmape")
@@ -186,6 +192,7 @@ def test_fleet_ranks_every_model_by_forecast_error(client, fleet_data):
     assert llama["error"] == {"scored_minutes": 2, "mae": 127.5, "wmape": pytest.approx(255 / 55),
                               "band_coverage": None}
     assert (llama["actual_total"], llama["forecast_total"], llama["cold_starts"]) == (55.0, 310.0, 2)
+    assert llama["replay"] is None  # no replay stored
     # planned in the window: 11:53 succeeded (40 s expected), 11:57 failed, 11:59 running; 11:45 and 11:20 not
     assert (llama["actions_total"], llama["actions_succeeded"], llama["actions_failed"],
             llama["expected_wait_avoided_s"]) == (3, 1, 1, 40.0)
@@ -193,8 +200,8 @@ def test_fleet_ranks_every_model_by_forecast_error(client, fleet_data):
     assert by_id["mistral"]["error"] == {"scored_minutes": 1, "mae": 0.0, "wmape": 0.0, "band_coverage": None}
     assert by_id["phi"]["error"]["scored_minutes"] == 0 and by_id["phi"]["last_forecast_at"] is None
 
-    h4 = client.get("/v1/fleet", params={**params, "horizon": 4}).json()["data"][0]
-    assert h4["model_id"] == "llama" and h4["error"]["mae"] == 129.0  # |104-20| and |204-30|
+    h5 = client.get("/v1/fleet", params={**params, "horizon": 5}).json()["data"][0]
+    assert h5["model_id"] == "llama" and h5["error"]["mae"] == 129.0  # |104-20| and |204-30|
     by_cold = client.get("/v1/fleet", params={**params, "sort": "cold_starts"}).json()["data"]
     assert by_cold[0]["model_id"] == "llama" and by_cold[0]["cold_starts"] == 2
     found = client.get("/v1/fleet", params={**params, "search": "MIS"}).json()
@@ -205,14 +212,84 @@ def test_fleet_ranks_every_model_by_forecast_error(client, fleet_data):
 
 def test_fleet_defaults_to_the_hour_before_the_current_minute(client, fleet_data):
     body = client.get("/v1/fleet").json()
-    assert (body["start"], body["end"], body["window_min"], body["horizon_min"]) == (
-        "2026-11-29T11:00:00Z", "2026-11-29T12:00:00Z", 60, 5)
+    assert (body["start"], body["end"], body["window_min"], body["horizon_min"], body["end_source"]) == (
+        "2026-11-29T11:00:00Z", "2026-11-29T12:00:00Z", 60, 5, "now")
+    assert (body["limit"], body["offset"]) == (50, 0)
+
+
+def test_fleet_pages_cover_the_ranking_once_with_its_ranks(client, fleet_data):
+    params = {"horizon": 6, "window_min": 10, "end": "2026-11-29T12:00:00Z"}
+    whole = [r["model_id"] for r in client.get("/v1/fleet", params=params).json()["data"]]
+    pages = [client.get("/v1/fleet", params={**params, "limit": 2, "offset": o}).json() for o in (0, 2, 4)]
+    assert [p["count"] for p in pages] == [3, 3, 3]  # the total on every page, an empty one past the end too
+    assert [r["model_id"] for p in pages for r in p["data"]] == whole == ["llama", "mistral", "phi"]
+    assert [r["rank"] for p in pages for r in p["data"]] == [1, 2, 3] and pages[2]["data"] == []
+    by_id = client.get("/v1/fleet", params={**params, "sort": "model_id", "limit": 1, "offset": 1}).json()
+    assert [(r["model_id"], r["rank"]) for r in by_id["data"]] == [("mistral", 2)]
+    # search keeps the rank in the whole fleet and counts the matches
+    found = client.get("/v1/fleet", params={**params, "search": "i", "limit": 1, "offset": 1}).json()
+    assert found["count"] == 2 and [(r["model_id"], r["rank"]) for r in found["data"]] == [("phi", 3)]
+
+
+def test_windows_follow_the_newest_data_when_nothing_recent_is_stored(engine, settings, tokens, fleet_data):
+    """Served a month after the counts end (a 2019 trace served today): windows end at the newest count."""
+    later = NOW + timedelta(days=30)
+    with TestClient(create_app(settings, engine, clock=lambda: later)) as late:
+        late.headers["Authorization"] = f"Bearer {tokens['read']}"
+        fleet = late.get("/v1/fleet", params={"horizon": 6, "window_min": 10}).json()
+        assert (fleet["end"], fleet["end_source"]) == ("2026-11-29T12:00:00Z", "newest_data")
+        assert fleet["data"][0]["model_id"] == "llama" and fleet["data"][0]["error"]["scored_minutes"] == 2
+        context = late.get("/v1/dashboard/context").json()
+        assert (context["known_until"], context["default_end"], context["end_source"]) == (
+            "2026-11-29T12:00:00Z", "2026-11-29T12:00:00Z", "newest_data")
+        series = late.get("/v1/models/llama/series", params={"horizon": 6, "span_min": 20}).json()
+        # after the last minute forecast 6 ahead from the newest count's end (12:00 + 5, exclusive 12:06)
+        assert (series["start"], series["end"], series["end_source"]) == (
+            "2026-11-29T11:46:00Z", "2026-11-29T12:06:00Z", "newest_data")
+        assert series["forecast"][series["t"].index(int(minute("11:55").timestamp()))] == 105.0
+        colds = late.get("/v1/models/llama/coldstarts").json()
+        assert colds["end"] == "2026-11-29T12:01:00Z" and len(colds["observed"]) == 3
+        actions = late.get("/v1/models/llama/actions").json()
+        assert actions["end"] == "2026-11-29T13:01:00Z" and actions["count"] == 5
+        # an explicit end (the page's date picker) is taken as given, even far from the data
+        picked = late.get("/v1/fleet", params={"end": "2026-12-20T08:30:00Z"}).json()
+        assert (picked["end"], picked["end_source"]) == ("2026-12-20T08:30:00Z", "request")
+        assert all(r["error"]["scored_minutes"] == 0 for r in picked["data"])
+    # with recent counts the wall clock leads: the hour before now's minute
+    with TestClient(create_app(settings, engine, clock=lambda: NOW + timedelta(minutes=30))) as soon:
+        soon.headers["Authorization"] = f"Bearer {tokens['read']}"
+        body = soon.get("/v1/fleet").json()
+        assert (body["end"], body["end_source"]) == ("2026-11-29T12:30:00Z", "now")
+
+
+def test_offered_horizons_are_those_the_store_holds(client, engine, settings, fleet_data):
+    stored = client.get("/v1/dashboard/context").json()
+    assert stored["stored_horizon_min"] == 10 and stored["horizons_min"] == [1, 5, 10]  # the runs hold 10 minutes
+    with engine.begin() as conn:
+        conn.execute(text("DELETE FROM forecasts"))
+    none_stored = client.get("/v1/dashboard/context").json()  # the setting says what the job will store
+    assert none_stored["stored_horizon_min"] == settings.forecast_horizon_min == 60
+    assert none_stored["horizons_min"] == [1, 5, 10, 15, 30, 60]
+
+
+def test_a_job_run_of_forecast_horizon_min_minutes_holds_that_horizon(client, engine, settings, fleet_data):
+    """The off-by-one at its source: a run of PREWARM_FORECAST_HORIZON_MIN elements scores at that horizon."""
+    h = settings.forecast_horizon_min
+    issued = T0 - timedelta(minutes=h - 1, seconds=-5)  # its last element targets 11:50
+    store_run(engine, "mistral", issued, [10.0] * h)
+    body = client.get("/v1/fleet", params={"horizon": h, "window_min": 10, "end": "2026-11-29T12:00:00Z",
+                                           "sort": "model_id"}).json()
+    mistral = next(r for r in body["data"] if r["model_id"] == "mistral")
+    assert mistral["error"]["scored_minutes"] == 1 and mistral["error"]["mae"] == 0.0
+    over = client.get("/v1/fleet", params={"horizon": h + 1, "window_min": 10, "end": "2026-11-29T12:00:00Z",
+                                           "search": "mistral"}).json()["data"][0]
+    assert over["error"]["scored_minutes"] == 0  # one minute further than the run holds
 
 
 # --- auth, validation, index -------------------------------------------------------
 
 
-DASHBOARD_PATHS = ["/v1/fleet", "/v1/models/llama/series", "/v1/models/llama/coldstarts",
+DASHBOARD_PATHS = ["/v1/fleet", "/v1/dashboard/context", "/v1/models/llama/series", "/v1/models/llama/coldstarts",
                    "/v1/models/llama/actions"]
 
 
@@ -233,6 +310,18 @@ def test_dashboard_endpoints_need_a_read_token(client, tokens, fleet_data, path)
     ("/v1/models/llama/series", {"start": "2026-10-01T00:00:00Z", "end": "2026-11-29T00:00:00Z"}, 422, "31 days"),
     ("/v1/models/llama/actions", {"start": "0001-01-01T00:00:00Z"}, 422, "between 1970 and 2200"),
     ("/v1/models/llama/series", {"horizon": -1}, 422, None),
+    ("/v1/models/llama/series", {"horizon": 0}, 422, None),  # horizon 1 is the issuing minute
+    ("/v1/fleet", {"horizon": 0}, 422, None),
+    ("/v1/fleet", {"end": "2200-01-01T00:00:00Z"}, 422, "between 1970 and 2200"),
+    ("/v1/fleet", {"end": "1969-12-31T23:59:00Z"}, 422, "between 1970 and 2200"),
+    ("/v1/fleet", {"end": "2026-12-01T12:00:00Z"}, 422, "more than a day after now"),
+    ("/v1/models/llama/series", {"end": "2027-01-01T00:00:00Z"}, 422, "more than a day after now"),
+    ("/v1/models/llama/actions", {"end": "2026-12-25T00:00:00Z"}, 422, "more than a day after now"),
+    ("/v1/fleet", {"end": "yesterday-ish"}, 422, None),
+    ("/v1/fleet", {"limit": 0}, 422, None),
+    ("/v1/fleet", {"limit": 1001}, 422, None),
+    ("/v1/fleet", {"offset": -1}, 422, None),
+    ("/v1/fleet", {"search": "a\x00b"}, 422, "control character"),
     ("/v1/fleet", {"window_min": 0}, 422, None),
     ("/v1/fleet", {"sort": "random"}, 422, None),
 ])

@@ -32,7 +32,9 @@ NOW = datetime(2026, 11, 29, 12, 0, 30, tzinfo=timezone.utc)
 END = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)  # counts known up to here
 WEEK_START = END - timedelta(days=7)
 MODELS = ("llama-7b", "mistral-7b", "phi-3")
-HORIZONS = (1, 5, 15, 60)  # horizons the test looks at; each run stores target minutes 0 .. 60
+HORIZONS = (1, 5, 15, 60)  # horizons the test looks at; each run stores 60 target minutes: horizons 1 .. 60
+#: The page's one time format.
+TIME_FORMAT = r"\d{4}-\d{2}-\d{2} \d{2}:\d{2} UTC"
 #: A stored replay: per policy and model, what a simulator measured.
 REPLAY = {policy: {m: {"requests": 1000 * (i + 1), "cold_requests": cold[i], "replica_starts": starts[i],
                        "wait_total_s": wait[i], "wait_max_s": 30.0}
@@ -79,7 +81,7 @@ def seed(engine) -> dict[str, list[int]]:
         conn.execute(text(
             "INSERT INTO coverage (model_id, source, step_seconds, ranges) SELECT id, 'browser-test', 60, "
             "tstzmultirange(tstzrange(:a, :b, '[)')) FROM serving_models"), params)
-        # One run per model and minute: target minutes 0 .. max(HORIZONS) ahead as arrays.
+        # One run per model and minute: horizons 1 .. max(HORIZONS) as arrays (element k is k minutes ahead).
         conn.execute(text(
             "INSERT INTO forecasts (model_id, issued_at, first_target, point, p_any, quantile_levels, quantiles) "
             "SELECT m.id, r.t + interval '5 seconds', r.t, array_agg(f.point ORDER BY k), "
@@ -88,7 +90,7 @@ def seed(engine) -> dict[str, list[int]]:
             "array_agg(1.25 * f.point ORDER BY k)] "
             "FROM serving_models m JOIN (VALUES ('llama-7b', 60), ('mistral-7b', 25), ('phi-3', 8)) s(id, level) "
             "ON s.id = m.id, generate_series(CAST(:a AS timestamptz) - interval '1 hour', CAST(:b AS timestamptz), "
-            "interval '1 minute') r(t), generate_series(0, :max_h) k, "
+            "interval '1 minute') r(t), generate_series(0, :max_h - 1) k, "
             "LATERAL (SELECT CAST(s.level * (1 + 0.8 * sin(2 * pi() * extract(epoch FROM r.t + k * interval "
             "'1 minute') / 86400)) + 0.05 * k AS real) AS point) f GROUP BY m.id, r.t"), params)
         conn.execute(text(
@@ -125,7 +127,8 @@ def served(engine, settings):
 
     action_ids = seed(engine)
     token = create_token(engine, name="dashboard", scopes=["read"])
-    app = create_app(settings, engine, clock=lambda: NOW)
+    clock = {"now": NOW}
+    app = create_app(settings, engine, clock=lambda: clock["now"])
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -136,7 +139,8 @@ def served(engine, settings):
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
         time.sleep(0.02)
-    yield {"base": f"http://127.0.0.1:{port}", "token": token, "action_ids": action_ids, "engine": engine}
+    yield {"base": f"http://127.0.0.1:{port}", "token": token, "action_ids": action_ids, "engine": engine,
+           "clock": clock}
     server.should_exit = True
     thread.join(timeout=10)
     sock.close()
@@ -172,6 +176,16 @@ def test_dashboard_shows_forecast_actual_and_actions(served, tmp_path):
             assert rows.count() == len(MODELS)
             ranked = rows.evaluate_all("rs => rs.map(r => r.dataset.model)")
             assert sorted(ranked) == sorted(MODELS)
+            # The horizons offered are exactly those stored (1 .. 60), the 60-minute one scores minutes.
+            offered = page.eval_on_selector_all("#fleet-horizon option", "os => os.map(o => Number(o.value))")
+            assert offered == [1, 5, 10, 15, 30, 60]
+            page.select_option("#fleet-horizon", "60")
+            page.wait_for_function("window.prewarm.fleet && window.prewarm.fleet.horizon_min === 60")
+            assert all(r["error"]["scored_minutes"] == 60 for r in page.evaluate("window.prewarm.fleet.data"))
+            page.select_option("#fleet-horizon", "5")
+            page.wait_for_function("window.prewarm.fleet && window.prewarm.fleet.horizon_min === 5")
+            assert_fits_its_card(page)
+            assert_one_time_format(page)
             # The stored replay: totals above the table, prewarm vs reactive per model in it.
             summary = page.inner_text("#replay-summary")
             assert "cold-start requests 61 with prewarm vs 245 with a reactive autoscaler" in summary
@@ -193,8 +207,8 @@ def test_dashboard_shows_forecast_actual_and_actions(served, tmp_path):
             page.click("#fleet-table tbody tr[data-model='llama-7b'] td.model a")
             page.wait_for_selector("body[data-model-loaded='llama-7b']", timeout=15_000)
             points = dict(page.evaluate(SERIES_POINTS_JS))
-            assert points["x"] == 1440  # a day of minutes, ending 5 minutes (the horizon) past now
-            assert points["actual"] == 1440 - 6 and points["forecast (h=5 min)"] == 1440
+            assert points["x"] == 1440  # a day of minutes, ending 5 minutes (the horizon) past now's minute
+            assert points["actual"] == 1440 - 5 and points["forecast (h=5 min)"] == 1440
             assert points["q0.9"] == points["q0.1"] == points["forecast (h=5 min)"]
 
             # Another horizon: the chart is redrawn from the forecasts made 15 minutes ahead.
@@ -202,7 +216,7 @@ def test_dashboard_shows_forecast_actual_and_actions(served, tmp_path):
             page.wait_for_function("location.hash.includes('h=15')")
             page.wait_for_selector("body[data-model-loaded='llama-7b']", timeout=15_000)
             points = dict(page.evaluate(SERIES_POINTS_JS))
-            assert points["forecast (h=15 min)"] == 1440 and points["actual"] == 1440 - 16
+            assert points["forecast (h=15 min)"] == 1440 and points["actual"] == 1440 - 15
 
             # Cold starts: observed points, no stored prediction, and the page says so.
             observed = page.evaluate("window.prewarm.charts.coldstarts.data[1].filter(v => v != null).length")
@@ -232,9 +246,13 @@ def test_dashboard_shows_forecast_actual_and_actions(served, tmp_path):
             page.wait_for_selector("body[data-model-loaded='llama-7b']", timeout=20_000)
             week_s = time.perf_counter() - started
             points = dict(page.evaluate(SERIES_POINTS_JS))
-            assert points["x"] == 10_080 and points["actual"] == 10_080 - 16
+            assert points["x"] == 10_080 and points["actual"] == 10_080 - 15
             assert points["forecast (h=15 min)"] == 10_080
             print(f"week view (10,080 minutes x 5 series) fetched and drawn in {week_s:.2f} s")
+            assert_one_time_format(page)
+            axis = page.evaluate("(() => { const u = window.prewarm.charts.forecast; "
+                                 "return u.axes[0].values(u, [u.data[0][0]]); })()")
+            assert len(axis) == 1 and __import__("re").fullmatch(TIME_FORMAT, axis[0]), axis
 
             # A fleet of 1,350 models: one page of rows drawn, search over all of them.
             with served["engine"].begin() as conn:
@@ -258,3 +276,85 @@ def test_dashboard_shows_forecast_actual_and_actions(served, tmp_path):
             browser.close()
     assert errors == []
     assert foreign == []  # nothing fetched from anywhere but the app itself
+
+
+def assert_fits_its_card(page) -> None:
+    """The fleet table lies inside its card (bounding boxes), and the card inside the viewport."""
+    table = page.locator("#fleet-table").bounding_box()
+    card = page.locator("#fleet-view").bounding_box()
+    width = page.viewport_size["width"]
+    assert table["x"] >= card["x"] and table["x"] + table["width"] <= card["x"] + card["width"] + 0.5, (table, card)
+    assert card["x"] + card["width"] <= width, (card, width)
+    assert page.evaluate("(() => { const c = document.getElementById('fleet-view'); "
+                         "return c.scrollWidth <= c.clientWidth; })()")  # nothing hidden behind a scroll bar
+
+
+def assert_one_time_format(page) -> None:
+    """Every clock time written on the page is part of one "YYYY-MM-DD HH:MM UTC"."""
+    import re
+
+    text = page.evaluate("document.body.innerText") + "\n" + "\n".join(
+        page.eval_on_selector_all("#timeline text.axis, #timeline title", "ts => ts.map(t => t.textContent)"))
+    times = re.findall(r"\S*\d{1,2}:\d{2}\S*(?: UTC)?", text)
+    assert times, text
+    full = re.compile(TIME_FORMAT)
+    stray = [t for t in re.finditer(r"\d{1,2}:\d{2}", text)
+             if not any(m.start() <= t.start() and t.end() <= m.end() for m in full.finditer(text))]
+    assert stray == [], [text[max(0, t.start() - 20):t.end() + 10] for t in stray]
+
+
+def test_windows_follow_the_data_and_the_date_picker_moves_them(served):
+    """Served a month after the data ends (the demo's 2019 trace served today), the page shows the data;
+    the date picker moves every window to the end chosen."""
+    sync_playwright = _browser_or_skip()
+    served["clock"]["now"] = NOW + timedelta(days=30)
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1200})
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.on("response", lambda r: errors.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+            page.goto(f"{served['base']}/dashboard/#token={served['token']}")
+            page.wait_for_selector("body[data-fleet-loaded]", timeout=15_000)
+            fleet = page.evaluate("window.prewarm.fleet")
+            assert (fleet["end"], fleet["end_source"]) == ("2026-11-29T12:00:00Z", "newest_data")
+            assert all(r["error"]["scored_minutes"] == 60 for r in fleet["data"])  # not an empty dashboard
+            assert "latest data: 2026-11-29 12:00 UTC" in page.inner_text("header")
+            assert "ending at the newest data" in page.inner_text("#fleet-summary")
+
+            # Pick a window end a day earlier, with the browser's picker: the fleet is scored over the hour before
+            # it, and the field shows the end in the page's format.
+            page.fill("#window-end-picker", "2026-11-28T12:00")
+            page.dispatch_event("#window-end-picker", "change")
+            assert page.input_value("#window-end") == "2026-11-28 12:00"
+            page.wait_for_function("window.prewarm.fleet.end === '2026-11-28T12:00:00Z'")
+            assert "2026-11-28 11:00 UTC to 2026-11-28 12:00 UTC" in page.inner_text("#fleet-summary")
+            assert page.evaluate("window.prewarm.fleet.end_source") == "request"
+
+            # The model page keeps the picked end: its day ends there.
+            page.click("#fleet-table tbody tr[data-model='phi-3'] td.model a")
+            page.wait_for_selector("body[data-model-loaded='phi-3']", timeout=15_000)
+            assert "end=2026-11-28T12%3A00" in page.url
+            last = page.evaluate("(() => { const t = window.prewarm.charts.forecast.data[0]; return t[t.length - 1]; })()")
+            assert last == int((NOW.replace(second=0) - timedelta(days=1, minutes=1)).timestamp())
+            assert_one_time_format(page)
+
+            # A date typed by hand in the same format works too; an absurd one is refused with the API's reason.
+            page.click("#back")
+            page.wait_for_selector("#fleet-view:not([hidden])")
+            page.fill("#window-end", "2026-11-27 06:30")
+            page.dispatch_event("#window-end", "change")
+            page.wait_for_function("window.prewarm.fleet.end === '2026-11-27T06:30:00Z'")
+            page.fill("#window-end", "2300-01-01 00:00")
+            page.dispatch_event("#window-end", "change")
+            page.wait_for_function("document.getElementById('status').textContent.includes('422')")
+            assert "between 1970 and 2200" in page.inner_text("#status")
+
+            # "Latest" goes back to the newest data.
+            page.click("#window-end-clear")
+            page.wait_for_function("window.prewarm.fleet.end === '2026-11-29T12:00:00Z'")
+        finally:
+            browser.close()
+    assert [e for e in errors if "end=2300-01-01" not in e] == []  # the 2300 refusal is the point
+    assert any(e.startswith("422 ") and "end=2300-01-01" in e for e in errors)

@@ -5,8 +5,16 @@
 * ``GET /v1/models/{id}/coldstarts``: observed cold starts (and predicted ones
   where the store holds any; it says when it holds none).
 * ``GET /v1/models/{id}/actions``: the model's pre-warm actions on a timeline.
-* ``GET /v1/fleet``: every model ranked by forecast error at one horizon over a
-  window, with its cold starts and actions.
+* ``GET /v1/fleet``: one page (``limit``/``offset``) of every model ranked by
+  forecast error (or another sort key) at one horizon over a window, with its
+  cold starts, actions and the newest replay's figures; ``count`` is the total.
+* ``GET /v1/dashboard/context``: the horizons the store holds (what the page
+  offers) and where the default windows end.
+
+Default windows end at the current minute while the store holds recent counts,
+and at the newest known count when it does not (a 2019 trace served in 2026):
+``end_source`` says which. ``end`` picks any window end (the page's date
+picker); it must lie between 1970 and a day after now.
 
 Series arrays are columnar (one array per line of the chart), so a week of
 minutes is 10,080 numbers per array and the page hands them to uPlot as they
@@ -27,13 +35,16 @@ from sqlalchemy.exc import OperationalError
 
 from api.deps import ClockDep, EngineDep, ReadToken, SettingsDep
 from forecaster.store.dashboard import (
+    FLEET_SORTS,
     ForecastError,
     finite_or_none,
+    known_until,
     model_exists,
     read_action_timeline,
     read_cold_starts,
-    read_fleet,
+    read_fleet_page,
     read_forecast_series,
+    stored_horizon_min,
 )
 
 router = APIRouter(prefix="/v1", tags=["dashboard"])
@@ -42,6 +53,11 @@ STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 #: Longest series one request may ask for: 31 days of minutes.
 MAX_SERIES_MINUTES = 31 * 24 * 60
 MAX_HORIZON_MIN = 1440
+#: Horizons the page offers, where the store holds them (plus the longest stored one).
+HORIZON_LADDER_MIN = (1, 5, 10, 15, 30, 60, 120, 240, 480, 720, 1440)
+#: Latest window end one may ask for, after now: forecasts reach at most MAX_HORIZON_MIN ahead.
+MAX_END_AFTER_NOW = timedelta(days=1)
+MAX_FLEET_PAGE = 1000
 MINUTE = timedelta(minutes=1)
 _EARLIEST = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _LATEST = datetime(2200, 1, 1, tzinfo=timezone.utc)
@@ -85,6 +101,7 @@ class SeriesPublic(BaseModel):
     quantiles: dict[str, list[float | None]] = Field(description="Level (\"0.9\") -> values, aligned on t.")
     band: list[str] | None = Field(description="The widest band's [low, high] levels, or null.")
     error: ErrorPublic
+    end_source: str = Field(description="request (end given), now, or newest_data (nothing recent stored).")
 
 
 class ColdStartPublic(BaseModel):
@@ -148,8 +165,25 @@ class TimelinePublic(BaseModel):
     count: int = Field(description="Actions matching in all; more than len(data) when limited.")
 
 
+class ReplayFiguresPublic(BaseModel):
+    requests: int
+    cold_requests: int
+    replica_starts: int
+    wait_total_s: float
+    wait_max_s: float
+
+
+class FleetReplayPublic(BaseModel):
+    """The newest replay's figures for one model: prewarm against the reactive autoscaler."""
+
+    prewarm: ReplayFiguresPublic
+    reactive: ReplayFiguresPublic
+    cold_requests_avoided: int
+    wait_saved_s: float
+
+
 class FleetRowPublic(BaseModel):
-    rank: int
+    rank: int = Field(description="Position in the whole fleet by the sort key (search keeps it).")
     model_id: str
     error: ErrorPublic
     actual_total: float
@@ -161,37 +195,65 @@ class FleetRowPublic(BaseModel):
     expected_wait_avoided_s: float = Field(
         description="The planner's expected cold-start seconds avoided by the succeeded actions.")
     last_forecast_at: datetime | None
+    replay: FleetReplayPublic | None = Field(description="Null when the newest replay has no row for it.")
 
 
 class FleetPublic(BaseModel):
     start: datetime
     end: datetime
+    end_source: str = Field(description="request (end given), now, or newest_data (nothing recent stored).")
     window_min: int
     horizon_min: int
     sort: str
-    count: int = Field(description="Models matching (before limit).")
+    count: int = Field(description="Models matching the search in all (every page).")
+    offset: int
+    limit: int
     data: list[FleetRowPublic]
 
 
-class FleetSort(StrEnum):
-    WMAPE = "wmape"
-    MAE = "mae"
-    COLD_STARTS = "cold_starts"
-    ACTIONS_SUCCEEDED = "actions_succeeded"
-    MODEL_ID = "model_id"
+class DashboardContextPublic(BaseModel):
+    now: datetime
+    known_until: datetime | None = Field(description="End of the newest known count of any model (null: none).")
+    default_end: datetime = Field(description="Where the fleet window ends when no end is given.")
+    end_source: str = Field(description="now, or newest_data when nothing recent is stored.")
+    stored_horizon_min: int = Field(description="Minutes ahead the newest stored run reaches (the setting "
+                                                "PREWARM_FORECAST_HORIZON_MIN when no run is stored).")
+    horizons_min: list[int] = Field(description="Horizons to offer: those of a ladder the store holds.")
+
+
+FleetSort = StrEnum("FleetSort", {name.upper(): name for name in FLEET_SORTS})
 
 
 # --- helpers -----------------------------------------------------------------------
 
 
-def _utc(value: datetime, name: str) -> datetime:
+def _utc(value: datetime, name: str, now: datetime | None = None) -> datetime:
+    """``value`` in UTC (naive = UTC); 422 outside 1970..2200 or, given ``now``, later than a day after it."""
     try:
         value = value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
     except OverflowError:  # 0001-01-01T00:00+01:00 is before year 1 in UTC
         raise HTTPException(422, f"{name} is out of range once converted to UTC") from None
     if not _EARLIEST <= value < _LATEST:
         raise HTTPException(422, f"{name} must lie between 1970 and 2200, got {value.isoformat()}")
+    if now is not None and value > now + MAX_END_AFTER_NOW:
+        raise HTTPException(422, f"{name} {value.isoformat()} is more than a day after now "
+                                 f"({now.isoformat()}): no forecast reaches that far")
     return value
+
+
+def _ceil_minute(value: datetime) -> datetime:
+    floor = value.replace(second=0, microsecond=0)
+    return floor if floor == value else floor + MINUTE
+
+
+def _anchor(conn, now: datetime, recent: timedelta, model_id: str | None = None) -> tuple[datetime, str]:
+    """(window anchor, source): the current minute while counts newer than ``recent`` before it are stored,
+    else the end of the newest known count (of ``model_id``, or of any model), else the current minute."""
+    now_minute = now.replace(second=0, microsecond=0)
+    newest = known_until(conn, model_id=model_id)
+    if newest is None or newest > now_minute - recent:
+        return now_minute, "now"
+    return _ceil_minute(newest.astimezone(timezone.utc)), "newest_data"
 
 
 def _floor_minute(value: datetime) -> datetime:
@@ -199,9 +261,9 @@ def _floor_minute(value: datetime) -> datetime:
 
 
 def _window(start: datetime | None, end: datetime | None, *, default_end: datetime,
-            default_span: timedelta) -> tuple[datetime, datetime]:
+            default_span: timedelta, now: datetime) -> tuple[datetime, datetime]:
     """Whole-minute ``[start, end)`` (start floored, end rounded up), validated."""
-    end = _utc(end, "end") if end is not None else default_end
+    end = _utc(end, "end", now) if end is not None else default_end
     end_floor = _floor_minute(end)
     end = end_floor if end == end_floor else end_floor + MINUTE
     start = _floor_minute(_utc(start, "start")) if start is not None else end - default_span
@@ -233,20 +295,31 @@ _SERIES_START = Query(None, description="First minute (UTC); default span_min mi
 def get_series(model_id: str, engine: EngineDep, settings: SettingsDep, clock: ClockDep, _: ReadToken,
                start: datetime | None = _SERIES_START,
                end: datetime | None = Query(None, description="End, exclusive (UTC); default the minute after "
-                                                              "the last one forecast at this horizon from now."),
-               horizon: int = Query(5, ge=0, le=MAX_HORIZON_MIN, description="Minutes ahead."),
+                                                              "the last one forecast at this horizon from now "
+                                                              "(from the newest known count when nothing "
+                                                              "recent is stored)."),
+               horizon: int = Query(5, ge=1, le=MAX_HORIZON_MIN, description="Minutes ahead (1 = the minute "
+                                                                               "the run was issued in)."),
                span_min: int = Query(1440, ge=1, le=MAX_SERIES_MINUTES,
                                      description="Minutes before end when start is not given.")) -> SeriesPublic:
     """Actual invocations per minute and the forecast issued ``horizon`` minutes before each minute.
 
     Without ``end``, the window ends after the last minute forecast ``horizon``
-    minutes ahead from now, so the forecast runs past the last actual count.
+    minutes ahead from now, so the forecast runs past the last actual count;
+    when the model has no count in the ``span_min`` minutes before now, it
+    ends that way from the model's newest known count instead.
     """
-    default_end = _floor_minute(clock().astimezone(timezone.utc)) + (horizon + 1) * MINUTE
-    start, end = _window(start, end, default_end=default_end, default_span=span_min * MINUTE)
+    now = clock().astimezone(timezone.utc)
     try:
         with engine.connect() as conn:
             _require_model(conn, model_id)
+            source = "request"
+            if end is None:
+                anchor, source = _anchor(conn, now, span_min * MINUTE, model_id)
+                default_end = anchor + horizon * MINUTE
+            else:
+                default_end = None
+            start, end = _window(start, end, default_end=default_end, default_span=span_min * MINUTE, now=now)
             series = read_forecast_series(conn, model_id=model_id, start=start, end=end, horizon_min=horizon)
     except OperationalError:
         raise _unavailable(settings) from None
@@ -255,14 +328,15 @@ def get_series(model_id: str, engine: EngineDep, settings: SettingsDep, clock: C
         model_id=model_id, start=start, end=end, horizon_min=horizon, t=series.minutes.tolist(),
         actual=finite_or_none(series.actual), forecast=finite_or_none(series.point),
         quantiles={level: finite_or_none(values) for level, values in series.quantiles.items()},
-        band=list(band) if band else None, error=ErrorPublic.of(series.error()),
+        band=list(band) if band else None, error=ErrorPublic.of(series.error()), end_source=source,
     )
 
 
 @router.get("/models/{model_id}/coldstarts", response_model=ColdStartsPublic, responses=_UNKNOWN_MODEL)
 async def get_cold_starts(model_id: str, request: Request, engine: EngineDep, settings: SettingsDep,
                           clock: ClockDep, _: ReadToken, start: datetime | None = _START,
-                    end: datetime | None = Query(None, description="End, exclusive (UTC); default now."),
+                    end: datetime | None = Query(None, description="End, exclusive (UTC); default now (the "
+                                                                   "newest known count when none is recent)."),
                     limit: int = Query(10_000, ge=1, le=100_000),
                     node: str | None = Query(None, min_length=1, max_length=200,
                                              description="A node id: the lead time of a start of this model on "
@@ -274,16 +348,18 @@ async def get_cold_starts(model_id: str, request: Request, engine: EngineDep, se
     latency model's per-node prediction from the state the node holds the model in, plus the planner's
     margins); an unknown node is a 404.
     """
-    default_end = _floor_minute(clock().astimezone(timezone.utc)) + MINUTE
-    start, end = _window(start, end, default_end=default_end, default_span=timedelta(days=1))
+    now = clock().astimezone(timezone.utc)
 
     def read():
         with engine.connect() as conn:
             _require_model(conn, model_id)
-            return read_cold_starts(conn, model_id=model_id, start=start, end=end, limit=limit)
+            anchor = _anchor(conn, now, timedelta(days=1), model_id)[0] if end is None else None
+            window = _window(start, end, default_end=anchor and anchor + MINUTE, default_span=timedelta(days=1),
+                             now=now)
+            return window, read_cold_starts(conn, model_id=model_id, start=window[0], end=window[1], limit=limit)
 
     try:
-        view = await run_in_threadpool(read)
+        (start, end), view = await run_in_threadpool(read)
     except OperationalError:
         raise _unavailable(settings) from None
     snapshot = request.app.state.snapshot
@@ -352,11 +428,13 @@ def get_action_timeline(model_id: str, engine: EngineDep, settings: SettingsDep,
                                                                        "from now (planned actions)."),
                         limit: int = Query(5_000, ge=1, le=50_000)) -> TimelinePublic:
     """The model's actions whose ``[not_before, deadline]`` meets the window, oldest first."""
-    default_end = _floor_minute(clock().astimezone(timezone.utc)) + 61 * MINUTE
-    start, end = _window(start, end, default_end=default_end, default_span=timedelta(days=1))
+    now = clock().astimezone(timezone.utc)
     try:
         with engine.connect() as conn:
             _require_model(conn, model_id)
+            anchor = _anchor(conn, now, timedelta(days=1), model_id)[0] if end is None else None
+            start, end = _window(start, end, default_end=anchor and anchor + 61 * MINUTE,
+                                 default_span=timedelta(days=1), now=now)
             rows, count = read_action_timeline(conn, model_id=model_id, start=start, end=end, limit=limit)
     except OperationalError:
         raise _unavailable(settings) from None
@@ -364,47 +442,74 @@ def get_action_timeline(model_id: str, engine: EngineDep, settings: SettingsDep,
                           data=[TimelineActionPublic(**r) for r in rows], count=count)
 
 
-def _sort_key(sort: FleetSort):
-    def key(row) -> tuple:
-        if sort is FleetSort.MODEL_ID:
-            return (row.model_id,)
-        value = {FleetSort.WMAPE: row.error.wmape, FleetSort.MAE: row.error.mae,
-                 FleetSort.COLD_STARTS: row.cold_starts, FleetSort.ACTIONS_SUCCEEDED: row.actions_succeeded}[sort]
-        # Largest first; models with nothing to score last; ties by MAE, then id.
-        return (value is None, -(value or 0.0), -(row.error.mae or 0.0), row.model_id)
+def _horizons(settings, stored: int | None) -> tuple[int, list[int]]:
+    """(longest stored horizon, the horizons to offer): the ladder's up to it, and it."""
+    longest = stored or settings.forecast_horizon_min
+    return longest, sorted({h for h in HORIZON_LADDER_MIN if h <= longest} | {longest})
 
-    return key
+
+@router.get("/dashboard/context", response_model=DashboardContextPublic,
+            responses={503: {"description": "Database unavailable: retry after the Retry-After seconds"}})
+def get_dashboard_context(engine: EngineDep, settings: SettingsDep, clock: ClockDep,
+                          _: ReadToken) -> DashboardContextPublic:
+    """What the page offers: the stored horizons, and where the default fleet window ends (now, or the newest
+    known count when nothing in the last hour is stored)."""
+    now = clock().astimezone(timezone.utc)
+    try:
+        with engine.connect() as conn:
+            anchor, source = _anchor(conn, now, 60 * MINUTE)
+            newest = known_until(conn)
+            stored = stored_horizon_min(conn)
+    except OperationalError:
+        raise _unavailable(settings) from None
+    longest, offered = _horizons(settings, stored)
+    return DashboardContextPublic(now=now, known_until=newest, default_end=anchor, end_source=source,
+                                  stored_horizon_min=longest, horizons_min=offered)
 
 
 @router.get("/fleet", response_model=FleetPublic,
             responses={503: {"description": "Database unavailable: retry after the Retry-After seconds"}})
 def get_fleet(engine: EngineDep, settings: SettingsDep, clock: ClockDep, _: ReadToken,
-              horizon: int = Query(5, ge=0, le=MAX_HORIZON_MIN, description="Minutes ahead."),
+              horizon: int = Query(5, ge=1, le=MAX_HORIZON_MIN, description="Minutes ahead."),
               window_min: int = Query(60, ge=1, le=7 * 24 * 60, description="Minutes before end to score."),
               end: datetime | None = Query(None, description="End of the window, exclusive (UTC); default the "
-                                                             "current minute's start."),
-              sort: FleetSort = Query(FleetSort.WMAPE, description="Rank by this, largest first."),
+                                                             "current minute's start, or the newest known count "
+                                                             "when none lies in the window before now."),
+              sort: FleetSort = Query(FleetSort.WMAPE, description="Rank by this, largest first (model_id: "
+                                                                   "ascending)."),
               search: str | None = Query(None, max_length=256, description="Only models whose id contains this."),
-              limit: int | None = Query(None, ge=1, le=100_000)) -> FleetPublic:
-    """Every registered model ranked by forecast error (MAE, wMAPE) at ``horizon`` over the window."""
-    end = _floor_minute(_utc(end, "end") if end is not None else clock().astimezone(timezone.utc))
+              limit: int = Query(50, ge=1, le=MAX_FLEET_PAGE, description="Rows per page."),
+              offset: int = Query(0, ge=0, le=10_000_000, description="Rows of the ranking to skip.")
+              ) -> FleetPublic:
+    """One page of the registered models ranked by ``sort`` at ``horizon`` over the window; ``count`` is all."""
+    now = clock().astimezone(timezone.utc)
     try:
         with engine.connect() as conn:
-            rows = read_fleet(conn, end=end, window_min=window_min, horizon_min=horizon)
+            if end is None:
+                end, source = _anchor(conn, now, window_min * MINUTE)
+            else:
+                end, source = _floor_minute(_utc(end, "end", now)), "request"
+            page = read_fleet_page(conn, end=end, window_min=window_min, horizon_min=horizon, sort=sort.value,
+                                   search=search or None, limit=limit, offset=offset)
     except OperationalError:
         raise _unavailable(settings) from None
-    rows.sort(key=_sort_key(sort))
-    ranked = [(i + 1, r) for i, r in enumerate(rows)]
-    if search:
-        needle = search.lower()
-        ranked = [(rank, r) for rank, r in ranked if needle in r.model_id.lower()]
-    count = len(ranked)
     data = [
-        FleetRowPublic(rank=rank, model_id=r.model_id, error=ErrorPublic.of(r.error), actual_total=r.actual_total,
+        FleetRowPublic(rank=r.rank, model_id=r.model_id, error=ErrorPublic.of(r.error), actual_total=r.actual_total,
                        forecast_total=r.forecast_total, cold_starts=r.cold_starts, actions_total=r.actions_total,
                        actions_succeeded=r.actions_succeeded, actions_failed=r.actions_failed,
-                       expected_wait_avoided_s=r.expected_wait_avoided_s, last_forecast_at=r.last_forecast_at)
-        for rank, r in (ranked[:limit] if limit else ranked)
+                       expected_wait_avoided_s=r.expected_wait_avoided_s, last_forecast_at=r.last_forecast_at,
+                       replay=_replay_public(r.replay))
+        for r in page.rows
     ]
-    return FleetPublic(start=end - window_min * MINUTE, end=end, window_min=window_min, horizon_min=horizon,
-                       sort=sort.value, count=count, data=data)
+    return FleetPublic(start=end - window_min * MINUTE, end=end, end_source=source, window_min=window_min,
+                       horizon_min=horizon, sort=sort.value, count=page.matching, offset=offset, limit=limit,
+                       data=data)
+
+
+def _replay_public(replay: dict | None) -> FleetReplayPublic | None:
+    if not replay or "prewarm" not in replay or "reactive" not in replay:
+        return None
+    mine, theirs = replay["prewarm"], replay["reactive"]
+    return FleetReplayPublic(prewarm=ReplayFiguresPublic(**mine), reactive=ReplayFiguresPublic(**theirs),
+                             cold_requests_avoided=int(theirs["cold_requests"] - mine["cold_requests"]),
+                             wait_saved_s=float(theirs["wait_total_s"] - mine["wait_total_s"]))

@@ -65,6 +65,8 @@ class ReplayPublic(BaseModel):
             responses={503: {"description": "Database unavailable: retry after the Retry-After seconds"}})
 def get_latest_replay(engine: EngineDep, settings: SettingsDep, _: ReadToken,
                       model_id: str | None = Query(None, max_length=256, description="Only this model's row."),
+                      limit: int | None = Query(None, ge=0, le=1_000_000, description="At most this many model "
+                                                "rows (0: totals only; the fleet table carries its page's rows)."),
                       ) -> ReplayPublic:
     """The newest replay's comparison per model: cold-start requests and wait, prewarm vs reactive."""
     try:
@@ -80,5 +82,5 @@ def get_latest_replay(engine: EngineDep, settings: SettingsDep, _: ReadToken,
                             baseline=view.baseline,
                             totals={name: OutcomePublic(**figures) for name, figures in view.totals.items()},
                             summary=view.summary)
-    data = [ReplayModelPublic.of(row) for row in view.models]
-    return ReplayPublic(replay=info, count=len(data), data=data)
+    data = [ReplayModelPublic.of(row) for row in view.models[:limit]]
+    return ReplayPublic(replay=info, count=len(view.models), data=data)

@@ -3,13 +3,16 @@
  * Plain ES2020, no build step; charts by the vendored uPlot. Reads only the read-scope API
  * (/v1/fleet, /v1/replays/latest, /v1/models/{id}/series|coldstarts|actions) with a bearer token kept in
  * localStorage (or handed in once as #token=... in the URL, which is then removed from it).
- * The view lives in the URL fragment: #model=ID&h=5&range=1440, or nothing for the fleet.
+ * The view lives in the URL fragment: #model=ID&h=5&range=1440[&end=...], or nothing for the fleet.
+ * The horizons offered are those the store holds (/v1/dashboard/context); the fleet is ranked, searched and
+ * paged by the server (/v1/fleet?sort&search&limit&offset), so 100,000 models cost one page per request.
+ * Every time on the page is written one way: "YYYY-MM-DD HH:MM UTC" (fmt.time).
  */
 (function () {
   "use strict";
 
   const TOKEN_KEY = "prewarm.readToken";
-  const HORIZONS = [1, 5, 10, 15, 30, 60];
+  const FALLBACK_HORIZONS = [5]; // until /v1/dashboard/context answers
   const PAGE_SIZE = 50;
   const REFRESH_MS = 60000;
   const KINDS = ["prepull", "preload", "scale", "release"];
@@ -19,9 +22,8 @@
   const state = {
     fleet: null,        // last /v1/fleet body
     replay: null,       // last /v1/replays/latest body (prewarm vs reactive on a simulated cluster)
-    replayByModel: new Map(),
-    fleetKey: "",       // horizon|window it was fetched for
-    filtered: [],
+    context: null,      // last /v1/dashboard/context body: stored horizons, where the windows end
+    horizons: FALLBACK_HORIZONS,
     page: 0,
     model: null,        // {id, horizon, range}
     charts: {},         // name -> uPlot
@@ -91,7 +93,7 @@
     setStatus("loading...");
     try {
       await work();
-      setStatus("updated " + new Date().toISOString().slice(11, 19) + " UTC");
+      setStatus("updated " + fmt.time(new Date().toISOString()));
     } catch (err) {
       reportError(err);
     } finally {
@@ -105,8 +107,27 @@
     pct: (v) => (v == null ? "\u2013" : (100 * v).toFixed(1) + "%"),
     num: (v, digits = 2) => (v == null ? "\u2013" : Number(v).toFixed(digits)),
     int: (v) => (v == null ? "\u2013" : Math.round(v).toLocaleString("en-US")),
-    time: (iso) => (iso ? iso.replace("T", " ").slice(0, 16) : "\u2013"),
+    // The one time format of the page: "2019-07-15 18:00 UTC" (ISO-like, minutes, the zone stated).
+    time: (value) => {
+      if (value == null || value === "") return "\u2013";
+      const d = typeof value === "number" ? new Date(value * 1000) : new Date(value);
+      return isNaN(d) ? "\u2013" : d.toISOString().slice(0, 16).replace("T", " ") + " UTC";
+    },
   };
+
+  // uPlot's x axis and legend in the same format.
+  const timeAxis = { space: 150, values: (u, splits) => splits.map((v) => fmt.time(v)) };
+  const timeSeries = { value: (u, v) => fmt.time(v) };
+
+  // The window end: a text field in the page's format ("2019-07-15 18:00", UTC), filled by hand or from the
+  // browser's date picker (a hidden datetime-local input, which would show the locale's own format) -> an API
+  // `end`, or "" for the default (the latest). A malformed entry is sent as typed: the API's 422 says why.
+  function pickedEnd() {
+    const v = $("window-end").value.trim();
+    if (!v) return "";
+    const m = /^(\d{4}-\d{2}-\d{2})[ T](\d{2}:\d{2})$/.exec(v);
+    return m ? `${m[1]}T${m[2]}:00Z` : v;
+  }
 
   function cell(row, text, className) {
     const td = document.createElement("td");
@@ -135,7 +156,8 @@
     if (id) {
       const horizon = Number(params.get("h")) || 5;
       const range = Number(params.get("range")) || 1440;
-      showModel({ id, horizon, range });
+      if (params.has("end")) $("window-end").value = params.get("end").slice(0, 16).replace("T", " ");
+      showModel({ id, horizon, range, end: pickedEnd() });
     } else {
       showFleet();
     }
@@ -149,53 +171,45 @@
 
   function fleetParams() {
     return {
-      horizon: Number($("fleet-horizon").value),
-      window: Number($("fleet-window").value),
+      horizon: Number($("fleet-horizon").value) || 5,
+      window_min: Number($("fleet-window").value),
       sort: $("fleet-sort").value,
+      search: $("fleet-search").value.trim(),
+      end: pickedEnd(),
     };
   }
 
-  async function loadFleet(force) {
-    const p = fleetParams();
-    const key = p.horizon + "|" + p.window;
-    if (!force && state.fleet && state.fleetKey === key) {
-      renderFleet();
-      return;
-    }
+  async function loadContext() {
+    const body = await api("/v1/dashboard/context");
+    state.context = body;
+    state.horizons = body.horizons_min;
+    const current = Number($("fleet-horizon").value) || 5;
+    const keep = body.horizons_min.includes(current) ? current
+      : body.horizons_min.includes(5) ? 5 : body.horizons_min[0];
+    fillSelect($("fleet-horizon"), body.horizons_min, keep, (h) => h + " min");
+    $("window-end-picker").max = body.now.slice(0, 16);
+    $("window-end-default").textContent = $("window-end").value ? "" :
+      (body.end_source === "newest_data" ? "latest data: " : "now: ") + fmt.time(body.default_end);
+  }
+
+  async function loadFleet() {
     await busy(async () => {
-      const [body, replay] = await Promise.all([
-        api(`/v1/fleet?horizon=${p.horizon}&window_min=${p.window}`),
-        api("/v1/replays/latest"),
-      ]);
+      if (!state.context) await loadContext();
+      const p = fleetParams();
+      const query = new URLSearchParams({ horizon: p.horizon, window_min: p.window_min, sort: p.sort,
+                                          limit: PAGE_SIZE, offset: state.page * PAGE_SIZE });
+      if (p.search) query.set("search", p.search);
+      if (p.end) query.set("end", p.end);
+      const [body, replay] = await Promise.all([api("/v1/fleet?" + query), api("/v1/replays/latest?limit=0")]);
+      if (body.data.length === 0 && body.count > 0 && state.page > 0) { // past the end after a search
+        state.page = Math.max(0, Math.ceil(body.count / PAGE_SIZE) - 1);
+        return loadFleet();
+      }
       state.fleet = body;
       state.replay = replay;
-      state.replayByModel = new Map(replay.data.map((r) => [r.model_id, r]));
-      state.fleetKey = key;
       renderFleet();
       document.body.dataset.fleetLoaded = String(body.count);
     });
-  }
-
-  function sortRows(rows, sort) {
-    const value = {
-      wmape: (r) => r.error.wmape,
-      mae: (r) => r.error.mae,
-      cold_starts: (r) => r.cold_starts,
-      actions_succeeded: (r) => r.actions_succeeded,
-      cold_requests_avoided: (r) => replayOf(r, "cold_requests_avoided"),
-      wait_saved_s: (r) => replayOf(r, "wait_saved_s"),
-    }[sort];
-    if (!value) return rows.slice().sort((a, b) => (a.model_id < b.model_id ? -1 : a.model_id > b.model_id ? 1 : 0));
-    return rows.slice().sort((a, b) => {
-      const va = value(a), vb = value(b);
-      if (va == null || vb == null) return (va == null) - (vb == null);
-      return vb - va || (b.error.mae || 0) - (a.error.mae || 0) || (a.model_id < b.model_id ? -1 : 1);
-    });
-  }
-
-  function replayOf(row, field) {
-    const r = state.replayByModel.get(row.model_id);
-    return r ? r[field] : null;
   }
 
   function signed(v, digits = 0) {
@@ -218,7 +232,7 @@
     const gpu = (info.summary || {}).totals || {}; // fleet totals the simulators measured, GPU-seconds among them
     const size = cluster.nodes ? ` (${cluster.nodes} nodes \u00d7 ${cluster.gpus_per_node} GPUs)` : "";
     el.textContent =
-      `Replay ${fmt.time(info.window_start)} to ${fmt.time(info.window_end)} UTC on a simulated cluster${size}, ` +
+      `Replay ${fmt.time(info.window_start)} to ${fmt.time(info.window_end)} on a simulated cluster${size}, ` +
       `measured until ${fmt.time(info.scored_until)}: cold-start requests ${fmt.int(p.cold_requests)} with ` +
       `prewarm vs ${fmt.int(r.cold_requests)} with a reactive autoscaler on the same ${fmt.int(r.requests)} ` +
       `requests (${signed(r.cold_requests - p.cold_requests)} avoided); request wait ` +
@@ -231,21 +245,16 @@
 
   function renderFleet() {
     if (!state.fleet) return;
-    const needle = $("fleet-search").value.trim().toLowerCase();
-    const sorted = sortRows(state.fleet.data, $("fleet-sort").value);
-    sorted.forEach((r, i) => { r.rank = i + 1; });
-    state.filtered = needle ? sorted.filter((r) => r.model_id.toLowerCase().includes(needle)) : sorted;
-    const pages = Math.max(1, Math.ceil(state.filtered.length / PAGE_SIZE));
-    state.page = Math.min(state.page, pages - 1);
-    const rows = state.filtered.slice(state.page * PAGE_SIZE, (state.page + 1) * PAGE_SIZE);
+    const f = state.fleet;
+    const pages = Math.max(1, Math.ceil(f.count / PAGE_SIZE));
     const tbody = $("fleet-table").tBodies[0];
     const fragment = document.createDocumentFragment();
-    for (const r of rows) {
+    for (const r of f.data) {
       const tr = document.createElement("tr");
       tr.dataset.model = r.model_id;
       cell(tr, String(r.rank), "num");
       const link = document.createElement("a");
-      link.href = "#" + new URLSearchParams({ model: r.model_id, h: state.fleet.horizon_min }).toString();
+      link.href = "#" + new URLSearchParams(modelLink(r.model_id)).toString();
       link.textContent = r.model_id;
       link.title = r.model_id;
       cell(tr, "", "model").appendChild(link);
@@ -256,7 +265,7 @@
       cell(tr, fmt.int(r.cold_starts), "num");
       cell(tr, `${r.actions_succeeded} / ${r.actions_total}`, "num");
       cell(tr, fmt.int(r.expected_wait_avoided_s), "num");
-      const replay = state.replayByModel.get(r.model_id);
+      const replay = r.replay;
       cell(tr, replay ? `${fmt.int(replay.prewarm.cold_requests)} / ${fmt.int(replay.reactive.cold_requests)}`
         : "\u2013", "num replay-cold");
       cell(tr, replay ? signed(replay.cold_requests_avoided) : "\u2013",
@@ -271,10 +280,10 @@
     $("fleet-page").textContent = `page ${state.page + 1} of ${pages}`;
     $("fleet-prev").disabled = state.page === 0;
     $("fleet-next").disabled = state.page >= pages - 1;
-    const f = state.fleet;
     $("fleet-summary").textContent =
-      `${state.filtered.length} of ${f.count} models; horizon ${f.horizon_min} min; ` +
-      `${fmt.time(f.start)} to ${fmt.time(f.end)} UTC`;
+      `${f.count} models${f.data.length ? `, ranks ${f.data[0].rank}\u2013${f.data[f.data.length - 1].rank}` : ""}; ` +
+      `horizon ${f.horizon_min} min; ${fmt.time(f.start)} to ${fmt.time(f.end)}` +
+      (f.end_source === "newest_data" ? " (nothing recent stored: ending at the newest data)" : "");
   }
 
   function showFleet() {
@@ -282,7 +291,7 @@
     $("model-view").hidden = true;
     $("fleet-view").hidden = false;
     document.title = "prewarm: fleet";
-    loadFleet(false);
+    loadFleet();
   }
 
   // --- model view ------------------------------------------------------------------
@@ -306,7 +315,7 @@
     const band = series.band;
     const data = [series.t, series.actual, series.forecast];
     const lines = [
-      {},
+      timeSeries,
       { label: "actual", stroke: "#1d2330", width: 1.5 },
       { label: `forecast (h=${series.horizon_min} min)`, stroke: "#2662d9", width: 1.5 },
     ];
@@ -316,7 +325,7 @@
       tzDate: utcDate,
       cursor: { sync: { key: "prewarm-model" } },
       scales: { x: { time: true, min: series.t[0], max: series.t[series.t.length - 1] + 60 } },
-      axes: [{}, { label: "invocations / min", size: 60 }],
+      axes: [timeAxis, { label: "invocations / min", size: 60 }],
       series: lines,
     };
     if (band) {
@@ -361,9 +370,9 @@
         x: { time: true, min: x0, max: x1 },
         y: { range: (u, lo, hi) => [0, Math.max(hi || 0, view.lead_time_s) * 1.15] },
       },
-      axes: [{}, { label: "seconds", size: 60 }],
+      axes: [timeAxis, { label: "seconds", size: 60 }],
       series: [
-        {},
+        timeSeries,
         { label: "observed", stroke: "#d6336c", paths: () => null, points: dots("#d6336c") },
         { label: "predicted", stroke: "#2662d9", paths: () => null, points: dots("#2662d9") },
         { label: `lead time used now (${view.lead_time_source})`, stroke: "#868e96", dash: [6, 4], spanGaps: true,
@@ -407,7 +416,7 @@
       const ts = t0 + ((t1 - t0) * i) / 6;
       const anchor = i === 0 ? "start" : i === 6 ? "end" : "middle";
       const label = svg("text", { x: x(ts), y: height - 4, class: "axis", "text-anchor": anchor }, root);
-      label.textContent = new Date(ts * 1000).toISOString().slice(5, 16).replace("T", " ");
+      label.textContent = fmt.time(ts);
     }
     for (const a of body.data) {
       const lane = KINDS.indexOf(a.kind);
@@ -453,7 +462,7 @@
     if (!row) return;
     const info = body.replay;
     $("model-replay-window").textContent =
-      `${fmt.time(info.window_start)} to ${fmt.time(info.window_end)} UTC, measured until ${fmt.time(info.scored_until)}`;
+      `${fmt.time(info.window_start)} to ${fmt.time(info.window_end)}, measured until ${fmt.time(info.scored_until)}`;
     const p = row.prewarm, r = row.reactive;
     const lines = [
       ["requests", p.requests, r.requests, null],
@@ -480,7 +489,12 @@
     if (!m) return;
     await busy(async () => {
       const id = encodeURIComponent(m.id);
-      const series = await api(`/v1/models/${id}/series?horizon=${m.horizon}&span_min=${m.range}`);
+      if (!state.context) {
+        await loadContext();
+        fillSelect($("model-horizon"), withHorizon(state.horizons, m.horizon), m.horizon, (h) => h + " min ahead");
+      }
+      const end = m.end ? `&end=${encodeURIComponent(m.end)}` : "";
+      const series = await api(`/v1/models/${id}/series?horizon=${m.horizon}&span_min=${m.range}${end}`);
       const range = `start=${encodeURIComponent(series.start)}&end=${encodeURIComponent(series.end)}`;
       const [coldstarts, actions, replay] = await Promise.all([
         api(`/v1/models/${id}/coldstarts?${range}`),
@@ -502,6 +516,11 @@
     });
   }
 
+  // A horizon from a link that the store does not offer stays selectable (its chart says what is stored).
+  function withHorizon(horizons, h) {
+    return horizons.includes(h) ? horizons : [...horizons, h].sort((a, b) => a - b);
+  }
+
   function showModel(m) {
     state.model = m;
     delete document.body.dataset.modelLoaded;
@@ -509,8 +528,7 @@
     $("model-view").hidden = false;
     $("model-title").textContent = m.id;
     document.title = "prewarm: " + m.id;
-    const horizons = HORIZONS.includes(m.horizon) ? HORIZONS : [...HORIZONS, m.horizon].sort((a, b) => a - b);
-    fillSelect($("model-horizon"), horizons, m.horizon, (h) => h + " min ahead");
+    fillSelect($("model-horizon"), withHorizon(state.horizons, m.horizon), m.horizon, (h) => h + " min ahead");
     $("model-range").value = String(m.range);
     loadModel();
   }
@@ -525,15 +543,28 @@
     };
   }
 
+  function modelLink(id) {
+    const params = { model: id, h: state.fleet.horizon_min };
+    if (pickedEnd()) params.end = pickedEnd();
+    return params;
+  }
+
+  function modelParams() {
+    const params = { model: state.model.id, h: $("model-horizon").value, range: $("model-range").value };
+    if (pickedEnd()) params.end = pickedEnd();
+    return params;
+  }
+
   function init() {
     takeTokenFromFragment();
     $("token-input").value = token();
-    fillSelect($("fleet-horizon"), HORIZONS, 5, (h) => h + " min");
+    fillSelect($("fleet-horizon"), FALLBACK_HORIZONS, 5, (h) => h + " min");
 
     $("token-form").addEventListener("submit", (event) => {
       event.preventDefault();
       localStorage.setItem(TOKEN_KEY, $("token-input").value.trim());
       state.fleet = null;
+      state.context = null;
       route();
     });
     $("token-forget").addEventListener("click", () => {
@@ -541,23 +572,42 @@
       $("token-input").value = "";
       setStatus("token forgotten");
     });
-    $("fleet-search").addEventListener("input", debounce(() => { state.page = 0; renderFleet(); }, 120));
-    $("fleet-sort").addEventListener("change", () => { state.page = 0; renderFleet(); });
-    $("fleet-horizon").addEventListener("change", () => loadFleet(false));
-    $("fleet-window").addEventListener("change", () => loadFleet(false));
-    $("fleet-refresh").addEventListener("click", () => loadFleet(true));
-    $("fleet-prev").addEventListener("click", () => { state.page -= 1; renderFleet(); });
-    $("fleet-next").addEventListener("click", () => { state.page += 1; renderFleet(); });
+    const firstPage = () => { state.page = 0; loadFleet(); };
+    $("fleet-search").addEventListener("input", debounce(firstPage, 150));
+    $("fleet-sort").addEventListener("change", firstPage);
+    $("fleet-horizon").addEventListener("change", firstPage);
+    $("fleet-window").addEventListener("change", firstPage);
+    $("fleet-refresh").addEventListener("click", () => { state.context = null; loadFleet(); });
+    $("fleet-prev").addEventListener("click", () => { state.page -= 1; loadFleet(); });
+    $("fleet-next").addEventListener("click", () => { state.page += 1; loadFleet(); });
+    $("window-end").addEventListener("change", () => {
+      $("window-end-default").textContent = "";
+      if (state.model) {
+        go(modelParams());
+      } else {
+        firstPage();
+      }
+    });
+    $("window-end-pick").addEventListener("click", () => {
+      const picker = $("window-end-picker");
+      picker.value = (pickedEnd() || (state.context ? state.context.default_end : "")).slice(0, 16);
+      try { picker.showPicker(); } catch (_) { picker.focus(); }
+    });
+    $("window-end-picker").addEventListener("change", () => {
+      $("window-end").value = $("window-end-picker").value.replace("T", " ");
+      $("window-end").dispatchEvent(new Event("change"));
+    });
+    $("window-end-clear").addEventListener("click", () => {
+      $("window-end").value = "";
+      state.context = null;
+      if (state.model) go(modelParams()); else firstPage();
+    });
     $("fleet-table").addEventListener("click", (event) => {
       const tr = event.target.closest("tr[data-model]");
-      if (tr && event.target.tagName !== "A") go({ model: tr.dataset.model, h: state.fleet.horizon_min });
+      if (tr && event.target.tagName !== "A") go(modelLink(tr.dataset.model));
     });
-    $("model-horizon").addEventListener("change", () => {
-      go({ model: state.model.id, h: $("model-horizon").value, range: $("model-range").value });
-    });
-    $("model-range").addEventListener("change", () => {
-      go({ model: state.model.id, h: $("model-horizon").value, range: $("model-range").value });
-    });
+    $("model-horizon").addEventListener("change", () => go(modelParams()));
+    $("model-range").addEventListener("change", () => go(modelParams()));
     window.addEventListener("hashchange", () => { takeTokenFromFragment(); route(); });
     window.addEventListener("resize", debounce(() => {
       for (const [name, chart] of Object.entries(state.charts)) {
@@ -568,7 +618,7 @@
     }, 150));
     setInterval(() => {
       if (document.hidden || state.loading) return;
-      if (state.model) loadModel(); else loadFleet(true);
+      if (state.model) loadModel(); else loadFleet();
     }, REFRESH_MS);
     if (!token()) setStatus("enter a read token to start", true);
     route();

@@ -1,13 +1,15 @@
 """Reads behind the dashboard: forecast vs actual per model, cold starts, the action timeline, the fleet ranking.
 
-Horizon: the element of a forecast run issued at ``issued_at`` that targets
-minute ``t`` has horizon ``ceil((t - issued_at) / 1 min)`` minutes, i.e. the
-target minute's distance from the minute the run was issued in (a run issued
-at 12:00:30 for 12:05 has horizon 5; its first target minute, 12:00, has
-horizon 0). So the forecast made ``h`` minutes ahead of minute ``t`` is
-element ``t - first_target`` (in steps, 1-based) of a run issued during minute
-``t - h``: reading it for a week of target minutes reads one run per minute,
-found by a range scan of the primary key (model_id, issued_at) over the days'
+Horizon: as everywhere else in prewarm (``PREWARM_FORECAST_HORIZON_MIN``, the
+forecast endpoint's ``horizon``, the planner's ``horizon_min``), a run's
+element ``k`` (1-based) is the forecast ``k`` minutes ahead: its first target
+minute is the minute the run was issued in, whose count is complete one
+minute later (a run issued at 12:00:30 forecasts 12:00 at horizon 1 and 12:04
+at horizon 5). A run of ``forecast_horizon_min`` = 60 elements therefore
+holds horizons 1..60. So the forecast made ``h`` minutes ahead of minute
+``t`` is element ``h`` of the run issued during minute ``t - (h - 1)``:
+reading it for a week of target minutes reads one run per minute, found by a
+range scan of the primary key (model_id, issued_at) over the days'
 partitions, and takes one array element of each (:func:`_at_horizon_sql`).
 
 Actual counts come from :func:`forecaster.store.invocations.read_counts`
@@ -27,6 +29,7 @@ from sqlalchemy import Connection, text
 
 from forecaster.store.coldstarts import recent_cold_start_seconds
 from forecaster.store.invocations import read_counts
+from forecaster.store.replays import OUTCOME_COLUMNS
 
 #: When an action happens on the timeline (planned start, else its last status change); indexed by 0003.
 ACTION_TIME_SQL = "coalesce(not_before, updated_at)"
@@ -43,7 +46,7 @@ def model_exists(conn: Connection, *, model_id: str) -> bool:
 def _at_horizon_sql(where: str, param: Callable[[str], str]) -> str:
     """Runs issued in ``[lo, hi)`` (and matching ``where``), each with the element it forecast ``h`` minutes ahead.
 
-    Columns: ``model_id``, ``target_minute`` (the issuing minute plus ``h``
+    Columns: ``model_id``, ``target_minute`` (the issuing minute plus ``h - 1``
     minutes; ``target_s`` the same in Unix seconds), ``issued_at``, ``k``
     (1-based element), ``point_at`` (``point[k]`` as double precision), and
     the run's ``quantile_levels`` and ``quantiles``. Runs that do not reach
@@ -52,9 +55,10 @@ def _at_horizon_sql(where: str, param: Callable[[str], str]) -> str:
     planner estimates the rows from ``issued_at`` alone. ``param`` spells a
     bind parameter (``:h`` for SQLAlchemy, ``%(h)s`` for psycopg).
     """
-    # integer seconds (date_part is double precision): numeric arithmetic would cost microseconds per run
+    # integer seconds (date_part is double precision): numeric arithmetic would cost microseconds per run;
+    # horizon h is element h (1-based), the issuing minute plus h - 1 minutes (module docstring)
     target_s = (f"CAST(floor(date_part('epoch', f.issued_at) / 60) AS bigint) * 60 "
-                f"+ 60 * CAST({param('h')} AS bigint)")
+                f"+ 60 * (CAST({param('h')} AS bigint) - 1)")
     offset_s = f"({target_s} - CAST(date_part('epoch', f.first_target) AS bigint))"
     return f"""
         SELECT r.model_id, to_timestamp(r.target_s) AS target_minute, r.target_s, r.issued_at, r.k,
@@ -70,12 +74,13 @@ def _at_horizon_sql(where: str, param: Callable[[str], str]) -> str:
 def _issued_bounds(start: datetime, end: datetime, horizon_min: int) -> dict:
     """``lo``/``hi``: the runs issued in ``[lo, hi)`` are those that target minutes of ``[start, end)`` ``horizon_min`` ahead.
 
-    A run issued during minute ``m`` targets ``m + horizon``; target minutes
-    are whole minutes, so the window's bounds round up to one.
+    A run issued during minute ``m`` targets ``m + horizon - 1`` at ``horizon``;
+    target minutes are whole minutes, so the window's bounds round up to one.
     """
     first, stop = (t if t == t.replace(second=0, microsecond=0) else t.replace(second=0, microsecond=0) + MINUTE
                    for t in (start, end))
-    return {"lo": first - horizon_min * MINUTE, "hi": stop - horizon_min * MINUTE}
+    back = (horizon_min - 1) * MINUTE
+    return {"lo": first - back, "hi": stop - back}
 
 
 #: Per target minute: the forecast made ``h`` minutes ahead (the later run of a minute wins).
@@ -176,7 +181,7 @@ def read_forecast_series(conn: Connection, *, model_id: str, start: datetime, en
         model_id: the serving model.
         start: first minute (UTC, whole minute).
         end: end of the window, exclusive (UTC, whole minute).
-        horizon_min: minutes between the issuing minute and the target minute (0 = the issuing minute).
+        horizon_min: minutes ahead, 1 = the minute the run was issued in (module docstring).
 
     When two runs were issued in the same minute, the later one counts.
     """
@@ -279,57 +284,94 @@ def read_action_timeline(conn: Connection, *, model_id: str, start: datetime, en
     return [dict(r) for r in rows], total
 
 
-@dataclass(frozen=True)
-class FleetRow:
-    """One model's forecast error and pre-warm record over the fleet window.
+#: Sort keys of the fleet ranking (largest first; ``model_id`` ascending by code point).
+FLEET_SORTS = ("wmape", "mae", "cold_starts", "actions_succeeded", "cold_requests_avoided", "wait_saved_s",
+               "model_id")
+#: The newest replay (``replays``), its subject and baseline policy.
+_REPLAY_SQL = "SELECT id, policies->>0 AS subject, policies->>1 AS baseline FROM replays " \
+              "ORDER BY created_at DESC, id DESC LIMIT 1"
 
-    Attributes:
-        model_id: the serving model.
-        error: forecast error at the window's horizon (MAE, wMAPE; band coverage not computed here).
-        actual_total: invocations in the scored minutes.
-        forecast_total: forecast invocations in the scored minutes.
-        cold_starts: observed cold starts that began in the window.
-        actions_total: actions planned in the window (by :data:`ACTION_TIME_SQL`).
-        actions_succeeded: of those, succeeded.
-        actions_failed: of those, failed or dropped.
-        expected_wait_avoided_s: the planner's expected cold-start seconds avoided by the succeeded actions.
-        last_forecast_at: when the model's newest forecast was issued (any time), or None.
+
+def _err_sql(only_page: bool) -> str:
+    """Per model: scored minutes, sum |error|, sum actual, sum forecast at ``:h`` over ``[:s, :e)``.
+
+    The forecasts at the horizon are read for the whole fleet at once (``only_page`` False): the window's runs
+    lie together in the newest pages, which one scan reads once. With ``only_page`` only the models of
+    ``:ids`` are read, each by its primary key range.
     """
-
-    model_id: str
-    error: ForecastError
-    actual_total: float
-    forecast_total: float
-    cold_starts: int
-    actions_total: int
-    actions_succeeded: int
-    actions_failed: int
-    expected_wait_avoided_s: float
-    last_forecast_at: datetime | None
-
-
-# The forecasts at the horizon are read for the whole fleet at once: the window's runs lie together in the
-# newest pages, which one scan reads once; a probe per model would visit each page once per run on it.
-_FLEET_SQL = f"""
-WITH cov AS (
+    ids = "model_id = ANY(:ids) AND" if only_page else ""
+    if only_page:  # a page's minutes: one primary-key probe each (the planner misjudges range_agg's rows)
+        counts = ("LEFT JOIN LATERAL (SELECT sum(count) AS count FROM invocations WHERE model_id = f.model_id "
+                  "AND minute = f.target_minute) i ON true")
+    else:  # the fleet's: one range read of the window's counts, merged with the forecast minutes
+        counts = ("LEFT JOIN (SELECT model_id, minute, sum(count) AS count FROM invocations "
+                  "WHERE minute >= :s AND minute < :e GROUP BY model_id, minute) i "
+                  "ON i.model_id = f.model_id AND i.minute = f.target_minute")
+    return f"""
+cov AS (
     SELECT model_id, range_agg(ranges) AS ranges FROM coverage
-    WHERE 60 % step_seconds = 0 AND ranges && tstzrange(:s, :e, '[)') GROUP BY model_id
+    WHERE {ids} 60 % step_seconds = 0 AND ranges && tstzrange(:s, :e, '[)') GROUP BY model_id
 ), f AS MATERIALIZED (
     SELECT DISTINCT ON (model_id, target_minute) model_id, target_minute, point_at AS point
-    FROM ({_at_horizon_sql("", lambda name: f":{name}")}) x
+    FROM ({_at_horizon_sql("f.model_id = ANY(:ids) AND" if only_page else "", lambda name: f":{name}")}) x
     ORDER BY model_id, target_minute, issued_at DESC
 ), err AS (
     SELECT f.model_id, count(*) AS n, sum(abs(f.point - coalesce(i.count, 0))) AS abs_err,
            sum(coalesce(i.count, 0)) AS actual, sum(f.point) AS forecast
     FROM f JOIN cov ON cov.model_id = f.model_id
-    -- One range read of the window's counts, merged with the forecast minutes (not one probe per minute).
-    LEFT JOIN (
-        SELECT model_id, minute, sum(count) AS count FROM invocations
-        WHERE minute >= :s AND minute < :e GROUP BY model_id, minute
-    ) i ON i.model_id = f.model_id AND i.minute = f.target_minute
+    {counts}
     WHERE cov.ranges @> tstzrange(f.target_minute, f.target_minute + interval '1 minute', '[)')
     GROUP BY f.model_id
-)
+)"""
+
+
+def _replay_gain_sql(column: str) -> str:
+    """CTE ``ro``: per model, the newest replay's baseline ``column`` minus its subject's (what prewarm saved)."""
+    return (f"rp AS ({_REPLAY_SQL}), ro AS (SELECT o.model_id, "
+            f"sum(CASE WHEN o.policy = rp.baseline THEN o.{column} ELSE -o.{column} END) AS v "
+            "FROM replay_outcomes o JOIN rp ON o.replay_id = rp.id AND o.policy IN (rp.subject, rp.baseline) "
+            "GROUP BY o.model_id)")
+
+
+_WMAPE = "CASE WHEN err.n > 0 AND err.actual > 0 THEN err.abs_err / err.actual END"
+_MAE = "CASE WHEN err.n > 0 THEN err.abs_err / err.n END"
+
+#: Per sort key: the CTEs it needs (after WITH), the join onto ``serving_models m``, and the ORDER BY.
+#: Largest first, models with nothing to rank by last, then by MAE (error sorts), then by id.
+_RANK = {
+    "wmape": (_err_sql(False), "LEFT JOIN err ON err.model_id = m.id",
+              f"({_WMAPE}) IS NULL, ({_WMAPE}) DESC, coalesce({_MAE}, 0) DESC"),
+    "mae": (_err_sql(False), "LEFT JOIN err ON err.model_id = m.id", f"({_MAE}) IS NULL, ({_MAE}) DESC"),
+    "cold_starts": (("cs AS (SELECT model_id, count(*) AS n FROM cold_starts "
+                     "WHERE started_at >= :s AND started_at < :e GROUP BY model_id)"),
+                    "LEFT JOIN cs ON cs.model_id = m.id", "coalesce(cs.n, 0) DESC"),
+    "actions_succeeded": ((f"ac AS (SELECT model_id, count(*) AS n FROM actions WHERE status = 'succeeded' "
+                           f"AND {ACTION_TIME_SQL} >= :s AND {ACTION_TIME_SQL} < :e GROUP BY model_id)"),
+                          "LEFT JOIN ac ON ac.model_id = m.id", "coalesce(ac.n, 0) DESC"),
+    "cold_requests_avoided": (_replay_gain_sql("cold_requests"), "LEFT JOIN ro ON ro.model_id = m.id",
+                              "ro.v IS NULL, ro.v DESC"),
+    "wait_saved_s": (_replay_gain_sql("wait_total_s"), "LEFT JOIN ro ON ro.model_id = m.id",
+                     "ro.v IS NULL, ro.v DESC"),
+    "model_id": ("", "", ""),
+}
+
+
+def _rank_sql(sort: str) -> str:
+    """``id, rank, matching`` of one page of the fleet ranked by ``sort`` (rank over every model)."""
+    ctes, join, order = _RANK[sort]
+    order = f"{order}, m.id COLLATE \"C\"" if order else "m.id COLLATE \"C\""
+    return f"""
+{"WITH " + ctes if ctes else ""}
+SELECT id, rank, count(*) OVER () AS matching FROM (
+    SELECT m.id, row_number() OVER (ORDER BY {order}) AS rank FROM serving_models m {join}
+) ranked
+WHERE CAST(:q AS text) IS NULL OR strpos(lower(id), :q) > 0
+ORDER BY rank LIMIT :n OFFSET :o"""
+
+
+#: The figures of the page's models (``:ids``): error, cold starts, actions, newest forecast.
+_PAGE_SQL = f"""
+WITH {_err_sql(True)}
 SELECT m.id, err.n, err.abs_err, err.actual, err.forecast, cs.n AS cold_starts,
        ac.total, ac.succeeded, ac.failed, ac.benefit, lf.issued_at
 FROM serving_models m
@@ -346,33 +388,120 @@ LEFT JOIN LATERAL (
 LEFT JOIN LATERAL (
     SELECT issued_at FROM forecasts f WHERE f.model_id = m.id ORDER BY issued_at DESC LIMIT 1
 ) lf ON true
+WHERE m.id = ANY(:ids)
+"""
+
+#: The newest replay's figures for the page's models, per policy.
+_PAGE_REPLAY_SQL = f"""
+WITH rp AS ({_REPLAY_SQL})
+SELECT o.model_id, o.policy = rp.subject AS is_subject, {", ".join("o." + c for c in OUTCOME_COLUMNS)}
+FROM replay_outcomes o JOIN rp ON o.replay_id = rp.id AND o.policy IN (rp.subject, rp.baseline)
+WHERE o.model_id = ANY(:ids)
 """
 
 
-def read_fleet(conn: Connection, *, end: datetime, window_min: int, horizon_min: int) -> list[FleetRow]:
-    """Every registered model's forecast error at ``horizon_min`` over the ``window_min`` minutes before ``end``.
+@dataclass(frozen=True)
+class FleetRow:
+    """One model's forecast error and pre-warm record over the fleet window.
 
-    Counts of cold starts and actions cover the same window. Models without
-    forecasts or known actuals have ``error.scored_minutes == 0``. One query;
-    order is left to the caller.
+    Attributes:
+        model_id: the serving model.
+        rank: position in the whole fleet by the page's sort key (1 = first), before any search.
+        error: forecast error at the window's horizon (MAE, wMAPE; band coverage not computed here).
+        actual_total: invocations in the scored minutes.
+        forecast_total: forecast invocations in the scored minutes.
+        cold_starts: observed cold starts that began in the window.
+        actions_total: actions planned in the window (by :data:`ACTION_TIME_SQL`).
+        actions_succeeded: of those, succeeded.
+        actions_failed: of those, failed or dropped.
+        expected_wait_avoided_s: the planner's expected cold-start seconds avoided by the succeeded actions.
+        last_forecast_at: when the model's newest forecast was issued (any time), or None.
+        replay: the newest replay's figures, ``{"prewarm": {...}, "reactive": {...}}`` by role (subject,
+            baseline) with :data:`OUTCOME_COLUMNS`; None when the replay has no row for the model.
     """
+
+    model_id: str
+    rank: int
+    error: ForecastError
+    actual_total: float
+    forecast_total: float
+    cold_starts: int
+    actions_total: int
+    actions_succeeded: int
+    actions_failed: int
+    expected_wait_avoided_s: float
+    last_forecast_at: datetime | None
+    replay: dict | None = None
+
+
+@dataclass(frozen=True)
+class FleetPage:
+    """One page of the fleet ranking: its rows and how many models match the search in all."""
+
+    rows: list[FleetRow]
+    matching: int
+
+
+def read_fleet_page(conn: Connection, *, end: datetime, window_min: int, horizon_min: int, sort: str = "wmape",
+                    search: str | None = None, limit: int = 50, offset: int = 0) -> FleetPage:
+    """One page of every registered model ranked by ``sort`` over the ``window_min`` minutes before ``end``.
+
+    Two queries: the ranking (over the whole fleet; only the error sorts read the window's forecasts for every
+    model, the others read narrow tables through their time indexes), then the figures of the page's models
+    alone (their forecasts by primary key, cold starts and actions by their (model, time) indexes). Ties
+    rank by MAE (error sorts), then by model id.
+
+    Raises:
+        ValueError: an unknown ``sort``.
+    """
+    if sort not in _RANK:
+        raise ValueError(f"unknown sort {sort!r}; one of {', '.join(FLEET_SORTS)}")
     start = end - window_min * MINUTE
-    rows = conn.execute(text(_FLEET_SQL), {"h": horizon_min, "s": start, "e": end,
-                                           **_issued_bounds(start, end, horizon_min)}).all()
-    out = []
-    for (model_id, n, abs_err, actual, forecast, cold, total, succeeded, failed, benefit, last) in rows:
+    params = {"h": horizon_min, "s": start, "e": end, **_issued_bounds(start, end, horizon_min)}
+    ranked = conn.execute(text(_rank_sql(sort)), {**params, "q": search.lower() if search else None,
+                                                  "n": limit, "o": offset}).all()
+    if not ranked:
+        matching = 0 if offset == 0 else conn.execute(text(_rank_sql(sort)), {
+            **params, "q": search.lower() if search else None, "n": 1, "o": 0}).all()
+        return FleetPage(rows=[], matching=matching[0][2] if matching else 0)
+    ids = [r[0] for r in ranked]
+    figures = {r[0]: r for r in conn.execute(text(_PAGE_SQL), {**params, "ids": ids}).all()}
+    replays: dict[str, dict] = {}
+    for r in conn.execute(text(_PAGE_REPLAY_SQL), {"ids": ids}).mappings():
+        role = "prewarm" if r["is_subject"] else "reactive"
+        replays.setdefault(r["model_id"], {})[role] = {c: r[c] for c in OUTCOME_COLUMNS}
+    rows = []
+    for model_id, rank, _ in ranked:
+        (_, n, abs_err, actual, forecast, cold, total, succeeded, failed, benefit, last) = figures[model_id]
         n = int(n or 0)
         actual = float(actual or 0.0)
-        error = ForecastError(
-            scored_minutes=n,
-            mae=float(abs_err) / n if n else None,
-            wmape=float(abs_err) / actual if n and actual > 0 else None,
-        )
-        out.append(FleetRow(model_id=model_id, error=error, actual_total=actual,
-                            forecast_total=float(forecast or 0.0), cold_starts=int(cold), actions_total=int(total),
-                            actions_succeeded=int(succeeded), actions_failed=int(failed),
-                            expected_wait_avoided_s=float(benefit), last_forecast_at=last))
-    return out
+        error = ForecastError(scored_minutes=n, mae=float(abs_err) / n if n else None,
+                              wmape=float(abs_err) / actual if n and actual > 0 else None)
+        rows.append(FleetRow(model_id=model_id, rank=int(rank), error=error, actual_total=actual,
+                             forecast_total=float(forecast or 0.0), cold_starts=int(cold),
+                             actions_total=int(total), actions_succeeded=int(succeeded),
+                             actions_failed=int(failed), expected_wait_avoided_s=float(benefit),
+                             last_forecast_at=last, replay=replays.get(model_id)))
+    return FleetPage(rows=rows, matching=int(ranked[0][2]))
+
+
+def known_until(conn: Connection, *, model_id: str | None = None) -> datetime | None:
+    """End of the newest known count (coverage's upper bound) of ``model_id``, or of any model; None: nothing.
+
+    The fleet-wide maximum is one probe of the ``coverage_known_until`` index (migration 0009).
+    """
+    if model_id is None:
+        return conn.execute(text("SELECT max(upper(ranges)) FROM coverage")).scalar()
+    return conn.execute(text("SELECT max(upper(ranges)) FROM coverage WHERE model_id = :m"),
+                        {"m": model_id}).scalar()
+
+
+def stored_horizon_min(conn: Connection) -> int | None:
+    """Minutes ahead the newest stored run reaches (its element count), or None when no run is stored.
+
+    The forecast job stores ``PREWARM_FORECAST_HORIZON_MIN`` elements per run, horizons 1 to that number.
+    """
+    return conn.execute(text("SELECT cardinality(point) FROM forecasts ORDER BY issued_at DESC LIMIT 1")).scalar()
 
 
 def finite_or_none(values: np.ndarray) -> list[float | None]:
