@@ -145,7 +145,7 @@ class ForecastSnapshot:
             if model_id in known:
                 known[model_id].forecast = run
             newest = run.issued_at if newest is None else max(newest, run.issued_at)
-        prepared = self._prepare(known, changed, settings)
+        prepared = self._prepare(known, changed, settings) if changed is None or changed else self.prepared
         with self._lock:
             self.models = known
             self.prepared = prepared
