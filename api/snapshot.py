@@ -12,6 +12,13 @@ from the warmest state the model is cached in on any node (``none`` when
 uncached), plus the planner's margins (:func:`forecaster.planning.lead_time.lead_time_s`). The latency is
 per node, reduced the way the planner reduces it (the nodes holding that state with room for a replica,
 :func:`forecaster.planning.fleet.node_latency`), so the API's lead is the plan job's.
+
+The catalogue, caches and lead times (the "fleet" part, the costly one: a latency table for every model) are
+read again when a forecast run lands (once a minute), when the catalogue changes (count and newest ``updated_at`` of
+``serving_models``), when the latency champion or the UTC hour changes, and at least every
+:data:`FLEET_REFRESH_S`; between those, a refresh is one indexed probe for newer runs. With ``refresh_s == 0``
+(tests) everything is read again on every request, as before. Whenever a model's view changes, its default
+recommendation is prepared as bytes (:mod:`api.prepared`) for the hot path (:mod:`api.hotpath`).
 """
 
 from __future__ import annotations
@@ -25,8 +32,10 @@ from datetime import datetime, timezone
 
 import numpy as np
 import pandas as pd
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 from sqlalchemy.exc import OperationalError
+
+from api.prepared import PreparedRecommendation, fragments, prepare_recommendation
 
 from forecaster.coldstart.service import latency_table, latency_version
 from forecaster.planning.fleet import PlannerSettings
@@ -39,6 +48,13 @@ from forecaster.store.forecasts import read_newest_runs
 from forecaster.store.nodecache import warmest_cached_states
 
 log = logging.getLogger(__name__)
+
+#: Longest the catalogue, node caches and lead times held go unread while nothing else says they changed, s.
+#: Node caches and free GPUs change with the plan job's actions, once a minute, as forecast runs land (each of
+#: which reads them again); this bound is for when no run lands. At 100,000 models one reading costs about
+#: 1.3 s of CPU in each worker, all of it holding the GIL the event loop needs.
+FLEET_REFRESH_S = 300.0
+_CATALOGUE_PROBE = text("SELECT count(*), max(updated_at) FROM serving_models")
 
 
 @dataclass
@@ -64,11 +80,16 @@ class ForecastSnapshot:
     clock: Callable[[], datetime] | None = None  # the hour the latency model predicts for; default wall clock
     latency_model_version: str | None = None  # the latency model the lead times came from (None: the prior)
     models: dict[str, ModelView] = field(default_factory=dict)
+    #: Each model's default recommendation as bytes (None: only the full path answers it); replaced, not mutated.
+    prepared: dict[str, PreparedRecommendation | None] = field(default_factory=dict)
     newest_issued_at: datetime | None = None
     healthy: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _refreshing: threading.Lock = field(default_factory=threading.Lock)
     _last_refresh: float = 0.0
+    _fleet_read_at: float = float("-inf")
+    _fleet_key: tuple | None = None
+    _prepared_inputs: dict[str, tuple] = field(default_factory=dict)  # what each prepared body was made from
 
     def refresh(self) -> bool:
         """Load catalogue changes and forecast runs newer than the newest seen. False if the database is away.
@@ -83,34 +104,83 @@ class ForecastSnapshot:
             self._refreshing.release()
 
     def _refresh(self) -> bool:
+        settings = self.settings or Settings()
+        now = (self.clock or (lambda: datetime.now(timezone.utc)))()
+        catalogue = states = leads = None
         try:
             with self.engine.connect() as conn:
-                catalogue = read_catalogue_sizes(conn)
-                states = warmest_cached_states(conn)
                 runs = _newer_runs(conn, self.newest_issued_at)
-            leads = self._lead_times(catalogue, states)
+                fleet_key = (tuple(conn.execute(_CATALOGUE_PROBE).one()), now.astimezone(timezone.utc).hour)
+            try:
+                fleet_key += (latency_version(self.engine, settings),)
+            except OperationalError:
+                raise
+            except Exception:  # noqa: BLE001 - a broken latency model must not stop forecasts being served
+                fleet_key += ("unreadable",)
+            if (self.refresh_s == 0 or runs or not self.healthy or fleet_key != self._fleet_key
+                    or time.monotonic() - self._fleet_read_at >= FLEET_REFRESH_S):
+                with self.engine.connect() as conn:
+                    catalogue = read_catalogue_sizes(conn)
+                    states = warmest_cached_states(conn)
+                leads = self._lead_times(catalogue, states)
         except OperationalError as exc:
             self.healthy = False
             log.warning("forecast snapshot: database unavailable, serving what is held: %s", exc.orig)
             return False
-        with self._lock:
+        # Built aside and swapped in: a reader (the event loop's thread) never waits for a fleet's preparation.
+        if catalogue is not None:
             known = {}
+            lead_of = {} if leads is None else leads.to_dict()
             for model_id, replica_rps, _, _ in catalogue:
                 view = self.models.get(model_id) or ModelView()
                 view.replica_rps = replica_rps
-                view.lead_time_s = None if leads is None else float(leads[model_id])
+                view.lead_time_s = None if leads is None else float(lead_of[model_id])
                 view.start_state = states.get(model_id, "none")
                 known[model_id] = view
-            newest = self.newest_issued_at
-            for model_id, run in runs.items():
-                if model_id in known:
-                    known[model_id].forecast = run
-                newest = run.issued_at if newest is None else max(newest, run.issued_at)
+            changed = None  # every model
+        else:
+            known, changed = self.models, runs.keys()
+        newest = self.newest_issued_at
+        for model_id, run in runs.items():
+            if model_id in known:
+                known[model_id].forecast = run
+            newest = run.issued_at if newest is None else max(newest, run.issued_at)
+        prepared = self._prepare(known, changed, settings) if changed is None or changed else self.prepared
+        with self._lock:
             self.models = known
+            self.prepared = prepared
             self.newest_issued_at = newest
+        if catalogue is not None:
+            self._fleet_key, self._fleet_read_at = fleet_key, time.monotonic()
         self.healthy = True
         self._last_refresh = time.monotonic()
         return True
+
+    def _prepare(self, models: dict[str, ModelView], changed, settings: Settings
+                 ) -> dict[str, PreparedRecommendation | None]:
+        """The prepared bodies, those of ``changed`` models (None: all) made again; a new dict, readers keep theirs."""
+        prepared = {} if changed is None else dict(self.prepared)
+        inputs = {} if changed is None else dict(self._prepared_inputs)
+        shared = fragments()
+        quantile, default_lead_s = settings.recommendation_quantile, settings.default_cold_start_s
+        for i, model_id in enumerate(models if changed is None else changed):
+            view = models.get(model_id)
+            if view is None:
+                continue
+            lead_s = float(view.lead_time_s or default_lead_s)
+            key = (view.forecast, lead_s, view.replica_rps)
+            held = self._prepared_inputs.get(model_id)
+            if held is not None and held[0] is key[0] and held[1:] == key[1:]:
+                prepared[model_id] = self.prepared.get(model_id)  # the same inputs: the same bytes
+            else:
+                prepared[model_id] = prepare_recommendation(model_id, view.forecast, lead_time_s=lead_s,
+                                                            replica_rps=view.replica_rps, quantile=quantile,
+                                                            fragments=shared)
+            inputs[model_id] = key
+            if i % 2000 == 1999:
+                time.sleep(0)  # let the event loop's thread take the GIL between slices of a big fleet
+        self._prepared_inputs = inputs
+        return prepared
 
     def _lead_times(self, catalogue: list[tuple], states: dict[str, str]) -> pd.Series | None:
         """Per model, the planner's lead time from the latency champion (cached per version and hour)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -288,8 +289,14 @@ def serve_cmd(
     port: Annotated[Optional[int], typer.Option(help="Port (default: PREWARM_API_PORT).")] = None,
     scheduler: Annotated[bool, typer.Option("--scheduler/--no-scheduler",
                                             help="Also run the scheduler's jobs in this process.")] = True,
+    workers: Annotated[Optional[int], typer.Option(
+        min=1, max=64, help="API worker processes (default: PREWARM_API_WORKERS).")] = None,
 ) -> None:
-    """Run the REST API (and, by default, the scheduler) against the configured database."""
+    """Run the REST API (and, by default, the scheduler) against the configured database.
+
+    With more than one worker, uvicorn runs that many processes on the one port; each opens its own engine and
+    forecast snapshot (``api.main:app_from_environment``), and the scheduler runs once, in this process.
+    """
     import uvicorn
     from apscheduler.schedulers.background import BackgroundScheduler
 
@@ -297,15 +304,24 @@ def serve_cmd(
     from forecaster.jobs.scheduler import build_scheduler
 
     settings = _settings()
+    worker_count = workers or settings.api_worker_count
     with _database(settings) as engine:
         background = None
         if scheduler:
             background = build_scheduler(engine, settings, BackgroundScheduler(timezone=timezone.utc))
             background.start()
         bind_host, bind_port = host or settings.api_host, port or settings.api_port
-        typer.echo(f"prewarm API on http://{bind_host}:{bind_port} (OpenAPI at /docs)")
+        typer.echo(f"prewarm API on http://{bind_host}:{bind_port} (OpenAPI at /docs), {worker_count} worker(s)")
+        # uvicorn[standard]: uvloop and httptools when installed ("auto"); no access log on the hot path
+        options = {"host": bind_host, "port": bind_port, "log_level": "warning", "access_log": False,
+                   "loop": "auto", "http": "auto"}
         try:
-            uvicorn.run(create_app(settings, engine), host=bind_host, port=bind_port, log_level="warning")
+            if worker_count == 1:
+                uvicorn.run(create_app(settings, engine), **options)
+            else:
+                # the workers are spawned: they read the database (embedded or not) from the environment
+                os.environ["DATABASE_URL"] = engine.url.render_as_string(hide_password=False)
+                uvicorn.run("api.main:app_from_environment", factory=True, workers=worker_count, **options)
         finally:
             if background is not None:
                 background.shutdown(wait=False)

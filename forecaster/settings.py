@@ -20,6 +20,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+#: Most ``prewarm serve`` worker processes (``PREWARM_API_WORKERS``), and most that 'auto' picks.
+MAX_API_WORKERS = 64
+AUTO_API_WORKERS_MAX = 8
+
 PLACEHOLDER_SECRETS = frozenset({"", "changethis", "changeme", "secret", "token"})
 
 #: Action kinds each single actuator backend can carry out: what ``PREWARM_ACTUATOR_ROUTES`` is checked against.
@@ -138,6 +142,10 @@ class Settings(BaseSettings):
     coldstart_metrics_max_models: int = Field(
         default=1000, ge=0, le=100_000,
         description="/metrics cold-start gauges cover at most this many models (those with a forecast, by id).")
+    api_workers: int | Literal["auto"] = Field(
+        default=1,
+        description="Worker processes of `prewarm serve` (1 to 64), each with its own forecast snapshot; 'auto' = "
+                    "one per CPU core this process may use, at most 8. /metrics then reports one worker per scrape.")
 
     # --- scheduler ------------------------------------------------------
     ingest_interval_s: int = Field(default=60, ge=1)
@@ -308,6 +316,24 @@ class Settings(BaseSettings):
                 f"must be a PostgreSQL URL (postgresql://user@host:port/db), got {value!r}"
             )
         return value
+
+    @field_validator("api_workers", mode="before")
+    @classmethod
+    def _workers(cls, value: object) -> int | str:
+        spelled = str(value).strip().lower()
+        if spelled == "auto":
+            return "auto"
+        if isinstance(value, bool) or not spelled.isdigit() or not 1 <= int(spelled) <= MAX_API_WORKERS:
+            raise ValueError(f"must be a whole number from 1 to {MAX_API_WORKERS} or 'auto', got {value!r}")
+        return int(spelled)
+
+    @property
+    def api_worker_count(self) -> int:
+        """``api_workers`` as a number: 'auto' is one per usable CPU core, at most :data:`AUTO_API_WORKERS_MAX`."""
+        if self.api_workers != "auto":
+            return int(self.api_workers)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, min(cores, AUTO_API_WORKERS_MAX))
 
     @field_validator("dask_scheduler_address")
     @classmethod
