@@ -125,7 +125,7 @@ class ForecastFloor:
             await asyncio.to_thread(snapshot.refresh_if_due)
         view = snapshot.get(model_id)
         if view is None and snapshot.healthy:
-            await asyncio.to_thread(snapshot.refresh)  # registered since the last refresh?
+            await asyncio.to_thread(snapshot.refresh, wait=True)  # registered since the last refresh?
             view = snapshot.get(model_id)
         if view is None:
             if snapshot.healthy:

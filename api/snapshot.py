@@ -49,6 +49,8 @@ from forecaster.store.nodecache import warmest_cached_states
 
 log = logging.getLogger(__name__)
 
+#: Longest a request for a model not held waits for a refresh already running, s.
+REFRESH_WAIT_S = 10.0
 #: Longest the catalogue, node caches and lead times held go unread while nothing else says they changed, s.
 #: Node caches and free GPUs change with the plan job's actions, once a minute, as forecast runs land (each of
 #: which reads them again); this bound is for when no run lands. At 100,000 models one reading costs about
@@ -91,12 +93,17 @@ class ForecastSnapshot:
     _fleet_key: tuple | None = None
     _prepared_inputs: dict[str, tuple] = field(default_factory=dict)  # what each prepared body was made from
 
-    def refresh(self) -> bool:
+    def refresh(self, *, wait: bool = False) -> bool:
         """Load catalogue changes and forecast runs newer than the newest seen. False if the database is away.
 
-        Single-flight: while one refresh runs, another caller returns at once with what is held.
+        Single-flight: while one refresh runs, another caller returns at once with what is held; with
+        ``wait`` (a request for a model not held: registered since?) it waits for that refresh to end, at most
+        :data:`REFRESH_WAIT_S`, and then refreshes itself, so that a model registered through another worker
+        is never answered 404 because the background refresh had started just before.
         """
-        if not self._refreshing.acquire(blocking=False):
+        acquired = (self._refreshing.acquire(timeout=REFRESH_WAIT_S) if wait
+                    else self._refreshing.acquire(blocking=False))
+        if not acquired:
             return self.healthy
         try:
             return self._refresh()

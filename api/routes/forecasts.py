@@ -96,7 +96,7 @@ async def get_recommendation(model_id: str, request: Request, settings: Settings
         await run_in_threadpool(snapshot.refresh_if_due)
     view = snapshot.get(model_id)
     if view is None and snapshot.healthy:
-        await run_in_threadpool(snapshot.refresh)  # registered since the last refresh?
+        await run_in_threadpool(snapshot.refresh, wait=True)  # registered since the last refresh?
         view = snapshot.get(model_id)
     if view is None:
         if snapshot.healthy:
