@@ -138,8 +138,9 @@ def test_the_page_renders_offline_and_shows_the_json_numbers(seeded):
             assert raw == "" and shown == "-"
             continue
         assert float(raw) == pytest.approx(value, rel=1e-12, abs=1e-12)
-        if fmt_name == "fmt_float":
-            assert float(shown.replace(",", "")) == pytest.approx(value, abs=0.0005 + 1e-9)
+        if fmt_name.startswith("fmt_float"):
+            decimals = len(shown.split(".")[1]) if "." in shown else 0
+            assert float(shown.replace(",", "")) == pytest.approx(value, abs=0.5 * 10 ** -decimals + 1e-9)
         else:
             assert shown == getattr(report_html, fmt_name)(value)
 

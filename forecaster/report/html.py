@@ -23,11 +23,15 @@ def _colour(policy: str) -> str:
 
 
 def fmt_count(v) -> str:
-    return "-" if v is None else f"{int(round(v)):,}"
+    return "-" if v is None else f"{round(v):,}"
 
 
 def fmt_float(v, digits: int = 1) -> str:
     return "-" if v is None else f"{v:,.{digits}f}"
+
+
+def fmt_float2(v) -> str:
+    return fmt_float(v, 2)
 
 
 def fmt_bytes(v) -> str:
@@ -52,7 +56,7 @@ def _cell(numbers: dict, path: list, fmt=fmt_count, tag: str = "td", cls: str = 
 def _policy_table(numbers: dict) -> str:
     columns = (("requests", "requests", fmt_count), ("cold_requests", "cold-start requests", fmt_count),
                ("cold_pct_overall", "cold %", fmt_pct), ("cold_pct_p75", "p75 model cold %", fmt_pct),
-               ("wait_p50_s", "wait p50 s", lambda v: fmt_float(v, 2)), ("wait_p99_s", "wait p99 s", fmt_float),
+               ("wait_p50_s", "wait p50 s", fmt_float2), ("wait_p99_s", "wait p99 s", fmt_float),
                ("gpu_seconds", "GPU-seconds", fmt_count), ("wasted_gpu_seconds", "idle GPU-seconds", fmt_count),
                ("bytes_registry", "image bytes", fmt_bytes), ("bytes_object_store", "weight bytes", fmt_bytes),
                ("replica_starts", "replica starts", fmt_count))
@@ -91,8 +95,9 @@ def _model_table(numbers: dict) -> str:
             + "<th>bytes prewarm</th><th>forecast WAPE</th><th>in 80 % band</th>")
     rows = []
     for i, row in enumerate(numbers["models"]):
-        cells = [f'<td class="model"><a href="#" data-model="{html.escape(row["model_id"], quote=True)}">'
-                 f'{html.escape(row["model_id"])}</a></td>', _cell(numbers, ["models", i, "requests"])]
+        link = (f'<td class="model"><a href="#" data-model="{html.escape(row["model_id"], quote=True)}">'
+                f'{html.escape(row["model_id"])}</a></td>')
+        cells = [link, _cell(numbers, ["models", i, "requests"])]
         cells += [_cell(numbers, ["models", i, "cold_requests", p]) for p in policies]
         cells += [_cell(numbers, ["models", i, "avoided_vs_reactive"]),
                   _cell(numbers, ["models", i, "avoided_vs_keepalive"])]
@@ -193,6 +198,7 @@ def render(numbers: dict) -> str:
     options = "".join(f'<option value="{html.escape(m["model_id"], quote=True)}">{html.escape(m["model_id"])} '
                       f'({m["requests"]:,} requests)</option>' for m in numbers["models"])
     bin_min = numbers["series"]["bin_min"]
+    per = "minute" if bin_min == 1 else f"{bin_min} minutes"
     keep = next(p for p in numbers["policies"] if p.startswith("keepalive"))
     stages = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in info["stage_seconds"].items())
     fit = (f"fitted at {html.escape(fc['first_fit_at'] or '')} ({fc['retrains']} fit(s))" if fc["first_fit_at"]
@@ -217,8 +223,8 @@ actuator's guardrails of the plan job); reactive: {html.escape(info['policies'][
 model had no ready replica. GPU-seconds: GPUs held (placed to released); bytes: image pulls from registries and weight
 fetches from object stores, pre-pulls and pre-loads included.</p>
 {_policy_table(numbers)}</section>
-<section><h2>Cold-start requests per {bin_min} minutes</h2><div class="chart" id="chart-cold"></div>
-<h2>GPU-seconds held per {bin_min} minutes</h2><div class="chart" id="chart-gpu"></div></section>
+<section><h2>Cold-start requests per {per}</h2><div class="chart" id="chart-cold"></div>
+<h2>GPU-seconds held per {per}</h2><div class="chart" id="chart-gpu"></div></section>
 <section id="forecast"><h2>Forecast vs actual</h2>
 <p class="note">The forecast prewarm planned with, issued {fc['ahead_min']} minutes before each minute: the product's
 ensemble, {fit}; {fc['minutes_from_ensemble']:,} scored minutes from the ensemble,

@@ -31,13 +31,12 @@ import pandas as pd
 from forecaster.contracts.forecast import quantile_column
 from forecaster.planning.forecasts import CountPanel
 from forecaster.planning.step import planner_settings, waste_budget
+from forecaster.report.history import History
 from forecaster.settings import Settings
 from forecaster.simulation.engine import FleetSimulator, SimResult
 from forecaster.simulation.policies import KeepAlivePolicy, KnativePolicy, PlannerPolicy
 from forecaster.simulation.runner import ForecastSources, LatencyInput, summary_table
 from forecaster.simulation.workload import Workload
-
-from forecaster.report.history import History
 
 log = logging.getLogger(__name__)
 
