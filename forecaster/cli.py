@@ -508,6 +508,77 @@ def simulate_cmd(
         as_json.write_text(json.dumps({"trace": trace.name, "policies": table}, indent=1, default=float))
 
 
+@app.command("report")
+def report_cmd(
+    since: Annotated[str, typer.Option(help="Start of the window: a duration before --until (7d, 36h, 90m, 2w) or "
+                                            "an ISO 8601 time (UTC when no zone).")] = "7d",
+    until: Annotated[Optional[str], typer.Option(help="End of the window (default: the end of the newest stored "
+                                                      "data, or now if that is earlier).")] = None,
+    models: Annotated[Optional[str], typer.Option(help="Comma-separated model ids (default: the whole catalogue).")]
+    = None,
+    out: Annotated[Path, typer.Option(help="The HTML file to write.", dir_okay=False)] = Path("report.html"),
+    as_json: Annotated[Optional[Path], typer.Option("--json", help="Also write the numbers here as JSON.",
+                                                     dir_okay=False)] = None,
+    keepalive_min: Annotated[int, typer.Option(help="Minutes of the fixed keep-alive baseline.", min=1)] = 10,
+    history_min: Annotated[int, typer.Option(help="Minutes of stored history before the window the forecaster's "
+                                                  "first fit learns from.", min=60)] = 1440,
+    retrain_every_min: Annotated[Optional[int], typer.Option(
+        help="Refit the ensemble every N simulated minutes, as production's nightly retrain (default: fit once).",
+        min=60)] = None,
+    nodes: Annotated[Optional[int], typer.Option(help="Simulated GPU nodes (default: the store's nodes).", min=1)]
+    = None,
+    gpus_per_node: Annotated[Optional[int], typer.Option(help="GPUs per simulated node.", min=1)] = None,
+) -> None:
+    """Replay the stored history of your models through the simulator and write one self-contained HTML report.
+
+    prewarm (the product's default forecaster and planner settings) against the reactive autoscaler and a fixed
+    keep-alive on the same requests and simulated cluster: cold-start requests avoided, GPU-seconds and bytes
+    spent, forecast vs actual per model, with plots. See docs/report.md.
+    """
+    import time
+
+    from forecaster.report.history import ReportError, load_history
+    from forecaster.report.html import write_report
+    from forecaster.report.numbers import build_numbers
+    from forecaster.report.replay import replay
+
+    settings = _settings()
+    stages: dict[str, float] = {}
+    wanted = [m for m in models.split(",")] if models else None
+    if wanted is not None and not any(m.strip() for m in wanted):
+        _fail(f"--models {models!r}: no model id given", 2)
+    echo = lambda line: typer.echo(line, err=True)  # noqa: E731
+    with _database(settings) as engine:
+        started = time.perf_counter()
+        try:
+            history = load_history(engine, since=since, until=until, models=wanted, history_min=history_min,
+                                   default_cold_cost=settings.planner_cold_cost, nodes=nodes,
+                                   gpus_per_node=gpus_per_node, now=_now())
+        except ReportError as exc:
+            _fail(str(exc), 2)
+        stages["read_store_s"] = time.perf_counter() - started
+    echo(f"window {history.since:%Y-%m-%d %H:%M} .. {history.until:%Y-%m-%d %H:%M} UTC: {len(history.ids)} models, "
+         f"{int(history.counts[:, history.since_col:].sum()):,} requests, {history.since_col:,} minutes of history "
+         f"before it ({stages['read_store_s']:.1f} s)")
+    run = replay(history, settings, keepalive_min=keepalive_min, history_min=history_min,
+                 retrain_every_min=retrain_every_min, progress=echo)
+    started = time.perf_counter()
+    numbers = build_numbers(run, generated_at=_now(), stage_seconds=stages)
+    size = write_report(numbers, out)
+    write_s = time.perf_counter() - started
+    if as_json:
+        as_json.write_text(json.dumps(numbers, indent=1))
+    cmp = numbers["comparison"]
+    keep = run.keepalive
+    typer.echo(f"wrote {out} ({size / 1e6:.1f} MB)" + (f" and {as_json}" if as_json else ""))
+    typer.echo(f"cold-start requests: prewarm {numbers['policies']['prewarm']['cold_requests']:,}, reactive "
+               f"{numbers['policies']['reactive']['cold_requests']:,}, {keep} {numbers['policies'][keep]['cold_requests']:,}"
+               f"; avoided vs reactive {cmp['reactive']['cold_requests_avoided']:,}, vs {keep} "
+               f"{cmp[keep]['cold_requests_avoided']:,}")
+    typer.echo("stage seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in numbers["report"]["stage_seconds"].items())
+               + f", write_s {write_s:.1f}")
+
+
 @app.command("demo")
 def demo(
     trace: Annotated[Optional[Path], typer.Option(help="Trace to ingest (default: the shipped Azure 2019 sample).")]

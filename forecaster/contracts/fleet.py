@@ -126,18 +126,19 @@ def build_fleet(models: pd.DataFrame, nodes: pd.DataFrame, artefacts: pd.DataFra
             image (a replica elsewhere still pulls it); ``gpu`` counts as ``host``.
         transfers: pulls and fetches running: ``node_id, registry, model_id, kind, ends_at``.
     """
-    m = models.copy()
-    m.index = m.index.astype(str)
-    m.index.name = "model_id"
+    # numpy throughout: the plan job and every replayed minute build this, and per-column pandas calls cost ms each
+    index = pd.Index(models.index.astype(str), name="model_id")
+    columns = {c: models[c].to_numpy() for c in models.columns}
     for column, default in MODEL_DEFAULTS.items():
-        if column not in m.columns:
-            m[column] = default
-    m["image_ref"] = _text(m["image_ref"])
-    m["weights_uri"] = _text(m["weights_uri"])
+        if column not in columns:
+            columns[column] = np.full(len(index), default, dtype=object if default is None else None)
+    columns["image_ref"] = _text(pd.Series(columns["image_ref"]))
+    columns["weights_uri"] = _text(pd.Series(columns["weights_uri"]))
     skipped: dict[str, str] = {}
     numeric = {}
     for column in ("image_bytes", "weights_bytes", "gpus", "replica_rpm", "cold_cost", "slo_s", "replicas"):
-        numeric[column] = pd.to_numeric(m[column], errors="coerce").to_numpy(dtype="float64", copy=True)
+        numeric[column] = pd.to_numeric(pd.Series(columns[column]), errors="coerce").to_numpy(dtype="float64",
+                                                                                               copy=True)
     for column, default in (("image_bytes", 0.0), ("weights_bytes", 0.0), ("gpus", 1.0), ("replica_rpm", 60.0),
                             ("cold_cost", 1.0), ("replicas", 0.0)):
         values = numeric[column]
@@ -149,16 +150,17 @@ def build_fleet(models: pd.DataFrame, nodes: pd.DataFrame, artefacts: pd.DataFra
             bad |= values > MAX_GPUS_PER_REPLICA
         if column == "replica_rpm":
             bad |= values <= 0
-        for model_id in m.index[bad]:
-            skipped.setdefault(model_id, f"{column} {m.at[model_id, column]!r} is not usable")
-        m[column] = values
-    m["gpus"] = np.where(m["gpus"].to_numpy() == 0, 1.0, m["gpus"].to_numpy())
-    m["replicas"] = m["replicas"].to_numpy().astype(np.int64)
+        for position in np.flatnonzero(bad):
+            skipped.setdefault(index[position], f"{column} {columns[column][position]!r} is not usable")
+        columns[column] = values
+    columns["gpus"] = np.where(columns["gpus"] == 0, 1.0, columns["gpus"])
+    columns["replicas"] = columns["replicas"].astype(np.int64)
     slo = numeric["slo_s"]
-    m["slo_s"] = np.where(np.isfinite(slo) & (slo > 0), slo, np.nan)
-    if "burst_factor" in m.columns:
-        burst = pd.to_numeric(m["burst_factor"], errors="coerce").to_numpy(dtype="float64")
-        m["burst_factor"] = np.where(np.isfinite(burst) & (burst >= 1.0), burst, 1.0)
+    columns["slo_s"] = np.where(np.isfinite(slo) & (slo > 0), slo, np.nan)
+    if "burst_factor" in columns:
+        burst = pd.to_numeric(pd.Series(columns["burst_factor"]), errors="coerce").to_numpy(dtype="float64")
+        columns["burst_factor"] = np.where(np.isfinite(burst) & (burst >= 1.0), burst, 1.0)
+    m = pd.DataFrame(columns, index=index)
     if skipped:
         m = m.drop(index=list(skipped))
     n = nodes.copy()
@@ -170,26 +172,48 @@ def build_fleet(models: pd.DataFrame, nodes: pd.DataFrame, artefacts: pd.DataFra
     cache = pd.DataFrame(columns=list(CACHE_COLUMNS))
     images = pd.DataFrame(columns=list(IMAGE_COLUMNS))
     if artefacts is not None and len(artefacts):
-        a = artefacts[list(ARTEFACT_COLUMNS)].astype({"node_id": str})
-        image_rows = a[a["kind"] == "image"]
-        images = pd.DataFrame({"node_id": image_rows["node_id"].to_numpy(),
-                               "image_ref": image_rows["ref"].astype(str).to_numpy()}).drop_duplicates()
-        weights = a[(a["kind"] == "weights") & a["tier"].isin(("disk", "host", "gpu"))]
-        if len(weights) and len(m):
-            by_uri = pd.DataFrame({"model_id": m.index.to_numpy(), "ref": m["weights_uri"].to_numpy(),
-                                   "image_ref": m["image_ref"].to_numpy()}).dropna(subset=["ref"])
-            joined = weights.merge(by_uri, on="ref")
-            held = set(zip(images["node_id"], images["image_ref"]))
-            with_image = np.array([(node, ref) in held for node, ref in zip(joined["node_id"], joined["image_ref"])],
-                                  dtype=bool)
-            joined = joined[with_image]
-            state = joined["tier"].replace({"gpu": "host"})
-            cache = pd.DataFrame({"node_id": joined["node_id"].to_numpy(), "model_id": joined["model_id"].to_numpy(),
-                                  "state": state.to_numpy()})
-            # one row per (node, model): the warmest tier
-            cache = (cache.assign(rank=cache["state"].map(STATE_RANK)).sort_values("rank")
-                     .drop_duplicates(["node_id", "model_id"], keep="last").drop(columns="rank")
-                     .reset_index(drop=True))
+        images, cache = _held(artefacts, m)
     t = (pd.DataFrame(columns=list(TRANSFER_COLUMNS)) if transfers is None or not len(transfers)
          else transfers[list(TRANSFER_COLUMNS)].reset_index(drop=True))
     return FleetState(models=m, nodes=n, cache=cache, transfers=t, images=images, skipped=skipped)
+
+
+def _held(artefacts: pd.DataFrame, m: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``(images, cache)`` frames from the artefacts rows (see :func:`build_fleet`), in plain Python and numpy.
+
+    Images: one row per (node, image), first occurrence order. Cache: weights rows joined to every model with
+    that weights URI whose image the node holds, ``gpu`` counted as ``host``, then one row per (node, model):
+    the warmest tier (rows ordered by state rank, the last of equal pairs kept).
+    """
+    node = [str(v) for v in artefacts["node_id"].to_numpy()]
+    kind = artefacts["kind"].to_numpy()
+    ref = artefacts["ref"].to_numpy()
+    tier = artefacts["tier"].to_numpy()
+    pairs = dict.fromkeys((node[i], str(ref[i])) for i in range(len(node)) if kind[i] == "image")
+    images = pd.DataFrame({"node_id": [p[0] for p in pairs], "image_ref": [p[1] for p in pairs]},
+                          columns=list(IMAGE_COLUMNS))
+    if not len(m):
+        return images, pd.DataFrame(columns=list(CACHE_COLUMNS))
+    by_uri: dict[object, list[tuple[str, object]]] = {}
+    for model_id, uri, image in zip(m.index, m["weights_uri"].to_numpy(), m["image_ref"].to_numpy()):
+        if uri is not None:
+            by_uri.setdefault(uri, []).append((model_id, image))
+    held = set(pairs)
+    rows: list[tuple[str, str, str]] = []
+    for i in range(len(node)):
+        if kind[i] != "weights" or tier[i] not in ("disk", "host", "gpu"):
+            continue
+        for model_id, image in by_uri.get(ref[i], ()):
+            if (node[i], image) in held:
+                rows.append((node[i], model_id, "host" if tier[i] == "gpu" else tier[i]))
+    if not rows:
+        return images, pd.DataFrame(columns=list(CACHE_COLUMNS))
+    rank = np.array([STATE_RANK[r[2]] for r in rows])
+    ordered = [rows[k] for k in rank.argsort(kind="quicksort")]  # as pandas' sort_values orders them
+    kept, seen = [], set()
+    for row in reversed(ordered):
+        if (row[0], row[1]) not in seen:
+            seen.add((row[0], row[1]))
+            kept.append(row)
+    kept.reverse()
+    return images, pd.DataFrame(kept, columns=list(CACHE_COLUMNS))

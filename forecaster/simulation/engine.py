@@ -113,6 +113,13 @@ class SimResult:
     wall_s: float
     wait_slo_s: float
     extra: dict = field(default_factory=dict)
+    #: per model: GPU-seconds allocated, bytes pulled from registries and fetched from object stores (scored window)
+    gpu_seconds_by_model: np.ndarray | None = None
+    bytes_registry_by_model: np.ndarray | None = None
+    bytes_object_store_by_model: np.ndarray | None = None
+    #: with ``record_minutes``: (N, T) cold-start requests and (T,) GPU-seconds allocated per simulated minute
+    cold_by_minute: np.ndarray | None = None
+    gpu_seconds_by_minute: np.ndarray | None = None
 
     @property
     def wasted_gpu_seconds(self) -> float:
@@ -238,10 +245,12 @@ class FleetSimulator:
             (see :mod:`forecaster.simulation.policies`).
         config: fleet settings.
         progress: called with the fraction done about every 5%.
+        record_minutes: also keep cold-start requests per model and minute and GPU-seconds per minute (the
+            advisory report's time series; ``N x T`` floats, so off by default).
     """
 
     def __init__(self, workload: Workload, models: pd.DataFrame, policy, config: FleetConfig = FleetConfig(),
-                 progress: Callable[[float], None] | None = None):
+                 progress: Callable[[float], None] | None = None, record_minutes: bool = False):
         self.workload = workload
         self.models = models.loc[list(workload.ids)] if list(models.index) != list(workload.ids) else models
         self.policy = policy
@@ -307,6 +316,12 @@ class FleetSimulator:
         self.gpu_unavailable = 0
         self.cold = np.zeros(n)
         self.requests = np.zeros(n)
+        self.gpu_seconds_model = np.zeros(n)
+        self.bytes_registry_model = np.zeros(n)
+        self.bytes_object_store_model = np.zeros(n)
+        n_minutes = int(math.ceil(workload.duration_s / 60.0))
+        self.cold_minute = np.zeros((n, n_minutes), dtype=np.float32) if record_minutes else None
+        self.gpu_minute = np.zeros(n_minutes) if record_minutes else None
         self._backlog: list[tuple[float, np.ndarray, np.ndarray, np.ndarray]] = []
         self.events: list[dict] = []
         self.view = SimView(self)
@@ -468,10 +483,12 @@ class FleetSimulator:
             source, size = self.registry[model], self.image_bytes[model]
             if self.scored(self.now):
                 self.bytes_registry += size
+                self.bytes_registry_model[model] += size
         elif kind == "weights":
             source, size = self.bucket[model], self.weights_bytes[model]
             if self.scored(self.now):
                 self.bytes_object_store += size
+                self.bytes_object_store_model[model] += size
         else:
             source, size = None, self.weights_bytes[model]
         t = Transfer(tid=next(self._tid), node=node, kind=kind, key=key, source=source, total=size, left=size,
@@ -822,9 +839,16 @@ class FleetSimulator:
             self.last_served_at = np.where(served > 0, self.now, self.last_served_at)
             if scored:
                 self.requests += arrivals
-                self.cold += np.where(self.ready == 0, arrivals, 0.0)
-                self.gpu_seconds += float(((self.ready + self.starting) * self.gpus).sum()) * dt
+                cold = np.where(self.ready == 0, arrivals, 0.0)
+                self.cold += cold
+                held = (self.ready + self.starting) * self.gpus
+                self.gpu_seconds += float(held.sum()) * dt
+                self.gpu_seconds_model += held * dt
                 self.busy_gpu_seconds += float((served * self.gpus / self.rps).sum())
+                if self.cold_minute is not None:
+                    minute = int(self.now // 60)
+                    self.cold_minute[:, minute] += cold
+                    self.gpu_minute[minute] += float(held.sum()) * dt
             if self.progress is not None and (tick + 1) / n_ticks >= next_report:
                 self.progress((tick + 1) / n_ticks)
                 next_report += 0.05
@@ -845,7 +869,12 @@ class FleetSimulator:
                          bytes_registry=self.bytes_registry, bytes_object_store=self.bytes_object_store,
                          peak_concurrent_pulls=self.peak_pulls, replica_starts=self.replica_starts,
                          gpu_unavailable=self.gpu_unavailable, events=events,
-                         wall_s=time.perf_counter() - self._started, wait_slo_s=self.config.wait_slo_s)
+                         wall_s=time.perf_counter() - self._started, wait_slo_s=self.config.wait_slo_s,
+                         gpu_seconds_by_model=self.gpu_seconds_model.copy(),
+                         bytes_registry_by_model=self.bytes_registry_model.copy(),
+                         bytes_object_store_by_model=self.bytes_object_store_model.copy(),
+                         cold_by_minute=None if self.cold_minute is None else self.cold_minute.copy(),
+                         gpu_seconds_by_minute=None if self.gpu_minute is None else self.gpu_minute.copy())
 
     def _waits(self) -> tuple[np.ndarray, np.ndarray]:
         """Per scored request, seconds from arrival to service start (FIFO per model, fluid within a tick)."""

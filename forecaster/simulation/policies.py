@@ -116,6 +116,17 @@ class HybridHistogram:
 # --------------------------------------------------------------------------- fleet policies
 
 
+def _model_column(policy, view: SimView, column: str) -> np.ndarray:
+    """``view.models[column]`` as float64, read once per models table (a pandas column read costs more than the
+    rest of a tick's decision, and the table does not change during a run)."""
+    cache = policy.__dict__.setdefault("_columns", {})
+    models = view.models
+    held = cache.get(column)
+    if held is None or held[0] is not models:
+        held = cache[column] = (models, models[column].to_numpy(dtype="float64"))
+    return held[1]
+
+
 def _replicas_for(counts_per_min: np.ndarray, rps: np.ndarray) -> np.ndarray:
     """Replicas a minute's requests keep busy: ceil(count / (rps * 60)), at least 1 when any."""
     return np.where(counts_per_min > 0, np.maximum(1, np.ceil(counts_per_min / (rps[:, None] * 60.0))), 0)
@@ -135,7 +146,7 @@ class KeepAlivePolicy:
         self._window_need: np.ndarray | None = None
 
     def decide(self, view: SimView) -> Decision:
-        rps = view.models["replica_rps"].to_numpy(dtype="float64")
+        rps = _model_column(self, view, "replica_rps")
         if view.minute != self._minute:
             self._minute = view.minute
             window = view.counts[:, max(0, view.minute - self.minutes):view.minute]
@@ -204,10 +215,9 @@ class KnativePolicy:
         self._desired: np.ndarray | None = None
 
     def decide(self, view: SimView) -> Decision:
-        models = view.models
-        n = len(models)
-        rps = models["replica_rps"].to_numpy(dtype="float64")
-        request_s = models["request_s"].to_numpy(dtype="float64")
+        n = len(view.models)
+        rps = _model_column(self, view, "replica_rps")
+        request_s = _model_column(self, view, "request_s")
         if self._samples is None:
             self._samples = np.zeros((n, self.stable_n))
             self._panic_until = np.full(n, -1.0)

@@ -1,0 +1,205 @@
+"""Replay the report's history through the fleet simulator: prewarm, the reactive autoscaler and a keep-alive.
+
+*prewarm* is the product as configured (``Settings``: the planner settings of the plan job, its cold cost per
+model from the catalogue label ``cold_cost`` or ``PREWARM_PLANNER_COLD_COST``, its waste budget if one is set,
+the actuator's guardrails) planning once a minute with the plan step the plan job calls, from the product's
+forecaster: the default ensemble (:class:`~forecaster.planning.ensemble_source.EnsembleForecast`), fitted causally
+on the history before its first fit minute and, before that minute, the causal empirical source (as every replay
+does). *reactive* is Knative's KPA and *keep-alive* a fixed keep-alive of ``keepalive_min`` minutes, the
+simulator's own baselines. All three serve the same requests (each minute's count spread uniformly within it,
+seed 0) on the same simulated cluster, from ``WARMUP_MIN`` unscored minutes before the window.
+
+Causality: a fit at minute ``r`` sees minutes before ``r`` only, and the forecast at each minute ``o`` conditions
+on minutes before ``o`` (:mod:`forecaster.planning.ensemble_source`). By default the ensemble is fitted once (on
+up to ``history_min`` minutes before the window, or on the window's first ``history_min`` minutes when the store
+holds nothing earlier); production retrains nightly, which ``retrain_every_min=1440`` replays at the cost of one
+fit per simulated day on a growing window.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import pandas as pd
+
+from forecaster.contracts.forecast import quantile_column
+from forecaster.planning.forecasts import CountPanel
+from forecaster.planning.step import planner_settings, waste_budget
+from forecaster.report.history import History
+from forecaster.settings import Settings
+from forecaster.simulation.engine import FleetSimulator, SimResult
+from forecaster.simulation.policies import KeepAlivePolicy, KnativePolicy, PlannerPolicy
+from forecaster.simulation.runner import ForecastSources, LatencyInput, summary_table
+from forecaster.simulation.workload import Workload
+
+log = logging.getLogger(__name__)
+
+#: unscored minutes every policy serves before the window, so that none starts scoring from an empty cluster
+WARMUP_MIN = 10
+#: the forecast the report draws against the actual counts: the one the planner got this many minutes ahead
+FORECAST_AHEAD_MIN = 5
+#: the levels the report keeps of each forecast (median and the 80 % band)
+SHOWN_LEVELS = (0.1, 0.5, 0.9)
+
+
+class RecordingSource:
+    """The planner's forecast source, unchanged, keeping per target minute the forecast issued ``ahead_min``
+    minutes before it (its levels :data:`SHOWN_LEVELS`), and which source answered (ensemble or empirical)."""
+
+    def __init__(self, source, panel: CountPanel, ahead_min: int = FORECAST_AHEAD_MIN) -> None:
+        self.source = source
+        self.panel = panel
+        self.ahead_min = ahead_min
+        n, t = panel.counts.shape
+        self.values = {level: np.full((n, t), np.nan, dtype=np.float32) for level in SHOWN_LEVELS}
+        self.by_ensemble = np.zeros(t, dtype=bool)
+        self.recorded = np.zeros(t, dtype=bool)
+
+    def __getattr__(self, name):  # retrains, report() ... of the wrapped source
+        return getattr(self.source, name)
+
+    def quantiles(self, now, horizon_min: int) -> pd.DataFrame:
+        frame = self.source.quantiles(now, horizon_min)
+        k = self.ahead_min - 1
+        col = self.panel.minute_index(now)
+        target = col + k
+        n = len(self.panel.ids)
+        if k < horizon_min and 0 <= target < self.panel.n_minutes and len(frame) == n * horizon_min:
+            for level in SHOWN_LEVELS:
+                self.values[level][:, target] = frame[quantile_column(level)].to_numpy(
+                    dtype="float64").reshape(n, horizon_min)[:, k]
+            fit_minute = getattr(self.source, "fit_minute", None)
+            self.by_ensemble[target] = fit_minute is not None and fit_minute(col) is not None
+            self.recorded[target] = True
+        return frame
+
+
+class CataloguePlanner(PlannerPolicy):
+    """:class:`PlannerPolicy` with the plan job's cold cost per model (catalogue label, else the setting)."""
+
+    def __init__(self, *args, cold_costs: np.ndarray, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.cold_costs = np.asarray(cold_costs, dtype="float64")
+
+    def model_frame(self, view) -> pd.DataFrame:
+        frame = super().model_frame(view)
+        frame["cold_cost"] = self.cold_costs
+        return frame
+
+
+@dataclass
+class Replay:
+    """What the three replays measured, and the forecasts prewarm planned with."""
+
+    history: History
+    results: dict[str, SimResult]
+    table: dict[str, dict]
+    forecasts: RecordingSource
+    workload_start_col: int
+    keepalive: str
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    fit_minute: int | None = None
+
+
+def _first_fit(since_col: int, history_min: int, min_train_min: int) -> int:
+    """Column of the ensemble's first fit: the window's start when the store holds at least the ensemble's minimum
+    history before it, else ``history_min`` minutes into the data (the window's first minutes then plan from the
+    causal empirical source)."""
+    return since_col if since_col >= min_train_min else max(since_col, history_min)
+
+
+def _baselines(workload: Workload, models: pd.DataFrame, config, keepalive_min: int) -> tuple[dict, dict]:
+    """The reactive and keep-alive replays, and their seconds."""
+    results, seconds = {}, {}
+    for name, policy in (("reactive", KnativePolicy()), (f"keepalive_{keepalive_min}", KeepAlivePolicy(keepalive_min))):
+        started = time.perf_counter()
+        results[name] = FleetSimulator(workload, models, policy, config, record_minutes=True).run()
+        seconds[f"simulate_{name}_s"] = time.perf_counter() - started
+    return results, seconds
+
+
+def replay(history: History, settings: Settings, *, keepalive_min: int = 10, history_min: int = 1440,
+           retrain_every_min: int | None = None, members=None, parallel: bool | None = None,
+           progress: Callable[[str], None] | None = None) -> Replay:
+    """Replay prewarm, reactive and keep-alive on ``history`` (see the module docstring).
+
+    Args:
+        settings: the product settings (planner, budget, guardrails, ensemble build).
+        keepalive_min: minutes of the fixed keep-alive baseline.
+        history_min: history the first fit learns from (see :func:`_first_fit`).
+        retrain_every_min: minutes between refits (None: fitted once).
+        members: ensemble members instead of the product default (tests of the plumbing only; the CLI never sets
+            it).
+        parallel: replay the baselines in a forked second process (default: when the machine has 2 or more
+            cores and can fork); the results are the same either way.
+        progress: called with a line per stage.
+    """
+    if parallel is None:
+        parallel = (os.cpu_count() or 1) >= 2 and "fork" in multiprocessing.get_all_start_methods()
+    say = progress or log.info
+    stages: dict[str, float] = {}
+    n_cols = history.counts.shape[1]
+    sim_from = max(0, history.since_col - WARMUP_MIN)
+    source_panel = CountPanel(ids=history.ids, start=history.start, counts=history.counts)
+    sim_panel = CountPanel(ids=history.ids, start=history.start + pd.Timedelta(minutes=sim_from),
+                           counts=history.counts[:, sim_from:])
+    workload = Workload.from_counts(sim_panel, spread="uniform", seed=0)
+    config = replace(history.fleet, score_from_s=60.0 * (history.since_col - sim_from))
+    models = history.models.loc[list(history.ids)]
+    min_train = 4 * settings.forecast_horizon_min
+    fit_col = _first_fit(history.since_col, history_min, min_train)
+    sources = ForecastSources(source_panel, train_until_min=fit_col,
+                              retrain_every_min=retrain_every_min or n_cols + 1, members=members, settings=settings,
+                              progress=lambda line: log.debug(line))
+    ensemble = sources.get("ensemble")
+    keepalive = f"keepalive_{keepalive_min}"
+    baselines = None
+    if parallel:
+        # the baselines need no forecast: a forked child replays them while this process fits and forecasts (forked
+        # before any LightGBM or torch thread pool exists, so the child starts clean)
+        pool = multiprocessing.get_context("fork").Pool(1)
+        baselines = pool.apply_async(_baselines, (workload, models, config, keepalive_min))
+        pool.close()
+    started = time.perf_counter()
+    if ensemble.schedule:
+        say(f"fitting the ensemble at minute {fit_col} on {min(fit_col, settings.train_window_min)} minutes before "
+            "it, then forecasting every replayed minute")
+        ensemble.precompute()
+    stages["forecast_s"] = time.perf_counter() - started
+    recording = RecordingSource(ensemble, source_panel)
+    product_planner = planner_settings(settings)
+    prewarm = CataloguePlanner(recording, LatencyInput(config), product_planner, name="prewarm",
+                               cold_cost=settings.planner_cold_cost, normalise_by_rate=False, product=settings,
+                               budget=waste_budget(settings), cold_costs=history.cold_cost)
+    started = time.perf_counter()
+    say(f"replaying {workload.duration_s / 60:.0f} minutes of {workload.n_models} models under prewarm"
+        + (" (reactive and keep-alive in a second process)" if parallel else ""))
+    results: dict[str, SimResult] = {
+        "prewarm": FleetSimulator(workload, models, prewarm, config, record_minutes=True).run()}
+    stages["simulate_prewarm_s"] = time.perf_counter() - started
+    started = time.perf_counter()
+    other, seconds = baselines.get() if baselines is not None else _baselines(workload, models, config, keepalive_min)
+    results.update(other)
+    if baselines is not None:
+        pool.join()
+        stages["wait_for_baselines_s"] = time.perf_counter() - started
+    stages.update(seconds)
+    s = prewarm.summaries
+    results["prewarm"].extra.update(
+        sources.report("ensemble"),
+        plans={"plans": len(s), "late": int(sum(x["late"] for x in s)),
+               "actions_by_kind": {k: int(sum(x["by_kind"].get(k, 0) for x in s))
+                                   for k in ("prepull", "preload", "scale", "release")}},
+        guardrail_refusals=prewarm.actuation.report().get("guardrail_refusals", {}) if prewarm.actuation else {})
+    table = summary_table(results, baseline=keepalive)
+    for name, result in results.items():
+        table[name]["cold_requests"] = int(result.cold_requests.sum())
+        table[name]["bytes_total"] = float(result.bytes_registry + result.bytes_object_store)
+    return Replay(history=history, results=results, table=table, forecasts=recording, workload_start_col=sim_from,
+                  keepalive=keepalive, stage_seconds=stages, fit_minute=fit_col if ensemble.schedule else None)
