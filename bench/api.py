@@ -103,14 +103,14 @@ def model_ids(n_models: int) -> list[str]:
     return [f"model-{i:06d}" for i in range(n_models)]
 
 
-def prepare(admin_url: str, n_models: int) -> tuple[str, str]:
-    """A fresh database ``bench_api`` with ``n_models`` models, one 60-minute run each, and a read token."""
+def prepare(admin_url: str, n_models: int, *, database: str = "bench_api") -> tuple[str, str]:
+    """A fresh ``database`` with ``n_models`` models, one 60-minute run each, and a read token."""
     admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
-        conn.execute(text("DROP DATABASE IF EXISTS bench_api WITH (FORCE)"))
-        conn.execute(text("CREATE DATABASE bench_api"))
+        conn.execute(text(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+        conn.execute(text(f"CREATE DATABASE {database}"))
     admin.dispose()
-    url = make_url(admin_url).set(database="bench_api").render_as_string(hide_password=False)
+    url = make_url(admin_url).set(database=database).render_as_string(hide_password=False)
     engine = make_engine(url)
     upgrade(engine)
     rng = np.random.default_rng(7)
@@ -220,7 +220,8 @@ def wrk(base: str, token: str, n_models: int, connections: int, seconds: float, 
     """One closed-loop ``wrk -t1`` run; requests/s and latency percentiles (ms) from its Lua ``done``."""
     env = {**os.environ, "BENCH_MODELS": str(n_models), "BENCH_TOKEN": token}
     out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--latency", "--timeout", "5s",
-                          "-s", str(script), base], env=env, capture_output=True, text=True, timeout=seconds + 60, check=False)
+                          "-s", str(script), base], env=env, capture_output=True, text=True, timeout=seconds + 60,
+                         check=False)
     line = next((x for x in out.stdout.splitlines() if x.startswith("BENCH_JSON ")), None)
     if out.returncode != 0 or line is None:
         raise RuntimeError(f"wrk failed ({out.returncode}): {out.stdout[-500:]} {out.stderr[-500:]}")

@@ -5,7 +5,7 @@ Usage:
 
 How the fleet is built: a fresh database (embedded PostgreSQL unless PREWARM_BENCH_ADMIN_URL names a server) gets
 N synthetic models (``model-000000``...; ``replica_rps`` uniform in 0.5..20, seed 7) and one 60-minute forecast run
-each, issued now (level gamma(1, 50) requests per minute times a slow sine, q0.1/q0.5/q0.9 at 0.7/1/1.4 of it):
+each, issued now (level gamma(1, 50) requests per minute times a slow sine, q0.1..q0.99 at 0.7..1.9 of it):
 the shape of ``bench/api.py``'s fleet. ``prewarm serve --no-scheduler`` then runs as its own process with
 ``PREWARM_KEDA_GRPC_PORT`` set, so the gRPC scaler and the REST API answer from the one in-memory snapshot of the
 same process, as in production.
@@ -31,10 +31,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,9 +45,6 @@ from pathlib import Path
 import grpc
 import httpx
 import numpy as np
-import pandas as pd
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -55,10 +52,7 @@ sys.path.insert(0, str(REPO))
 from api.keda_scaler import METRIC_NAME  # noqa: E402
 from api.proto import externalscaler_pb2 as pb  # noqa: E402
 from api.proto import externalscaler_pb2_grpc as pb_grpc  # noqa: E402
-from forecaster.store.catalog import ServingModelSpec, upsert_models  # noqa: E402
-from forecaster.store.db import embedded_server, make_engine, upgrade  # noqa: E402
-from forecaster.store.forecasts import write_forecasts  # noqa: E402
-from forecaster.store.tokens import create_token  # noqa: E402
+from forecaster.store.db import embedded_server  # noqa: E402
 
 DATABASE = "bench_keda"
 #: Streams opened at once. grpcio 1.85's server cancels about a quarter of a burst of 3,000 new streams on one
@@ -67,43 +61,21 @@ DATABASE = "bench_keda"
 STREAM_BATCH = 500
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _bench_api():
+    """bench/api.py (its fleet and helpers), loaded by path: ``api`` is the project's package name."""
+    spec = importlib.util.spec_from_file_location("bench_api", Path(__file__).with_name("api.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def model_ids(n_models: int) -> list[str]:
-    return [f"model-{i:06d}" for i in range(n_models)]
+_api = _bench_api()
+free_port, model_ids = _api.free_port, _api.model_ids
 
 
 def prepare(admin_url: str, n_models: int) -> tuple[str, str]:
-    """A fresh database with ``n_models`` synthetic models and one forecast run each; (its URL, a read token)."""
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)"))
-        conn.execute(text(f"CREATE DATABASE {DATABASE}"))
-    admin.dispose()
-    url = make_url(admin_url).set(database=DATABASE).render_as_string(hide_password=False)
-    engine = make_engine(url)
-    upgrade(engine)
-    rng = np.random.default_rng(7)
-    ids = model_ids(n_models)
-    with engine.begin() as conn:
-        for start in range(0, n_models, 2000):
-            upsert_models(conn, [ServingModelSpec(id=i, replica_rps=float(rng.uniform(0.5, 20)))
-                                 for i in ids[start:start + 2000]])
-    issued = datetime.now(timezone.utc).replace(microsecond=0)
-    minutes = pd.date_range(pd.Timestamp(issued).floor("min"), periods=60, freq="min")
-    base = rng.gamma(1.0, 50.0, size=n_models)
-    frame = pd.DataFrame({"unique_id": np.repeat(ids, 60), "ds": np.tile(minutes, n_models)})
-    level = np.repeat(base, 60) * (1 + 0.2 * np.sin(np.tile(np.arange(60), n_models) / 9))
-    frame["point"] = level
-    frame["q0.1"], frame["q0.5"], frame["q0.9"] = level * 0.7, level, level * 1.4
-    write_forecasts(engine, frame, issued_at=issued, model_version_id=None)
-    token = create_token(engine, name="bench", scopes=["read"])
-    engine.dispose()
-    return url, token
+    """bench/api.py's fleet in a database of its own: ``n_models`` models, one 60-minute run each, a read token."""
+    return _api.prepare(admin_url, n_models, database=DATABASE)
 
 
 @contextlib.contextmanager
