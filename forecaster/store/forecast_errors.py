@@ -182,7 +182,7 @@ def hour_error_sums(conn: Connection, ids: list[str], *, hour: datetime, horizon
 
 def score_hour(engine: Engine, *, hour: datetime, horizons_min: Sequence[int],
                chunk_models: int = SCORE_CHUNK_MODELS) -> HourScore:
-    """Score target hour ``hour`` for every registered model at ``horizons_min``; replaces the hour's rows.
+    """Score target hour ``hour`` for every model with runs that may target it; replaces the hour's rows.
 
     One ``REPEATABLE READ`` transaction: every chunk of models, the counts and the batch watermark are read
     from one snapshot, and the hour's old rows are deleted and the new ones written at commit, so a reader
@@ -208,13 +208,12 @@ def score_hour(engine: Engine, *, hour: datetime, horizons_min: Sequence[int],
         conn.execution_options(isolation_level="REPEATABLE READ")
         with conn.begin():
             watermark = int(conn.execute(text("SELECT coalesce(max(id), 0) FROM ingest_batches")).scalar())
-            ids = list(conn.execute(text("SELECT id FROM serving_models")).scalars())
-            ids.sort()
             lo = hour - (horizons[-1] - 1) * MINUTE
-            any_run = conn.execute(text("SELECT 1 FROM forecasts WHERE issued_at >= :lo AND issued_at < :hi "
-                                        "LIMIT 1"), {"lo": lo, "hi": hour + HOUR}).first() is not None
+            # the models with a run that may target the hour (the others score nothing): the key's index only
+            ids = sorted(conn.execute(text("SELECT DISTINCT model_id FROM forecasts WHERE issued_at >= :lo "
+                                           "AND issued_at < :hi"), {"lo": lo, "hi": hour + HOUR}).scalars())
             parts = [hour_error_sums(conn, ids[i:i + chunk_models], hour=hour, horizons_min=horizons)
-                     for i in range(0, len(ids), chunk_models)] if any_run else []
+                     for i in range(0, len(ids), chunk_models)]
             runs_read = sum(part.runs_read for part in parts)
             conn.execute(text("DELETE FROM forecast_errors WHERE hour = :hour"), {"hour": hour})
             rows, models = _write_sums(conn, hour, parts)
