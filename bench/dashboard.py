@@ -9,9 +9,13 @@ server) is filled in SQL: N models, one forecast run per model per minute for
 them), per-minute counts with coverage, cold starts and actions. The app runs
 under uvicorn in this process on loopback; each figure is the wall time of a
 full HTTP request (query, JSON encoding, transfer), after one warm-up request.
-The fleet figures are one page (50 rows, as the page asks) ranked by wMAPE (the
-default: reads every model's forecasts in the window), by model id and by cold
-starts (read the window's narrow rows only), and the page at offset N/2.
+Before the figures, the forecast_errors job (``forecaster.jobs.error_scoring``,
+the real scoring step) scores the seeded hour into the error rollup, as it
+would an hour after that hour ended; its time is reported per hour of data.
+The fleet figures are one page (50 rows, as the page asks) for every sort key
+(the error sorts read the rollup: ``error_source`` is printed with each), the
+wMAPE page at horizon 30, the page at offset N/2 and a search. ``uptime``'s load
+is printed before and after, since the machine may be shared.
 Like ``bench/scale.py`` the fleet is generated, but here in SQL (the forecast
 rows as the forecast job stores them), since only the reads are measured.
 """
@@ -37,7 +41,9 @@ from sqlalchemy.engine import make_url
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from forecaster.jobs.error_scoring import score_errors_job  # noqa: E402
 from forecaster.settings import Settings  # noqa: E402
+from forecaster.store.dashboard import FLEET_SORTS  # noqa: E402
 from forecaster.store.db import embedded_server, make_engine, upgrade  # noqa: E402
 from forecaster.store.forecasts import ensure_forecast_partitions  # noqa: E402
 from forecaster.store.partitions import ensure_partitions  # noqa: E402
@@ -125,6 +131,11 @@ def timed(client: httpx.Client, url: str, repeat: int) -> dict[str, float]:
             "bytes": size, "requests": repeat}
 
 
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages (``uptime``'s), for the record beside the figures."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
 def run(admin_url: str, args) -> dict:
     import uvicorn
 
@@ -141,12 +152,19 @@ def run(admin_url: str, args) -> dict:
     started = time.perf_counter()
     counts = fill(engine, models=args.models, runs_min=args.runs_min, week_model=True)
     fill_s = time.perf_counter() - started
-    with engine.begin() as conn:
-        conn.execute(text("ANALYZE"))
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("VACUUM ANALYZE"))  # what autovacuum does to fresh tables (index-only scans need it)
     print(f"filled in {time.perf_counter() - started:.0f} s: {counts}", flush=True)
     token = create_token(engine, name="bench", scopes=["read"])
     with tempfile.TemporaryDirectory() as tmp:
-        settings = Settings(database_url=url, data_dir=Path(tmp) / "data", models_dir=Path(tmp) / "models")
+        settings = Settings(database_url=url, data_dir=Path(tmp) / "data", models_dir=Path(tmp) / "models",
+                            error_rollup_lookback_h=1)
+        # the job's run after the seeded hour ended: it scores END - 1 h .. END at the offered horizons
+        scored = score_errors_job(engine, settings, END + timedelta(seconds=settings.error_rollup_delay_s))
+        hour = scored["scored"][0] if scored["scored"] else {}
+        print(f"forecast_errors job: scored {hour.get('hour')} at horizons {scored['horizons_min']} in "
+              f"{hour.get('seconds')} s ({hour.get('models')} models, {hour.get('runs_read')} runs read, "
+              f"{hour.get('rows')} rollup rows); load {load_average()}", flush=True)
         app = create_app(settings, engine, clock=lambda: END)
         port = free_port()
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -155,30 +173,38 @@ def run(admin_url: str, args) -> dict:
         while not server.started:
             time.sleep(0.05)
         results = {"models": args.models, "forecast_runs": counts["forecasts"], "window_min": args.window_min,
-                   "fill_s": round(fill_s, 1)}
+                   "fill_s": round(fill_s, 1), "score_hour_s": hour.get("seconds"),
+                   "score_hour_models": hour.get("models"), "score_hour_runs_read": hour.get("runs_read"),
+                   "score_horizons_min": scored["horizons_min"], "load_before": load_average()}
         try:
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60,
                               headers={"Authorization": f"Bearer {token}"}) as client:
                 base = f"/v1/fleet?horizon=5&window_min={args.window_min}&limit=50"
-                figures = (("fleet_wmape", "", "wmape"), ("fleet_h30_wmape", "&horizon=30", "wmape"),
-                           ("fleet_model_id", "&sort=model_id", "model_id"),
-                           ("fleet_cold_starts", "&sort=cold_starts", "cold_starts"),
-                           ("fleet_wmape_middle_page", f"&offset={args.models // 2}", "wmape"),
-                           ("fleet_search", "&search=model-00012&sort=model_id", "model_id"))
+                figures = ((("fleet_wmape", "", "wmape"),)
+                           + tuple((f"fleet_{key}", f"&sort={key}", key) for key in FLEET_SORTS if key != "wmape")
+                           + (("fleet_h30_wmape", "&horizon=30", "wmape"),
+                              ("fleet_wmape_middle_page", f"&offset={args.models // 2}", "wmape"),
+                              ("fleet_search", "&search=model-00012&sort=model_id", "model_id"),
+                              ("fleet_search_wmape", "&search=model-00012", "wmape")))
                 for name, query, sort in figures:
                     if sort not in args.fleet_sorts.split(","):
                         continue
                     url = base.replace("horizon=5&", "") + query if "horizon=" in query else base + query
                     figure = timed(client, url, args.repeat)
+                    figure["error_source"] = client.get(url).json()["error_source"]
                     results[name] = figure
                     print(f"GET {url} ({args.models} models): p50 {figure['p50_ms']} ms, p95 {figure['p95_ms']} ms, "
-                          f"max {figure['max_ms']} ms, {figure['bytes']} bytes", flush=True)
+                          f"max {figure['max_ms']} ms, {figure['bytes']} bytes, errors from "
+                          f"{figure['error_source']}", flush=True)
                 week = (f"/v1/models/model-000001/series?horizon=5&start={(END - timedelta(days=7)).isoformat()}"
                         f"&end={END.isoformat()}").replace("+", "%2B")
                 figure = timed(client, week, max(5, args.repeat // 2))
                 results["series_week"] = figure
                 print(f"GET /v1/models/model-000001/series (10,080 minutes): p50 {figure['p50_ms']} ms, "
                       f"p95 {figure['p95_ms']} ms, max {figure['max_ms']} ms, {figure['bytes']} bytes", flush=True)
+                results["load_after"] = load_average()
+                print(f"load before {results['load_before']}, after {results['load_after']} (1/5/15 min)",
+                      flush=True)
         finally:
             server.should_exit = True
             thread.join(timeout=10)
@@ -192,8 +218,8 @@ def main() -> None:
     parser.add_argument("--runs-min", type=int, default=60, help="minutes of forecast runs per model")
     parser.add_argument("--window-min", type=int, default=60)
     parser.add_argument("--repeat", type=int, default=20)
-    parser.add_argument("--fleet-sorts", default="wmape,model_id,cold_starts",
-                        help="fleet sort keys to measure (wmape reads every model's forecasts in the window)")
+    parser.add_argument("--fleet-sorts", default=",".join(FLEET_SORTS),
+                        help="fleet sort keys to measure (default all; the error sorts read the error rollup)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     external = os.environ.get("PREWARM_BENCH_ADMIN_URL")

@@ -113,6 +113,17 @@ class Settings(BaseSettings):
     invocations_retention_days: int = Field(
         default=400, ge=1, description="Days after which invocations and their coverage are dropped entirely.")
     retention_interval_s: int = Field(default=3600, ge=60, description="How often the retention job runs.")
+    error_rollup_delay_s: int = Field(
+        default=180, ge=0, le=86_400,
+        description="Seconds after a target hour ends before the forecast_errors job scores it: its counts "
+                    "ingested and the forecast runs that target it written (the forecast job's own duration).")
+    error_rollup_lookback_h: int = Field(
+        default=24, ge=1, le=24 * 31,
+        description="Hours back the forecast_errors job scores hours never scored and re-scores hours late "
+                    "counts touched.")
+    error_rollup_retention_days: int = Field(
+        default=8, ge=1, description="Days of the error rollup kept (the fleet view's longest window is 7 days; "
+                                     "about 80 bytes per model, horizon and hour).")
 
     # --- Prometheus -----------------------------------------------------
     prometheus_url: str | None = None

@@ -27,7 +27,7 @@ from datetime import datetime, timedelta, timezone
 from enum import StrEnum
 from pathlib import Path
 
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, HTTPException, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
@@ -40,6 +40,7 @@ from forecaster.store.dashboard import (
     finite_or_none,
     known_until,
     model_exists,
+    offered_horizons_min,
     read_action_timeline,
     read_cold_starts,
     read_fleet_page,
@@ -53,8 +54,6 @@ STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 #: Longest series one request may ask for: 31 days of minutes.
 MAX_SERIES_MINUTES = 31 * 24 * 60
 MAX_HORIZON_MIN = 1440
-#: Horizons the page offers, where the store holds them (plus the longest stored one).
-HORIZON_LADDER_MIN = (1, 5, 10, 15, 30, 60, 120, 240, 480, 720, 1440)
 #: Latest window end one may ask for, after now: forecasts reach at most MAX_HORIZON_MIN ahead.
 MAX_END_AFTER_NOW = timedelta(days=1)
 MAX_FLEET_PAGE = 1000
@@ -205,6 +204,13 @@ class FleetPublic(BaseModel):
     window_min: int
     horizon_min: int
     sort: str
+    error_start: datetime = Field(description="First hour of the error figures' window: the window snapped to "
+                                              "whole hours (ending at the start of end's hour, window_min "
+                                              "rounded up to hours); cold starts and actions cover start..end.")
+    error_end: datetime = Field(description="End of the error figures' window, exclusive (a whole hour).")
+    error_source: str = Field(description="rollup: summed from the scored hours of the error rollup (the "
+                                          "forecast_errors job); runs: read from the forecast runs minute by "
+                                          "minute (a horizon or hour not scored yet; slow at fleet scale).")
     count: int = Field(description="Models matching the search in all (every page).")
     offset: int
     limit: int
@@ -301,7 +307,7 @@ def get_series(model_id: str, engine: EngineDep, settings: SettingsDep, clock: C
                horizon: int = Query(5, ge=1, le=MAX_HORIZON_MIN, description="Minutes ahead (1 = the minute "
                                                                                "the run was issued in)."),
                span_min: int = Query(1440, ge=1, le=MAX_SERIES_MINUTES,
-                                     description="Minutes before end when start is not given.")) -> SeriesPublic:
+                                     description="Minutes before end when start is not given.")) -> Response:
     """Actual invocations per minute and the forecast issued ``horizon`` minutes before each minute.
 
     Without ``end``, the window ends after the last minute forecast ``horizon``
@@ -324,12 +330,15 @@ def get_series(model_id: str, engine: EngineDep, settings: SettingsDep, clock: C
     except OperationalError:
         raise _unavailable(settings) from None
     band = series.band
-    return SeriesPublic(
+    body = SeriesPublic(
         model_id=model_id, start=start, end=end, horizon_min=horizon, t=series.minutes.tolist(),
         actual=finite_or_none(series.actual), forecast=finite_or_none(series.point),
         quantiles={level: finite_or_none(values) for level, values in series.quantiles.items()},
         band=list(band) if band else None, error=ErrorPublic.of(series.error()), end_source=source,
     )
+    # Encoded by pydantic-core directly: a week is ~50,000 numbers, which FastAPI's default path (validate
+    # again, jsonable dict, json.dumps) takes ~60 ms to encode, model_dump_json ~2 ms (bench/dashboard.py).
+    return Response(content=body.model_dump_json(), media_type="application/json")
 
 
 @router.get("/models/{model_id}/coldstarts", response_model=ColdStartsPublic, responses=_UNKNOWN_MODEL)
@@ -444,8 +453,7 @@ def get_action_timeline(model_id: str, engine: EngineDep, settings: SettingsDep,
 
 def _horizons(settings, stored: int | None) -> tuple[int, list[int]]:
     """(longest stored horizon, the horizons to offer): the ladder's up to it, and it."""
-    longest = stored or settings.forecast_horizon_min
-    return longest, sorted({h for h in HORIZON_LADDER_MIN if h <= longest} | {longest})
+    return offered_horizons_min(stored, settings.forecast_horizon_min)
 
 
 @router.get("/dashboard/context", response_model=DashboardContextPublic,
@@ -485,12 +493,13 @@ def get_fleet(engine: EngineDep, settings: SettingsDep, clock: ClockDep, _: Read
     now = clock().astimezone(timezone.utc)
     try:
         with engine.connect() as conn:
+            follow_scored = end is None
             if end is None:
                 end, source = _anchor(conn, now, window_min * MINUTE)
             else:
                 end, source = _floor_minute(_utc(end, "end", now)), "request"
             page = read_fleet_page(conn, end=end, window_min=window_min, horizon_min=horizon, sort=sort.value,
-                                   search=search or None, limit=limit, offset=offset)
+                                   search=search or None, limit=limit, offset=offset, follow_scored=follow_scored)
     except OperationalError:
         raise _unavailable(settings) from None
     data = [
@@ -502,8 +511,9 @@ def get_fleet(engine: EngineDep, settings: SettingsDep, clock: ClockDep, _: Read
         for r in page.rows
     ]
     return FleetPublic(start=end - window_min * MINUTE, end=end, end_source=source, window_min=window_min,
-                       horizon_min=horizon, sort=sort.value, count=page.matching, offset=offset, limit=limit,
-                       data=data)
+                       horizon_min=horizon, sort=sort.value, error_start=page.error_start,
+                       error_end=page.error_end, error_source=page.error_source, count=page.matching,
+                       offset=offset, limit=limit, data=data)
 
 
 def _replay_public(replay: dict | None) -> FleetReplayPublic | None:

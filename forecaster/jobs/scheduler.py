@@ -1,7 +1,8 @@
 """The scheduler: APScheduler 3 with its job store in PostgreSQL, wiring jobs together.
 
 Jobs live in :data:`JOBS`, keyed by name: ingest (every minute), partition
-maintenance (hourly), retention (hourly), forecast (every minute), nightly
+maintenance (hourly), retention (hourly), forecast (every minute), plan (every
+minute), forecast_errors (every minute: the dashboard's error rollup), nightly
 retrain; more can be added with :func:`register_job`.
 
 APScheduler stores jobs as pickled references, so the stored job is the
@@ -96,6 +97,13 @@ def plan_job(engine: Engine, settings: Settings, now: datetime) -> dict:
     return run(engine, settings, now)
 
 
+def error_rollup_job(engine: Engine, settings: Settings, now: datetime) -> dict:
+    """Every minute: score the target hours that are due into the forecast-error rollup (the dashboard's)."""
+    from forecaster.jobs.error_scoring import score_errors_job
+
+    return score_errors_job(engine, settings, now)
+
+
 def default_jobs(settings: Settings) -> list[JobSpec]:
     return [
         JobSpec("ingest", ingest_job, every_s=settings.ingest_interval_s),
@@ -103,6 +111,7 @@ def default_jobs(settings: Settings) -> list[JobSpec]:
         JobSpec("retention", retention_job, every_s=settings.retention_interval_s),
         JobSpec("forecast", forecast_job, every_s=settings.forecast_interval_s),
         JobSpec("plan", plan_job, every_s=settings.forecast_interval_s),
+        JobSpec("forecast_errors", error_rollup_job, every_s=60),
         JobSpec("retrain", retrain_job, every_s=86_400, offset_s=settings.retrain_hour_utc * 3600),
     ]
 

@@ -28,6 +28,7 @@ import numpy as np
 from sqlalchemy import Connection, text
 
 from forecaster.store.coldstarts import recent_cold_start_seconds
+from forecaster.store.forecast_errors import HOUR, floor_hour, scored_hours
 from forecaster.store.invocations import read_counts
 from forecaster.store.replays import OUTCOME_COLUMNS
 
@@ -293,11 +294,12 @@ _REPLAY_SQL = "SELECT id, policies->>0 AS subject, policies->>1 AS baseline FROM
 
 
 def _err_sql(only_page: bool) -> str:
-    """Per model: scored minutes, sum |error|, sum actual, sum forecast at ``:h`` over ``[:s, :e)``.
+    """Per model: scored minutes, sum |error|, sum actual, sum forecast at ``:h`` over ``[:es, :ee)``, from the runs.
 
     The forecasts at the horizon are read for the whole fleet at once (``only_page`` False): the window's runs
     lie together in the newest pages, which one scan reads once. With ``only_page`` only the models of
-    ``:ids`` are read, each by its primary key range.
+    ``:ids`` are read, each by its primary key range. :func:`_rollup_err_sql` gives the same figures from the
+    error rollup.
     """
     ids = "model_id = ANY(:ids) AND" if only_page else ""
     if only_page:  # a page's minutes: one primary-key probe each (the planner misjudges range_agg's rows)
@@ -305,12 +307,12 @@ def _err_sql(only_page: bool) -> str:
                   "AND minute = f.target_minute) i ON true")
     else:  # the fleet's: one range read of the window's counts, merged with the forecast minutes
         counts = ("LEFT JOIN (SELECT model_id, minute, sum(count) AS count FROM invocations "
-                  "WHERE minute >= :s AND minute < :e GROUP BY model_id, minute) i "
+                  "WHERE minute >= :es AND minute < :ee GROUP BY model_id, minute) i "
                   "ON i.model_id = f.model_id AND i.minute = f.target_minute")
     return f"""
 cov AS (
     SELECT model_id, range_agg(ranges) AS ranges FROM coverage
-    WHERE {ids} 60 % step_seconds = 0 AND ranges && tstzrange(:s, :e, '[)') GROUP BY model_id
+    WHERE {ids} 60 % step_seconds = 0 AND ranges && tstzrange(:es, :ee, '[)') GROUP BY model_id
 ), f AS MATERIALIZED (
     SELECT DISTINCT ON (model_id, target_minute) model_id, target_minute, point_at AS point
     FROM ({_at_horizon_sql("f.model_id = ANY(:ids) AND" if only_page else "", lambda name: f":{name}")}) x
@@ -325,6 +327,21 @@ cov AS (
 )"""
 
 
+def _rollup_err_sql(only_page: bool) -> str:
+    """The CTE ``err`` of :func:`_err_sql` (same columns, same values) summed from the rollup's hours.
+
+    ``[:es, :ee)`` must be whole hours that :mod:`forecaster.store.forecast_errors` scored at ``:h``.
+    """
+    ids = " AND model_id = ANY(:ids)" if only_page else ""
+    return ("err AS (SELECT model_id, sum(scored_minutes) AS n, sum(abs_error) AS abs_err, sum(actual) AS actual, "
+            "sum(forecast) AS forecast FROM forecast_errors "
+            f"WHERE horizon_min = :h AND hour >= :es AND hour < :ee{ids} GROUP BY model_id)")
+
+
+#: Where the error figures come from: the rollup's hours, or the runs read minute by minute.
+ERROR_SOURCES = ("rollup", "runs")
+
+
 def _replay_gain_sql(column: str) -> str:
     """CTE ``ro``: per model, the newest replay's baseline ``column`` minus its subject's (what prewarm saved)."""
     return (f"rp AS ({_REPLAY_SQL}), ro AS (SELECT o.model_id, "
@@ -336,42 +353,57 @@ def _replay_gain_sql(column: str) -> str:
 _WMAPE = "CASE WHEN err.n > 0 AND err.actual > 0 THEN err.abs_err / err.actual END"
 _MAE = "CASE WHEN err.n > 0 THEN err.abs_err / err.n END"
 
-#: Per sort key: the CTEs it needs (after WITH), the join onto ``serving_models m``, and the ORDER BY.
-#: Largest first, models with nothing to rank by last, then by MAE (error sorts), then by id.
-_RANK = {
-    "wmape": (_err_sql(False), "LEFT JOIN err ON err.model_id = m.id",
-              f"({_WMAPE}) IS NULL, ({_WMAPE}) DESC, coalesce({_MAE}, 0) DESC"),
-    "mae": (_err_sql(False), "LEFT JOIN err ON err.model_id = m.id", f"({_MAE}) IS NULL, ({_MAE}) DESC"),
-    "cold_starts": (("cs AS (SELECT model_id, count(*) AS n FROM cold_starts "
-                     "WHERE started_at >= :s AND started_at < :e GROUP BY model_id)"),
-                    "LEFT JOIN cs ON cs.model_id = m.id", "coalesce(cs.n, 0) DESC"),
-    "actions_succeeded": ((f"ac AS (SELECT model_id, count(*) AS n FROM actions WHERE status = 'succeeded' "
-                           f"AND {ACTION_TIME_SQL} >= :s AND {ACTION_TIME_SQL} < :e GROUP BY model_id)"),
-                          "LEFT JOIN ac ON ac.model_id = m.id", "coalesce(ac.n, 0) DESC"),
-    "cold_requests_avoided": (_replay_gain_sql("cold_requests"), "LEFT JOIN ro ON ro.model_id = m.id",
-                              "ro.v IS NULL, ro.v DESC"),
-    "wait_saved_s": (_replay_gain_sql("wait_total_s"), "LEFT JOIN ro ON ro.model_id = m.id",
-                     "ro.v IS NULL, ro.v DESC"),
-    "model_id": ("", "", ""),
-}
+def _rank(sort: str, source: str) -> tuple[str, str, str]:
+    """Per sort key: the CTEs it needs (after WITH), the join onto ``serving_models m``, and the ORDER BY.
+
+    Largest first, models with nothing to rank by last, then by MAE (error sorts), then by id.
+    """
+    err = _rollup_err_sql(False) if source == "rollup" else _err_sql(False)
+    return {
+        "wmape": (err, "LEFT JOIN err ON err.model_id = m.id",
+                  f"({_WMAPE}) IS NULL, ({_WMAPE}) DESC, coalesce({_MAE}, 0) DESC"),
+        "mae": (err, "LEFT JOIN err ON err.model_id = m.id", f"({_MAE}) IS NULL, ({_MAE}) DESC"),
+        "cold_starts": (("cs AS (SELECT model_id, count(*) AS n FROM cold_starts "
+                         "WHERE started_at >= :s AND started_at < :e GROUP BY model_id)"),
+                        "LEFT JOIN cs ON cs.model_id = m.id", "coalesce(cs.n, 0) DESC"),
+        "actions_succeeded": ((f"ac AS (SELECT model_id, count(*) AS n FROM actions WHERE status = 'succeeded' "
+                               f"AND {ACTION_TIME_SQL} >= :s AND {ACTION_TIME_SQL} < :e GROUP BY model_id)"),
+                              "LEFT JOIN ac ON ac.model_id = m.id", "coalesce(ac.n, 0) DESC"),
+        "cold_requests_avoided": (_replay_gain_sql("cold_requests"), "LEFT JOIN ro ON ro.model_id = m.id",
+                                  "ro.v IS NULL, ro.v DESC"),
+        "wait_saved_s": (_replay_gain_sql("wait_total_s"), "LEFT JOIN ro ON ro.model_id = m.id",
+                         "ro.v IS NULL, ro.v DESC"),
+        "model_id": ("", "", ""),
+    }[sort]
 
 
-def _rank_sql(sort: str) -> str:
-    """``id, rank, matching`` of one page of the fleet ranked by ``sort`` (rank over every model)."""
-    ctes, join, order = _RANK[sort]
+def _rank_sql(sort: str, source: str, searched: bool) -> str:
+    """``id, rank, matching`` of one page of the fleet ranked by ``sort`` (rank over every model).
+
+    Without a search the page is the ranking's rows ``[:o, :o + :n)`` (``id`` only): a bounded top-N sort,
+    whose ranks the caller counts from the offset. With one the whole fleet is ranked first (the
+    rank stays the model's place in the fleet), then filtered.
+    """
+    ctes, join, order = _rank(sort, source)
     order = f"{order}, m.id COLLATE \"C\"" if order else "m.id COLLATE \"C\""
+    with_ctes = "WITH " + ctes if ctes else ""
+    if not searched:
+        return f"""
+{with_ctes}
+SELECT m.id FROM serving_models m {join} ORDER BY {order} LIMIT :n OFFSET :o"""
     return f"""
-{"WITH " + ctes if ctes else ""}
+{with_ctes}
 SELECT id, rank, count(*) OVER () AS matching FROM (
     SELECT m.id, row_number() OVER (ORDER BY {order}) AS rank FROM serving_models m {join}
 ) ranked
-WHERE CAST(:q AS text) IS NULL OR strpos(lower(id), :q) > 0
+WHERE strpos(lower(id), :q) > 0
 ORDER BY rank LIMIT :n OFFSET :o"""
 
 
-#: The figures of the page's models (``:ids``): error, cold starts, actions, newest forecast.
-_PAGE_SQL = f"""
-WITH {_err_sql(True)}
+def _page_sql(source: str) -> str:
+    """The figures of the page's models (``:ids``): error, cold starts, actions, newest forecast."""
+    return f"""
+WITH {_rollup_err_sql(True) if source == "rollup" else _err_sql(True)}
 SELECT m.id, err.n, err.abs_err, err.actual, err.forecast, cs.n AS cold_starts,
        ac.total, ac.succeeded, ac.failed, ac.benefit, lf.issued_at
 FROM serving_models m
@@ -390,6 +422,7 @@ LEFT JOIN LATERAL (
 ) lf ON true
 WHERE m.id = ANY(:ids)
 """
+
 
 #: The newest replay's figures for the page's models, per policy.
 _PAGE_REPLAY_SQL = f"""
@@ -436,53 +469,104 @@ class FleetRow:
 
 @dataclass(frozen=True)
 class FleetPage:
-    """One page of the fleet ranking: its rows and how many models match the search in all."""
+    """One page of the fleet ranking: its rows, how many models match the search, and where errors come from.
+
+    Attributes:
+        rows: the page.
+        matching: models matching the search in all.
+        error_start: first hour of the error figures' window (UTC).
+        error_end: end of that window, exclusive: whole hours (see :func:`error_window`).
+        error_source: ``rollup`` (the scored hours of :mod:`forecaster.store.forecast_errors`) or ``runs``
+            (read from the forecast runs minute by minute: a horizon or an hour the rollup does not hold).
+    """
 
     rows: list[FleetRow]
     matching: int
+    error_start: datetime | None = None
+    error_end: datetime | None = None
+    error_source: str = "runs"
+
+
+def error_window(end: datetime, window_min: int) -> tuple[datetime, datetime]:
+    """The whole hours the fleet's error figures cover for a window of ``window_min`` minutes ending at ``end``.
+
+    The window is snapped to hours: it ends at the start of ``end``'s hour and spans ``window_min`` minutes
+    rounded up to whole hours (at least one), so the figures are sums of the rollup's hours. A window ending
+    at 12:37 scores 11:00-12:00 (60 minutes) or 06:00-12:00 (360 minutes); the hour in progress is never in
+    it (its counts are not complete).
+    """
+    error_end = floor_hour(end)
+    return error_end - max(1, math.ceil(window_min / 60)) * HOUR, error_end
 
 
 def read_fleet_page(conn: Connection, *, end: datetime, window_min: int, horizon_min: int, sort: str = "wmape",
-                    search: str | None = None, limit: int = 50, offset: int = 0) -> FleetPage:
+                    search: str | None = None, limit: int = 50, offset: int = 0,
+                    follow_scored: bool = False) -> FleetPage:
     """One page of every registered model ranked by ``sort`` over the ``window_min`` minutes before ``end``.
 
-    Two queries: the ranking (over the whole fleet; only the error sorts read the window's forecasts for every
-    model, the others read narrow tables through their time indexes), then the figures of the page's models
-    alone (their forecasts by primary key, cold starts and actions by their (model, time) indexes). Ties
-    rank by MAE (error sorts), then by model id.
+    Error figures (and the error sorts) cover the window snapped to whole hours (:func:`error_window`) and
+    are read from the error rollup when it holds every one of those hours at ``horizon_min``, else from the
+    forecast runs (the same definitions; at fleet scale reading the runs costs one run per model and minute).
+    With ``follow_scored`` (a window whose end was not asked for) and the hour that just ended not scored
+    yet, the error window ends an hour earlier when that makes the rollup hold it. Cold starts and actions
+    cover the window ``[end - window_min, end)`` itself.
+
+    Two queries: the ranking over the whole fleet (without a search a bounded top-N sort of ``offset +
+    limit`` rows), then the figures of the page's models alone (their rollup rows or runs by primary key,
+    cold starts and actions by their (model, time) indexes). Ties rank by MAE (error sorts), then by model id.
 
     Raises:
         ValueError: an unknown ``sort``.
     """
-    if sort not in _RANK:
+    if sort not in FLEET_SORTS:
         raise ValueError(f"unknown sort {sort!r}; one of {', '.join(FLEET_SORTS)}")
     start = end - window_min * MINUTE
-    params = {"h": horizon_min, "s": start, "e": end, **_issued_bounds(start, end, horizon_min)}
-    ranked = conn.execute(text(_rank_sql(sort)), {**params, "q": search.lower() if search else None,
-                                                  "n": limit, "o": offset}).all()
+    error_start, error_end = error_window(end, window_min)
+    hours = int((error_end - error_start) / HOUR)
+    source = "runs"
+    if scored_hours(conn, horizon_min=horizon_min, start=error_start, end=error_end) == hours:
+        source = "rollup"
+    elif follow_scored and scored_hours(conn, horizon_min=horizon_min, start=error_start - HOUR,
+                                        end=error_end - HOUR) == hours:
+        error_start, error_end, source = error_start - HOUR, error_end - HOUR, "rollup"
+    params = {"h": horizon_min, "s": start, "e": end, "es": error_start, "ee": error_end,
+              **_issued_bounds(error_start, error_end, horizon_min)}
+    searched = bool(search)
+    query = text(_rank_sql(sort, source, searched))
+    if searched:
+        ranked = conn.execute(query, {**params, "q": search.lower(), "n": limit, "o": offset}).all()
+        if ranked:
+            matching = int(ranked[0][2])
+        else:  # past the last match: the total from the first page
+            first = conn.execute(query, {**params, "q": search.lower(), "n": 1, "o": 0}).all()
+            matching = int(first[0][2]) if first else 0
+        ranked = [(r[0], int(r[1])) for r in ranked]
+    else:
+        ranked = [(r[0], offset + 1 + i) for i, r in enumerate(conn.execute(query, {**params, "n": limit,
+                                                                                   "o": offset}))]
+        matching = int(conn.execute(text("SELECT count(*) FROM serving_models")).scalar_one())
+    page = FleetPage(rows=[], matching=matching, error_start=error_start, error_end=error_end,
+                     error_source=source)
     if not ranked:
-        matching = 0 if offset == 0 else conn.execute(text(_rank_sql(sort)), {
-            **params, "q": search.lower() if search else None, "n": 1, "o": 0}).all()
-        return FleetPage(rows=[], matching=matching[0][2] if matching else 0)
+        return page
     ids = [r[0] for r in ranked]
-    figures = {r[0]: r for r in conn.execute(text(_PAGE_SQL), {**params, "ids": ids}).all()}
+    figures = {r[0]: r for r in conn.execute(text(_page_sql(source)), {**params, "ids": ids}).all()}
     replays: dict[str, dict] = {}
     for r in conn.execute(text(_PAGE_REPLAY_SQL), {"ids": ids}).mappings():
         role = "prewarm" if r["is_subject"] else "reactive"
         replays.setdefault(r["model_id"], {})[role] = {c: r[c] for c in OUTCOME_COLUMNS}
-    rows = []
-    for model_id, rank, _ in ranked:
+    for model_id, rank in ranked:
         (_, n, abs_err, actual, forecast, cold, total, succeeded, failed, benefit, last) = figures[model_id]
         n = int(n or 0)
         actual = float(actual or 0.0)
         error = ForecastError(scored_minutes=n, mae=float(abs_err) / n if n else None,
                               wmape=float(abs_err) / actual if n and actual > 0 else None)
-        rows.append(FleetRow(model_id=model_id, rank=int(rank), error=error, actual_total=actual,
-                             forecast_total=float(forecast or 0.0), cold_starts=int(cold),
-                             actions_total=int(total), actions_succeeded=int(succeeded),
-                             actions_failed=int(failed), expected_wait_avoided_s=float(benefit),
-                             last_forecast_at=last, replay=replays.get(model_id)))
-    return FleetPage(rows=rows, matching=int(ranked[0][2]))
+        page.rows.append(FleetRow(model_id=model_id, rank=rank, error=error, actual_total=actual,
+                                  forecast_total=float(forecast or 0.0), cold_starts=int(cold),
+                                  actions_total=int(total), actions_succeeded=int(succeeded),
+                                  actions_failed=int(failed), expected_wait_avoided_s=float(benefit),
+                                  last_forecast_at=last, replay=replays.get(model_id)))
+    return page
 
 
 def known_until(conn: Connection, *, model_id: str | None = None) -> datetime | None:
@@ -494,6 +578,20 @@ def known_until(conn: Connection, *, model_id: str | None = None) -> datetime | 
         return conn.execute(text("SELECT max(upper(ranges)) FROM coverage")).scalar()
     return conn.execute(text("SELECT max(upper(ranges)) FROM coverage WHERE model_id = :m"),
                         {"m": model_id}).scalar()
+
+
+#: Horizons the dashboard offers, where the store holds them (plus the longest stored one).
+HORIZON_LADDER_MIN = (1, 5, 10, 15, 30, 60, 120, 240, 480, 720, 1440)
+
+
+def offered_horizons_min(stored: int | None, setting: int) -> tuple[int, list[int]]:
+    """(longest stored horizon, the horizons to offer): the ladder's up to it, and it.
+
+    ``stored`` is :func:`stored_horizon_min` (None: no run stored, then ``setting``, the
+    ``PREWARM_FORECAST_HORIZON_MIN`` the forecast job will store). The error rollup scores these horizons.
+    """
+    longest = stored or setting
+    return longest, sorted({h for h in HORIZON_LADDER_MIN if h <= longest} | {longest})
 
 
 def stored_horizon_min(conn: Connection) -> int | None:

@@ -20,6 +20,7 @@ from sqlalchemy import (
     Index,
     Integer,
     LargeBinary,
+    SmallInteger,
     String,
     Text,
     func,
@@ -394,3 +395,34 @@ class ReplayOutcome(Base):
     replica_starts: Mapped[int] = mapped_column(Integer, doc="Replicas that started and became ready.")
     wait_total_s: Mapped[float] = mapped_column(Float, doc="Seconds requests waited before service, summed.")
     wait_max_s: Mapped[float] = mapped_column(Float)
+
+
+class ForecastErrorSum(Base):
+    """Per horizon, target hour and model: minutes scored and the sums of |error|, actuals and forecasts.
+
+    Written by :func:`forecaster.store.forecast_errors.score_hour` (migration 0010); the fleet ranking sums
+    a window's hours (wMAPE = abs_error / actual, MAE = abs_error / scored_minutes).
+    """
+
+    __tablename__ = "forecast_errors"
+
+    horizon_min: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    hour: Mapped[datetime] = mapped_column(TZ, primary_key=True)
+    model_id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    scored_minutes: Mapped[int] = mapped_column(SmallInteger)
+    abs_error: Mapped[float] = mapped_column(Float, doc="Sum of |forecast - actual| (invocations).")
+    actual: Mapped[float] = mapped_column(Float, doc="Sum of actual counts over the scored minutes.")
+    forecast: Mapped[float] = mapped_column(Float, doc="Sum of point forecasts over the scored minutes.")
+
+
+class ForecastErrorHour(Base):
+    """One scored target hour of the error rollup: horizons, the ingest batch watermark, models, when."""
+
+    __tablename__ = "forecast_error_hours"
+
+    hour: Mapped[datetime] = mapped_column(TZ, primary_key=True)
+    horizons_min: Mapped[list[int]] = mapped_column(ARRAY(SmallInteger))
+    batch_watermark: Mapped[int] = mapped_column(BigInteger, doc="Newest ingest batch id the scoring saw.")
+    models: Mapped[int] = mapped_column(Integer)
+    scored_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    seconds: Mapped[float] = mapped_column(Float)
