@@ -110,6 +110,13 @@ def _text(values: pd.Series) -> np.ndarray:
     return np.array([v if isinstance(v, str) and v else None for v in out], dtype=object)
 
 
+def _floats(values: np.ndarray) -> np.ndarray:
+    """``pd.to_numeric(values, errors="coerce")`` as a float64 copy; numbers skip pandas (no parsing to do)."""
+    if isinstance(values, np.ndarray) and values.dtype.kind in "fiub":
+        return values.astype("float64", copy=True)
+    return pd.to_numeric(pd.Series(values), errors="coerce").to_numpy(dtype="float64", copy=True)
+
+
 def build_fleet(models: pd.DataFrame, nodes: pd.DataFrame, artefacts: pd.DataFrame | None = None,
                 transfers: pd.DataFrame | None = None) -> FleetState:
     """The fleet state every driver plans with: the plan job (fed by the store) and the simulator alike.
@@ -137,8 +144,7 @@ def build_fleet(models: pd.DataFrame, nodes: pd.DataFrame, artefacts: pd.DataFra
     skipped: dict[str, str] = {}
     numeric = {}
     for column in ("image_bytes", "weights_bytes", "gpus", "replica_rpm", "cold_cost", "slo_s", "replicas"):
-        numeric[column] = pd.to_numeric(pd.Series(columns[column]), errors="coerce").to_numpy(dtype="float64",
-                                                                                               copy=True)
+        numeric[column] = _floats(columns[column])
     for column, default in (("image_bytes", 0.0), ("weights_bytes", 0.0), ("gpus", 1.0), ("replica_rpm", 60.0),
                             ("cold_cost", 1.0), ("replicas", 0.0)):
         values = numeric[column]
@@ -158,7 +164,7 @@ def build_fleet(models: pd.DataFrame, nodes: pd.DataFrame, artefacts: pd.DataFra
     slo = numeric["slo_s"]
     columns["slo_s"] = np.where(np.isfinite(slo) & (slo > 0), slo, np.nan)
     if "burst_factor" in columns:
-        burst = pd.to_numeric(pd.Series(columns["burst_factor"]), errors="coerce").to_numpy(dtype="float64")
+        burst = _floats(columns["burst_factor"])
         columns["burst_factor"] = np.where(np.isfinite(burst) & (burst >= 1.0), burst, 1.0)
     m = pd.DataFrame(columns, index=index)
     if skipped:

@@ -42,7 +42,7 @@ import pandas as pd
 
 from forecaster.contracts.actions import Action, ActionKind, Plan, Reason, Tier
 from forecaster.contracts.fleet import FleetState, registry_of
-from forecaster.contracts.forecast import p_any_from_quantiles, validate_forecast
+from forecaster.contracts.forecast import float_columns, p_any_from_quantiles, validate_forecast
 from forecaster.contracts.phases import START_STATES, STATE_RANK
 from forecaster.planning.fleet import PlannerSettings, latency_table
 
@@ -124,7 +124,7 @@ def forecast_arrays(forecast: pd.DataFrame, model_ids: pd.Index, now: datetime, 
         row = model_ids.get_indexer(forecast["unique_id"].astype(str))
         ok = (row >= 0) & (h >= 0) & (h < horizon)
         row, h = row[ok], h[ok]
-        vals = np.maximum.accumulate(forecast[[c for _, c in columns]].to_numpy(dtype="float64")[ok], axis=1)
+        vals = np.maximum.accumulate(float_columns(forecast, [c for _, c in columns])[ok], axis=1)
         values[row, h] = np.maximum(vals, 0.0)
         if "p_any" in forecast.columns:
             p_any[row, h] = forecast["p_any"].to_numpy(dtype="float64")[ok]
@@ -352,7 +352,7 @@ def plan(
     # ---------------------------------------------------------------- tiers
     ledger = ConcurrencyLedger({"node": settings.max_transfers_per_node,
                                 "registry": settings.max_transfers_per_registry})
-    for t in fleet.transfers.itertuples(index=False):
+    for t in fleet.transfers.itertuples(index=False) if len(fleet.transfers) else ():
         end = (pd.Timestamp(t.ends_at) - pd.Timestamp(now)).total_seconds()
         if end > 0:
             ledger.add([f"node:{t.node_id}", f"registry:{t.registry}"], 0.0, end)
@@ -396,10 +396,11 @@ def plan(
     bridge_minutes = np.floor(c_cold.max(axis=1) / np.maximum(c_idle, 1e-12))
     lead_minutes = np.maximum(np.ceil(lead / 60.0), np.minimum(bridge_minutes, h_count - 1)).astype(np.int64)
     lead_minutes = lead_minutes + settings.release_hold_min
-    registry_img = models["image_ref"].map(lambda r: registry_of(r)).to_numpy()
+    registry_img = np.array([registry_of(r) for r in models["image_ref"].to_numpy()], dtype=object)
     pull_s = np.nan_to_num(lat.get("none:image_pull_s", np.zeros(n)), nan=0.0)
+    id_values = ids.to_numpy()  # (an Index lookup per action costs more than the action)
     for i in np.flatnonzero((desired.max(axis=1) > 0) | (current > 0)):
-        model_id = ids[i]
+        model_id = id_values[i]
         window = desired[i, :max(1, min(h_count, int(lead_minutes[i]) + 1))]
         keep = int(window.max()) if len(window) else 0
         level = int(current[i])
