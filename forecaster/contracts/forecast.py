@@ -80,6 +80,17 @@ def p_any_from_quantiles(levels: np.ndarray, values: np.ndarray) -> np.ndarray:
     return np.where(zero.any(axis=-1), p, 1.0 - levels[0] / 2.0)
 
 
+def float_columns(frame: pd.DataFrame, columns: list[str]) -> np.ndarray:
+    """``frame[columns].to_numpy(dtype="float64")``, column by column (a frame subset costs a copy and an index
+    lookup; the plan step reads these every replayed minute)."""
+    if not columns or not frame.columns.is_unique:
+        return frame[list(columns)].to_numpy(dtype="float64")
+    out = np.empty((len(frame), len(columns)))
+    for k, column in enumerate(columns):
+        out[:, k] = frame[column].to_numpy(dtype="float64")
+    return out
+
+
 def validate_forecast(frame: pd.DataFrame) -> list[tuple[float, str]]:
     """Check a forecast frame against the contract; returns its quantile columns.
 
@@ -93,7 +104,7 @@ def validate_forecast(frame: pd.DataFrame) -> list[tuple[float, str]]:
     levels = quantile_levels(frame)
     if not levels:
         raise ValueError(f"forecast has no quantile column (q0.5, q0.9, ...); has {list(frame.columns)}")
-    values = frame[[c for _, c in levels]].to_numpy(dtype="float64")
+    values = float_columns(frame, [c for _, c in levels])
     if np.isnan(values).any() or (values < 0).any():
         raise ValueError("forecast quantiles must be finite and >= 0")
     if "p_any" in frame.columns:

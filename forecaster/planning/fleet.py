@@ -79,14 +79,20 @@ def latency_table(latency: pd.DataFrame, model_ids: pd.Index, fleet=None) -> dic
         raise ValueError(f"latency lacks columns {missing}")
     if "node_id" in latency.columns:
         latency = node_latency(latency, fleet)
+    # numpy, not a pandas select/drop_duplicates/reindex per state: every replayed minute calls this
     out: dict[str, np.ndarray] = {}
-    for state in START_STATES:
-        rows = latency[latency["state"] == state].drop_duplicates("model_id").set_index("model_id")
-        aligned = rows.reindex(model_ids)
-        out[state] = aligned["total_s"].to_numpy(dtype="float64")
-        for phase in PHASES:
-            if phase in aligned.columns:
-                out[f"{state}:{phase}"] = aligned[phase].to_numpy(dtype="float64")
+    state = latency["state"].to_numpy()
+    model = latency["model_id"].to_numpy()
+    values = {c: latency[c].to_numpy(dtype="float64") for c in ("total_s", *PHASES) if c in latency.columns}
+    for s in START_STATES:
+        rows = np.flatnonzero(state == s)
+        first = rows[~pd.Index(model[rows]).duplicated(keep="first")]  # the row drop_duplicates keeps
+        pos = pd.Index(model[first]).get_indexer(model_ids)
+        found = pos >= 0
+        take = first[np.maximum(pos, 0)] if len(first) else np.zeros(len(pos), dtype=np.int64)
+        for c, v in values.items():
+            aligned = np.where(found, v[take], np.nan) if len(first) else np.full(len(pos), np.nan)
+            out[s if c == "total_s" else f"{s}:{c}"] = aligned
     # a state missing from the table costs what the next colder state costs
     for colder, warmer in zip(START_STATES, START_STATES[1:]):
         out[warmer] = np.where(np.isnan(out[warmer]), out[colder], out[warmer])

@@ -42,7 +42,7 @@ import pandas as pd
 
 from forecaster.contracts.actions import Action, ActionKind, Plan, Reason, Tier
 from forecaster.contracts.fleet import FleetState, registry_of
-from forecaster.contracts.forecast import p_any_from_quantiles, validate_forecast
+from forecaster.contracts.forecast import float_columns, p_any_from_quantiles, validate_forecast
 from forecaster.contracts.phases import START_STATES, STATE_RANK
 from forecaster.planning.fleet import PlannerSettings, latency_table
 
@@ -124,7 +124,7 @@ def forecast_arrays(forecast: pd.DataFrame, model_ids: pd.Index, now: datetime, 
         row = model_ids.get_indexer(forecast["unique_id"].astype(str))
         ok = (row >= 0) & (h >= 0) & (h < horizon)
         row, h = row[ok], h[ok]
-        vals = np.maximum.accumulate(forecast[[c for _, c in columns]].to_numpy(dtype="float64")[ok], axis=1)
+        vals = np.maximum.accumulate(float_columns(forecast, [c for _, c in columns])[ok], axis=1)
         values[row, h] = np.maximum(vals, 0.0)
         if "p_any" in forecast.columns:
             p_any[row, h] = forecast["p_any"].to_numpy(dtype="float64")[ok]
@@ -226,6 +226,18 @@ class CacheIndex:
         return out
 
 
+def _group_indices(keys: np.ndarray) -> dict:
+    """``pd.Series(...).groupby(keys).indices`` without pandas' groupby machinery (every replayed minute calls it):
+    sorted keys (missing ones left out) -> ascending positions."""
+    codes, uniques = pd.factorize(keys, sort=True)
+    if not len(uniques):
+        return {}
+    order = np.argsort(codes, kind="stable")
+    counts = np.bincount(codes[codes >= 0], minlength=len(uniques))
+    bounds = np.concatenate([[0], np.cumsum(counts)]) + int((codes < 0).sum())
+    return {uniques[u]: order[bounds[u]:bounds[u + 1]] for u in range(len(uniques)) if counts[u]}
+
+
 def _best_states(fleet: FleetState, gpus: np.ndarray) -> tuple[np.ndarray, CacheIndex]:
     """Per model, the warmest start state on a node with room for a replica; and the cache as arrays.
 
@@ -234,19 +246,19 @@ def _best_states(fleet: FleetState, gpus: np.ndarray) -> tuple[np.ndarray, Cache
     """
     models = fleet.models
     best = np.zeros(len(models), dtype=np.int64)
-    free = fleet.nodes["gpus_free"]
+    free = fleet.nodes["gpus_free"].to_numpy(dtype="float64")
     node_ids = fleet.nodes.index.astype(str).to_numpy()
     node_index = pd.Index(node_ids)
     image_refs = models["image_ref"].astype(str).to_numpy()
     image_nodes: dict[str, np.ndarray] = {}
     if len(fleet.images):
         pos = node_index.get_indexer(fleet.images["node_id"].astype(str))
-        for ref, rows in pd.Series(pos).groupby(fleet.images["image_ref"].astype(str).to_numpy()).indices.items():
+        for ref, rows in _group_indices(fleet.images["image_ref"].astype(str).to_numpy()).items():
             mask = np.zeros(len(node_ids), dtype=bool)
             valid = pos[rows][pos[rows] >= 0]
             mask[valid] = True
             image_nodes[ref] = mask
-            node_free = free.to_numpy(dtype="float64")[valid] if len(valid) else np.zeros(0)
+            node_free = free[valid] if len(valid) else np.zeros(0)
             model_rows = np.flatnonzero(image_refs == ref)
             if len(model_rows) and len(node_free):
                 fits = node_free.max() >= gpus[model_rows]
@@ -255,11 +267,13 @@ def _best_states(fleet: FleetState, gpus: np.ndarray) -> tuple[np.ndarray, Cache
     node_pos = np.zeros(0, dtype=np.int64)
     rank = np.zeros(0, dtype=np.int64)
     if len(fleet.cache):
-        cache = fleet.cache[fleet.cache["state"].isin(START_STATES)]
-        rank = cache["state"].map(STATE_RANK).to_numpy(dtype=np.int64)
-        model_row = models.index.get_indexer(cache["model_id"].astype(str))
-        node_pos = node_index.get_indexer(cache["node_id"].astype(str))
-        node_free = np.where(node_pos >= 0, free.to_numpy(dtype="float64")[np.maximum(node_pos, 0)], -1.0)
+        states = fleet.cache["state"].to_numpy()
+        rank = np.array([STATE_RANK.get(v, -1) if isinstance(v, str) else -1 for v in states], dtype=np.int64)
+        start_state = rank >= 0  # isin(START_STATES)
+        rank = rank[start_state]
+        model_row = models.index.get_indexer(fleet.cache["model_id"].astype(str).to_numpy()[start_state])
+        node_pos = node_index.get_indexer(fleet.cache["node_id"].astype(str).to_numpy()[start_state])
+        node_free = np.where(node_pos >= 0, free[np.maximum(node_pos, 0)], -1.0)
         ok = (model_row >= 0) & (node_pos >= 0) & (node_free >= gpus[np.maximum(model_row, 0)])
         np.maximum.at(best, model_row[ok], rank[ok])
         keep = (model_row >= 0) & (node_pos >= 0)
@@ -268,7 +282,7 @@ def _best_states(fleet: FleetState, gpus: np.ndarray) -> tuple[np.ndarray, Cache
         for ref in np.unique(image_refs[model_row]) if len(model_row) else ():
             mask = image_nodes.setdefault(ref, np.zeros(len(node_ids), dtype=bool))
             mask[node_pos[image_refs[model_row] == ref]] = True
-    by_model = pd.Series(np.arange(len(model_row))).groupby(model_row).indices if len(model_row) else {}
+    by_model = _group_indices(model_row) if len(model_row) else {}
     return best, CacheIndex(node_ids=node_ids, model_row=model_row, node_pos=node_pos, rank=rank,
                             by_model=by_model, image_nodes=image_nodes)
 
@@ -338,7 +352,7 @@ def plan(
     # ---------------------------------------------------------------- tiers
     ledger = ConcurrencyLedger({"node": settings.max_transfers_per_node,
                                 "registry": settings.max_transfers_per_registry})
-    for t in fleet.transfers.itertuples(index=False):
+    for t in fleet.transfers.itertuples(index=False) if len(fleet.transfers) else ():
         end = (pd.Timestamp(t.ends_at) - pd.Timestamp(now)).total_seconds()
         if end > 0:
             ledger.add([f"node:{t.node_id}", f"registry:{t.registry}"], 0.0, end)
@@ -382,10 +396,11 @@ def plan(
     bridge_minutes = np.floor(c_cold.max(axis=1) / np.maximum(c_idle, 1e-12))
     lead_minutes = np.maximum(np.ceil(lead / 60.0), np.minimum(bridge_minutes, h_count - 1)).astype(np.int64)
     lead_minutes = lead_minutes + settings.release_hold_min
-    registry_img = models["image_ref"].map(lambda r: registry_of(r)).to_numpy()
+    registry_img = np.array([registry_of(r) for r in models["image_ref"].to_numpy()], dtype=object)
     pull_s = np.nan_to_num(lat.get("none:image_pull_s", np.zeros(n)), nan=0.0)
+    id_values = ids.to_numpy()  # (an Index lookup per action costs more than the action)
     for i in np.flatnonzero((desired.max(axis=1) > 0) | (current > 0)):
-        model_id = ids[i]
+        model_id = id_values[i]
         window = desired[i, :max(1, min(h_count, int(lead_minutes[i]) + 1))]
         keep = int(window.max()) if len(window) else 0
         level = int(current[i])

@@ -21,7 +21,7 @@ import pandas as pd
 
 from forecaster.contracts.actions import Plan
 from forecaster.contracts.fleet import FleetState
-from forecaster.contracts.forecast import quantile_levels
+from forecaster.contracts.forecast import float_columns, quantile_levels
 from forecaster.planning.budget import BudgetState, WasteBudget
 from forecaster.planning.fleet import PlannerSettings
 from forecaster.planning.planner import plan
@@ -75,7 +75,7 @@ def _usable_forecast(forecasts: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, s
     if forecasts.empty:
         return forecasts, {}
     columns = [c for _, c in quantile_levels(forecasts)] + (["p_any"] if "p_any" in forecasts.columns else [])
-    values = forecasts[columns].to_numpy(dtype="float64")
+    values = float_columns(forecasts, columns)
     bad_row = ~np.isfinite(values).all(axis=1) | (values < 0).any(axis=1)
     if "p_any" in forecasts.columns:
         bad_row |= forecasts["p_any"].to_numpy(dtype="float64") > 1

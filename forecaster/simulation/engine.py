@@ -687,32 +687,45 @@ class FleetSimulator:
         """The simulated cluster as :func:`~forecaster.contracts.fleet.build_fleet` takes it (what the store gives
         the plan job): nodes, the artefacts each node holds (``node_id, kind, ref, tier``) and running transfers
         (``ends_at_s`` in simulated seconds)."""
-        frames = self.fleet_frames()
-        node_ids = frames["nodes"].index
-        weights = [(node_ids[k], "weights", self.weights_uri[m], entry[0]) for k in range(self.config.n_nodes)
+        # built from the caches directly (no weights-cache frame, no frame walked row by row): every replayed
+        # minute of a planner policy asks for this
+        node_ids = self._node_ids()
+        k_range = range(self.config.n_nodes)
+        images = [(node_ids[k], "image", ref, "image") for k in k_range for ref in self.images[k]]
+        weights = [(node_ids[k], "weights", self.weights_uri[m], entry[0]) for k in k_range
                    for m, entry in self.weights[k].items()]
-        images = [(node, "image", ref, "image") for node, ref in frames["images"].itertuples(index=False)]
         artefacts = pd.DataFrame(images + weights, columns=["node_id", "kind", "ref", "tier"])
-        return {"nodes": frames["nodes"], "artefacts": artefacts, "transfers": frames["transfers"]}
+        return {"nodes": self._nodes_frame(node_ids), "artefacts": artefacts,
+                "transfers": self._transfers_frame(node_ids)}
 
     def fleet_frames(self) -> dict[str, pd.DataFrame]:
         """Nodes, weights cache, images and running transfers as planner input frames."""
-        node_ids = [f"node-{k}" for k in range(self.config.n_nodes)]
-        nodes = pd.DataFrame({"gpus_free": self.gpus_free,
-                              "host_free_bytes": self.config.host_bytes - self.host_used,
-                              "disk_free_bytes": self.config.disk_bytes - self.disk_used},
-                             index=pd.Index(node_ids, name="node_id"))
+        node_ids = self._node_ids()
         rows = [(node_ids[k], str(self.workload.ids[m]), entry[0]) for k in range(self.config.n_nodes)
                 for m, entry in self.weights[k].items() if self.image_ref[m] in self.images[k]]
         cache = pd.DataFrame(rows, columns=["node_id", "model_id", "state"])
         images = pd.DataFrame([(node_ids[k], ref) for k in range(self.config.n_nodes) for ref in self.images[k]],
                               columns=["node_id", "image_ref"])
-        transfers = pd.DataFrame(
+        return {"nodes": self._nodes_frame(node_ids), "cache": cache, "images": images,
+                "transfers": self._transfers_frame(node_ids)}
+
+    def _node_ids(self) -> list[str]:
+        if len(getattr(self, "_node_id_list", ())) != self.config.n_nodes:
+            self._node_id_list = [f"node-{k}" for k in range(self.config.n_nodes)]
+        return self._node_id_list
+
+    def _nodes_frame(self, node_ids: list[str]) -> pd.DataFrame:
+        return pd.DataFrame({"gpus_free": self.gpus_free,
+                             "host_free_bytes": self.config.host_bytes - self.host_used,
+                             "disk_free_bytes": self.config.disk_bytes - self.disk_used},
+                            index=pd.Index(node_ids, name="node_id"))
+
+    def _transfers_frame(self, node_ids: list[str]) -> pd.DataFrame:
+        return pd.DataFrame(
             [(node_ids[t.node], t.source or "-", str(self.workload.ids[t.model]),
               "prepull" if t.kind == "image" else "preload", t.left / max(t.rate, 1e-9) + self.now)
              for t in self.transfers.values()],
             columns=["node_id", "registry", "model_id", "kind", "ends_at_s"])
-        return {"nodes": nodes, "cache": cache, "images": images, "transfers": transfers}
 
     # ------------------------------------------------------------------ the run
     def run(self) -> SimResult:
