@@ -91,12 +91,14 @@ def test_count_sort_settings_are_put_back(engine, counted):
     with engine.connect() as conn:
         conn.execute(text("SET LOCAL work_mem = '5MB'"))
         before = conn.execute(text("SELECT current_setting('work_mem'), "
-                                   "current_setting('max_parallel_workers_per_gather')")).one()
+                                   "current_setting('max_parallel_workers_per_gather'), "
+                                  "current_setting('random_page_cost')")).one()
         page = read_fleet_page(conn, end=END, window_min=WINDOW_MIN, horizon_min=5, sort="cold_starts", limit=3)
         after = conn.execute(text("SELECT current_setting('work_mem'), "
-                                  "current_setting('max_parallel_workers_per_gather')")).one()
+                                  "current_setting('max_parallel_workers_per_gather'), "
+                                  "current_setting('random_page_cost')")).one()
     assert len(page.rows) == 3
-    assert before == after and before[0] == "5MB" and before[1] != "0"
+    assert before == after and before[0] == "5MB" and before[1] != "0" and before[2] != "1.1"
 
 
 def test_succeeded_actions_are_counted_from_their_partial_index(engine, counted):

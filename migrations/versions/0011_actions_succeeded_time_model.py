@@ -5,8 +5,11 @@ updated_at) WHERE status = 'succeeded'``: ``GET /v1/fleet?sort=actions_succeeded
 succeeded actions per model for the whole fleet. 0009's ``actions_time`` finds the window's rows but fetches
 each one from the heap for ``status`` and ``model_id``; this index answers the count by an index-only scan
 of the window's succeeded actions alone (the included columns let PostgreSQL recheck the expression without
-the heap). Measured at 100,000 models with 400,000 succeeded actions in the window: the ranking query from
-187 ms (heap) to about 100 ms. It is kept beside ``actions_time``, which serves every status.
+the heap). Measured at 100,000 models with 400,000 succeeded actions in the window, one core: the scan of
+the window's succeeded actions from 70 ms (sequential scan with a filter) to 27-46 ms; the planner picks it
+with the ranking's ``random_page_cost`` (``forecaster.store.dashboard``). Its order (time first) keeps the
+count proportional to the window's actions, not to all of history. It is kept beside ``actions_time``, which
+serves every status.
 
 Plain ``CREATE INDEX`` locks the table against writes while it builds; on a large existing table, build it
 ``CONCURRENTLY`` by hand first (same name), and this migration's ``IF NOT EXISTS`` then does nothing.
