@@ -487,6 +487,8 @@ class NodeAgent:
             if not expected and info.md5 and digests.get("md5") != info.md5:
                 raise AgentError(FailureReason.CHECKSUM_MISMATCH,
                                  f"{uri}: md5 {digests.get('md5')} != ETag {info.md5}", temporary=False)
+            if time.monotonic() > unit.deadline:  # its last part landed after the caller was told "timeout"
+                raise AgentError(FailureReason.TIMEOUT, f"pre-load of {uri} finished after its deadline; not cached")
             entry = self.cache.commit(staging, uri=uri, size=info.size_bytes, sha256=digests["sha256"],
                                       fetched_at=self.clock().isoformat())
             staging = None
