@@ -233,3 +233,14 @@ def test_a_port_in_use_fails_start_up_with_the_address(engine, scaler_settings, 
         second.stop()
     finally:
         first.stop()
+
+
+def test_every_rpc_of_the_proto_is_implemented_by_the_service():
+    """The generated servicer's methods only raise NotImplementedError; prewarm's service overrides each RPC the
+    proto declares (a method added to the proto without an implementation here fails this test)."""
+    from api.keda_scaler import ExternalScalerService
+
+    declared = [m.name for m in pb.DESCRIPTOR.services_by_name["ExternalScaler"].methods]
+    assert declared == ["IsActive", "StreamIsActive", "GetMetricSpec", "GetMetrics"]
+    for name in declared:
+        assert getattr(ExternalScalerService, name) is not getattr(pb_grpc.ExternalScalerServicer, name), name
