@@ -131,34 +131,42 @@ def prepare(admin_url: str, n_models: int, *, database: str = "bench_api") -> tu
     return url, token
 
 
+async def closed_loop(call, ids: list[str], concurrency: int, seconds: float, warmup_s: float
+                      ) -> tuple[list[float], int]:
+    """``concurrency`` workers calling ``await call(model_id)`` back to back; latencies after the warm-up."""
+    latencies: list[float] = []
+    errors = 0
+    measure_from = time.perf_counter() + warmup_s
+    stop_at = measure_from + seconds
+
+    async def worker(seed: int) -> None:
+        nonlocal errors
+        rng = random.Random(seed)
+        while True:
+            started = time.perf_counter()
+            if started >= stop_at:
+                return
+            ok = await call(rng.choice(ids))
+            if started >= measure_from:
+                if ok:
+                    latencies.append(time.perf_counter() - started)
+                else:
+                    errors += 1
+
+    await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    return latencies, errors
+
+
 async def drive(url: str, token: str, ids: list[str], clients: int, seconds: float,
                 warmup_s: float) -> tuple[list[float], int]:
     """Closed-loop Python clients (httpx, in this process); bench/scale.py's quick latency probe."""
-    latencies: list[float] = []
-    errors = 0
     headers = {"Authorization": f"Bearer {token}"}
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=10) as client:
-        measure_from = time.perf_counter() + warmup_s
-        stop_at = measure_from + seconds
+        async def recommendation(model_id: str) -> bool:
+            return (await client.get(f"/v1/models/{model_id}/recommendation")).status_code == 200
 
-        async def one_client(seed: int) -> None:
-            nonlocal errors
-            rng = random.Random(seed)
-            while True:
-                started = time.perf_counter()
-                if started >= stop_at:
-                    return
-                response = await client.get(f"/v1/models/{rng.choice(ids)}/recommendation")
-                finished = time.perf_counter()
-                if started >= measure_from:
-                    if response.status_code == 200:
-                        latencies.append(finished - started)
-                    else:
-                        errors += 1
-
-        await asyncio.gather(*(one_client(i) for i in range(clients)))
-    return latencies, errors
+        return await closed_loop(recommendation, ids, clients, seconds, warmup_s)
 
 
 def _wait_until_answers(base: str, path: str, token: str, server: subprocess.Popen, timeout_s: float) -> None:

@@ -70,7 +70,7 @@ def _bench_api():
 
 
 _api = _bench_api()
-free_port, model_ids = _api.free_port, _api.model_ids
+free_port, model_ids, closed_loop = _api.free_port, _api.model_ids, _api.closed_loop
 
 
 def prepare(admin_url: str, n_models: int) -> tuple[str, str]:
@@ -119,32 +119,6 @@ def scaled_object(model_id: str) -> pb.ScaledObjectRef:
 
 def request(model_id: str) -> pb.GetMetricsRequest:
     return pb.GetMetricsRequest(scaledObjectRef=scaled_object(model_id), metricName=METRIC_NAME)
-
-
-async def closed_loop(call, ids: list[str], concurrency: int, seconds: float, warmup_s: float
-                      ) -> tuple[list[float], int]:
-    """``concurrency`` workers calling ``await call(model_id)`` back to back; latencies after the warm-up."""
-    latencies: list[float] = []
-    errors = 0
-    measure_from = time.perf_counter() + warmup_s
-    stop_at = measure_from + seconds
-
-    async def worker(seed: int) -> None:
-        nonlocal errors
-        rng = random.Random(seed)
-        while True:
-            started = time.perf_counter()
-            if started >= stop_at:
-                return
-            ok = await call(rng.choice(ids))
-            if started >= measure_from:
-                if ok:
-                    latencies.append(time.perf_counter() - started)
-                else:
-                    errors += 1
-
-    await asyncio.gather(*(worker(i) for i in range(concurrency)))
-    return latencies, errors
 
 
 async def grpc_phase(address: str, ids: list[str], concurrency: int, seconds: float, streams: int) -> dict:
