@@ -246,6 +246,24 @@ def test_transfers_set_the_pull_and_fetch_rates_of_the_prior():
     assert model.rates_.n_ == {"image_pull_s": 20, "weight_fetch_s": 20}
 
 
+def test_a_rate_measured_in_peak_hours_predicts_itself_at_peak_and_the_base_rate_off_peak():
+    """Pre-pulls at 160 MB/s measured at 15:00 UTC (a peak hour, the prior slows rates 1.25x there): the learned
+    base rate is 200 MB/s, so a peak-hour prediction is the pull time the agents saw, and off-peak is faster."""
+    cfg = FleetConfig()
+    models = pd.DataFrame({"image_bytes": [10e9], "weights_bytes": [16e9]}, index=pd.Index(["m"]))
+    none = pd.DataFrame(columns=["model_id", "node_id", "started_at", "total_seconds", "cache_state", "image_bytes",
+                                 "weights_bytes"])
+    measured = cfg.image_pull_bytes_per_s / cfg.peak_slowdown * 0.5  # half the prior's peak rate
+    transfers = pd.DataFrame({"kind": ["prepull"] * 1000, "bytes": [5e9] * 1000,
+                              "started_at": pd.Timestamp("2026-01-05T15:00Z"),
+                              "image_pull_s": [5e9 / measured] * 1000, "weight_fetch_s": np.nan})
+    model = ColdStartModel(config=cfg).fit(none, transfers)
+    peak = model.latency_table(models, hour=15).set_index("state")
+    off_peak = model.latency_table(models, hour=3).set_index("state")
+    assert peak.loc["none", "image_pull_s"] == pytest.approx(10e9 / measured, rel=0.01)
+    assert off_peak.loc["none", "image_pull_s"] == pytest.approx(10e9 / measured / cfg.peak_slowdown, rel=0.01)
+
+
 def test_train_save_load_through_the_registry(engine, settings, now):
     from forecaster.coldstart.service import latency_version, load_latency_model, train_latency_model
     from forecaster.forecast.registry import champion

@@ -360,7 +360,8 @@ class TransferRateMember:
     A pre-pull measures ``image_pull_s`` for ``bytes`` of image, a pre-load
     ``weight_fetch_s`` for ``bytes`` of weights: the same phases a cold start
     from nothing pays, measured without a replica waiting. The rate per phase
-    is the geometric mean of the last ``max_transfers`` observed rates, shrunk
+    is the geometric mean of the last ``max_transfers`` observed rates (those
+    measured in the prior's peak hours scaled back to the off-peak base), shrunk
     toward the fleet prior's rate (``FleetConfig.image_pull_bytes_per_s``,
     ``weight_fetch_bytes_per_s``) as if the prior were ``prior_weight`` more
     observations: one slow pull moves the prediction a quarter of the way (in
@@ -389,7 +390,7 @@ class TransferRateMember:
                 size = pd.to_numeric(rows["bytes"], errors="coerce").to_numpy(dtype="float64")
                 seconds = pd.to_numeric(rows[phase], errors="coerce").to_numpy(dtype="float64")
                 ok = np.isfinite(size) & np.isfinite(seconds) & (size > 0) & (seconds > 0)
-                rates = (size[ok] / seconds[ok])[-self.max_transfers:]
+                rates = (size[ok] / seconds[ok] * _peak_derating(rows, config)[ok])[-self.max_transfers:]
             n = len(rates)
             log_rate = (np.log(rates).sum() + self.prior_weight * np.log(prior)) / (n + self.prior_weight)
             self.rates_[field_name] = float(np.exp(log_rate))
@@ -399,6 +400,22 @@ class TransferRateMember:
     def config_for(self, config: FleetConfig) -> FleetConfig:
         """``config`` with the learned rates in place of the prior's."""
         return replace(config, **self.rates_)
+
+
+def _peak_derating(transfers: pd.DataFrame, config: FleetConfig) -> np.ndarray:
+    """Per transfer, the factor that turns its measured rate into the off-peak base rate the physics holds.
+
+    The prior slows every rate by ``config.peak_slowdown`` in
+    ``config.peak_hours_utc``; a rate measured in those hours is that slowed
+    rate, so it is scaled back up before it joins the base rate (otherwise a
+    pull measured at 14:00 and predicted at 14:00 would be slowed twice).
+    Transfers without a start time count as off-peak.
+    """
+    if "started_at" not in transfers.columns:
+        return np.ones(len(transfers))
+    hour = pd.to_datetime(transfers["started_at"], utc=True, errors="coerce").dt.hour.to_numpy(dtype="float64")
+    lo, hi = config.peak_hours_utc
+    return np.where((hour >= lo) & (hour < hi), config.peak_slowdown, 1.0)
 
 
 # --------------------------------------------------------------------------- the model
