@@ -185,6 +185,16 @@ def _wait_until_answers(base: str, path: str, token: str, server: subprocess.Pop
         time.sleep(0.5)
 
 
+def stop_server(server: subprocess.Popen, *, timeout_s: float = 20.0) -> None:
+    """Stop a server this bench started, by its PID: SIGTERM, wait, SIGKILL."""
+    server.terminate()
+    try:
+        server.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
 @contextlib.contextmanager
 def _process(argv: list[str], env: dict, base: str, probe_path: str, token: str, timeout_s: float):
     server = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
@@ -192,12 +202,7 @@ def _process(argv: list[str], env: dict, base: str, probe_path: str, token: str,
         _wait_until_answers(base, probe_path, token, server, timeout_s)
         yield base
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_server(server)
 
 
 @contextlib.contextmanager

@@ -104,12 +104,7 @@ def serving(url: str, token: str, probe_model: str, *, timeout_s: float = 180.0)
                 time.sleep(0.5)
             yield base, address
         finally:
-            server.terminate()
-            try:
-                server.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+            _api.stop_server(server)
 
 
 def scaled_object(model_id: str) -> pb.ScaledObjectRef:

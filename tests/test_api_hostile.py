@@ -34,6 +34,7 @@ from sqlalchemy import text
 from forecaster.store.db import make_engine
 from forecaster.store.tokens import create_token
 from tests.conftest import _admin_execute, fresh_database_url
+from tests.runtime_fixtures import stop_process
 
 BIN = Path(sys.executable).parent
 #: No request may take longer than this, seconds.
@@ -168,11 +169,7 @@ def served(pg_admin_url, pg_template, tmp_path_factory):
         yield server
     finally:
         client.close()
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop_process(process)
         engine.dispose()
         _admin_execute(pg_admin_url, f"DROP DATABASE IF EXISTS {db_url.rsplit('/', 1)[1].split('?')[0]} WITH (FORCE)")
 

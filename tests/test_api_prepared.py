@@ -34,6 +34,7 @@ from forecaster.planning.recommendation import MinuteQuantiles, recommend
 from forecaster.settings import SettingsError, load_settings
 from forecaster.store.forecasts import write_forecasts
 from forecaster.store.tokens import create_token, revoke_in_database, revoke_token
+from tests.runtime_fixtures import stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 NOW = datetime(2026, 11, 29, 12, 0, 30, tzinfo=timezone.utc)
@@ -259,9 +260,4 @@ def test_serve_with_two_workers_each_loads_and_refreshes_its_own_snapshot(engine
             assert time.monotonic() < deadline, "a worker kept the older run"
             time.sleep(0.3)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_process(server, timeout=20)

@@ -21,6 +21,7 @@ import pytest
 from typer.testing import CliRunner
 
 from forecaster.cli import app as cli
+from tests.runtime_fixtures import stop_process
 
 BIN = Path(sys.executable).parent
 
@@ -56,11 +57,7 @@ def served(db_url, tmp_path):
             pytest.fail("prewarm serve did not answer within 60 s")
         yield url, token, reader.splitlines()[-1]
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop_process(process)
 
 
 def test_serve_answers_with_tokens_from_the_cli(served):
