@@ -35,9 +35,9 @@ import argparse
 import cProfile
 import functools
 import importlib.util
+import io
 import json
 import logging
-import io
 import math
 import os
 import pstats
@@ -173,7 +173,7 @@ class SampleServedChampion(ShardedEnsemble):
     once per set of ids (a production champion's routing is a lookup too).
     """
 
-    def __init__(self, trained: ShardedEnsemble, shard_max_series: int):  # noqa: D107 - see the class
+    def __init__(self, trained: ShardedEnsemble, shard_max_series: int):
         self.__dict__.update(trained.__dict__)
         self.serve_max_series = shard_max_series
         self._plan: tuple[np.ndarray, dict[str, tuple[str, np.ndarray]], np.ndarray] | None = None
