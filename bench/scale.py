@@ -12,10 +12,15 @@ fresh databases of an embedded PostgreSQL (or ``PREWARM_BENCH_ADMIN_URL``):
    without Dask") or on a local Dask cluster of N worker processes;
 3. ``forecast``: the per-minute forecast job (``forecast_job``) with the
    champion of step 2 for ``--retrain-models`` models, and for ``--models``
-   models with a champion trained the same way on all of them
-   (``--forecast-train-members`` says which members that champion has;
-   training the full ensemble on 100,000 series does not fit on this machine's
-   time budget, and the note says so);
+   models with a champion whose members are ``--forecast-train-members``
+   (default: the production ensemble), trained on a sample of
+   ``--forecast-train-sample`` models of the same fleet (default 10,000: the
+   first models, which fleetgen draws independently, so a random sample) and
+   serving all ``--models`` (:class:`SampleServedChampion`: every served
+   series takes the per-series choices of the trained series of its shard
+   with the nearest level, so its forecast costs what a trained series' does;
+   ``0`` trains on all ``--models`` instead, which for the production ensemble
+   at 100,000 series takes about 10 x the 10,000-series retrain);
 4. ``api``: the recommendation endpoint's p50 / p99 at ``--models`` models,
    with the forecasts of step 3 in the store.
 
@@ -27,20 +32,25 @@ Peak memory is sampled (every 0.2 s) over this process and all its children
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import importlib.util
+import io
 import json
 import logging
+import math
 import os
+import pstats
 import statistics
 import sys
 import tempfile
 import threading
 import time
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
+import numpy as np
 import psutil
 from sqlalchemy import text
 
@@ -49,7 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import forecaster.forecast.registry as registry  # noqa: E402
 from forecaster.distributed.executor import close_executors  # noqa: E402
 from forecaster.forecast.ensemble import Ensemble, default_members  # noqa: E402
-from forecaster.forecast.sharded import ShardedEnsemble  # noqa: E402
+from forecaster.forecast.panel import Panel  # noqa: E402
+from forecaster.forecast.sharded import ShardedEnsemble, forecast_shard, series_levels  # noqa: E402
 from forecaster.jobs.forecasting import forecast_job, retrain_job  # noqa: E402
 from forecaster.settings import Settings  # noqa: E402
 from forecaster.simulation.fleetgen import DEFAULT_START, fleet_batches  # noqa: E402
@@ -139,14 +150,120 @@ def retrain(engine, settings: Settings, *, label: str, members: str) -> dict:
             "version": result["version"], "peak_rss_mb": rss.peak_mb}
 
 
-def forecast(engine, settings: Settings, *, runs: int) -> dict:
-    """The per-minute job ``runs`` times (issued one minute apart) with the champion; the first run loads it."""
+class SampleServedChampion(ShardedEnsemble):
+    """Bench only: a sharded champion trained on a sample of the fleet, forecasting the whole fleet at full cost.
+
+    The product's :class:`ShardedEnsemble` routes a series it never saw to the
+    shard of its level, whose ensemble then forecasts it with the fallback
+    member alone (weights, conformal offsets and heads are per series, and an
+    unseen series has none). That is right for a model registered after the
+    retrain, but a champion trained on 10,000 of 100,000 series would then
+    forecast 90% of them with the cheapest member, and the job's time would
+    say nothing about the production ensemble.
+
+    Here every served series the champion did not see is given a *donor*: the
+    trained series of its shard (the product's routing by level) whose level
+    over the current window is nearest. The shard's ensemble forecasts the
+    served series' own history under the donor's name, so it uses the
+    donor's member choice, conformal offsets, heads and ARIMA parameters: the
+    members' work per series is a trained series' work (the forecasts
+    themselves are a timing device, not a forecast to score). Served series
+    are cut into tasks of at most ``shard_max_series`` (what a champion
+    trained on all of them would run); the routing and donors are computed
+    once per set of ids (a production champion's routing is a lookup too).
+    """
+
+    def __init__(self, trained: ShardedEnsemble, shard_max_series: int):
+        self.__dict__.update(trained.__dict__)
+        self.serve_max_series = shard_max_series
+        self._plan: tuple[np.ndarray, dict[str, tuple[str, np.ndarray]], np.ndarray] | None = None
+
+    def _serving_plan(self, panel: Panel) -> tuple[dict[str, tuple[str, np.ndarray]], np.ndarray]:
+        """Task key -> (trained shard key, rows of ``panel``), and the id each row is forecast under."""
+        if self._plan is not None and np.array_equal(self._plan[0], panel.ids):
+            return self._plan[1], self._plan[2]
+        routes = self._route(panel)
+        trained = self.shard_of_.reindex(panel.ids).notna().to_numpy()
+        level, _ = series_levels(panel.values)
+        names = panel.ids.copy()
+        tasks: dict[str, tuple[str, np.ndarray]] = {}
+        for key, rows in routes.items():
+            own, new = rows[trained[rows]], rows[~trained[rows]]
+            if len(own) and len(new):
+                donors = own[np.argsort(level[own], kind="stable")]
+                at = np.clip(np.searchsorted(level[donors], level[new]), 0, len(donors) - 1)
+                names[new] = panel.ids[donors[at]]
+            parts = max(1, math.ceil(len(rows) / self.serve_max_series))
+            for k, part in enumerate(np.array_split(rows, parts)):
+                tasks[f"{key}.{k:03d}"] = (key, part)
+        self._plan = (panel.ids.copy(), tasks, names)
+        return tasks, names
+
+    def forecast(self, panel: Panel, origins, h: int, *, members: bool = False) -> dict[str, np.ndarray]:
+        origins = list(origins)
+        tasks, names = self._serving_plan(panel)
+        run = self._executor().run(
+            forecast_shard,
+            {task: (self._shard_ref(key), Panel(names[rows], panel.start, panel.step, panel.values[rows]),
+                    origins, h, members) for task, (key, rows) in tasks.items()},
+            name="forecast-shard",
+        )
+        if run.failures:
+            raise RuntimeError(f"bench: shard tasks failed: {run.failures}")
+        self.forecast_run_ = run.summary()
+        # the workers' own seconds (forecast_shard's timer): what the members cost, without transfers
+        self.forecast_run_["task_seconds_sum"] = round(sum(r[2] for r in run.results.values()), 2)
+        self.forecast_run_["task_seconds_max"] = round(max(r[2] for r in run.results.values()), 2)
+        outputs: dict[str, np.ndarray] = {}
+        for task, (_, rows) in tasks.items():
+            arrays, _, _ = run.results[task]
+            for column, values in arrays.items():
+                if column not in outputs:
+                    outputs[column] = np.full((panel.n_series, len(origins), h), np.nan)
+                outputs[column][rows] = values
+        return outputs
+
+
+class SampleServedCache(registry.ChampionCache):
+    """The forecast job's champion cache, handing out the champion as a :class:`SampleServedChampion`."""
+
+    def __init__(self, shard_max_series: int):
+        super().__init__()
+        self.shard_max_series = shard_max_series
+        self._served: tuple[str | None, SampleServedChampion | None] = (None, None)
+
+    def get(self, engine):
+        version, model = super().get(engine)
+        if model is None or not isinstance(model, ShardedEnsemble):
+            return version, model
+        if self._served[0] != version:
+            self._served = (version, SampleServedChampion(model, self.shard_max_series))
+        return version, self._served[1]
+
+
+def forecast(engine, settings: Settings, *, runs: int, cache: registry.ChampionCache | None = None,
+             profile: Path | None = None) -> dict:
+    """The per-minute job ``runs`` times (issued one minute apart) with the champion; the first run loads it.
+
+    With ``profile``, one more run (not in the figures) under cProfile: its
+    stats go to that file and the 25 costliest functions (cumulative) are
+    printed.
+    """
     now = DEFAULT_START + timedelta(minutes=DAY_MIN)
-    cache = registry.ChampionCache()
+    cache = cache or registry.ChampionCache()
     results = []
     with PeakRSS() as rss:
         for k in range(runs + 1):  # run 0 loads the champion (and warms pool processes): reported apart
             results.append(forecast_job(engine, settings, now + timedelta(seconds=k), cache=cache))
+            log.warning("forecast run %d: %s", k, {key: results[-1].get(key) for key in
+                                                   ("models", "seconds", "read_s", "forecast_s", "read")})
+    if profile is not None:
+        profiler = cProfile.Profile()
+        profiled = profiler.runcall(forecast_job, engine, settings, now + timedelta(seconds=runs + 1), cache=cache)
+        profiler.dump_stats(str(profile))
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(25)
+        print(f"profiled forecast run ({profiled['seconds']} s under cProfile):\n{out.getvalue()}", flush=True)
     steady = results[1:]
     seconds = [r["seconds"] for r in steady]
     models = steady[0]["models"]
@@ -159,6 +276,10 @@ def forecast(engine, settings: Settings, *, runs: int) -> dict:
         "ms_per_model": round(1000 * statistics.median(seconds) / models, 3),
         "backend": (steady[0]["shards"] or {}).get("backend", "in-process"),
         "workers": (steady[0]["shards"] or {}).get("workers", 1), "rows_per_run": steady[0]["rows"],
+        "tasks": (steady[0]["shards"] or {}).get("shards"),
+        "task_seconds_sum_median": (round(statistics.median(r["shards"]["task_seconds_sum"] for r in steady), 2)
+                                    if "task_seconds_sum" in (steady[0]["shards"] or {}) else None),
+        "load_average_1min": round(os.getloadavg()[0], 2),
         "peak_rss_mb": rss.peak_mb,
     }
 
@@ -219,13 +340,15 @@ def markdown(figures: dict) -> str:
     if figures.get("retrain"):
         lines += ["", "| retrain | models | members | shards | seconds | peak RSS MB | holdout wQL |", "|---|---|---|---|---|---|---|"]
         for r in figures["retrain"] + ([figures["forecast_champion_big"]] if "forecast_champion_big" in figures else []):
+            rss = "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:,.0f}"
             lines.append(f"| {r['label']} | {r['models']:,} | {r['members'] or 'fallback only'} | {r['shards']} | "
-                         f"{r['seconds']} | {r['peak_rss_mb']:,.0f} | {r['wql_holdout']:.4f} |")
+                         f"{r['seconds']} | {rss} | {r['wql_holdout']:.4f} |")
     if figures.get("forecast"):
-        lines += ["", "| forecast job | models | backend | median s (steady) | first run s | read / forecast / write s "
-                  "| ms per model | peak RSS MB |", "|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| forecast job | models | champion | backend | median s (steady) | first run s "
+                  "| read / forecast / write s | ms per model | peak RSS MB |", "|---|---|---|---|---|---|---|---|---|"]
         for f in figures["forecast"]:
-            lines.append(f"| per minute | {f['models']:,} | {f['backend']} x{f['workers']} | {f['seconds_median']} | "
+            lines.append(f"| per minute | {f['models']:,} | {f.get('champion', 'the retrain above')} | "
+                         f"{f['backend']} x{f['workers']} | {f['seconds_median']} | "
                          f"{f['first_run_seconds']} | {f['read_s_median']} / {f['forecast_s_median']} / "
                          f"{f['write_s_median']} | {f['ms_per_model']} | {f['peak_rss_mb']:,.0f} |")
     if "api" in figures:
@@ -295,7 +418,20 @@ def run(admin_url: str, args, models_dir: Path) -> dict:
         figures["ingest"] = ingest(big, args.models, args.seed)
         print("ingest", figures["ingest"], flush=True)
         save(figures)
-        if "forecast" in args.stages:
+        if "forecast" in args.stages and args.forecast_train_sample:
+            figures["forecast_champion_big"] = _sample_champion(small, big, base, args, figures)
+            print("champion (sample)", figures["forecast_champion_big"], flush=True)
+            save(figures)
+            big_base = base.model_copy(update={"shard_max_series": args.big_shard_max_series})
+            with _backend(big_base, max(args.forecast_workers)) as settings:
+                result = forecast(big, settings, runs=args.forecast_runs,
+                                  cache=SampleServedCache(args.big_shard_max_series), profile=args.forecast_profile)
+                result["champion"] = (f"trained on a {figures['forecast_champion_big']['models']:,}-series sample, "
+                                      f"serving {result['models']:,}")
+                figures["forecast"].append(result)
+                print("forecast", figures["forecast"][-1], flush=True)
+                save(figures)
+        elif "forecast" in args.stages:
             big_base = base.model_copy(update={"shard_max_series": args.big_shard_max_series})
             with _backend(big_base, max(args.forecast_workers)) as settings:
                 trained = retrain(big, settings, label=f"champion for {args.models} models",
@@ -303,7 +439,9 @@ def run(admin_url: str, args, models_dir: Path) -> dict:
                 figures["forecast_champion_big"] = trained
                 print("retrain (big)", trained, flush=True)
                 save(figures)
-                figures["forecast"].append(forecast(big, settings, runs=args.forecast_runs))
+                result = forecast(big, settings, runs=args.forecast_runs, profile=args.forecast_profile)
+                result["champion"] = f"trained on all {trained['models']:,} series"
+                figures["forecast"].append(result)
                 print("forecast", figures["forecast"][-1], flush=True)
                 save(figures)
         big.dispose()
@@ -312,6 +450,45 @@ def run(admin_url: str, args, models_dir: Path) -> dict:
             print("api", figures["api"], flush=True)
     small.dispose()
     return figures
+
+
+def _sample_champion(small, big, base: Settings, args, figures: dict) -> dict:
+    """The champion for the ``--models`` forecast run, trained on the first ``--forecast-train-sample`` models.
+
+    It is the small fleet's last retrain when that one trained these members on
+    as many models (fleetgen's first models are the same in both fleets), a
+    saved version given by ``--forecast-champion``, or else a retrain on the
+    small fleet now. The version is registered as champion in the big fleet's
+    database, with the path the small one saved it at.
+    """
+    last = (figures.get("retrain") or [None])[-1]
+    if args.forecast_champion is not None:
+        path = args.forecast_champion.resolve()
+        metadata = json.loads((path / registry.METADATA_FILE).read_text())
+        trained = {"label": f"saved version {path.name}", "models": args.forecast_train_sample,
+                   "members": args.forecast_train_members, "shards": None, "seconds": None, "peak_rss_mb": None,
+                   "wql_holdout": (metadata["scores"].get("challenger") or {}).get("wql"), "version": path.name}
+        version_id = path.name
+    else:
+        if not (last and last["members"] == args.forecast_train_members
+                and last["models"] == args.forecast_train_sample):
+            if args.forecast_train_sample != args.retrain_models or "retrain" not in args.stages:
+                raise SystemExit("--forecast-train-sample must equal --retrain-models (the small fleet is the "
+                                 "sample), with the retrain stage, unless --forecast-champion names a saved version")
+            with _backend(base, max(args.forecast_workers)) as settings:
+                last = retrain(small, settings, label=f"champion for {args.models} models (sample)",
+                               members=args.forecast_train_members)
+        trained = dict(last, label=f"champion for {args.models:,} models, trained on a "
+                                   f"{last['models']:,}-series sample")
+        version_id = last["version"]
+        path = registry.champion(small).path
+        metadata = json.loads((path / registry.METADATA_FILE).read_text())
+    when = {key: metadata.get(key) and datetime.fromisoformat(metadata[key]) for key in ("train_start", "train_end")}
+    registry.register(big, version_id=version_id, path=path, status="challenger", **when,
+                      members=[m["name"] for m in metadata.get("members", [])], scores=metadata.get("scores", {}))
+    registry.promote(big, version_id)
+    trained["path"] = str(path)
+    return trained
 
 
 @contextmanager
@@ -337,6 +514,17 @@ def main() -> None:
                              "the 10,000-model forecast job uses")
     parser.add_argument("--forecast-train-members", default="default",
                         help="members of the champion trained for the --models forecast run")
+    parser.add_argument("--forecast-train-sample", type=int, default=10_000,
+                        help="train the --models champion on this many models of the fleet (the small fleet, so "
+                             "equal to --retrain-models) and serve all --models with it (SampleServedChampion); "
+                             "0: train it on all --models")
+    parser.add_argument("--forecast-champion", type=Path,
+                        help="a saved version folder (models/<version>) to use as the sample champion instead "
+                             "of training one (e.g. from an earlier run's --models-dir)")
+    parser.add_argument("--forecast-profile", type=Path,
+                        help="after the timed runs at --models, one more run under cProfile, stats to this file")
+    parser.add_argument("--models-dir", type=Path,
+                        help="keep the trained versions here (default: a temporary folder, removed at the end)")
     parser.add_argument("--lookback-minutes", type=int, default=DAY_MIN, help="history the forecast job reads")
     parser.add_argument("--shard-max-series", type=int, default=5000)
     parser.add_argument("--big-shard-max-series", type=int, default=10_000,
@@ -355,11 +543,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="prewarm-bench-scale-") as tmp:
         os.chmod(tmp, 0o755)
         admin_url = os.environ.get("PREWARM_BENCH_ADMIN_URL")
+        models_dir = args.models_dir.resolve() if args.models_dir else Path(tmp) / "models"
         if admin_url:
-            figures = run(admin_url, args, Path(tmp) / "models")
+            figures = run(admin_url, args, models_dir)
         else:
             with embedded_server(Path(tmp) / "pgdata") as url:
-                figures = run(url, args, Path(tmp) / "models")
+                figures = run(url, args, models_dir)
     print(json.dumps(figures, indent=2))
     print(markdown(figures))
     if args.json:

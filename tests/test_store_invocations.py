@@ -110,3 +110,21 @@ def test_rows_land_in_daily_partitions(registered, now):
     with registered.connect() as conn:
         parts = conn.execute(text("SELECT tableoid::regclass::text FROM invocations ORDER BY minute")).scalars().all()
     assert parts == ["invocations_20261128", "invocations_20261129"]
+
+
+@pytest.mark.parametrize("step", [60, 120])
+def test_many_models_read_as_text_blocks_equal_a_row_fetch(engine, now, monkeypatch, step):
+    """Above FETCH_CELLS_MAX_MODELS the cells come as server-built text blocks; they must equal the row fetch."""
+    from forecaster.store import invocations
+
+    rng = np.random.default_rng(7)
+    ids = [f"m{k:02d}" for k in range(40)]
+    rows = [(m, _minute(i), int(rng.poisson(1.5))) for m in ids for i in range(30)]
+    windows = pd.DataFrame({"unique_id": ids, "start": _minute(0), "end": _minute(30)})
+    write_count_batch(engine, _batch([r for r in rows if r[2] > 0], now, windows=windows), register_models=True)
+    monkeypatch.setattr(invocations, "CELL_BLOCK_MODELS", 16)  # several blocks, one of them partial
+    _, _, blocks = invocations.read_grid(engine, ids, _minute(0), _minute(30), step_seconds=step)
+    monkeypatch.setattr(invocations, "FETCH_CELLS_MAX_MODELS", 10**6)
+    _, _, fetched = invocations.read_grid(engine, ids, _minute(0), _minute(30), step_seconds=step)
+    assert np.nansum(blocks) == sum(r[2] for r in rows) and not np.isnan(blocks).any()
+    np.testing.assert_array_equal(blocks, fetched)

@@ -212,7 +212,7 @@ def pool_counts(values: np.ndarray, lookback: int, *, stride: int = 1, chunk_row
     steps = np.arange(width)
     size = N_ACTIVITY_BINS * N_AGE_BINS
     for lo in range(0, values.shape[0], chunk_rows):
-        invoked = np.nan_to_num(values[lo:lo + chunk_rows], nan=0.0) > 0
+        invoked = values[lo:lo + chunk_rows] > 0  # NaN > 0 is False: no filled copy
         last_incl = np.maximum.accumulate(np.where(invoked, steps, -1), axis=1)
         last_before = np.concatenate([np.full((len(invoked), 1), -1), last_incl[:, :-1]], axis=1)
         cum = np.concatenate([np.zeros((len(invoked), 1)), np.cumsum(invoked, axis=1)], axis=1)
@@ -292,7 +292,7 @@ class IdleTimeHazard:
         actives = np.zeros((values.shape[0], len(origins)))
         for j, origin in enumerate(origins):
             lo = max(0, int(origin) - self.lookback)
-            invoked = np.nan_to_num(values[:, lo:int(origin)], nan=0.0) > 0
+            invoked = values[:, lo:int(origin)] > 0  # NaN (unknown) > 0 is False
             hist, excess, active, last = idle_time_state(invoked, self.max_age)
             width = invoked.shape[1]
             age0 = np.where(last >= 0, width - last, NEVER_AGE)

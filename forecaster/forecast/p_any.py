@@ -110,7 +110,7 @@ class PAnyModel:
         for j, origin in enumerate(origins):
             window = values[:, max(0, int(origin) - self.lookback):int(origin)]
             known = ~np.isnan(window)
-            invoked = np.nan_to_num(window, nan=0.0) > 0
+            invoked = window > 0  # NaN (unknown) > 0 is False
             long[:, j] = _share(invoked, known)
             recent[:, j] = _share(invoked[:, -self.recent_steps:], known[:, -self.recent_steps:])
         hazard, age, active = self.hazard_.p_any_state(values, origins, h)

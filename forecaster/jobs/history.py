@@ -68,10 +68,10 @@ class HistoryCache:
             ids = sorted(set(ids))
             state = self._refresh(engine, ids, end, minutes)
             rows = pd.Index(state.ids).get_indexer(ids)
-            grid = state.grid[rows]
-        known = ~np.isnan(grid).all(axis=1)
+            known = _any_known(state.grid)[rows]
+            grid = state.grid[rows[known]]  # one copy: the next refresh changes the cached grid in place
         start = pd.Timestamp(end - timedelta(minutes=minutes))
-        return Panel(np.asarray(ids, dtype=object)[known], start, STEP, grid[known])
+        return Panel(np.asarray(ids, dtype=object)[known], start, STEP, grid)
 
     def _watermark(self, engine: Engine) -> int:
         return batch_watermark(engine)
@@ -118,3 +118,14 @@ class HistoryCache:
         self.last_read = {"kind": "incremental", "models": len(state.ids), "minutes": recent.shape[1],
                           "new_models": len(new)}
         return state
+
+
+ROW_BLOCK = 4096  # rows per block of _any_known (a few MB of booleans each, not one grid-sized temporary)
+
+
+def _any_known(grid: np.ndarray) -> np.ndarray:
+    """Per row: whether any cell is known (not NaN), without a grid-sized boolean temporary."""
+    out = np.empty(grid.shape[0], dtype=bool)
+    for lo in range(0, grid.shape[0], ROW_BLOCK):
+        out[lo:lo + ROW_BLOCK] = ~np.isnan(grid[lo:lo + ROW_BLOCK]).all(axis=1)
+    return out

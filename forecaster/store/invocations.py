@@ -267,12 +267,14 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
                        warnings=(_zeroed_warning(zeroed),) if zeroed else ())
 
 
-#: Up to this many models, :func:`_count_cells` fetches rows instead of streaming a COPY.
+#: Up to this many models, :func:`_count_cells` fetches rows instead of blocks of text.
 FETCH_CELLS_MAX_MODELS = 16
+#: Models per text block of :func:`_count_cells` (a block of a day at every minute is ~60 MB, under 1 GB).
+CELL_BLOCK_MODELS = 2048
 
 
 def _count_cells(conn: Connection, params: dict) -> np.ndarray:
-    """Stored counts as ``(model index, step index, count)`` int64 rows, streamed with COPY (a few models: fetched).
+    """Stored counts as ``(model index, step index, count)`` int64 rows, as blocks of text (a few models: fetched).
 
     Indexes are computed in SQL (model position in ``params["ids"]``, step
     number from ``start``), so that millions of rows need no Python objects;
@@ -296,7 +298,12 @@ def _count_cells(conn: Connection, params: dict) -> np.ndarray:
         return ("FROM invocations i JOIN unnest(%(ids)s::text[]) WITH ORDINALITY AS w(id, i) "
                 f"ON w.id = i.model_id WHERE i.minute >= %(start)s AND i.minute < %(end)s{group}")
 
-    query = f"COPY ({select}{query_from(group)}) TO STDOUT"
+    # Many models: the rows as tab-separated text, aggregated on the server into one text value per block of
+    # CELL_BLOCK_MODELS models. A COPY TO of the same rows hands libpq one message per row, which psycopg yields
+    # one by one (~5-25 us each: 2.4-5.7 s of the 100,000-model job's 15-minute re-read of 214,000 rows; a full
+    # read of 10,000 models x a day, 2 million rows, took 4.7-5.7 s by COPY against 1.9-2.1 s this way).
+    query = (f"SELECT string_agg(concat_ws(E'\\t', r, s, c), E'\\n') FROM ({select}{query_from(group)}) "
+             f"AS cells(r, s, c) GROUP BY r / {CELL_BLOCK_MODELS}")
     if len(params["ids"]) <= FETCH_CELLS_MAX_MODELS:
         # a few models (the dashboard's series: a week is 10,080 rows of one model): COPY TO hands libpq one
         # message per row, which psycopg yields one by one (~5 us each); a binary fetch of the same rows is cheaper
@@ -310,10 +317,13 @@ def _count_cells(conn: Connection, params: dict) -> np.ndarray:
     with raw.cursor() as cur:
         # reading every model joins ~100,000 ids to millions of rows: keep the hash join in memory
         cur.execute("SET LOCAL work_mem = '256MB'")
-    with raw.cursor() as cur, cur.copy(query, {"start": params["start"], "end": params["end"],
-                                               "step": params["step"], "ids": params["ids"]}) as copy:
-        for block in copy:
-            buffer.write(block)
+    with raw.cursor() as cur:
+        cur.execute(query, {"start": params["start"], "end": params["end"], "step": params["step"],
+                            "ids": params["ids"]})
+        for (block,) in cur:
+            if block:
+                buffer.write(block.encode())
+                buffer.write(b"\n")
     if not buffer.tell():
         return np.empty((0, 3), dtype=np.int64)
     buffer.seek(0)
