@@ -122,7 +122,9 @@ def test_many_models_read_as_text_blocks_equal_a_row_fetch(engine, now, monkeypa
     rows = [(m, _minute(i), int(rng.poisson(1.5))) for m in ids for i in range(30)]
     windows = pd.DataFrame({"unique_id": ids, "start": _minute(0), "end": _minute(30)})
     write_count_batch(engine, _batch([r for r in rows if r[2] > 0], now, windows=windows), register_models=True)
-    monkeypatch.setattr(invocations, "CELL_BLOCK_MODELS", 16)  # several blocks, one of them partial
+    monkeypatch.setattr(invocations, "CELL_BLOCK_CELLS", 16 * 30)  # 16 models a block: several, one partial
+    # fewer, longer steps: more models a block
+    assert invocations._block_models({"start": _minute(0), "end": _minute(30), "step": step}) == 16 * step // 60
     _, _, blocks = invocations.read_grid(engine, ids, _minute(0), _minute(30), step_seconds=step)
     monkeypatch.setattr(invocations, "FETCH_CELLS_MAX_MODELS", 10**6)
     _, _, fetched = invocations.read_grid(engine, ids, _minute(0), _minute(30), step_seconds=step)

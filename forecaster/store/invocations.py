@@ -269,8 +269,15 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
 
 #: Up to this many models, :func:`_count_cells` fetches rows instead of blocks of text.
 FETCH_CELLS_MAX_MODELS = 16
-#: Models per text block of :func:`_count_cells` (a block of a day at every minute is ~60 MB, under 1 GB).
-CELL_BLOCK_MODELS = 2048
+#: Cells (model x step) per text block of :func:`_count_cells`: 2,048 models x a day of minutes, ~60 MB of text
+#: at most (PostgreSQL's limit for one value is 1 GB); a longer window gets fewer models per block.
+CELL_BLOCK_CELLS = 2048 * 1440
+
+
+def _block_models(params: dict) -> int:
+    """Models per text block for the window of ``params`` (at least one)."""
+    n_steps = max(1, int((params["end"] - params["start"]).total_seconds()) // int(params["step"]))
+    return max(1, CELL_BLOCK_CELLS // n_steps)
 
 
 def _count_cells(conn: Connection, params: dict) -> np.ndarray:
@@ -299,11 +306,12 @@ def _count_cells(conn: Connection, params: dict) -> np.ndarray:
                 f"ON w.id = i.model_id WHERE i.minute >= %(start)s AND i.minute < %(end)s{group}")
 
     # Many models: the rows as tab-separated text, aggregated on the server into one text value per block of
-    # CELL_BLOCK_MODELS models. A COPY TO of the same rows hands libpq one message per row, which psycopg yields
-    # one by one (~5-25 us each: 2.4-5.7 s of the 100,000-model job's 15-minute re-read of 214,000 rows; a full
-    # read of 10,000 models x a day, 2 million rows, took 4.7-5.7 s by COPY against 1.9-2.1 s this way).
+    # models (_block_models: about CELL_BLOCK_CELLS cells each), streamed one block at a time. A COPY TO of the
+    # same rows hands libpq one message per row, which psycopg yields one by one (~5-25 us each: 2.4-5.7 s of the
+    # 100,000-model job's 15-minute re-read of 214,000 rows; a full read of 10,000 models x a day, 2 million rows,
+    # took 4.7-5.7 s by COPY against 1.9-2.1 s this way).
     query = (f"SELECT string_agg(concat_ws(E'\\t', r, s, c), E'\\n') FROM ({select}{query_from(group)}) "
-             f"AS cells(r, s, c) GROUP BY r / {CELL_BLOCK_MODELS}")
+             f"AS cells(r, s, c) GROUP BY r / {_block_models(params)}")
     if len(params["ids"]) <= FETCH_CELLS_MAX_MODELS:
         # a few models (the dashboard's series: a week is 10,080 rows of one model): COPY TO hands libpq one
         # message per row, which psycopg yields one by one (~5 us each); a binary fetch of the same rows is cheaper
@@ -318,9 +326,8 @@ def _count_cells(conn: Connection, params: dict) -> np.ndarray:
         # reading every model joins ~100,000 ids to millions of rows: keep the hash join in memory
         cur.execute("SET LOCAL work_mem = '256MB'")
     with raw.cursor() as cur:
-        cur.execute(query, {"start": params["start"], "end": params["end"], "step": params["step"],
-                            "ids": params["ids"]})
-        for (block,) in cur:
+        for (block,) in cur.stream(query, {"start": params["start"], "end": params["end"], "step": params["step"],
+                                           "ids": params["ids"]}):
             if block:
                 buffer.write(block.encode())
                 buffer.write(b"\n")
