@@ -158,8 +158,10 @@ def run(admin_url: str, args) -> dict:
         version = train_latency_model(engine, settings, NOW)
         out["latency_model"] = {"version": version, "nightly_train_s": round(time.perf_counter() - started, 2)}
     timer = StageTimer()
+    # the plan itself: plan_step (the one plan step every driver calls) where the job has it, else the older plan
+    plan_name = "plan_step" if hasattr(planning, "plan_step") else "plan"
     for name, stage in (("stored_forecast", "read_forecasts"), ("fleet_from_store", "read_fleet"),
-                        ("predicted_latency", "latency_prediction"), ("plan", "plan")):
+                        ("predicted_latency", "latency_prediction"), (plan_name, "plan")):
         timer.wrap(planning, name, stage)
     timer.wrap(actuation.Actuator, "apply", "write_actuate")
     runs = []
