@@ -160,3 +160,21 @@ def test_a_sampled_pool_keeps_the_cell_rates():
     seen = full_exposure > 20_000
     assert seen.sum() >= 3
     np.testing.assert_allclose((events / exposure)[seen], (full_events / full_exposure)[seen], rtol=0.1)
+
+
+def test_a_cell_leaves_the_hazard_only_for_a_gain_spread_over_series():
+    """The same mean gain in Brier score replaces the hazard when many series share it, not when one series
+    carries it (points of one series are not independent)."""
+    from forecaster.forecast.p_any import clearly_lower
+
+    rng = np.random.default_rng(5)
+    series = np.repeat(np.arange(200), 50)
+    base = rng.random(len(series)) * 0.01
+    shared = base - 0.002 + rng.normal(0.0, 0.0005, len(series))
+    carried = base.copy()
+    carried[series == 7] -= 0.002 * 200  # the same total gain, all on one series
+    assert abs((shared - base).mean() - (carried - base).mean()) < 1e-4
+    assert clearly_lower(shared, base, series)
+    assert not clearly_lower(carried, base, series)
+    assert not clearly_lower(base + 0.001, base, series)
+    assert not clearly_lower(shared[:50], base[:50], series[:50])  # one series: no spread to judge by

@@ -44,6 +44,7 @@ from forecaster.contracts.actions import Action, ActionKind, Plan, Reason, Tier
 from forecaster.contracts.fleet import FleetState, registry_of
 from forecaster.contracts.forecast import float_columns, p_any_from_quantiles, validate_forecast
 from forecaster.contracts.phases import START_STATES, STATE_RANK
+from forecaster.planning.coherence import coherent_quantiles
 from forecaster.planning.fleet import PlannerSettings, latency_table
 
 MINUTE = timedelta(minutes=1)
@@ -61,6 +62,7 @@ class ForecastArrays:
     values: np.ndarray  # (N, H, L) quantiles of the per-minute count
     p_any: np.ndarray  # (N, H)
     known: np.ndarray  # (N,) the model has a forecast
+    rescaled: int = 0  # rows whose quantiles were made to agree with their p_any (:mod:`.coherence`)
 
     def quantile(self, level: np.ndarray | float) -> np.ndarray:
         """(N, H) quantile at ``level`` (scalar, (N,) or (N, H)), linear between levels, clamped at the ends."""
@@ -131,7 +133,10 @@ def forecast_arrays(forecast: pd.DataFrame, model_ids: pd.Index, now: datetime, 
         else:
             p_any[row, h] = p_any_from_quantiles(levels, vals)
         known[row] = True
-    return ForecastArrays(levels=levels, values=values, p_any=p_any, known=known)
+    # the quantiles are read as the distribution whose mass above zero is p_any: rows that say otherwise (the
+    # ensemble's residual quantiles beside its stacked p_any) are rescaled to it
+    values, rescaled = coherent_quantiles(levels, values, p_any)
+    return ForecastArrays(levels=levels, values=values, p_any=p_any, known=known, rescaled=rescaled)
 
 
 # --------------------------------------------------------------------------- concurrency
@@ -451,6 +456,7 @@ def plan(
         "budget_denied_replicas": budget_denied,
         "warm_gpus_planned": float((np.maximum(desired.max(axis=1), 0) * gpus).sum()),
         "models_forecast": int(fa.known.sum()),
+        "forecast_rows_rescaled": fa.rescaled,
     }
     return Plan(planned_at=now, actions=tuple(actions), summary=summary)
 
