@@ -160,11 +160,11 @@ class PAnyModel:
         segment = segment_of(estimates["long"])
         fold = np.broadcast_to(p_any_folds(len(origins))[None, :, None], actual.shape)
 
-        def brier(p: np.ndarray, mask: np.ndarray) -> float:
-            return float(np.mean((p[mask] - target[mask]) ** 2))
-
         def loss(p: np.ndarray, mask: np.ndarray) -> np.ndarray:
             return (np.broadcast_to(p, actual.shape)[mask] - target[mask]) ** 2
+
+        def brier(p: np.ndarray, mask: np.ndarray) -> float:
+            return float(np.mean(loss(p, mask)))
 
         series = np.broadcast_to(np.arange(actual.shape[0])[:, None, None], actual.shape)
 
@@ -249,8 +249,8 @@ def clearly_lower(loss: np.ndarray, base: np.ndarray, series: np.ndarray, margin
     per-point standard error would call a difference that a handful of series carry significant; a plain
     comparison of the two scores calls any difference a win. On the Azure day (1,350 functions, the fit at minute
     960 on minutes 0..959) the plain comparison replaced the hazard in the rarely invoked segment at horizons 4-10
-    by the recent share, 0.008746 against 0.008826 (1 % lower; neither depends on the members), whose floor of 0.5 / 61 puts ``p_any`` above 0.003
-    on 79 % of that segment's idle minutes (the hazard: 33 %); at the planner's rate-normalised cold costs that
+    by the recent share, 0.008746 against 0.008826 (1 % lower; neither depends on the members), whose floor of
+    0.5 / 61 puts ``p_any`` above 0.003 on 79 % of that segment's idle minutes (the hazard: 33 %); at the planner's rate-normalised cold costs that
     held and restarted hundreds of dormant models (the fleet replay of minutes 960..1320 fetched 86.7 TB of
     weights for 744 models; a diagnosis of the replay, not the basis of the margin, which is the usual two
     standard errors). With the series as the unit the recent share's gain there is within two standard errors,

@@ -305,6 +305,14 @@ def _count_cells(conn: Connection, params: dict) -> np.ndarray:
         return ("FROM invocations i JOIN unnest(%(ids)s::text[]) WITH ORDINALITY AS w(id, i) "
                 f"ON w.id = i.model_id WHERE i.minute >= %(start)s AND i.minute < %(end)s{group}")
 
+    bound = {k: params[k] for k in ("start", "end", "step", "ids")}
+    if len(params["ids"]) <= FETCH_CELLS_MAX_MODELS:
+        # a few models (the dashboard's series: a week is 10,080 rows of one model): COPY TO hands libpq one
+        # message per row, which psycopg yields one by one (~5 us each); a binary fetch of the same rows is cheaper
+        with raw.cursor(binary=True) as cur:
+            cur.execute(select + query_from(group), bound)
+            rows = cur.fetchall()
+        return np.array(rows, dtype=np.int64).reshape(-1, 3)
     # Many models: the rows as tab-separated text, aggregated on the server into one text value per block of
     # models (_block_models: about CELL_BLOCK_CELLS cells each), streamed one block at a time. A COPY TO of the
     # same rows hands libpq one message per row, which psycopg yields one by one (~5-25 us each: 2.4-5.7 s of the
@@ -312,22 +320,12 @@ def _count_cells(conn: Connection, params: dict) -> np.ndarray:
     # took 4.7-5.7 s by COPY against 1.9-2.1 s this way).
     query = (f"SELECT string_agg(concat_ws(E'\\t', r, s, c), E'\\n') FROM ({select}{query_from(group)}) "
              f"AS cells(r, s, c) GROUP BY r / {_block_models(params)}")
-    if len(params["ids"]) <= FETCH_CELLS_MAX_MODELS:
-        # a few models (the dashboard's series: a week is 10,080 rows of one model): COPY TO hands libpq one
-        # message per row, which psycopg yields one by one (~5 us each); a binary fetch of the same rows is cheaper
-        with raw.cursor(binary=True) as cur:
-            cur.execute(select + query_from(group),
-                        {"start": params["start"], "end": params["end"], "step": params["step"],
-                         "ids": params["ids"]})
-            rows = cur.fetchall()
-        return np.array(rows, dtype=np.int64).reshape(-1, 3)
     buffer = io.BytesIO()
     with raw.cursor() as cur:
         # reading every model joins ~100,000 ids to millions of rows: keep the hash join in memory
         cur.execute("SET LOCAL work_mem = '256MB'")
     with raw.cursor() as cur:
-        for (block,) in cur.stream(query, {"start": params["start"], "end": params["end"], "step": params["step"],
-                                           "ids": params["ids"]}):
+        for (block,) in cur.stream(query, bound):
             if block:
                 buffer.write(block.encode())
                 buffer.write(b"\n")
