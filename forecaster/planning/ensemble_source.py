@@ -66,6 +66,10 @@ from forecaster.settings import Settings
 
 log = logging.getLogger(__name__)
 
+#: the attributes :meth:`EnsembleForecast.report` reads, carried across processes by ``counters`` / ``absorb``
+COUNTERS = ("retrains", "retrain_minutes", "fit_seconds", "member_fit_seconds", "forecast_seconds",
+            "forecast_origins", "failures")
+
 
 class EnsembleForecast:
     """Causal quantile forecasts from the product's ensemble, retrained on a schedule in simulated time.
@@ -148,6 +152,7 @@ class EnsembleForecast:
         self.skipped_retrains = [r for r in self._planned() if r < least]
         self._models: dict[int, object] = {}
         self._blocks: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
+        self._receive: Callable[[], tuple[int, dict[str, np.ndarray]] | None] | None = None
 
     # ------------------------------------------------------------------ schedule
     def _planned(self) -> list[int]:
@@ -194,20 +199,45 @@ class EnsembleForecast:
         values = {name: array[:, k, :horizon_min] for name, array in arrays.items()}
         return self.panel.frame(col, values)
 
-    def precompute(self, until_min: int | None = None) -> dict:
+    def precompute(self, until_min: int | None = None,
+                   on_block: Callable[[int, dict[str, np.ndarray]], None] | None = None) -> dict:
         """Fit and forecast every block up to origin ``until_min`` (default: the whole replay); returns :meth:`report`.
 
         A benchmark calls this once before replaying several policies, so that
-        the fit and forecast seconds are paid (and measured) once.
+        the fit and forecast seconds are paid (and measured) once. ``on_block``
+        is called with ``(first origin, arrays)`` of each block as soon as it is
+        made, in origin order (:meth:`receive_blocks` serves them elsewhere).
         """
         until = self.panel.n_minutes if until_min is None else min(int(until_min), self.panel.n_minutes)
         col = self.schedule[0] if self.schedule else until
         while col < until:
             fit = self.fit_minute(col)
             _, end = self._block(col, fit)
-            self._cached(col, fit)
+            first, arrays = self._cached(col, fit)
+            if on_block is not None:
+                on_block(first, arrays)
             col = end
         return self.report()
+
+    def receive_blocks(self, receive: Callable[[], tuple[int, dict[str, np.ndarray]] | None]) -> None:
+        """Serve blocks made by another process instead of fitting and forecasting here.
+
+        ``receive()`` blocks until the next ``(first origin, arrays)`` another
+        process's :meth:`precompute` made (``on_block``), in origin order, or
+        returns None when that process has no more. A block this source lacks
+        is then awaited, never computed here: both sides run the same schedule on
+        the same panel, so the numbers are those this process would have made.
+        """
+        self._receive = receive
+
+    def counters(self) -> dict:
+        """What :meth:`report` counts, to carry from the process that fitted and forecast to the one that replays."""
+        return {name: getattr(self, name) for name in COUNTERS}
+
+    def absorb(self, counters: dict) -> None:
+        """Take another process's :meth:`counters` (it did the fits and forecasts this source served)."""
+        for name in COUNTERS:
+            setattr(self, name, counters[name])
 
     def report(self) -> dict:
         """Counters for a benchmark row: fits, their minutes and seconds, forecast seconds, fallback calls."""
@@ -244,6 +274,11 @@ class EnsembleForecast:
     def _cached(self, col: int, fit: int) -> tuple[int, dict[str, np.ndarray]]:
         """(first origin, arrays ``(N, origins, horizon_min)`` per column) of the block holding ``col``."""
         first, end = self._block(col, fit)
+        while first not in self._blocks and self._receive is not None:
+            received = self._receive()
+            if received is None:
+                raise RuntimeError(f"the forecasting process ended without the block of minute {first}")
+            self._blocks[received[0]] = received
         if first not in self._blocks:
             model = self._model(fit)
             lo = max(0, first - self.settings.forecast_lookback_min)

@@ -124,6 +124,73 @@ def _baselines(workload: Workload, models: pd.DataFrame, config, keepalive_min: 
     return results, seconds
 
 
+class BlockStream:
+    """The ensemble's fits and forecasts in a forked process, each block sent to this one as soon as it is made.
+
+    The child runs :meth:`EnsembleForecast.precompute` on its copy of ``ensemble`` (same panel, same schedule) and
+    sends every block through a pipe; this process's ``ensemble`` then serves blocks from the pipe
+    (:meth:`EnsembleForecast.receive_blocks`), waiting where the replay is ahead of the forecasts, so its numbers are
+    those it would have computed itself. A failure in the child is raised here with the child's traceback; a child
+    that dies (killed for memory, say) is a clear error, never a hang.
+    """
+
+    def __init__(self, ensemble, context) -> None:
+        self.ensemble = ensemble
+        self.waited_s = 0.0
+        self.child_s: float | None = None
+        self._done = False
+        self._conn, child_end = context.Pipe(duplex=False)
+        self._process = context.Process(target=_forecast_blocks, args=(ensemble, child_end), daemon=True)
+        self._process.start()
+        child_end.close()
+        ensemble.receive_blocks(self._receive)
+
+    def _receive(self):
+        if self._done:
+            return None
+        started = time.perf_counter()
+        try:
+            message = self._conn.recv()
+        except EOFError:
+            self._process.join(timeout=5)
+            raise RuntimeError(f"the forecasting process ended without a result (exit code "
+                               f"{self._process.exitcode}; killed for memory?)") from None
+        finally:
+            self.waited_s += time.perf_counter() - started
+        kind = message[0]
+        if kind == "block":
+            return message[1], message[2]
+        if kind == "error":
+            self._process.join(timeout=5)
+            raise RuntimeError(f"the ensemble failed in the forecasting process:\n{message[1]}")
+        self._done = True
+        self.child_s = message[2]
+        self.ensemble.absorb(message[1])
+        return None
+
+    def finish(self) -> dict[str, float]:
+        """Drain what the child still sends (its counters), join it, and return the stage seconds."""
+        while not self._done:
+            self._receive()
+        self._conn.close()
+        self._process.join()
+        return {"forecast_s": float(self.child_s or 0.0), "wait_for_forecasts_s": self.waited_s}
+
+
+def _forecast_blocks(ensemble, conn) -> None:
+    """The forecasting child of :class:`BlockStream`: every block in origin order, then the counters."""
+    import traceback
+
+    started = time.perf_counter()
+    try:
+        ensemble.precompute(on_block=lambda first, arrays: conn.send(("block", first, arrays)))
+        conn.send(("done", ensemble.counters(), time.perf_counter() - started))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent, which raises it
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
 def replay(history: History, settings: Settings, *, keepalive_min: int = 10, history_min: int = 1440,
            retrain_every_min: int | None = None, members=None, parallel: bool | None = None,
            progress: Callable[[str], None] | None = None) -> Replay:
@@ -136,8 +203,9 @@ def replay(history: History, settings: Settings, *, keepalive_min: int = 10, his
         retrain_every_min: minutes between refits (None: fitted once).
         members: ensemble members instead of the product default (tests of the plumbing only; the CLI never sets
             it).
-        parallel: replay the baselines in a forked second process (default: when the machine has 2 or more
-            cores and can fork); the results are the same either way.
+        parallel: replay the baselines in one forked process and fit and forecast in another, streaming the
+            forecasts to this one as it replays prewarm (:class:`BlockStream`; default: when the machine has 2 or
+            more cores and can fork); the results are the same either way.
         progress: called with a line per stage.
     """
     if parallel is None:
@@ -159,19 +227,24 @@ def replay(history: History, settings: Settings, *, keepalive_min: int = 10, his
                               progress=lambda line: log.debug(line))
     ensemble = sources.get("ensemble")
     keepalive = f"keepalive_{keepalive_min}"
-    baselines = None
-    if parallel:
-        # the baselines need no forecast: a forked child replays them while this process fits and forecasts (forked
-        # before any LightGBM or torch thread pool exists, so the child starts clean)
-        pool = multiprocessing.get_context("fork").Pool(1)
-        baselines = pool.apply_async(_baselines, (workload, models, config, keepalive_min))
-        pool.close()
-    started = time.perf_counter()
+    baselines = forecasts = None
     if ensemble.schedule:
         say(f"fitting the ensemble at minute {fit_col} on {min(fit_col, settings.train_window_min)} minutes before "
-            "it, then forecasting every replayed minute")
+            "it, then forecasting every replayed minute" + (" (in a second process)" if parallel else ""))
+    if parallel:
+        # forked before any LightGBM or torch thread pool exists, so each child starts clean: one replays the
+        # baselines (they need no forecast), one fits and forecasts, streaming each block to this process, which
+        # meanwhile replays prewarm (the minutes before the first fit need no ensemble, later ones wait for it)
+        context = multiprocessing.get_context("fork")
+        pool = context.Pool(1)
+        baselines = pool.apply_async(_baselines, (workload, models, config, keepalive_min))
+        pool.close()
+        if ensemble.schedule:
+            forecasts = BlockStream(ensemble, context)
+    elif ensemble.schedule:
+        started = time.perf_counter()
         ensemble.precompute()
-    stages["forecast_s"] = time.perf_counter() - started
+        stages["forecast_s"] = time.perf_counter() - started
     recording = RecordingSource(ensemble, source_panel)
     product_planner = planner_settings(settings)
     prewarm = CataloguePlanner(recording, LatencyInput(config), product_planner, name="prewarm",
@@ -183,6 +256,8 @@ def replay(history: History, settings: Settings, *, keepalive_min: int = 10, his
     results: dict[str, SimResult] = {
         "prewarm": FleetSimulator(workload, models, prewarm, config, record_minutes=True).run()}
     stages["simulate_prewarm_s"] = time.perf_counter() - started
+    if forecasts is not None:
+        stages.update(forecasts.finish())
     started = time.perf_counter()
     other, seconds = baselines.get() if baselines is not None else _baselines(workload, models, config, keepalive_min)
     results.update(other)
