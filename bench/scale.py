@@ -254,12 +254,12 @@ def forecast(engine, settings: Settings, *, runs: int, cache: registry.ChampionC
     results = []
     with PeakRSS() as rss:
         for k in range(runs + 1):  # run 0 loads the champion (and warms pool processes): reported apart
-            results.append(forecast_job(engine, settings, now + timedelta(seconds=k), cache=cache))
+            results.append(forecast_job(engine, settings, now + timedelta(minutes=k), cache=cache))
             log.warning("forecast run %d: %s", k, {key: results[-1].get(key) for key in
                                                    ("models", "seconds", "read_s", "forecast_s", "read")})
     if profile is not None:
         profiler = cProfile.Profile()
-        profiled = profiler.runcall(forecast_job, engine, settings, now + timedelta(seconds=runs + 1), cache=cache)
+        profiled = profiler.runcall(forecast_job, engine, settings, now + timedelta(minutes=runs + 1), cache=cache)
         profiler.dump_stats(str(profile))
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(25)
