@@ -277,7 +277,7 @@ class RandomForestMember(GlobalTreeMember):
     104 of 256 s on the report's 2-day history, 2 shared cores). Validation MAE on the ensemble's own split of
     the fit window (``bench/rf_trees.py``, mean of seeds 0..2; mean per-series MAE / mean MAE relative to the
     fallback): Azure day 40 trees 0.20179 / 1.7345, 30 trees 0.20201 / 1.7393, 20 trees 0.20267 / 1.7519; the
-    report's sample history (100 busiest functions, first day) 40 trees 2.8477 / 1.0678, 30 trees 2.8545 /
+    report's sample history (100 busiest functions, first day) 40 trees 2.8477 / 1.0677, 30 trees 2.8545 /
     1.0687, 20 trees 2.8496 / 1.0720. 20 trees scored worse than 40 in 5 of the 6 seed-paired comparisons on
     either measure (small, but one-sided), so the default stays.
     """
