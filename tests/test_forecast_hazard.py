@@ -178,3 +178,78 @@ def test_a_cell_leaves_the_hazard_only_for_a_gain_spread_over_series():
     assert not clearly_lower(carried, base, series)
     assert not clearly_lower(base + 0.001, base, series)
     assert not clearly_lower(shared[:50], base[:50], series[:50])  # one series: no spread to judge by
+
+
+def _mixed_panel(seed: int, n: int, t: int) -> np.ndarray:
+    """Sparse, busy, timer-like and silent series with unknown (NaN) stretches."""
+    rng = np.random.default_rng(seed)
+    rates = rng.choice([0.0, 0.002, 0.02, 0.2, 0.9], size=n)
+    values = rng.poisson(rates[:, None], size=(n, t)).astype(float)
+    values[::7, ::13] = 3.0  # timers
+    values[rng.random((n, t)) < 0.01] = np.nan
+    values[:5, :50] = np.nan  # series registered late
+    return values
+
+
+def test_idle_time_state_matches_a_loop_over_each_series():
+    values = _mixed_panel(11, 60, 700)
+    invoked = values > 0
+    hist, excess, active, last = idle_time_state(invoked, max_age=40)
+    for i in range(len(invoked)):
+        cols = np.flatnonzero(invoked[i])
+        gaps = np.diff(cols)
+        expected = np.zeros(42)
+        for gap in gaps:
+            expected[min(gap, 41)] += 1
+        assert np.array_equal(hist[i], expected)
+        assert excess[i] == sum(g - 40 for g in gaps if g > 40)
+        assert active[i] == len(cols) and last[i] == (cols[-1] if len(cols) else -1)
+
+
+@pytest.mark.parametrize("n_series", [40, 1100])  # one chunk of rows, and three
+def test_window_pool_gives_exactly_the_pool_of_each_window(n_series):
+    """WindowPool (running counts made once) bins every window as pool_counts on the window's own columns does."""
+    from forecaster.forecast.hazard import WindowPool, pool_counts
+
+    values = _mixed_panel(12, n_series, 900)
+    lookback = 500
+    pools = WindowPool(values, lookback)
+    for lo, origin in [(0, 1), (0, 37), (0, 500), (1, 501), (123, 600), (400, 900), (899, 900), (300, 300)]:
+        events, exposure = pools.counts(lo, origin)
+        want_events, want_exposure = pool_counts(values[:, lo:origin], lookback)
+        assert np.array_equal(events, want_events) and np.array_equal(exposure, want_exposure)
+    with pytest.raises(ValueError, match="wider than the lookback"):
+        pools.counts(0, 501)
+
+
+def test_p_any_state_equals_the_pool_of_each_origin_window():
+    """The hazard's p_any at many origins equals the one computed origin by origin from pool_counts."""
+    from forecaster.forecast import hazard as hz
+
+    values = _mixed_panel(13, 80, 1000)
+    model = IdleTimeHazard(max_age=60, lookback=300).fit(values[:, :400])
+    origins = list(range(400, 700, 7))
+    p, ages, actives = model.p_any_state(values, origins, 12)
+    for j, origin in enumerate(origins):
+        lo = max(0, origin - model.lookback)
+        hist, excess, active, last = hz.idle_time_state(values[:, lo:origin] > 0, model.max_age)
+        age0 = np.where(last >= 0, (origin - lo) - last, hz.NEVER_AGE)
+        pooled = hz.carry_forward(*hz.pool_counts(values[:, lo:origin], model.lookback))
+
+        def hazard_at(a, act, hist=hist, excess=excess, pooled=pooled):
+            return hz.hazard(hist, excess, act, a, pooled, max_age=model.max_age, prior_weight=model.prior_weight)
+
+        assert np.array_equal(p[:, j], hz.renewal_p_any(hazard_at, age0, active, 12))
+        assert np.array_equal(ages[:, j], age0) and np.array_equal(actives[:, j], active)
+
+
+def test_window_idle_state_equals_idle_time_state_of_each_window():
+    from forecaster.forecast.hazard import WindowPool
+
+    values = _mixed_panel(14, 70, 800)
+    pools = WindowPool(values, 500)
+    for lo, end in [(0, 0), (0, 1), (0, 260), (10, 510), (299, 799), (300, 800), (799, 800)]:
+        got = pools.idle_state(lo, end, 40)
+        want = idle_time_state(values[:, lo:end] > 0, 40)
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
