@@ -628,6 +628,9 @@ class ColdStartModel:
         model's (model, tier). The cells whose (model, node, tier) has history
         or a recent error of its own (at most one per kept cold start) are
         predicted row by row, as before. Phases are node-less (``per_model``).
+        Cost: one pass over the models per distinct node bandwidth (nodes of one
+        hardware class share one); a fleet whose every node reports its own
+        bandwidth pays one pass per node (not measured; memory stays bounded).
 
         Args:
             nodes: as :meth:`latency_table`'s (a sequence of node ids, or a frame indexed by ``node_id`` with an
