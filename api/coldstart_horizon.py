@@ -71,7 +71,7 @@ def predict_horizon(engine: Engine, settings: Settings, now: datetime, model_ids
             that node, from its own history (falling back to the model's and tier's where it has none).
     """
     from forecaster.jobs.planning import fleet_from_store  # the plan job's fleet, as the snapshot uses it
-    from forecaster.planning.fleet import node_states
+    from forecaster.planning.fleet import node_state_ranks
 
     fleet = fleet_from_store(engine, now=now, default_cold_cost=settings.planner_cold_cost)
     fleet_nodes = [str(n) for n in fleet.nodes.index]
@@ -84,12 +84,13 @@ def predict_horizon(engine: Engine, settings: Settings, now: datetime, model_ids
             warmest = warmest_cached_states(conn)
             states = pd.Series({m: warmest.get(m, "none") for m in ids}, dtype=object)
     if node is not None:
-        held = node_states(fleet)
-        held = held[held["node_id"].astype(str) == node]
-        states = pd.Series(held["state"].to_numpy(), index=held["model_id"].astype(str), dtype=object)
+        held = node_state_ranks(fleet, pd.Index(ids), pd.Index([node]))[:, 0]
+        states = pd.Series(np.asarray(START_STATES, dtype=object)[held], index=pd.Index(ids), dtype=object)
     hour = now.astimezone(timezone.utc).hour
     nodes = [node] if node is not None else (fleet_nodes or None)
-    table = load_latency_model(engine, settings).latency_table(sizes, hour=hour, nodes=nodes)
+    model = load_latency_model(engine, settings)
+    table = model.latency_table(sizes, hour=hour) if nodes is None else \
+        model.node_latency_table(sizes, hour=hour, nodes=nodes)
     # on the one node asked about there is nothing to reduce over; over the fleet, the planner's reduction
     predicted = start_seconds_by_state(table, ids, fleet if node is None and nodes else None)
     states = states.reindex(ids).fillna("none")

@@ -81,7 +81,7 @@ def test_the_api_lead_time_is_the_latency_models_prediction_the_planner_uses(eng
     latency = predicted_latency(engine, store_fleet, now=NOW, settings=settings)
     states = warmest_states(store_fleet)
     assert states.to_dict() == {"a": "disk", "b": "image", "c": "none"}
-    assert set(latency["node_id"]) == {"n1", "n2"}  # the plan job asks per node of the fleet
+    assert set(latency.node_ids) == {"n1", "n2"}  # the plan job asks per node of the fleet (a NodeLatencyTable)
     expected = lead_time_s(latency, states, planner_settings_for(settings), fleet=store_fleet)
     by_state = node_latency(latency, store_fleet).set_index(["model_id", "state"])["total_s"]
     for model, state in states.items():  # the lead is the planner's margins on the model's predicted total
@@ -118,7 +118,7 @@ def test_the_api_answers_for_a_node(engine, settings, fleet):
     """``?node=``: the lead of a start on that node from the state it holds; an unknown node is a 404."""
     store_fleet = fleet_from_store(engine, now=NOW)
     latency = predicted_latency(engine, store_fleet, now=NOW, settings=settings)
-    by = latency.set_index(["model_id", "node_id", "state"])["total_s"]
+    by = latency.to_frame().set_index(["model_id", "node_id", "state"])["total_s"]
     lead = planner_settings_for(settings).lead
     token = create_token(engine, name="read", scopes=["read"])
     with TestClient(create_app(settings, engine, clock=lambda: NOW)) as client:

@@ -412,20 +412,21 @@ def _node_lead_time(engine, settings, now: datetime, model_id: str, node: str) -
     from api.snapshot import planner_settings_for
     from forecaster.coldstart.service import latency_table
     from forecaster.jobs.planning import fleet_from_store
-    from forecaster.planning.fleet import node_states
+    from forecaster.contracts.phases import START_STATES
+    from forecaster.planning.fleet import node_state_ranks
     from forecaster.planning.lead_time import lead_time_s
 
     fleet = fleet_from_store(engine, now=now, default_cold_cost=settings.planner_cold_cost)
     if node not in set(fleet.nodes.index.astype(str)):
         return None
     if model_id in set(fleet.models.index.astype(str)):
-        held = node_states(fleet)
-        state = str(held.loc[(held["model_id"] == model_id) & (held["node_id"] == node), "state"].iloc[0])
+        held = node_state_ranks(fleet, pd.Index([model_id]), pd.Index([node]))
+        state = START_STATES[int(held[0, 0])]
         sizes = fleet.models.loc[[model_id], ["image_bytes", "weights_bytes"]]
     else:  # in the catalogue but not plannable (e.g. no usable sizes): nothing cached, sizes unknown
         state, sizes = "none", pd.DataFrame({"image_bytes": [0.0], "weights_bytes": [0.0]}, index=[model_id])
     table = latency_table(engine, settings, sizes, hour=now.astimezone(timezone.utc).hour, nodes=[node])
-    lead = lead_time_s(table.drop(columns="node_id"), {model_id: state}, planner_settings_for(settings),
+    lead = lead_time_s(table.for_node(node), {model_id: state}, planner_settings_for(settings),
                        model_ids=[model_id])
     return float(lead[model_id]), state
 

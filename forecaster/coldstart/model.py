@@ -57,6 +57,8 @@ import pandas as pd
 from sqlalchemy import Engine
 
 from forecaster.coldstart.physics import phase_seconds
+from forecaster.coldstart.treegrid import TreeGrid
+from forecaster.contracts.latency import NodeLatencyTable
 from forecaster.contracts.phases import PHASES, START_STATES
 from forecaster.contracts.fleetconfig import FleetConfig
 
@@ -75,6 +77,9 @@ HISTORY_FEATURES = ("log_last_total", "log_median_total", "n_previous",
                     "node_state_residual", "n_node_state", "node_residual", "n_node")
 #: Per target: the shared features, the log prior of that target, the history features.
 FEATURES = (*SHARED_FEATURES, "log_prior_phase", *HISTORY_FEATURES)
+#: Indices in :data:`FEATURES` of the features a node supplies (its speed), the rest coming from the model's side.
+NODE_FEATURE_INDEX = tuple(FEATURES.index(f) for f in ("node_state_residual", "n_node_state", "node_residual",
+                                                       "n_node"))
 #: (key columns, value column, window, feature names: last, median, count) of the history features.
 HISTORY_LEVELS = (
     (("model_id", "cache_state"), "total_seconds", 5, ("log_last_total", "log_median_total", "n_previous")),
@@ -589,32 +594,174 @@ class ColdStartModel:
                 back to the model's and tier's, then the global. The phases
                 of a per-node row are the node-less ones (only ``total_s`` is
                 per node). A node's bandwidth, when not given, is the last it
-                reported in the history.
+                reported in the history. The long frame of
+                :meth:`node_latency_table` (meant for a few models or nodes;
+                the planner reads the arrays).
 
         Returns:
             ``model_id, state, total_s``, the phases, and ``node_id`` when ``nodes`` is given.
         """
-        base = self._table_rows(models, hour=hour, concurrent=concurrent, registry_pulls=registry_pulls)
-        last = float(self.history_["started_s"].max()) + 1.0 if len(self.history_) else 0.0
-        base["started_s"] = last
-        base["node_id"] = "-"
+        if nodes is not None:
+            return self.node_latency_table(models, hour=hour, concurrent=concurrent, registry_pulls=registry_pulls,
+                                           nodes=nodes).to_frame()
+        base = self._base_rows(models, hour=hour, concurrent=concurrent, registry_pulls=registry_pulls)
         pred = self.predict(base)
         out = pd.DataFrame({"model_id": base["model_id"], "state": base["cache_state"],
                             "total_s": pred["total_seconds"].to_numpy()})
         for phase in PHASES:
             out[phase] = pred[phase].to_numpy()
-        if nodes is None:
-            return out
+        return out
+
+    def node_latency_table(self, models: pd.DataFrame, *, hour: int, nodes, concurrent: float = 0.0,
+                           registry_pulls: float = 0.0) -> NodeLatencyTable:
+        """Predicted seconds per (model, node, state) as arrays: what :meth:`latency_table` answers per node.
+
+        Exact: every cell is what :meth:`predict` gives for that (model, node,
+        state) row (up to float32 storage, about 6e-8 relative, and the order of
+        summing the trees, about 1e-15). It is computed without the models x
+        nodes x states rows: a cell's features come from the model's side (sizes,
+        its history, the prior at the node's bandwidth) or the node's side (its
+        speed statistics), so the total booster is evaluated on the two sides
+        apart and combined with one matrix product per state and bandwidth
+        (:class:`~forecaster.coldstart.treegrid.TreeGrid`); the recent member's
+        correction is the node's (node, tier) level where it has one, else the
+        model's (model, tier). The cells whose (model, node, tier) has history
+        or a recent error of its own (at most one per kept cold start) are
+        predicted row by row, as before. Phases are node-less (``per_model``).
+        Cost: one pass over the models per distinct node bandwidth (nodes of one
+        hardware class share one); a fleet whose every node reports its own
+        bandwidth pays one pass per node (not measured; memory stays bounded).
+
+        Args:
+            nodes: as :meth:`latency_table`'s (a sequence of node ids, or a frame indexed by ``node_id`` with an
+                optional ``node_bytes_per_s``).
+        """
+        base = self._base_rows(models, hour=hour, concurrent=concurrent, registry_pulls=registry_pulls)
         node_ids, bandwidth = self._node_inputs(nodes)
-        n_rows = len(base)
-        rows = base.loc[np.tile(np.arange(n_rows), len(node_ids))].reset_index(drop=True)
-        rows["node_id"] = np.repeat(node_ids, n_rows)
-        rows["node_bytes_per_s"] = np.repeat(bandwidth, n_rows)
-        total = self.predict(rows, phases=False)["total_seconds"].to_numpy()
-        per_node = out.loc[np.tile(np.arange(n_rows), len(node_ids))].reset_index(drop=True)
-        per_node.insert(1, "node_id", rows["node_id"].to_numpy())
-        per_node["total_s"] = total
-        return per_node
+        n_models, n_states = len(models), len(START_STATES)
+        pred = self.predict(base)
+        per_model = {p: pred[p].to_numpy(dtype="float32").reshape(n_models, n_states) for p in PHASES}
+        try:
+            total = self._node_totals(base, node_ids, bandwidth)
+        except NotImplementedError as exc:  # a booster TreeGrid cannot read: row by row, one node at a time
+            warnings.warn(f"per-node latency row by row ({exc})", RuntimeWarning, stacklevel=2)
+            total = self._node_totals_by_row(base, node_ids, bandwidth)
+        return NodeLatencyTable(model_ids=pd.Index(models.index.astype(str)), node_ids=pd.Index(node_ids),
+                                per_node={"total_s": total}, per_model=per_model)
+
+    def _base_rows(self, models: pd.DataFrame, *, hour: int, concurrent: float, registry_pulls: float
+                   ) -> pd.DataFrame:
+        """One row per (model, state), model-major, dated after the last kept cold start, with no node."""
+        base = self._table_rows(models, hour=hour, concurrent=concurrent, registry_pulls=registry_pulls)
+        base["started_s"] = float(self.history_["started_s"].max()) + 1.0 if len(self.history_) else 0.0
+        base["node_id"] = "-"
+        return base
+
+    def _node_totals_by_row(self, base: pd.DataFrame, node_ids: np.ndarray, bandwidth: np.ndarray) -> np.ndarray:
+        """(models, nodes, states) float32 totals from :meth:`predict` on each node's rows (the reference path)."""
+        n_models, n_states = len(base) // len(START_STATES), len(START_STATES)
+        out = np.empty((n_models, len(node_ids), n_states), dtype="float32")
+        for k, (node, bytes_per_s) in enumerate(zip(node_ids, bandwidth)):
+            rows = base.assign(node_id=node, node_bytes_per_s=bytes_per_s)
+            out[:, k, :] = self.predict(rows, phases=False)["total_seconds"].to_numpy().reshape(n_models, n_states)
+        return out
+
+    def _node_totals(self, base: pd.DataFrame, node_ids: np.ndarray, bandwidth: np.ndarray) -> np.ndarray:
+        """(models, nodes, states) float32 totals, the two sides apart (see :meth:`node_latency_table`)."""
+        n_states = len(START_STATES)
+        n_models, n_nodes = len(base) // n_states, len(node_ids)
+        out = np.empty((n_models, n_nodes, n_states), dtype="float32")
+        if n_nodes == 0 or n_models == 0:
+            return out
+        config = self.fitted_config
+        filled = np.where(np.isfinite(bandwidth), bandwidth, config.node_nic_bytes_per_s)
+        seen_nodes = set(self.history_["node_id"].astype(str))
+        seen_models = set(self.history_["model_id"].astype(str))
+        no_node = _unused_id("\x00no-node", seen_nodes)
+        no_model = _unused_id("\x00no-model", seen_models)
+        states = np.asarray(START_STATES, dtype=object)
+        booster = None if self.trees_ is None else self.trees_.boosters_.get("total_seconds")
+        node_side = None
+        if booster is not None:
+            # the node's side: its speed statistics per state (the model's columns of these rows are not read)
+            node_rows = pd.DataFrame({
+                "model_id": no_model, "node_id": np.repeat(node_ids, n_states),
+                "cache_state": np.tile(states, n_nodes), "image_bytes": 0.0, "weights_bytes": 0.0,
+                "node_bytes_per_s": np.repeat(filled, n_states), "concurrent_node_transfers": 0.0,
+                "concurrent_registry_pulls": 0.0, "hour": int(base["hour"].iloc[0]),
+                "started_s": float(base["started_s"].iloc[0])})
+            node_side = self.trees_._matrix(self._features_in_order(node_rows), "total_seconds") \
+                .reshape(n_nodes, n_states, -1)
+            grid = self._tree_grid(booster)
+        node_fix, node_has, model_fix = self._recent_levels(base, node_ids)
+        for value in np.unique(filled):
+            cols = np.flatnonzero(filled == value)
+            rows = self._features_in_order(base.assign(node_id=no_node, node_bytes_per_s=value))
+            log_prior = rows["log_prior_total"].to_numpy(dtype="float64").reshape(n_models, n_states)
+            if self.trees_ is None:  # the prior alone, as predict answers it
+                out[:, cols, :] = np.expm1(log_prior)[:, None, :]
+                continue
+            model_side = None if booster is None else \
+                self.trees_._matrix(rows, "total_seconds").reshape(n_models, n_states, -1)
+            for s in range(n_states):
+                raw = 0.0 if booster is None else grid.grid(model_side[:, s, :], node_side[cols, s, :],
+                                                            NODE_FEATURE_INDEX)
+                fix = np.where(node_has[cols, s][None, :], node_fix[cols, s][None, :], model_fix[:, s][:, None])
+                total = log_prior[:, s][:, None] + raw + self.weight_ * fix
+                # _blend where the cell has no (model, node, tier) median (those cells are redone below)
+                total = (1.0 - self.node_weight_) * total + self.node_weight_ * total
+                out[:, cols, s] = np.maximum(np.expm1(total), 0.0)
+        self._own_history_cells(out, base, node_ids, filled)
+        return out
+
+    def _features_in_order(self, rows: pd.DataFrame) -> pd.DataFrame:
+        """:meth:`_with_history` of ``rows``, in ``rows``' order."""
+        frame = self._with_history(rows.reset_index(drop=True).assign(_row=lambda f: np.arange(len(f))))
+        return frame.sort_values("_row").reset_index(drop=True)
+
+    def _tree_grid(self, booster) -> TreeGrid:
+        held = getattr(self, "_grid_", None)
+        if held is None or held[0] is not booster:
+            held = (booster, TreeGrid(booster))
+            self._grid_ = held
+        return held[1]
+
+    def _recent_levels(self, base: pd.DataFrame, node_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The recent member's (node, tier) corrections and where there is one (nodes x states), and the (model,
+        tier) ones (models x states, 0 where none): a cell with no (model, node, tier) level of its own reads the
+        first of these that has one, as :meth:`RecentLatencyMember.one` does."""
+        level = self.recent_.level_
+        keys = [[(1, str(n), s) for s in START_STATES] for n in node_ids]
+        node_has = np.array([[k in level for k in row] for row in keys], dtype=bool).reshape(len(node_ids), -1)
+        node_fix = np.array([[level.get(k, 0.0) for k in row] for row in keys], dtype="float64") \
+            .reshape(len(node_ids), -1)
+        model_fix = np.array([level.get((2, m, s), 0.0) for m, s in zip(base["model_id"], base["cache_state"])],
+                             dtype="float64").reshape(-1, len(START_STATES))
+        return node_fix, node_has, model_fix
+
+    def _own_history_cells(self, out: np.ndarray, base: pd.DataFrame, node_ids: np.ndarray,
+                           bandwidth: np.ndarray) -> None:
+        """Overwrite the cells whose (model, node, state) has history or a recent error of its own, row by row."""
+        n_states = len(START_STATES)
+        model_pos = pd.Index(base["model_id"].to_numpy()[::n_states])
+        node_pos = pd.Index(node_ids)
+        state_pos = pd.Index(START_STATES)
+        triples = [(k[1], k[2], k[3]) for k in self.recent_.level_ if k[0] == 0]
+        seen = pd.DataFrame(triples, columns=["model_id", "node_id", "cache_state"]) if triples else \
+            pd.DataFrame(columns=["model_id", "node_id", "cache_state"])
+        seen = pd.concat([seen, self.history_[["model_id", "node_id", "cache_state"]].astype(str)],
+                         ignore_index=True).drop_duplicates()
+        m = model_pos.get_indexer(seen["model_id"].astype(str))
+        n = node_pos.get_indexer(seen["node_id"].astype(str))
+        s = state_pos.get_indexer(seen["cache_state"].astype(str))
+        ok = (m >= 0) & (n >= 0) & (s >= 0)
+        if not ok.any():
+            return
+        m, n, s = m[ok], n[ok], s[ok]
+        rows = base.iloc[m * n_states + s].reset_index(drop=True)
+        rows["node_id"] = node_ids[n]
+        rows["node_bytes_per_s"] = bandwidth[n]
+        out[m, n, s] = self.predict(rows, phases=False)["total_seconds"].to_numpy()
 
     def _node_inputs(self, nodes) -> tuple[np.ndarray, np.ndarray]:
         """Node ids (object array) and their bandwidths (NaN: the last reported, else the fleet default)."""
@@ -695,6 +842,15 @@ class ColdStartModel:
                                for t in meta["targets"]}
             model.trees_ = trees
         return model
+
+
+def _unused_id(stem: str, taken: set[str]) -> str:
+    """``stem``, or ``stem`` with a suffix, that is not in ``taken`` (a node or model id with no history)."""
+    name, k = stem, 0
+    while name in taken:
+        k += 1
+        name = f"{stem}-{k}"
+    return name
 
 
 def _blend(log_pred: np.ndarray, log_node: np.ndarray, weight: float) -> np.ndarray:

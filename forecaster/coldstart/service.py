@@ -29,6 +29,7 @@ from sqlalchemy import Engine
 
 from forecaster.coldstart.model import ColdStartModel, load_cold_starts
 from forecaster.contracts.fleetconfig import FleetConfig
+from forecaster.contracts.latency import NodeLatencyTable
 from forecaster.settings import Settings
 from forecaster.store.registry import champion_version, insert_version, promote_version
 from forecaster.store.transfers import read_transfers
@@ -38,8 +39,10 @@ log = logging.getLogger(__name__)
 KIND = "latency"
 _lock = threading.Lock()
 _models: dict[str, tuple[str | None, ColdStartModel]] = {}  # database#models_dir -> (version, model)
-_tables: dict[tuple, pd.DataFrame] = {}  # (database, version, hour, sizes digest) -> latency table
+_tables: dict[tuple, "pd.DataFrame | NodeLatencyTable"] = {}  # (database, version, hour, sizes, nodes) -> table
 _TABLES_KEPT = 8
+#: bytes of arrays the per-hour cache may hold (a 100,000 x 64 node table is about 110 MB); the oldest go first
+_TABLE_BYTES_KEPT = 512 * 2**20
 
 
 def _key(engine: Engine, settings: Settings) -> str:
@@ -137,20 +140,22 @@ def _current(engine: Engine, settings: Settings, config: FleetConfig) -> tuple[s
 
 
 def latency_table(engine: Engine, settings: Settings, models: pd.DataFrame, *, hour: int,
-                  nodes=None) -> pd.DataFrame:
+                  nodes=None) -> "pd.DataFrame | NodeLatencyTable":
     """Predicted seconds per model and start state (the planner's latency input) from the latency champion.
 
     Args:
         models: one row per model (index ``model_id``) with ``image_bytes`` and ``weights_bytes``.
         hour: UTC hour of the planned starts.
-        nodes: None (one row per model and state), or the node ids to answer for (one row per model, node and
+        nodes: None (one row per model and state), or the node ids to answer for (per model, node and
             state, from each node's own history; a node without history falls back to the model's and
-            tier's, then the global; see :meth:`ColdStartModel.latency_table`).
+            tier's, then the global; see :meth:`ColdStartModel.node_latency_table`).
 
     Returns:
-        ``model_id, state, total_s`` and the phases (and ``node_id`` when ``nodes`` is given); cached per
-        (version, hour, the models' sizes, the nodes), so the plan job pays the prediction once an hour, not every
-        minute.
+        Without ``nodes``: a frame ``model_id, state, total_s`` and the phases (a copy). With ``nodes``: a
+        :class:`~forecaster.contracts.latency.NodeLatencyTable` (float32 arrays, read-only, shared by every
+        caller). Cached per (version, hour, the models' sizes, the nodes), so the plan job pays the prediction
+        once an hour, not every minute; the cache holds at most ``_TABLES_KEPT`` tables and, beyond the newest,
+        ``_TABLE_BYTES_KEPT`` bytes of them (oldest dropped first).
     """
     version, model = _current(engine, settings, FleetConfig())
     sizes = models[["image_bytes", "weights_bytes"]].astype("float64")
@@ -162,12 +167,20 @@ def latency_table(engine: Engine, settings: Settings, models: pd.DataFrame, *, h
     with _lock:
         table = _tables.get(key)
     if table is None:
-        table = model.latency_table(sizes, hour=int(hour), nodes=None if node_ids is None else list(node_ids))
+        if node_ids is None:
+            table = model.latency_table(sizes, hour=int(hour))
+        else:
+            table = model.node_latency_table(sizes, hour=int(hour), nodes=list(node_ids))
         with _lock:
-            if len(_tables) >= _TABLES_KEPT:
-                _tables.pop(next(iter(_tables)))
             _tables[key] = table
-    return table.copy()
+            while len(_tables) > 1 and (len(_tables) > _TABLES_KEPT or _cached_bytes() > _TABLE_BYTES_KEPT):
+                _tables.pop(next(iter(_tables)))
+    return table if isinstance(table, NodeLatencyTable) else table.copy()
+
+
+def _cached_bytes() -> int:
+    return sum(t.nbytes if isinstance(t, NodeLatencyTable) else int(t.memory_usage(deep=False).sum())
+               for t in _tables.values())
 
 
 def _no_events() -> pd.DataFrame:

@@ -23,6 +23,7 @@ import pandas as pd
 from sqlalchemy import Engine
 
 from forecaster.contracts.fleet import FleetState, build_fleet
+from forecaster.contracts.latency import NodeLatencyTable
 from forecaster.planning.budget import BudgetState, idle_gpu_seconds, keepalive_idle_gpu_seconds, update_budget
 from forecaster.planning.step import plan_step, planner_settings, waste_budget
 from forecaster.settings import Settings
@@ -80,10 +81,11 @@ def fleet_from_store(engine: Engine, *, now: datetime, default_cold_cost: float 
 
 
 def predicted_latency(engine: Engine, fleet: FleetState, *, now: datetime, settings: Settings | None = None
-                      ) -> pd.DataFrame:
+                      ) -> "pd.DataFrame | NodeLatencyTable":
     """Cold-start seconds per model, node of ``fleet`` and start state from the saved latency model.
 
-    One row per (model, node, state) (a ``node_id`` column): the planner reads,
+    A :class:`~forecaster.contracts.latency.NodeLatencyTable` (float32 models x
+    nodes x states; a frame per (model, state) when the fleet has no nodes): the planner reads,
     per model and state, the nodes a start from that state would use
     (:func:`forecaster.planning.fleet.node_latency`). The prior answers when no
     model is saved; a node without history falls back to the model's and tier's.

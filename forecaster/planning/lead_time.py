@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from forecaster.contracts.fleet import FleetState
+from forecaster.contracts.latency import NodeLatencyTable
 from forecaster.contracts.phases import START_STATES, STATE_RANK
 from forecaster.planning.fleet import PlannerSettings, latency_table
 
@@ -36,7 +37,8 @@ def start_seconds(latency: pd.DataFrame, states: Mapping[str, str] | pd.Series, 
     """Predicted cold-start seconds per model when a new replica starts from its state in ``states``.
 
     Args:
-        latency: the planner's latency input (``model_id, state, total_s`` ..., optionally per ``node_id``).
+        latency: the planner's latency input (``model_id, state, total_s`` ..., optionally per ``node_id``, or a
+            :class:`~forecaster.contracts.latency.NodeLatencyTable`).
         fleet: with a per-node ``latency``, the fleet whose nodes the planner would start on (see
             :func:`forecaster.planning.fleet.node_latency`); None: the median over the frame's nodes.
         states: model id -> start state (one of :data:`START_STATES`); a model left out starts from ``none``.
@@ -65,7 +67,8 @@ def lead_time_s(latency: pd.DataFrame, states: Mapping[str, str] | pd.Series, se
         fleet: see :func:`start_seconds` (the planner passes its fleet; so does the API's snapshot).
     """
     if model_ids is None:
-        model_ids = pd.unique(latency["model_id"].astype(str))
+        model_ids = latency.model_ids if isinstance(latency, NodeLatencyTable) \
+            else pd.unique(latency["model_id"].astype(str))
     d = start_seconds(latency, states, model_ids, fleet)
     return pd.Series(np.asarray(settings.lead(d.to_numpy()), dtype="float64"), index=d.index, name="lead_time_s")
 

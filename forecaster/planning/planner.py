@@ -304,7 +304,8 @@ def plan(
     Args:
         forecast: per-minute quantile forecasts (see :mod:`forecaster.planning.forecasts`).
         latency: predicted cold-start seconds per model and start state, optionally per node (a ``node_id``
-            column; see :func:`forecaster.planning.fleet.node_latency`).
+            column, or a :class:`~forecaster.contracts.latency.NodeLatencyTable` of arrays; see
+            :func:`forecaster.planning.fleet.node_latency`).
         fleet: the fleet as it stands at ``now``.
         settings: costs and guardrails.
         now: planning time (UTC); forecast horizon 1 is the minute starting at ``now``.
@@ -327,7 +328,7 @@ def plan(
     slo = models["slo_s"].to_numpy(dtype="float64")
     current = models["replicas"].to_numpy(dtype="float64").astype(np.int64)
     fa = forecast_arrays(forecast, pd.Index(ids), now, h_count)
-    lat = latency_table(latency, pd.Index(ids), fleet)  # a per-node frame: the nodes each start would use
+    lat = latency_table(latency, pd.Index(ids), fleet)  # per-node arrays reduced to the nodes each start would use
     starts = np.array([(now + k * MINUTE) for k in range(h_count)], dtype=object)
     start_s = np.arange(h_count) * 60.0  # minute starts, seconds after now
 
