@@ -1,6 +1,6 @@
 """The report's forecasts made in a second process and streamed to the replay give the numbers made in one process.
 
-``replay(parallel=True)`` forks one process for the baselines and one that fits and forecasts the ensemble,
+``replay(parallel=True)`` forks one process for the baselines and spawns one that fits and forecasts the ensemble,
 streaming each block to the process that replays prewarm (:class:`forecaster.report.replay.BlockStream`);
 ``parallel=False`` does everything in turn. Same history, same settings: every figure and every recorded forecast
 must be equal, and a failure in the forecasting process must surface as an error, not a hang.
@@ -21,7 +21,8 @@ from forecaster.report.replay import SHOWN_LEVELS, replay
 from forecaster.settings import Settings
 from forecaster.simulation.catalog import assign_models
 
-pytestmark = pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="needs fork")
+pytestmark = pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(),
+                                reason="the baselines' process is forked")
 
 START = pd.Timestamp("2026-01-05", tz="UTC")
 
@@ -74,26 +75,34 @@ def test_streamed_forecasts_replay_exactly_what_one_process_replays():
         np.testing.assert_array_equal(together.results[name].cold_requests, streamed.results[name].cold_requests)
 
 
-class Killed(MovingAverage):
-    """A member whose process dies mid-forecast (as one killed for memory would)."""
+class Fatal(BaseException):
+    """Not an ``Exception``: the ensemble does not take it for a member failure, so it ends the fit."""
 
-    def forecast(self, *args, **kwargs):
+
+class Failing(MovingAverage):
+    """A member whose fit raises :class:`Fatal` (in the forecasting process: the member is pickled to it)."""
+
+    def fit(self, *args, **kwargs):
+        raise Fatal("the member refused to fit")
+
+    def fit_panel(self, *args, **kwargs):
+        raise Fatal("the member refused to fit")
+
+
+class Killed(MovingAverage):
+    """A member whose process dies mid-fit (as one killed for memory would)."""
+
+    def fit_panel(self, *args, **kwargs):
         import os
 
         os._exit(9)
 
 
 @pytest.mark.slow
-def test_a_failure_in_the_forecasting_process_is_raised_in_the_replay(monkeypatch):
-    import forecaster.planning.ensemble_source as ensemble_source
-
-    def no_model(*args, **kwargs):
-        raise ValueError("the model factory refused")
-
-    monkeypatch.setattr(ensemble_source, "production_model", no_model)  # the forked child inherits it
+def test_a_failure_in_the_forecasting_process_is_raised_in_the_replay():
     with pytest.raises(RuntimeError, match="failed in the forecasting process") as caught:
-        replay(_history(), _settings(), history_min=240, members=[MovingAverage(window=15)], parallel=True)
-    assert "ValueError: the model factory refused" in str(caught.value)  # the child's traceback
+        replay(_history(), _settings(), history_min=240, members=[Failing(window=15)], parallel=True)
+    assert "Fatal: the member refused to fit" in str(caught.value)  # the child's traceback
 
 
 @pytest.mark.slow

@@ -230,6 +230,14 @@ class EnsembleForecast:
         """
         self._receive = receive
 
+    def __getstate__(self) -> dict:
+        """What another process needs to fit and forecast the same blocks (a spawned forecasting process): the
+        callables tied to this process (``progress``, a block receiver) stay here."""
+        state = dict(self.__dict__)
+        state["progress"] = None
+        state["_receive"] = None
+        return state
+
     def counters(self) -> dict:
         """What :meth:`report` counts, to carry from the process that fitted and forecast to the one that replays."""
         return {name: getattr(self, name) for name in COUNTERS}

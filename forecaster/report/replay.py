@@ -132,9 +132,15 @@ class BlockStream:
     (:meth:`EnsembleForecast.receive_blocks`), waiting where the replay is ahead of the forecasts, so its numbers are
     those it would have computed itself. A failure in the child is raised here with the child's traceback; a child
     that dies (killed for memory, say) is a clear error, never a hang.
+
+    The child is *spawned* (a fresh interpreter), not forked: a process that has already trained or predicted with
+    LightGBM, XGBoost or torch holds their OpenMP thread pools, and a forked child that uses them again can wait
+    forever on a lock one of those threads held at the fork (seen in the test suite, where earlier tests train in the
+    same process). Spawning costs the child's imports, a few seconds against minutes of fitting.
     """
 
-    def __init__(self, ensemble, context) -> None:
+    def __init__(self, ensemble, context=None) -> None:
+        context = context or multiprocessing.get_context("spawn")
         self.ensemble = ensemble
         self.waited_s = 0.0
         self.child_s: float | None = None
@@ -232,15 +238,14 @@ def replay(history: History, settings: Settings, *, keepalive_min: int = 10, his
         say(f"fitting the ensemble at minute {fit_col} on {min(fit_col, settings.train_window_min)} minutes before "
             "it, then forecasting every replayed minute" + (" (in a second process)" if parallel else ""))
     if parallel:
-        # forked before any LightGBM or torch thread pool exists, so each child starts clean: one replays the
-        # baselines (they need no forecast), one fits and forecasts, streaming each block to this process, which
-        # meanwhile replays prewarm (the minutes before the first fit need no ensemble, later ones wait for it)
-        context = multiprocessing.get_context("fork")
-        pool = context.Pool(1)
+        # one child replays the baselines (they need no forecast; forked: numpy only), one fits and forecasts
+        # (spawned, see BlockStream), streaming each block to this process, which meanwhile replays prewarm (the
+        # minutes before the first fit need no ensemble, later ones wait for it)
+        pool = multiprocessing.get_context("fork").Pool(1)
         baselines = pool.apply_async(_baselines, (workload, models, config, keepalive_min))
         pool.close()
         if ensemble.schedule:
-            forecasts = BlockStream(ensemble, context)
+            forecasts = BlockStream(ensemble)
     elif ensemble.schedule:
         started = time.perf_counter()
         ensemble.precompute()
