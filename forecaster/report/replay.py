@@ -125,7 +125,7 @@ def _baselines(workload: Workload, models: pd.DataFrame, config, keepalive_min: 
 
 
 class BlockStream:
-    """The ensemble's fits and forecasts in a forked process, each block sent to this one as soon as it is made.
+    """The ensemble's fits and forecasts in a process of their own, each block sent to this one as soon as it is made.
 
     The child runs :meth:`EnsembleForecast.precompute` on its copy of ``ensemble`` (same panel, same schedule) and
     sends every block through a pipe; this process's ``ensemble`` then serves blocks from the pipe
