@@ -228,3 +228,42 @@ def test_the_prior_alone_per_node(fitted):
     ids, bandwidth = prior._node_inputs(nodes)
     np.testing.assert_allclose(table.total_s, prior._node_totals_by_row(base, ids, bandwidth), rtol=1e-6)
     assert (table.total_s[:, 0, 0] > table.total_s[:, 1, 0]).all()  # a 50 MB/s node pulls slower
+
+
+def test_a_booster_without_a_grid_form_is_refused_by_name():
+    """Categorical splits and multi-tree iterations have no two-sided form: TreeGrid says so, it does not guess."""
+    import lightgbm as lgb
+
+    from forecaster.coldstart.treegrid import TreeGrid, UnsupportedBooster
+
+    rng = np.random.default_rng(5)
+    x = np.column_stack([rng.integers(0, 6, 400), rng.normal(size=400)]).astype("float64")
+    y = np.where(x[:, 0] % 2 == 0, 3.0, -3.0) + x[:, 1]
+    params = {"verbose": -1, "min_data_in_leaf": 5, "min_data_per_group": 5, "cat_smooth": 1.0}
+    categorical = lgb.train(params, lgb.Dataset(x, y, categorical_feature=[0]), num_boost_round=5)
+    assert any(t["tree_structure"].get("decision_type") == "==" for t in categorical.dump_model()["tree_info"])
+    with pytest.raises(UnsupportedBooster, match="categorical"):
+        TreeGrid(categorical)
+    classes = lgb.train({**params, "objective": "multiclass", "num_class": 3},
+                        lgb.Dataset(x, rng.integers(0, 3, 400)), num_boost_round=3)
+    with pytest.raises(UnsupportedBooster, match="3 trees per iteration"):
+        TreeGrid(classes)
+    plain = lgb.train(params, lgb.Dataset(x, y), num_boost_round=5)
+    TreeGrid(plain)  # a regression booster on numerical splits has one
+
+
+def test_a_booster_the_grid_refuses_is_predicted_row_by_row(fitted, monkeypatch):
+    """The fallback answers the same cells, and warns that it took the slow path."""
+    from forecaster.coldstart.treegrid import UnsupportedBooster
+
+    nodes = pd.DataFrame({"node_bytes_per_s": [np.nan, 6.25e9]}, index=pd.Index(["fast", "wide"], name="node_id"))
+    models = catalogue(2)
+    fast = fitted.node_latency_table(models, hour=9, nodes=nodes)
+
+    def refuse(booster):
+        raise UnsupportedBooster("split '==' (categorical) has no grid form")
+
+    monkeypatch.setattr(fitted, "_tree_grid", refuse)
+    with pytest.warns(RuntimeWarning, match="row by row .split '=='"):
+        slow = fitted.node_latency_table(models, hour=9, nodes=nodes)
+    np.testing.assert_allclose(slow.total_s, fast.total_s, rtol=1e-6)

@@ -57,7 +57,7 @@ import pandas as pd
 from sqlalchemy import Engine
 
 from forecaster.coldstart.physics import phase_seconds
-from forecaster.coldstart.treegrid import TreeGrid
+from forecaster.coldstart.treegrid import TreeGrid, UnsupportedBooster
 from forecaster.contracts.latency import NodeLatencyTable
 from forecaster.contracts.phases import PHASES, START_STATES
 from forecaster.contracts.fleetconfig import FleetConfig
@@ -643,7 +643,7 @@ class ColdStartModel:
         per_model = {p: pred[p].to_numpy(dtype="float32").reshape(n_models, n_states) for p in PHASES}
         try:
             total = self._node_totals(base, node_ids, bandwidth)
-        except NotImplementedError as exc:  # a booster TreeGrid cannot read: row by row, one node at a time
+        except UnsupportedBooster as exc:  # a booster TreeGrid cannot read: row by row, one node at a time
             warnings.warn(f"per-node latency row by row ({exc})", RuntimeWarning, stacklevel=2)
             total = self._node_totals_by_row(base, node_ids, bandwidth)
         return NodeLatencyTable(model_ids=pd.Index(models.index.astype(str)), node_ids=pd.Index(node_ids),

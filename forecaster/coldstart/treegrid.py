@@ -21,9 +21,10 @@ and linear in rows + columns instead of their product.
 :class:`TreeGrid` decodes the booster's trees from ``dump_model()`` and
 follows LightGBM's numerical decision rule (missing values as ``missing_type``
 and ``default_left`` say, NaN read as 0 where missing values are not
-special). A booster with a categorical split raises
-:class:`NotImplementedError` (the latency model has none); callers fall back to
-the booster itself.
+special). A booster it cannot evaluate this way (a categorical split, several
+trees per iteration; the latency model's boosters have neither) raises
+:class:`UnsupportedBooster`, and the caller predicts row by row with the
+booster itself (:meth:`forecaster.coldstart.model.ColdStartModel.node_latency_table`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ import numpy as np
 
 #: LightGBM's kZeroThreshold (a float constant, 1e-35f): |x| at most this counts as zero for missing_type Zero.
 ZERO_THRESHOLD = float(np.float32(1e-35))
+
+
+class UnsupportedBooster(ValueError):
+    """The booster has a tree :class:`TreeGrid` cannot evaluate on a grid (the caller falls back to row by row)."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,7 @@ def _decode(node: dict, splits: list, children: list, values: list) -> int:
         values.append(float(node["leaf_value"]))
         return ~(len(values) - 1)
     if node.get("decision_type", "<=") != "<=":
-        raise NotImplementedError(f"split {node.get('decision_type')!r} (categorical) is not supported")
+        raise UnsupportedBooster(f"split {node.get('decision_type')!r} (categorical) has no grid form")
     at = len(splits)
     splits.append(_Split(int(node["split_feature"]), float(node["threshold"]), bool(node["default_left"]),
                          str(node.get("missing_type", "None"))))
@@ -78,7 +83,8 @@ class TreeGrid:
     def __init__(self, booster: lgb.Booster):
         dump = booster.dump_model()
         if dump.get("num_tree_per_iteration", 1) != 1:
-            raise NotImplementedError("one tree per iteration (regression) only")
+            raise UnsupportedBooster(f"{dump['num_tree_per_iteration']} trees per iteration: only regression "
+                                     "boosters (one tree per iteration) have a grid form")
         self.n_features = int(dump["max_feature_idx"]) + 1
         self.trees = []
         for info in dump["tree_info"]:
