@@ -214,3 +214,19 @@ def test_advance_in_steps_measures_what_one_run_measures():
     assert result.cold_requests.tolist() == whole.cold_requests.tolist()
     np.testing.assert_allclose(result.waits, whole.waits)
     assert result.gpu_seconds == pytest.approx(whole.gpu_seconds)
+
+
+@pytest.mark.parametrize("start", ["2019-07-15 13:47", "2026-03-29 00:00", "2026-10-25 23:59"])
+def test_hour_of_a_simulated_moment_is_the_timestamp_hour(start):
+    """The simulator's hour of day (peak-hour transfer rates, the cold-start events' ``hour``) is read from the
+    start's offset into its day; it must be the hour pandas gives ``start + seconds``, at hour boundaries too."""
+    ids = np.array(["a"], dtype=object)
+    workload = Workload.from_requests(ids, np.zeros(1, dtype=np.int64), np.array([0.5]), pd.Timestamp(start, tz="UTC"),
+                                      duration_s=3 * 86400.0)
+    sim = FleetSimulator(workload, assign_models(ids), KeepAlivePolicy(10), FleetConfig(n_nodes=1))
+    begin = pd.Timestamp(start, tz="UTC")
+    to_boundary = 3600.0 - (begin.minute * 60 + begin.second)
+    moments = [0.0, 0.25, to_boundary - 1e-3, to_boundary, to_boundary + 1e-3, 86399.5, 86400.0, 2 * 86400 + 7.25]
+    moments += list(np.random.default_rng(0).uniform(0, 3 * 86400.0, 200))
+    for seconds in moments:
+        assert sim._hour_at(seconds) == (begin + pd.Timedelta(seconds=seconds)).hour, seconds

@@ -428,9 +428,18 @@ class FleetSimulator:
             self._add_weights(node, model, state, pinned=True)
 
     # ------------------------------------------------------------------ transfers
+    def _hour_at(self, seconds: float) -> int:
+        """Hour of day of ``workload.start + seconds`` (as ``Timestamp.hour``), from the start's offset into its day:
+        a pandas Timestamp + Timedelta per transfer event and replica start cost more than the bookkeeping around it."""
+        start_s = getattr(self, "_start_of_day_s", None)
+        if start_s is None:
+            start = self.workload.start
+            start_s = self._start_of_day_s = (start - start.normalize()).total_seconds()
+        return int((start_s + seconds) // 3600.0) % 24
+
     def _transfer_rate_factor(self) -> float:
         lo, hi = self.config.peak_hours_utc
-        hour = (self.workload.start + pd.Timedelta(seconds=self.now)).hour
+        hour = self._hour_at(self.now)
         return 1.0 / self.config.peak_slowdown if lo <= hour < hi else 1.0
 
     def _settle_transfers(self) -> None:
@@ -611,7 +620,7 @@ class FleetSimulator:
             "registration_s": p.get("register", 0.0), "cache_state": r.cache_state,
             "concurrent_node_transfers": r.contention, "concurrent_registry_pulls": r.registry_pulls,
             "image_bytes": self.image_bytes[r.model], "weights_bytes": self.weights_bytes[r.model],
-            "hour": (self.workload.start + pd.Timedelta(seconds=r.started_at)).hour,
+            "hour": self._hour_at(r.started_at),
         })
 
     def stop_replica(self, model: int) -> bool:
@@ -774,20 +783,29 @@ class FleetSimulator:
         decay = math.exp(-dt / RATE_TAU_S)
         next_report = self._next_report
         last = min(n_ticks, int(math.ceil(until_s / dt - 1e-9)))
+        # per-tick constants: the loop runs once a simulated second, so every array operation saved counts (a
+        # tick of 100 models is ~100 small numpy calls); each shortcut below gives the same numbers as the plain
+        # form it replaces (adding an all-zero arrivals vector changes nothing, so a tick without arrivals skips it)
+        bucket_every = max(1, int(round(BURST_BUCKET_S / dt)))
+        minute_every = int(round(60 / dt))
+        score_from_s = cfg.score_from_s
+        no_arrivals = np.zeros(n)
+        no_replicas = np.zeros(n, dtype=np.int64)
         for tick in range(self._tick, last):
-            self.now = tick * dt
-            if tick % max(1, int(round(BURST_BUCKET_S / dt))) == 0 and tick > 0:
+            now = tick * dt
+            self.now = now
+            if tick > 0 and tick % bucket_every == 0:
                 self._minute_peak = np.maximum(self._minute_peak, self._bucket)
                 self._bucket[:] = 0.0
-            if tick % int(round(60 / dt)) == 0 and tick > 0:
+            if tick > 0 and tick % minute_every == 0:
                 busy = self.minute_arrivals >= BURST_MIN_REQUESTS
                 ratio = self._minute_peak * (60.0 / BURST_BUCKET_S) / np.maximum(self.minute_arrivals, 1.0)
                 self.burst = np.where(busy, (1 - BURST_ALPHA) * self.burst + BURST_ALPHA * ratio, self.burst)
                 self._minute_peak[:] = 0.0
                 self.minute_arrivals[:] = 0.0
-            while self._heap and self._heap[0][0] <= self.now + 1e-9:
+            while self._heap and self._heap[0][0] <= now + 1e-9:
                 at, _, kind, payload = heapq.heappop(self._heap)
-                saved, self.now = self.now, max(at, self.now - dt)
+                self.now = max(at, now - dt)
                 if kind == "phase":
                     r = self.replicas.get(payload)
                     if r is not None and not r.cancelled:
@@ -796,14 +814,17 @@ class FleetSimulator:
                     self._on_transfers(payload)
                 elif kind == "action":
                     self.apply_action(payload)
-                self.now = saved
+                self.now = now
             # arrivals
             lo, hi = bounds[tick], bounds[tick + 1]
-            arrivals = np.bincount(wl.model[lo:hi], minlength=n).astype("float64") if hi > lo else np.zeros(n)
-            self.minute_arrivals += arrivals
-            self._bucket += arrivals
-            if hi > lo:
+            arrived = hi > lo
+            if arrived:
+                arrivals = np.bincount(wl.model[lo:hi], minlength=n).astype("float64")
+                self.minute_arrivals += arrivals
+                self._bucket += arrivals
                 np.maximum.at(self.last_arrival, wl.model[lo:hi], wl.times[lo:hi])
+            else:
+                arrivals = no_arrivals  # never written to
             # policy
             if tick % decide_every == 0:
                 decision = self.policy.decide(self.view)
@@ -812,7 +833,7 @@ class FleetSimulator:
                         self.floor = np.asarray(decision.floor, dtype=np.int64).copy()
                     for action in decision.actions:
                         offset = (pd.Timestamp(action.not_before) - wl.start).total_seconds()
-                        if offset <= self.now + 1e-9:
+                        if offset <= now + 1e-9:
                             self.apply_action(action)
                         else:
                             self.schedule(action, offset)
@@ -820,25 +841,28 @@ class FleetSimulator:
             queued = self.queue + arrivals
             total = self.ready + self.starting
             rate = rate * decay + arrivals / RATE_TAU_S  # requests per second, ~10 s memory
-            need = np.maximum(self.floor, ((queued > 0) & (total == 0)).astype(np.int64))
-            in_use = np.zeros(n, dtype=np.int64)
+            waiting = queued > 0
+            lonely = waiting & (total == 0)  # requests and no replica at all
+            need = np.maximum(self.floor, lonely)
             if overload:
                 in_use = np.where(rate * RATE_TAU_S >= 0.5, np.ceil(rate / self.rps - 1e-9), 0).astype(np.int64)
-                over = (queued > 0) & (queued > self.ready * self.rps * dt)
+                over = waiting & (queued > self.ready * self.rps * dt)
                 need = np.where(over, np.maximum(need, in_use), need)
-            self.reactive_ask = np.maximum(in_use, ((queued > 0) & (total == 0)).astype(np.int64))
+                self.reactive_ask = np.maximum(in_use, lonely)
+            else:
+                in_use = no_replicas
+                self.reactive_ask = lonely.astype(np.int64)
             for m in np.flatnonzero(need > total):
                 for _ in range(int(need[m] - total[m])):
                     if not self.start_replica(int(m)):
                         break
             # scale down: above the floor and what recent traffic uses, nothing queued, idle past the grace
             surplus = (self.ready + self.starting) - np.maximum(self.floor, in_use)
-            idle = (queued <= 0) & (self.now - self.last_served_at >= grace)
+            idle = (queued <= 0) & (now - self.last_served_at >= grace)
             for m in np.flatnonzero((surplus > 0) & idle):
                 for _ in range(int(surplus[m])):
                     self.stop_replica(int(m))
             # serve
-            scored = self.scored(self.now)
             before = self.queue
             capacity = self.ready * self.rps * dt
             served = np.minimum(queued, capacity)
@@ -846,22 +870,25 @@ class FleetSimulator:
             backlog = (self.queue > 1e-9) | (before > 1e-9)
             if backlog.any():
                 idx = np.flatnonzero(backlog)
-                self._backlog.append((self.now, idx, self.cum_served[idx].copy(), served[idx].copy()))
+                self._backlog.append((now, idx, self.cum_served[idx].copy(), served[idx].copy()))
             self.cum_served += served
             self.served_last = served
-            self.last_served_at = np.where(served > 0, self.now, self.last_served_at)
-            if scored:
-                self.requests += arrivals
-                cold = np.where(self.ready == 0, arrivals, 0.0)
-                self.cold += cold
+            self.last_served_at = np.where(served > 0, now, self.last_served_at)
+            if now >= score_from_s:
+                minute = int(now // 60)
+                if arrived:
+                    self.requests += arrivals
+                    cold = np.where(self.ready == 0, arrivals, 0.0)
+                    self.cold += cold
+                    if self.cold_minute is not None:
+                        self.cold_minute[:, minute] += cold
                 held = (self.ready + self.starting) * self.gpus
-                self.gpu_seconds += float(held.sum()) * dt
+                held_gpu_s = float(held.sum()) * dt
+                self.gpu_seconds += held_gpu_s
                 self.gpu_seconds_model += held * dt
                 self.busy_gpu_seconds += float((served * self.gpus / self.rps).sum())
-                if self.cold_minute is not None:
-                    minute = int(self.now // 60)
-                    self.cold_minute[:, minute] += cold
-                    self.gpu_minute[minute] += float(held.sum()) * dt
+                if self.gpu_minute is not None:
+                    self.gpu_minute[minute] += held_gpu_s
             if self.progress is not None and (tick + 1) / n_ticks >= next_report:
                 self.progress((tick + 1) / n_ticks)
                 next_report += 0.05
