@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -223,12 +225,29 @@ def test_global_lightgbm_learns_a_timer_at_every_horizon(panel: Panel) -> None:
     assert np.abs(forecast - actual).mean() < 0.5
 
 
-def test_arima_covers_only_the_busiest_series_and_respects_the_time_box(panel: Panel) -> None:
+def test_arima_covers_only_the_busiest_series_and_respects_the_time_box(panel: Panel, caplog) -> None:
     member = ARIMAMember(max_series=2, window=200).fit_panel(panel.head(240))
     assert sorted(member.covered_) == ["poisson-20", "poisson-8"]
-    boxed = ARIMAMember(max_series=5, max_seconds=0.0).fit_panel(panel.head(240))
+    with caplog.at_level(logging.WARNING, logger="forecaster.forecast.arima"):
+        boxed = ARIMAMember(max_series=5, max_seconds=0.0).fit_panel(panel.head(240))
     assert len(boxed.covered_) == 0 and len(boxed.skipped_) == 5  # over time before the first fit
     assert np.isnan(boxed.forecast(panel, [240], 3)).all() and boxed.predict(3).empty
+    assert "5 of 5 series left to the other members" in caplog.text  # a cut fit is never silent
+
+
+def test_wall_time_caps_are_safety_nets_far_above_a_normal_fit() -> None:
+    """The members' results must not depend on the machine's load: a fit is bounded by its own work (epochs,
+    series), and the wall-time caps sit far above what that work takes on a loaded 2-core machine."""
+    assert ARIMAMember().max_seconds >= 300.0
+    assert LSTMMember().max_seconds >= 600.0
+
+
+def test_lstm_cut_by_its_wall_time_cap_says_so(panel: Panel, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="forecaster.forecast.lstm"):
+        member = LSTMMember(horizon=10, lookback=30, hidden=8, samples=256, epochs=3, batch_size=128, device="cpu",
+                            max_seconds=0.0).fit_panel(panel.head(240))
+    assert member.epochs_run_ == 1
+    assert "1 of 3 epochs" in caplog.text
 
 
 def test_lstm_picks_cuda_only_when_available(monkeypatch) -> None:

@@ -26,6 +26,7 @@ ensemble's validation weights decide where it pays.
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 
@@ -33,6 +34,14 @@ import numpy as np
 
 from forecaster.forecast.members import Member, last_observed
 from forecaster.forecast.panel import Panel
+
+log = logging.getLogger(__name__)
+
+#: wall seconds after which no new series is fitted: a safety net for a pathological machine, far above a normal
+#: fit (50 series of 360 steps take seconds to tens of seconds on 2 shared cores), so that which series are fitted,
+#: and so the ensemble's forecasts, do not depend on how busy the machine is (a 30 s cap used to cut the report's
+#: fits on a loaded machine: two runs of the same report differed)
+MAX_FIT_SECONDS = 300.0
 
 
 class ARIMAMember(Member):
@@ -44,7 +53,7 @@ class ARIMAMember(Member):
         min_mean: only series whose fit-window mean count per step is at least this.
         window: fit on the last ``window`` steps of the fit window.
         max_seconds: stop starting new fits after this many seconds (the
-            series left are reported in ``skipped_``).
+            series left are reported in ``skipped_`` and logged): a safety net, see :data:`MAX_FIT_SECONDS`.
         log_transform: model ``log1p(y)`` and forecast ``expm1`` of it: the
             back-transformed mean of the log is close to the median count,
             which is what absolute-error metrics reward, and spikes weigh less.
@@ -59,7 +68,7 @@ class ARIMAMember(Member):
         max_series: int = 50,
         min_mean: float = 1.0,
         window: int = 360,
-        max_seconds: float = 30.0,
+        max_seconds: float = MAX_FIT_SECONDS,
         log_transform: bool = True,
         maxiter: int = 50,
     ):
@@ -113,6 +122,9 @@ class ARIMAMember(Member):
             self.ar_.append(ar)
             self.ma_.append(ma)
         self.fit_seconds_ = time.perf_counter() - started
+        if self.skipped_:
+            log.warning("arima: stopped after %.0f s (max_seconds %.0f); %d of %d series left to the other members",
+                        self.fit_seconds_, self.max_seconds, len(self.skipped_), len(busiest))
         self.covered_ = panel.ids[self.rows_] if self.rows_ else np.array([], dtype=object)
 
     def _forecast(self, panel: Panel, origins: list[int], h: int) -> np.ndarray:
