@@ -22,8 +22,9 @@ both have.
 from the first minute): the hour turns inside the run, so the first plan of
 13:00 shows whether the next hour's latency table was built ahead of it (the
 prefetch threads' log lines and which minutes ran beside one are reported).
-``--paced`` starts a plan every 60 s, as the scheduler does, so a prefetch has
-the idle rest of each minute; without it the minutes run back to back.
+``--paced`` starts each plan 60 s after the previous one began (at once after
+one that ran over), as the scheduler's minute does, so a prefetch has the idle
+rest of each minute; without it the minutes run back to back.
 
 Usage:
     python bench/planjob.py [--models 10000] [--minutes 5] [--start-minute 0] [--paced] [--json PATH]
@@ -177,19 +178,21 @@ def run(admin_url: str, args) -> dict:
     timer.wrap(actuation.Actuator, "apply", "write_actuate")
     prefetch_log = PrefetchLog.attach()
     runs = []
-    paced_from = time.perf_counter()
+    started = float("-inf")
     for minute in range(args.minutes):
-        if args.paced:  # the scheduler starts a plan every 60 s; one that ran over starts the next at once
-            time.sleep(max(0.0, paced_from + 60.0 * minute - time.perf_counter()))
+        if args.paced:  # a plan 60 s after the previous one began, at once after one that ran over its minute
+            time.sleep(max(0.0, started + 60.0 - time.perf_counter()))
         timer.current = {}
         at = first_minute + timedelta(minutes=minute)
         prefetching = prefetch_running()
         started = time.perf_counter()
         summary = planning.plan_job(engine, settings, at)
         total = time.perf_counter() - started
+        # beside a prefetch: one ran when the minute began, or one started before it and still runs
+        prefetching = prefetching or (prefetch_running() and not summary.get("latency_prefetch_started"))
         runs.append({"at": f"{at:%H:%M}", **{s: timer.current.get(s, 0.0) for s in STAGES}, "total": total,
                      "actions": summary.get("actions"), "skipped": summary.get("skipped"),
-                     "prefetch_running": prefetching or prefetch_running(),
+                     "prefetch_running": prefetching,
                      "prefetch_started": summary.get("latency_prefetch_started")})
         print(f"minute {at:%H:%M}: " + ", ".join(f"{k} {v:.3f} s" for k, v in runs[-1].items()
                                                  if isinstance(v, float))
@@ -238,11 +241,10 @@ class PrefetchLog(logging.Handler):
         message = record.getMessage()
         if "prefetch" in message:
             self.lines.append(message)
-            print(f"  [{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", type=int, default=10_000)
     parser.add_argument("--nodes", type=int, default=64)
