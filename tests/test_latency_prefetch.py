@@ -18,8 +18,13 @@ from sqlalchemy import text
 
 from forecaster.coldstart import service
 from forecaster.coldstart.model import ColdStartModel
-from forecaster.coldstart.service import (latency_table, latency_table_stats, prefetch_latency_table,
-                                          prefetch_next_hour, wait_for_prefetches)
+from forecaster.coldstart.service import (
+    latency_table,
+    latency_table_stats,
+    prefetch_latency_table,
+    prefetch_next_hour,
+    wait_for_prefetches,
+)
 from forecaster.jobs.planning import fleet_from_store, plan_job
 from forecaster.store.catalog import ServingModelSpec, upsert_models
 from forecaster.store.forecasts import write_forecasts

@@ -53,8 +53,8 @@ _TABLES_KEPT = 8
 #: table is about 110 MB: this hour's and the next hour's of the plan job and of the API's snapshot fit)
 _TABLE_BYTES_KEPT = 512 * 2**20
 #: minutes before the hour turns in which :func:`prefetch_next_hour` builds the next hour's table (at 100,000
-#: models x 64 nodes a build takes about 70 s of one core: started after the plan of minute :55 it has that
-#: minute's idle time and four more minutes to finish in before minute :00 needs it)
+#: models x 64 nodes a build alone takes about 70 s, beside the plans on a loaded 2-core machine 130-160 s:
+#: started after the plan of minute :55 it has four minutes and their idle time to finish in before :00)
 PREFETCH_LEAD_MIN = 5
 
 
@@ -186,7 +186,8 @@ def prefetch_latency_table(engine: Engine, settings: Settings, models: pd.DataFr
     being built, waits for it rather than building it again). The champion and the key are read here, in the
     caller's thread; the thread only computes (it does not touch the database). Nothing is started (None) when
     the table is cached or being built, or while another prefetch is still running (one at a time: a build
-    takes a core and, at 100,000 models x 64 nodes, about 1 GB while it runs). A build that fails is logged
+    competes with the plans for the cores and the GIL, and at 100,000 models x 64 nodes it raised the plan
+    job's peak memory from 1.1 to 1.6 GB; see docs/scale.md). A build that fails is logged
     and dropped; the next caller of that key builds it itself.
 
     Returns:
