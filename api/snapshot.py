@@ -37,7 +37,7 @@ from sqlalchemy.exc import OperationalError
 
 from api.prepared import PreparedRecommendation, fragments, prepare_recommendation
 
-from forecaster.coldstart.service import latency_table, latency_version
+from forecaster.coldstart.service import latency_table, latency_version, prefetch_next_hour
 from forecaster.planning.fleet import PlannerSettings
 from forecaster.planning.lead_time import lead_time_s
 from forecaster.planning.recommendation import MinuteQuantiles
@@ -190,7 +190,8 @@ class ForecastSnapshot:
         return prepared
 
     def _lead_times(self, catalogue: list[tuple], states: dict[str, str]) -> pd.Series | None:
-        """Per model, the planner's lead time from the latency champion (cached per version and hour)."""
+        """Per model, the planner's lead time from the latency champion (cached per version and hour; the next
+        hour's table prefetched in the last minutes of an hour)."""
         if not catalogue:
             return pd.Series(dtype="float64")
         settings = self.settings or Settings()
@@ -206,6 +207,9 @@ class ForecastSnapshot:
             table = latency_table(self.engine, settings, models, hour=now.astimezone(timezone.utc).hour,
                                   nodes=nodes)
             self.latency_model_version = latency_version(self.engine, settings)
+            # in an hour's last minutes, the next hour's table is built in the background: the refresh after
+            # the hour turns then finds it (this process's cache; the plan job's when it runs here too)
+            prefetch_next_hour(self.engine, settings, models, now=now, nodes=nodes)
         except OperationalError:
             raise
         except Exception:  # noqa: BLE001 - a broken latency model must not stop forecasts being served

@@ -18,8 +18,16 @@ training time is reported apart (it is not a per-minute cost). The same script
 runs on older checkouts (``PYTHONPATH`` at that checkout): it only uses what
 both have.
 
+``--start-minute 55 --minutes 7`` plans 12:55 .. 13:01 (the forecast run is seeded
+from the first minute): the hour turns inside the run, so the first plan of
+13:00 shows whether the next hour's latency table was built ahead of it (the
+prefetch threads' log lines and which minutes ran beside one are reported).
+``--paced`` starts each plan 60 s after the previous one began (at once after
+one that ran over), as the scheduler's minute does, so a prefetch has the idle
+rest of each minute; without it the minutes run back to back.
+
 Usage:
-    python bench/planjob.py [--models 10000] [--minutes 5] [--json PATH]
+    python bench/planjob.py [--models 10000] [--minutes 5] [--start-minute 0] [--paced] [--json PATH]
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -55,8 +64,9 @@ NOW = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
 REGISTRIES = ("nvcr.io/nvidia", "ghcr.io/vllm", "registry.example.com/ml", "docker.io/library")
 
 
-def seed(url: str, *, n_models: int, n_nodes: int, n_cold_starts: int, settings: Settings, seed: int = 0) -> dict:
-    """Fill a migrated database; returns counts of what was written."""
+def seed(url: str, *, n_models: int, n_nodes: int, n_cold_starts: int, settings: Settings, seed: int = 0,
+         forecast_from: datetime = NOW) -> dict:
+    """Fill a migrated database; returns counts of what was written (the forecast run starts at ``forecast_from``)."""
     engine = make_engine(url)
     rng = np.random.default_rng(seed)
     ids = [f"model-{i:05d}" for i in range(n_models)]
@@ -105,9 +115,9 @@ def seed(url: str, *, n_models: int, n_nodes: int, n_cold_starts: int, settings:
     spike = (rng.random((n_models, 1)) < 0.05) & (np.arange(minutes)[None, :] >= rng.integers(3, 30, (n_models, 1)))
     point = base * shape * np.where(spike, 6.0, 1.0)
     p_any = 1.0 - np.exp(-point)
-    rows = write_forecast_arrays(engine, ids, NOW, {"point": point, "p_any": p_any, "q0.1": point * 0.6,
-                                                    "q0.5": point, "q0.9": point * 1.6},
-                                 issued_at=NOW - timedelta(seconds=20), model_version_id=None)
+    rows = write_forecast_arrays(engine, ids, forecast_from, {"point": point, "p_any": p_any, "q0.1": point * 0.6,
+                                                              "q0.5": point, "q0.9": point * 1.6},
+                                 issued_at=forecast_from - timedelta(seconds=20), model_version_id=None)
     engine.dispose()
     return {"models": n_models, "nodes": n_nodes, "cache_entries": len(cache), "cold_starts": len(events),
             "forecast_rows": int(rows)}
@@ -145,7 +155,9 @@ def run(admin_url: str, args) -> dict:
     models_dir = Path(tempfile.mkdtemp(prefix="prewarm-bench-models-"))
     settings = Settings(database_url=url, models_dir=models_dir, actuator_backend="dry-run")
     started = time.perf_counter()
-    seeded = seed(url, n_models=args.models, n_nodes=args.nodes, n_cold_starts=args.cold_starts, settings=settings)
+    first_minute = NOW + timedelta(minutes=args.start_minute)
+    seeded = seed(url, n_models=args.models, n_nodes=args.nodes, n_cold_starts=args.cold_starts, settings=settings,
+                  forecast_from=first_minute)
     seeded["seed_s"] = round(time.perf_counter() - started, 2)
     print(f"seeded {seeded} ", flush=True)
     out: dict = {"seeded": seeded, "minutes": args.minutes}
@@ -164,31 +176,84 @@ def run(admin_url: str, args) -> dict:
                         ("predicted_latency", "latency_prediction"), (plan_name, "plan")):
         timer.wrap(planning, name, stage)
     timer.wrap(actuation.Actuator, "apply", "write_actuate")
+    prefetch_log = PrefetchLog.attach()
     runs = []
+    started = float("-inf")
     for minute in range(args.minutes):
+        if args.paced:  # a plan 60 s after the previous one began, at once after one that ran over its minute
+            time.sleep(max(0.0, started + 60.0 - time.perf_counter()))
         timer.current = {}
+        at = first_minute + timedelta(minutes=minute)
+        prefetching = prefetch_running()
         started = time.perf_counter()
-        summary = planning.plan_job(engine, settings, NOW + timedelta(minutes=minute))
+        summary = planning.plan_job(engine, settings, at)
         total = time.perf_counter() - started
-        runs.append({**{s: timer.current.get(s, 0.0) for s in STAGES}, "total": total,
-                     "actions": summary.get("actions"), "skipped": summary.get("skipped")})
-        print(f"minute {minute}: " + ", ".join(f"{k} {v:.3f} s" for k, v in runs[-1].items()
-                                               if isinstance(v, float)) + f", {summary.get('actions')} actions",
-              flush=True)
+        # beside a prefetch: one ran when the minute began, or one started before it and still runs
+        prefetching = prefetching or (prefetch_running() and not summary.get("latency_prefetch_started"))
+        runs.append({"at": f"{at:%H:%M}", **{s: timer.current.get(s, 0.0) for s in STAGES}, "total": total,
+                     "actions": summary.get("actions"), "skipped": summary.get("skipped"),
+                     "prefetch_running": prefetching,
+                     "prefetch_started": summary.get("latency_prefetch_started")})
+        print(f"minute {at:%H:%M}: " + ", ".join(f"{k} {v:.3f} s" for k, v in runs[-1].items()
+                                                 if isinstance(v, float))
+              + f", {summary.get('actions')} actions"
+              + (", prefetch running" if runs[-1]["prefetch_running"] else "")
+              + (", prefetch started" if runs[-1]["prefetch_started"] else ""), flush=True)
+    for thread in threading.enumerate():
+        if thread.name.startswith(PREFETCH_THREAD):
+            thread.join()
     out["runs"] = runs
+    out["prefetches"] = prefetch_log.lines
     out["median_s"] = {k: round(statistics.median(r[k] for r in runs), 4) for k in (*STAGES, "total")}
     out["first_minute_s"] = {k: round(runs[0][k], 4) for k in (*STAGES, "total")}
+    turns = [r for r in runs[1:] if r["at"].endswith(":00")]
+    if turns:
+        out["hour_turn_s"] = {k: round(turns[0][k], 4) for k in (*STAGES, "total")}
     engine.dispose()
     return out
 
 
+#: the name the service gives its prefetch threads (``latency-prefetch-<hour>h``), where the code has them
+PREFETCH_THREAD = "latency-prefetch"
+
+
+def prefetch_running() -> bool:
+    """Whether a latency-table prefetch thread is running now (always False on code without them)."""
+    return any(t.name.startswith(PREFETCH_THREAD) and t.is_alive() for t in threading.enumerate())
+
+
+class PrefetchLog(logging.Handler):
+    """Keeps the service's "prefetched in ..." and "prefetch ... failed" log lines (they say how long it took)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    @classmethod
+    def attach(cls) -> "PrefetchLog":
+        handler = cls()
+        service_log = logging.getLogger("forecaster.coldstart.service")
+        service_log.setLevel(logging.INFO)
+        service_log.addHandler(handler)
+        return handler
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "prefetch" in message:
+            self.lines.append(message)
+
+
 def main() -> None:
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", type=int, default=10_000)
     parser.add_argument("--nodes", type=int, default=64)
     parser.add_argument("--cold-starts", type=int, default=3_000)
     parser.add_argument("--minutes", type=int, default=5)
+    parser.add_argument("--start-minute", type=int, default=0,
+                        help="minute past 12:00 of the first plan (55: minutes 12:55, 12:56, ... cross the hour)")
+    parser.add_argument("--paced", action="store_true",
+                        help="start a plan every 60 s as the scheduler does (default: back to back)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     admin_url = os.environ.get("PREWARM_BENCH_ADMIN_URL")
@@ -199,9 +264,12 @@ def main() -> None:
             os.chmod(tmp, 0o755)
             with embedded_server(Path(tmp) / "pgdata") as url:
                 figures = run(url, args)
-    print(f"plan job, {args.models:,} models, median of {args.minutes} minutes (first minute in brackets):")
+    turn = figures.get("hour_turn_s")
+    print(f"plan job, {args.models:,} models, median of {args.minutes} minutes (first minute in brackets"
+          + (", then the first minute of the next hour)" if turn else "):"))
     for stage in (*STAGES, "total"):
-        print(f"  {stage:<20} {figures['median_s'][stage]:8.3f} s  ({figures['first_minute_s'][stage]:.3f} s)")
+        print(f"  {stage:<20} {figures['median_s'][stage]:8.3f} s  ({figures['first_minute_s'][stage]:.3f} s"
+              + (f", {turn[stage]:.3f} s)" if turn else ")"))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2, default=str) + "\n")
 

@@ -11,7 +11,9 @@
   the physics prior (no data yet is a normal answer, not an error).
 * :func:`latency_table` is the planner's latency input from that model,
   cached per (version, hour, catalogue sizes): the same numbers for the plan
-  job and the API's lead time.
+  job and the API's lead time. :func:`prefetch_next_hour` builds the next
+  hour's table in a background thread in the last minutes of an hour, so the
+  first plan of the hour does not pay the build (70 s at 100,000 models).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import shutil
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pandas as pd
@@ -39,10 +43,19 @@ log = logging.getLogger(__name__)
 KIND = "latency"
 _lock = threading.Lock()
 _models: dict[str, tuple[str | None, ColdStartModel]] = {}  # database#models_dir -> (version, model)
-_tables: dict[tuple, "pd.DataFrame | NodeLatencyTable"] = {}  # (database, version, hour, sizes, nodes) -> table
+#: (database, version, hour, sizes, nodes) -> table, in use order (least recently used first)
+_tables: "OrderedDict[tuple, pd.DataFrame | NodeLatencyTable]" = OrderedDict()
+_building: dict[tuple, "_Build"] = {}  # key -> its build in flight (single-flight: callers wait on it)
+_prefetches: list[threading.Thread] = []  # prefetch threads started and not yet seen finished
+_stats = {"builds": 0, "hits": 0, "waits": 0, "prefetches_started": 0, "prefetch_failures": 0}
 _TABLES_KEPT = 8
-#: bytes of arrays the per-hour cache may hold (a 100,000 x 64 node table is about 110 MB); the oldest go first
+#: bytes of arrays the per-hour cache may hold beyond its two most recently used tables (a 100,000 x 64 node
+#: table is about 110 MB: this hour's and the next hour's of the plan job and of the API's snapshot fit)
 _TABLE_BYTES_KEPT = 512 * 2**20
+#: minutes before the hour turns in which :func:`prefetch_next_hour` builds the next hour's table (at 100,000
+#: models x 64 nodes a build alone takes about 70 s, beside the plans on a loaded 2-core machine 130-160 s:
+#: started after the plan of minute :55 it has four minutes and their idle time to finish in before :00)
+PREFETCH_LEAD_MIN = 5
 
 
 def _key(engine: Engine, settings: Settings) -> str:
@@ -154,9 +167,119 @@ def latency_table(engine: Engine, settings: Settings, models: pd.DataFrame, *, h
         Without ``nodes``: a frame ``model_id, state, total_s`` and the phases (a copy). With ``nodes``: a
         :class:`~forecaster.contracts.latency.NodeLatencyTable` (float32 arrays, read-only, shared by every
         caller). Cached per (version, hour, the models' sizes, the nodes), so the plan job pays the prediction
-        once an hour, not every minute; the cache holds at most ``_TABLES_KEPT`` tables and, beyond the newest,
-        ``_TABLE_BYTES_KEPT`` bytes of them (oldest dropped first).
+        once an hour, not every minute, and not even that when :func:`prefetch_next_hour` built the hour's table
+        before it began. Single-flight per key: a caller whose table is being built (by a prefetch or another
+        caller) waits for that build instead of starting a second one; the build holds no lock while it
+        computes. The cache holds at most ``_TABLES_KEPT`` tables and, beyond the two most recently used (the
+        table in use and the one just built, so a prefetch never evicts the table of the hour being planned),
+        ``_TABLE_BYTES_KEPT`` bytes of them (least recently used dropped first).
     """
+    table = _cached_or_built(_request(engine, settings, models, hour=hour, nodes=nodes))
+    return table if isinstance(table, NodeLatencyTable) else table.copy()
+
+
+def prefetch_latency_table(engine: Engine, settings: Settings, models: pd.DataFrame, *, hour: int,
+                           nodes=None) -> threading.Thread | None:
+    """Start building :func:`latency_table`'s table for ``hour`` in a background daemon thread.
+
+    What the call would build, made ahead so that the first caller of that hour finds it cached (or, still
+    being built, waits for it rather than building it again). The champion and the key are read here, in the
+    caller's thread; the thread only computes (it does not touch the database). Nothing is started (None) when
+    the table is cached or being built, or while another prefetch is still running (one at a time: a build
+    competes with the plans for the cores and the GIL, and at 100,000 models x 64 nodes it raised the plan
+    job's peak memory from 1.1 to 1.6 GB; see docs/scale.md). A build that fails is logged
+    and dropped; the next caller of that key builds it itself.
+
+    Returns:
+        The started thread (join it, or :func:`wait_for_prefetches`), or None when nothing was started.
+    """
+    request = _request(engine, settings, models, hour=hour, nodes=nodes)
+    with _lock:
+        if request.key in _tables or request.key in _building or any(t.is_alive() for t in _prefetches):
+            return None
+        build = _Build()
+        _building[request.key] = build
+        thread = threading.Thread(target=_run_prefetch, args=(request, build), daemon=True,
+                                  name=f"latency-prefetch-{request.hour:02d}h")
+        _prefetches[:] = [t for t in _prefetches if t.is_alive()] + [thread]
+        _stats["prefetches_started"] += 1
+    try:
+        thread.start()
+    except RuntimeError:  # no thread to be had: release the claim, the hour's first caller builds the table
+        with _lock:
+            _building.pop(request.key, None)
+        build.done.set()
+        log.exception("latency table prefetch for hour %02d could not start", request.hour)
+        return None
+    return thread
+
+
+def prefetch_next_hour(engine: Engine, settings: Settings, models: pd.DataFrame, *, now: datetime,
+                       nodes=None) -> threading.Thread | None:
+    """In the last :data:`PREFETCH_LEAD_MIN` minutes of ``now``'s UTC hour, prefetch the next hour's table.
+
+    Called after each plan (and each API lead-time refresh) with that plan's own models and nodes, so that the
+    key is the one the first plan of the next hour asks for (if the catalogue or the nodes change in between,
+    that plan builds its table itself, as without a prefetch). The first call in the window starts the build;
+    the later ones find it cached or in flight. The table is prefetched whether or not it differs from this
+    hour's (the prior's peak hours change it at their edges; the key does not know which hours those are).
+
+    Returns:
+        The started thread, or None (outside the window, already cached or in flight).
+    """
+    utc = now.astimezone(timezone.utc)
+    if utc.minute < 60 - PREFETCH_LEAD_MIN:
+        return None
+    return prefetch_latency_table(engine, settings, models, hour=(utc + timedelta(hours=1)).hour, nodes=nodes)
+
+
+def wait_for_prefetches(timeout_s: float | None = None) -> bool:
+    """Join the prefetch threads started so far; True when none is still running (tests, benchmarks, shutdown)."""
+    with _lock:
+        threads = list(_prefetches)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in threads)
+
+
+def latency_table_stats() -> dict[str, int]:
+    """Counters of the table cache since the process started (observability; tests compare before and after).
+
+    ``builds``: tables computed (by a caller or a prefetch); ``hits``: answered from the cache; ``waits``:
+    callers that waited for a build in flight for their key; ``prefetches_started``; ``prefetch_failures``.
+    """
+    with _lock:
+        return dict(_stats)
+
+
+@dataclass(frozen=True)
+class _TableRequest:
+    """One table to answer: its cache key and what building it needs (the champion is resolved already)."""
+
+    key: tuple
+    model: ColdStartModel
+    sizes: pd.DataFrame
+    hour: int
+    node_ids: tuple[str, ...] | None
+
+    def build(self) -> "pd.DataFrame | NodeLatencyTable":
+        """The table itself (seconds to a minute at 100,000 models; pure computation, no database)."""
+        if self.node_ids is None:
+            return self.model.latency_table(self.sizes, hour=self.hour)
+        return self.model.node_latency_table(self.sizes, hour=self.hour, nodes=list(self.node_ids))
+
+
+class _Build:
+    """A build in flight: callers of its key wait on ``done``; ``table`` is None after a failure."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.table: "pd.DataFrame | NodeLatencyTable | None" = None
+
+
+def _request(engine: Engine, settings: Settings, models: pd.DataFrame, *, hour: int, nodes) -> _TableRequest:
+    """The champion (one index probe) and the cache key of a table request; the sizes copied for the build."""
     version, model = _current(engine, settings, FleetConfig())
     sizes = models[["image_bytes", "weights_bytes"]].astype("float64")
     digest = int(pd.util.hash_pandas_object(sizes, index=True).sum())
@@ -164,23 +287,83 @@ def latency_table(engine: Engine, settings: Settings, models: pd.DataFrame, *, h
     if node_ids is not None and not all(node_ids):
         raise ValueError("node ids must be non-empty strings")
     key = (_key(engine, settings), version, int(hour), len(sizes), digest, node_ids)
-    with _lock:
-        table = _tables.get(key)
-    if table is None:
-        if node_ids is None:
-            table = model.latency_table(sizes, hour=int(hour))
-        else:
-            table = model.node_latency_table(sizes, hour=int(hour), nodes=list(node_ids))
+    return _TableRequest(key=key, model=model, sizes=sizes, hour=int(hour), node_ids=node_ids)
+
+
+def _cached_or_built(request: _TableRequest) -> "pd.DataFrame | NodeLatencyTable":
+    """The cached table of ``request.key``; else waits for its build in flight; else builds it here.
+
+    A waiter whose build failed tries again (it then builds itself, and raises if that fails too).
+    """
+    while True:
         with _lock:
-            _tables[key] = table
-            while len(_tables) > 1 and (len(_tables) > _TABLES_KEPT or _cached_bytes() > _TABLE_BYTES_KEPT):
-                _tables.pop(next(iter(_tables)))
-    return table if isinstance(table, NodeLatencyTable) else table.copy()
+            table = _tables.get(request.key)
+            if table is not None:
+                _tables.move_to_end(request.key)
+                _stats["hits"] += 1
+                return table
+            build = _building.get(request.key)
+            if build is None:
+                build = _building[request.key] = _Build()
+                break
+            _stats["waits"] += 1
+        build.done.wait()
+        if build.table is not None:
+            return build.table
+    return _finish(request, build)
+
+
+def _finish(request: _TableRequest, build: _Build) -> "pd.DataFrame | NodeLatencyTable":
+    """Compute the claimed ``build`` outside the lock, then cache it (or, on failure, release the claim)."""
+    try:
+        with _lock:
+            _stats["builds"] += 1
+        table = request.build()
+    except BaseException:
+        with _lock:
+            _building.pop(request.key, None)
+        build.done.set()
+        raise
+    with _lock:
+        _tables[request.key] = table
+        _tables.move_to_end(request.key)
+        _evict()
+        _building.pop(request.key, None)
+        build.table = table
+    build.done.set()
+    return table
+
+
+def _run_prefetch(request: _TableRequest, build: _Build) -> None:
+    """A prefetch thread's body: build, and log a failure (the plan job then builds the table itself)."""
+    started = time.perf_counter()
+    try:
+        table = _finish(request, build)
+    except Exception:  # noqa: BLE001 - a prefetch is an optimisation; its failure must not reach the job
+        with _lock:
+            _stats["prefetch_failures"] += 1
+        log.exception("latency table prefetch for hour %02d failed; the hour's first caller builds it", request.hour)
+        return
+    log.info("latency table for hour %02d prefetched in %.1f s (%d models, %.0f MB)", request.hour,
+             time.perf_counter() - started, len(request.sizes), _nbytes(table) / 2**20)
+
+
+def _evict() -> None:
+    """Drop least recently used tables beyond ``_TABLES_KEPT`` or ``_TABLE_BYTES_KEPT``; the newest two stay.
+
+    The newest two in use order are the table just built and the one used last before it: when a prefetch adds
+    the next hour's table, the table the plan job reads every minute of this hour is not the one to go.
+    """
+    while len(_tables) > 2 and (len(_tables) > _TABLES_KEPT or _cached_bytes() > _TABLE_BYTES_KEPT):
+        _tables.popitem(last=False)
+
+
+def _nbytes(table: "pd.DataFrame | NodeLatencyTable") -> int:
+    return table.nbytes if isinstance(table, NodeLatencyTable) else int(table.memory_usage(deep=False).sum())
 
 
 def _cached_bytes() -> int:
-    return sum(t.nbytes if isinstance(t, NodeLatencyTable) else int(t.memory_usage(deep=False).sum())
-               for t in _tables.values())
+    return sum(_nbytes(t) for t in _tables.values())
 
 
 def _no_events() -> pd.DataFrame:
