@@ -57,6 +57,13 @@ def _at(minute: int, hour: int = 12) -> datetime:
     return datetime(2026, 11, 29, hour, minute, tzinfo=UTC)
 
 
+@pytest.fixture
+def in_thread(monkeypatch):
+    """Prefetches compute in their thread, not in a child process: the tests that wrap the real build in this
+    process (a failing or gated build) need the build to run where the wrapper is."""
+    monkeypatch.setattr(service, "PREFETCH_IN_PROCESS", False)
+
+
 def _delta(before: dict, name: str) -> int:
     return latency_table_stats()[name] - before[name]
 
@@ -98,7 +105,7 @@ def test_a_plan_in_the_last_minutes_builds_the_next_hours_table_and_the_plan_at_
     assert (at_13.total_s[:, :, 0] > at_12.total_s[:, :, 0]).all()  # from nothing cached: the image pull
 
 
-def test_the_window_is_the_hours_last_minutes_and_the_next_hour_wraps_at_midnight(engine, settings):
+def test_the_window_is_the_hours_last_minutes_and_the_next_hour_wraps_at_midnight(engine, settings, in_thread):
     models = pd.DataFrame({"image_bytes": [9e9, 5e9], "weights_bytes": [16e9, 2e9]},
                           index=pd.Index(["a", "b"], name="model_id"))
     nodes = ["n0", "n1"]
@@ -114,7 +121,7 @@ def test_the_window_is_the_hours_last_minutes_and_the_next_hour_wraps_at_midnigh
 
 
 def test_a_prefetch_that_fails_is_logged_and_the_next_plan_builds_its_table(engine, settings, monkeypatch,
-                                                                               caplog):
+                                                                               caplog, in_thread):
     _setup(engine)
     real = ColdStartModel.node_latency_table
     failed = []
@@ -141,7 +148,7 @@ def test_a_prefetch_that_fails_is_logged_and_the_next_plan_builds_its_table(engi
     assert "actions" in turned and latency_table_stats()["builds"] == builds
 
 
-def test_the_plan_at_the_hour_builds_its_table_itself_after_a_failed_prefetch(engine, settings, monkeypatch):
+def test_the_plan_at_the_hour_builds_its_table_itself_after_a_failed_prefetch(engine, settings, monkeypatch, in_thread):
     """A prefetch that failed at :59 (the last chance): the plan of :00 builds the table synchronously."""
     _setup(engine)
     real = ColdStartModel.node_latency_table
@@ -186,7 +193,7 @@ def _until(condition, what: str) -> None:
 
 
 def test_concurrent_callers_of_one_key_build_once_and_no_lock_is_held_while_building(engine, settings,
-                                                                                      monkeypatch):
+                                                                                      monkeypatch, in_thread):
     models = pd.DataFrame({"image_bytes": [9e9, 5e9, 7e9], "weights_bytes": [16e9, 2e9, 40e9]},
                           index=pd.Index(["a", "b", "c"], name="model_id"))
     nodes = ["n0", "n1", "n2"]
@@ -215,7 +222,7 @@ def test_concurrent_callers_of_one_key_build_once_and_no_lock_is_held_while_buil
 
 
 def test_the_plan_at_the_hour_waits_for_the_prefetch_in_flight_instead_of_building(engine, settings,
-                                                                                     monkeypatch):
+                                                                                     monkeypatch, in_thread):
     _setup(engine)
     plan_job(engine, settings, _at(54))
     entered, gate, hours = _gated_build(monkeypatch, gated_hour=13)
@@ -232,7 +239,7 @@ def test_the_plan_at_the_hour_waits_for_the_prefetch_in_flight_instead_of_buildi
 
 
 def test_adding_the_next_hours_table_keeps_the_table_in_use_and_drops_the_least_recently_used(engine, settings,
-                                                                                             monkeypatch):
+                                                                                             monkeypatch, in_thread):
     """The table in use was built before another caller's (here: one node's); it is read every minute since, so
     when the next hour's table is added beyond the budget, the other one goes, not the table in use."""
     models = pd.DataFrame({"image_bytes": [9e9, 5e9], "weights_bytes": [16e9, 2e9]},
@@ -251,3 +258,47 @@ def test_adding_the_next_hours_table_keeps_the_table_in_use_and_drops_the_least_
     assert _delta(before, "builds") == 0 and _delta(before, "hits") == 2
     latency_table(engine, settings, models, hour=11, nodes=["n0"])
     assert _delta(before, "builds") == 1  # the least recently used was the one dropped
+
+
+def _request(engine, settings, models, hour: int = 14, nodes=("n0", "n1")):
+    return service._request(engine, settings, models, hour=hour, nodes=list(nodes))
+
+
+def test_a_prefetch_in_its_own_process_gives_the_table_this_process_builds(engine, settings):
+    """The default prefetch computes in a spawned, lower-priority child (it must not hold this process's GIL
+    while the plans run); what comes back through the pipe is the table a build here gives, cell for cell."""
+    assert service.PREFETCH_IN_PROCESS
+    models = pd.DataFrame({"image_bytes": [9e9, 5e9, 7e9], "weights_bytes": [16e9, 2e9, 40e9]},
+                          index=pd.Index(["a", "b", "c"], name="model_id"))
+    request = _request(engine, settings, models)
+    here = request.build()
+    there = service.build_in_child(request)
+    assert there is not here
+    np.testing.assert_array_equal(there.total_s, here.total_s)
+    assert list(there.model_ids) == list(here.model_ids) and list(there.node_ids) == list(here.node_ids)
+
+
+def test_a_build_that_fails_in_its_process_raises_here_with_the_childs_traceback(engine, settings):
+    models = pd.DataFrame({"image_bytes": [9e9]}, index=pd.Index(["a"], name="model_id"))  # no weights_bytes
+    request = service._TableRequest(key=("broken",), model=service.load_latency_model(engine, settings),
+                                    sizes=models, hour=3, node_ids=("n0",))
+    with pytest.raises(RuntimeError, match="failed in its process") as raised:
+        service.build_in_child(request)
+    assert "weights_bytes" in str(raised.value)  # the child's own error, named
+
+
+class _KilledWhileBuilding:
+    """Stands for the kernel's OOM killer, not for a latency model: the child dies in the middle of the build."""
+
+    def node_latency_table(self, sizes, *, hour, nodes):
+        import os
+
+        os._exit(9)
+
+
+def test_a_build_process_that_dies_is_a_clear_error_not_a_hang(engine, settings):
+    models = pd.DataFrame({"image_bytes": [9e9], "weights_bytes": [1e9]}, index=pd.Index(["a"], name="model_id"))
+    request = service._TableRequest(key=("killed",), model=_KilledWhileBuilding(), sizes=models, hour=3,
+                                    node_ids=("n0",))
+    with pytest.raises(RuntimeError, match="exit code 9"):
+        service.build_in_child(request, timeout_s=WAIT_S)

@@ -19,6 +19,8 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
 import shutil
 import threading
 import time
@@ -56,6 +58,13 @@ _TABLE_BYTES_KEPT = 512 * 2**20
 #: models x 64 nodes a build alone takes about 70 s, beside the plans on a loaded 2-core machine 130-160 s:
 #: started after the plan of minute :55 it has four minutes and their idle time to finish in before :00)
 PREFETCH_LEAD_MIN = 5
+#: where a prefetch computes: in a spawned child process at lower CPU priority (True), or in the prefetch thread
+#: itself (False). In a thread the build holds the GIL for most of its ~70 s at 100,000 models and slowed the
+#: plans of the minutes beside it to 62-81 s (docs/scale.md); a child of its own uses the core the plan job leaves
+#: idle, gives way to it when both want the same core (``PREFETCH_NICE``), and sends the arrays back through a pipe
+PREFETCH_IN_PROCESS = True
+#: how much lower than its parent the prefetch process runs (``os.nice`` increment)
+PREFETCH_NICE = 10
 
 
 def _key(engine: Engine, settings: Settings) -> str:
@@ -184,11 +193,12 @@ def prefetch_latency_table(engine: Engine, settings: Settings, models: pd.DataFr
 
     What the call would build, made ahead so that the first caller of that hour finds it cached (or, still
     being built, waits for it rather than building it again). The champion and the key are read here, in the
-    caller's thread; the thread only computes (it does not touch the database). Nothing is started (None) when
-    the table is cached or being built, or while another prefetch is still running (one at a time: a build
-    competes with the plans for the cores and the GIL, and at 100,000 models x 64 nodes it raised the plan
-    job's peak memory from 1.1 to 1.6 GB; see docs/scale.md). A build that fails is logged
-    and dropped; the next caller of that key builds it itself.
+    caller's thread; the thread does not touch the database: it has the table computed in a spawned child at lower
+    priority (:func:`build_in_child`, :data:`PREFETCH_IN_PROCESS`) and waits for it without holding the GIL, so
+    the plans of the minutes beside it keep this process's CPU. Nothing is started (None) when the table is cached
+    or being built, or while another prefetch is still running (one at a time: at 100,000 models x 64 nodes a
+    build takes about a gigabyte while it runs; see docs/scale.md). A build that fails is logged and dropped; the
+    next caller of that key builds it itself.
 
     Returns:
         The started thread (join it, or :func:`wait_for_prefetches`), or None when nothing was started.
@@ -313,12 +323,13 @@ def _cached_or_built(request: _TableRequest) -> "pd.DataFrame | NodeLatencyTable
     return _finish(request, build)
 
 
-def _finish(request: _TableRequest, build: _Build) -> "pd.DataFrame | NodeLatencyTable":
-    """Compute the claimed ``build`` outside the lock, then cache it (or, on failure, release the claim)."""
+def _finish(request: _TableRequest, build: _Build, builder=None) -> "pd.DataFrame | NodeLatencyTable":
+    """Compute the claimed ``build`` outside the lock (here, or with ``builder(request)``), then cache it (or, on
+    failure, release the claim)."""
     try:
         with _lock:
             _stats["builds"] += 1
-        table = request.build()
+        table = request.build() if builder is None else builder(request)
     except BaseException:
         with _lock:
             _building.pop(request.key, None)
@@ -335,10 +346,11 @@ def _finish(request: _TableRequest, build: _Build) -> "pd.DataFrame | NodeLatenc
 
 
 def _run_prefetch(request: _TableRequest, build: _Build) -> None:
-    """A prefetch thread's body: build, and log a failure (the plan job then builds the table itself)."""
+    """A prefetch thread's body: build (in a child process, :data:`PREFETCH_IN_PROCESS`), and log a failure (the
+    plan job then builds the table itself)."""
     started = time.perf_counter()
     try:
-        table = _finish(request, build)
+        table = _finish(request, build, build_in_child if PREFETCH_IN_PROCESS else None)
     except Exception:  # noqa: BLE001 - a prefetch is an optimisation; its failure must not reach the job
         with _lock:
             _stats["prefetch_failures"] += 1
@@ -346,6 +358,58 @@ def _run_prefetch(request: _TableRequest, build: _Build) -> None:
         return
     log.info("latency table for hour %02d prefetched in %.1f s (%d models, %.0f MB)", request.hour,
              time.perf_counter() - started, len(request.sizes), _nbytes(table) / 2**20)
+
+
+def build_in_child(request: _TableRequest, *, timeout_s: float = 3600.0) -> "pd.DataFrame | NodeLatencyTable":
+    """``request.build()`` in a spawned child process at :data:`PREFETCH_NICE` lower priority, one BLAS/OpenMP
+    thread; the table comes back through a pipe.
+
+    Spawned, not forked: the plan job's and the API's processes hold thread pools (LightGBM, BLAS) and locks that
+    a forked child could find held. The calling thread waits in ``recv`` (the GIL released), so the parent's
+    plans run meanwhile. A failure in the child is raised here with the child's traceback; a child that dies
+    (killed for memory, say) or outlives ``timeout_s`` is a clear error, never a hang.
+    """
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(target=_child_build, args=(request, sender, PREFETCH_NICE), daemon=True,
+                            name=f"latency-table-{request.hour:02d}h")
+    child.start()
+    sender.close()
+    try:
+        if not receiver.poll(timeout_s):
+            raise RuntimeError(f"the latency table process gave no answer in {timeout_s:.0f} s")
+        kind, payload = receiver.recv()
+    except EOFError:
+        child.join(timeout=5)
+        raise RuntimeError(f"the latency table process ended without a table (exit code {child.exitcode}; "
+                           "killed for memory?)") from None
+    finally:
+        receiver.close()
+        if child.is_alive():
+            child.join(timeout=5)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    if kind == "error":
+        raise RuntimeError(f"the latency table build failed in its process:\n{payload}")
+    return payload
+
+
+def _child_build(request: _TableRequest, sender, nice: int) -> None:
+    """:func:`build_in_child`'s child: lower priority, one thread per pool, build, send the table (or the error)."""
+    import traceback
+
+    try:
+        if nice:
+            os.nice(nice)
+        from threadpoolctl import threadpool_limits
+
+        with threadpool_limits(1):
+            sender.send(("table", request.build()))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent, which raises it
+        sender.send(("error", traceback.format_exc()))
+    finally:
+        sender.close()
 
 
 def _evict() -> None:
