@@ -5,8 +5,8 @@ exactly as ``Ensemble.fit_panel`` fits and scores it (:mod:`bench.validation_spl
 steps of the fit window, scored on rolling origins every 12 steps of the tail ``V = min(max(240, T // 5), T // 2)``,
 horizons 1..60); no test origin is read. Comparisons (:data:`COMPARISONS`):
 
-* ``arima_order``: ARIMA ``(1, 1, 1)`` on ``log1p`` (default) vs ``(2, 0, 1)`` with a mean on ``log1p`` and on raw
-  counts (deterministic: one run);
+* ``arima_order``: ARIMA ``(1, 1, 1)`` on ``log1p`` (the default when it was run) vs ``(2, 0, 1)`` with a mean on
+  ``log1p`` and on raw counts (deterministic: one run);
 * ``local_level``: LightGBM with ``local_level=True`` (default) vs ``False``;
 * ``strategy``: LightGBM ``strategy="direct"`` (default) vs ``"recursive"``;
 * ``xgboost_size``: XGBoost depth 6, 200 trees, 250,000 rows, 64 bins, learning rate 0.08 (default) vs
@@ -79,22 +79,27 @@ class Setting:
 SETTINGS = {
     s.name: s
     for s in (
-        Setting("arima (1,1,1) log1p", lambda seed: ARIMAMember(), seeded=False),
+        Setting("arima (1,1,1) log1p", lambda seed: ARIMAMember(order=(1, 1, 1)), seeded=False),
         Setting("arima (2,0,1) log1p", lambda seed: ARIMAMember(order=(2, 0, 1)), seeded=False),
         Setting("arima (2,0,1) raw", lambda seed: ARIMAMember(order=(2, 0, 1), log_transform=False), seeded=False),
-        Setting("lightgbm direct local_level", lambda seed: LightGBMMember(horizon=HORIZON, random_state=seed)),
+        Setting("lightgbm direct local_level", lambda seed: LightGBMMember(
+            strategy="direct", horizon=HORIZON, random_state=seed, local_level=True)),
         Setting("lightgbm direct no local_level",
                 lambda seed: LightGBMMember(horizon=HORIZON, random_state=seed, local_level=False)),
         Setting("lightgbm recursive local_level",
                 lambda seed: LightGBMMember(strategy="recursive", horizon=HORIZON, random_state=seed)),
-        Setting("xgboost d6 200 trees 250k rows 64 bins", lambda seed: XGBoostMember(horizon=HORIZON, random_state=seed)),
+        Setting("xgboost d6 200 trees 250k rows 64 bins",
+                lambda seed: XGBoostMember(horizon=HORIZON, random_state=seed, max_train_rows=250_000,
+                                           params={"max_depth": 6, "n_estimators": 200, "max_bin": 64,
+                                                   "learning_rate": 0.08})),
         Setting("xgboost d8 300 trees 400k rows 256 bins",
                 lambda seed: XGBoostMember(horizon=HORIZON, random_state=seed, max_train_rows=400_000,
                                            params={"max_depth": 8, "n_estimators": 300, "max_bin": 256,
                                                    "learning_rate": 0.05})),
     )
 }
-#: comparison -> (current default, candidates), cheapest first
+#: comparison -> (the default when the comparison was run, candidates), cheapest first; every setting spells out the
+#: knob it tests, so that a changed class default does not change what a setting means
 COMPARISONS = {
     "arima_order": ("arima (1,1,1) log1p", ["arima (2,0,1) log1p", "arima (2,0,1) raw"]),
     "local_level": ("lightgbm direct local_level", ["lightgbm direct no local_level"]),
