@@ -260,7 +260,7 @@ def test_arima_default_order_forecasts_as_statsmodels_does(panel: Panel) -> None
 def test_wall_time_caps_are_safety_nets_far_above_a_normal_fit() -> None:
     """The members' results must not depend on the machine's load: a fit is bounded by its own work (epochs,
     series), and the wall-time caps sit far above what that work takes on a loaded 2-core machine."""
-    assert ARIMAMember().max_seconds >= 300.0
+    assert ARIMAMember().max_seconds >= 900.0  # (2, 0, 1) took 234 s wall for 50 series at load 5-8
     assert LSTMMember().max_seconds >= 600.0
 
 
