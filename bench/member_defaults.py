@@ -9,8 +9,8 @@ horizons 1..60); no test origin is read. Comparisons (:data:`COMPARISONS`):
   ``log1p`` and on raw counts (deterministic: one run);
 * ``local_level``: LightGBM with ``local_level=True`` (default) vs ``False``;
 * ``strategy``: LightGBM ``strategy="direct"`` (default) vs ``"recursive"``;
-* ``xgboost_size``: XGBoost depth 6, 200 trees, 250,000 rows, 64 bins, learning rate 0.08 (default) vs
-  LightGBM-like depth 8, 300 trees, 400,000 rows, 256 bins, learning rate 0.05.
+* ``xgboost_size``: XGBoost depth 6, 200 trees, 250,000 rows, 64 bins, learning rate 0.08 (the default when it was
+  run) vs LightGBM-like depth 8, 300 trees, 400,000 rows, 256 bins, learning rate 0.05.
 
 Tree members run with seeds 0..2 (the seed draws the training rows and the estimator's subsamples). Data: the
 Azure Functions 2019 day's fit window (minutes 0..1079 of ``bench/accuracy.py``'s protocol) and Huawei DC4's
@@ -23,7 +23,10 @@ covers at most the 50 busiest). Results are saved to ``--json`` after every run,
 ``--json`` skips the runs already there.
 
 The decision rule (:data:`DECISION_RULE`, :data:`RULE_MARGIN`) was written before anything was scored and is
-applied literally by :func:`decide`.
+applied literally by :func:`decide`. The run of issue 13 (all four comparisons, both datasets: 38 min wall on the 2
+shared cores at load average 5-8) made ARIMA ``(2, 0, 1)`` on ``log1p`` and the larger XGBoost the defaults and
+kept ``strategy="direct"`` and ``local_level=True``; the figures are in the members' docstrings
+(:mod:`forecaster.forecast.arima`, :mod:`forecaster.forecast.trees`).
 
     nice -n 10 .venv/bin/python bench/member_defaults.py --json member_defaults.json \
         [--datasets huawei_dc4,azure] [--comparisons arima_order,local_level,strategy,xgboost_size] \

@@ -257,6 +257,18 @@ def test_arima_default_order_forecasts_as_statsmodels_does(panel: Panel) -> None
     assert np.isnan(member.forecast(panel, [240], 10)[np.arange(panel.n_series) != row]).all()
 
 
+def test_xgboost_default_is_sized_like_lightgbm() -> None:
+    """The XGBoost default chosen on validation by bench/member_defaults.py: LightGBM's tree count, learning rate
+    and training rows, depth 8 and 256 bins (the former default was depth 6, 200 trees, 250,000 rows, 64 bins)."""
+    xgb, lgb = XGBoostMember(), LightGBMMember()
+    params, reference = xgb._estimator().get_params(), lgb._estimator().get_params()
+    assert (params["max_depth"], params["max_bin"]) == (8, 256)
+    assert params["n_estimators"] == reference["n_estimators"] == 300
+    assert params["learning_rate"] == reference["learning_rate"] == 0.05
+    assert xgb.default_rows == lgb.default_rows == 400_000
+    assert XGBoostMember(params={"max_depth": 3})._estimator().get_params()["max_depth"] == 3  # overrides still win
+
+
 def test_wall_time_caps_are_safety_nets_far_above_a_normal_fit() -> None:
     """The members' results must not depend on the machine's load: a fit is bounded by its own work (epochs,
     series), and the wall-time caps sit far above what that work takes on a loaded 2-core machine."""
