@@ -1,8 +1,8 @@
 """RandomForest member: validation MAE inside the fit window for 10, 20, 30 and 40 trees (issue 15's question).
 
-The split is the ensemble's own (``Ensemble.fit_panel`` with the product's 60 horizons): the member is fitted on
-the first ``T - V`` steps of the fit window and scored on rolling origins every 12 steps of the tail
-``V = min(max(240, T // 5), T // 2)``; no test origin is read. With one seed, the first ``k`` trees of a 40-tree
+The split is the ensemble's own (``Ensemble.fit_panel`` with the product's 60 horizons; :mod:`bench.validation_split`,
+which ``bench/member_defaults.py`` shares): the member is fitted on the first ``T - V`` steps of the fit window and
+scored on rolling origins every 12 steps of the tail ``V = min(max(240, T // 5), T // 2)``; no test origin is read. With one seed, the first ``k`` trees of a 40-tree
 forest are exactly a ``k``-tree forest (scikit-learn draws the trees' seeds in order), so one fit per seed scores
 every size; seeds 0..2 show the noise. Printed per seed and size: mean per-series MAE and the mean per-series MAE
 relative to the fallback member's (series where the fallback's MAE > 0).
@@ -30,11 +30,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from forecaster.forecast.members import Fallback, actuals  # noqa: E402
-from forecaster.forecast.panel import Panel  # noqa: E402
-from forecaster.forecast.trees import RandomForestMember  # noqa: E402
+from bench.validation_split import HORIZON, load_fit_window, make_split, member_mae, summary
+from forecaster.forecast.panel import Panel
+from forecaster.forecast.trees import RandomForestMember
 
-HORIZON = 60
 TREES = (10, 20, 30, 40)
 
 
@@ -44,9 +43,7 @@ def fit_window(args) -> tuple[str, Panel]:
         counts = np.asarray(history.counts[:, :1440], dtype=np.float64)
         return str(args.history), Panel(np.asarray(history.ids, dtype=object), history.start, pd.Timedelta(minutes=1),
                                         counts)
-    from accuracy import DATASETS, load_panel
-
-    return "azure", load_panel(args.traces / DATASETS["azure"][0], DATASETS["azure"][1]).head(1080)
+    return "azure", load_fit_window("azure", args.traces)
 
 
 def main() -> None:
@@ -56,28 +53,19 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     name, panel = fit_window(args)
-    tail = min(max(4 * HORIZON, panel.n_steps // 5), panel.n_steps // 2)
-    first = panel.n_steps - tail
-    origins = list(range(first, panel.n_steps - HORIZON + 1, 12))
-    train = panel.head(first)
-    actual = actuals(panel.values, origins, HORIZON)
-    with np.errstate(all="ignore"):
-        fallback = np.nanmean(np.abs(Fallback(horizon=HORIZON).fit_panel(train).forecast(panel, origins, HORIZON)
-                                     - actual), axis=(1, 2))
+    split = make_split(panel, HORIZON)
     rows = []
     for seed in (0, 1, 2):
         member = RandomForestMember(horizon=HORIZON, random_state=seed)
         started = time.perf_counter()
-        member.fit_panel(train)
+        member.fit_panel(split.train)
         seconds = time.perf_counter() - started
         trees = list(member.model_.estimators_)
         for k in TREES:
             member.model_.estimators_, member.model_.n_estimators = trees[:k], k
-            with np.errstate(all="ignore"):
-                mae = np.nanmean(np.abs(member.forecast(panel, origins, HORIZON) - actual), axis=(1, 2))
-            ok = fallback > 0
-            row = {"seed": seed, "trees": k, "mae_mean": float(np.nanmean(mae)),
-                   "mae_rel_fallback": float(np.nanmean(mae[ok] / fallback[ok])), "fit_s_40_trees": round(seconds, 1)}
+            scores = summary(split, member_mae(split, member))
+            row = {"seed": seed, "trees": k, "mae_mean": scores["mae_mean"],
+                   "mae_rel_fallback": scores["mae_rel_fallback"], "fit_s_40_trees": round(seconds, 1)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     for k in TREES:
@@ -85,8 +73,8 @@ def main() -> None:
         print(f"{name}: {k} trees: mean MAE {np.mean([r['mae_mean'] for r in mine]):.5f}, "
               f"relative to the fallback {np.mean([r['mae_rel_fallback'] for r in mine]):.4f} (mean of 3 seeds)")
     if args.json:
-        args.json.write_text(json.dumps({"data": name, "series": panel.n_series, "fit_steps": first,
-                                         "origins": len(origins), "runs": rows}, indent=1))
+        args.json.write_text(json.dumps({"data": name, "series": panel.n_series, "fit_steps": split.train.n_steps,
+                                         "origins": len(split.origins), "runs": rows}, indent=1))
 
 
 if __name__ == "__main__":
