@@ -9,7 +9,8 @@ import pandas as pd
 import pytest
 from sqlalchemy import text
 
-from forecaster.coldstart.lambda_perf import LambdaLatencyModel, evaluate_lambda, lag_features, load_lambda
+from forecaster.coldstart.lambda_perf import (LambdaLatencyModel, evaluate_lambda, lag_features, lambda_sampling_floor,
+                                              load_lambda)
 from forecaster.coldstart.model import (ColdStartModel, baseline_predictions, load_cold_starts, running_at_start,
                                         with_concurrency)
 from forecaster.coldstart.physics import phase_seconds, physics_latency_table
@@ -183,6 +184,20 @@ def test_lambda_trees_beat_both_baselines_on_a_drift(tmp_path):
     best = min(methods["trees"]["mae_ms"], methods["ensemble"]["mae_ms"])
     assert best < methods["trailing_median"]["mae_ms"]
     assert best < methods["last_value"]["mae_ms"]
+
+
+def test_lambda_sampling_floor_is_the_error_of_a_mean_of_ten_draws_on_the_scored_days(tmp_path):
+    """Draws are normal with sd 4 around each day's mean: E|mean - mu| = sqrt(2 / pi) * 4 / sqrt(10) = 1.009 ms."""
+    _lambda_csv(tmp_path / "lambda.csv", days=400)
+    floor = lambda_sampling_floor(tmp_path / "lambda.csv", split_date="2025-03-01")
+    # 2 configurations, days from 2025-03-01 (day 59) to day 399, each with an earlier day: 2 x 341
+    assert floor["days"] == 682 and floor["median_draws"] == 10
+    expected = np.sqrt(2 / np.pi) * 4 / np.sqrt(10)
+    assert floor["normal_ms"] == pytest.approx(expected, rel=0.08)
+    assert floor["split_half_ms"] == pytest.approx(expected, rel=0.12)
+    # the first measured day of a configuration is never scored, whatever the split
+    early = lambda_sampling_floor(tmp_path / "lambda.csv", split_date="2024-01-01")
+    assert early["days"] == 2 * 399
 
 
 # --------------------------------------------------------------------------- bad rows, concurrency, transfers

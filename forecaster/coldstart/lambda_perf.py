@@ -180,3 +180,42 @@ def evaluate_lambda(path: str | Path, *, split_date: str = "2025-06-01", configs
             "configs": int(frame["config"].nunique()), "split_date": split_date,
             "ensemble_weights": dict(zip(("trees", "recent", "trailing_median"), model.weights_)),
             "methods": methods}
+
+
+def lambda_sampling_floor(path: str | Path, *, split_date: str = "2025-06-01") -> dict:
+    """The error no forecaster can go below on the Lambda test days: the sampling noise of each day's mean.
+
+    Each configuration-day's target is the mean of about ten measured cold starts, so even a forecaster that knew
+    the configuration's true mean for that day would miss the observed mean by the sampling error of ten draws.
+    Two estimates of that error's expectation ``E|mean - mu|`` over the days :func:`evaluate_lambda` scores
+    (configuration-days on or after ``split_date`` with an earlier measured day):
+
+    * ``normal_ms``: ``sqrt(2 / pi) * sd / sqrt(n)`` per day, the normal approximation of the mean's error;
+    * ``split_half_ms``: half of ``|mean(odd draws) - mean(even draws)|`` per day (days with >= 4 draws), which
+      makes no assumption about the draws' distribution beyond independence: the difference of the two half
+      means has twice the spread of the full mean's error.
+
+    Returns:
+        ``{"days", "median_draws", "normal_ms", "split_half_ms"}``.
+    """
+    frame = pd.read_csv(path, usecols=["date", "runtime_id", "package_type", "memory_mb", "architecture",
+                                       "init_durations_ms"])
+    config = (frame["runtime_id"] + "|" + frame["package_type"].fillna("-") + "|" + frame["memory_mb"].astype(str)
+              + "|" + frame["architecture"].fillna("-"))
+    draws = frame["init_durations_ms"].astype(str).str.split(";").map(
+        lambda v: [float(x) for x in v if x and x != "nan"])
+    days = pd.DataFrame({"config": config, "date": pd.to_datetime(frame["date"]), "draws": draws})
+    days = days.groupby(["config", "date"], as_index=False)["draws"].agg(lambda v: [x for d in v for x in d])
+    days = days.sort_values(["config", "date"])
+    scored = (days["date"] >= pd.Timestamp(split_date)) & days.duplicated("config", keep="first")
+    normal, split_half, counts = [], [], []
+    for values in days.loc[scored, "draws"]:
+        x = np.asarray(values, dtype=np.float64)
+        counts.append(len(x))
+        if len(x) >= 2:
+            normal.append(np.sqrt(2.0 / np.pi) * x.std(ddof=1) / np.sqrt(len(x)))
+        if len(x) >= 4:
+            split_half.append(abs(x[::2].mean() - x[1::2].mean()) / 2.0)
+    return {"days": int(scored.sum()), "median_draws": float(np.median(counts)) if counts else 0.0,
+            "normal_ms": float(np.mean(normal)) if normal else float("nan"),
+            "split_half_ms": float(np.mean(split_half)) if split_half else float("nan")}
