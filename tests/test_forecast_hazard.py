@@ -148,6 +148,28 @@ def test_p_any_is_chosen_per_segment_and_horizon_band():
     assert np.allclose(p[unchosen], estimates["hazard"][unchosen])
 
 
+def test_p_any_is_never_worse_than_its_best_single_estimate_on_the_tail():
+    """Two series, too few invoked points for any cell to leave the hazard, and a residual estimate that nearly
+    knows the answer: the cells (all hazard) score worse than the residuals everywhere, so the residuals are used
+    everywhere."""
+    from forecaster.forecast.members import actuals
+    from forecaster.forecast.p_any import PAnyModel
+
+    rng = np.random.default_rng(11)
+    values = rng.poisson(0.4, (2, 600)).astype(float)
+    origins = list(range(400, 590, 5))
+    actual = actuals(values, origins, 5)
+    point = np.zeros_like(actual)
+    p_resid = np.where(actual > 0, 0.9, 0.1)
+    model = PAnyModel(lookback=300).fit(values, 400, origins, point, p_resid, actual, say=lambda _: None)
+    assert model.scores_["residuals"] < model.scores_["per_segment"]
+    assert model.scores_["residuals"] == min(v for k, v in model.scores_.items() if k != "per_segment")
+    assert model.method_ == "residuals" and model.segment_methods_ == {}
+    later = list(range(430, 590, 7))
+    fresh = np.full((2, len(later), 5), 0.37)
+    np.testing.assert_array_equal(model.predict(values, later, np.zeros_like(fresh), fresh), fresh)
+
+
 def test_a_sampled_pool_keeps_the_cell_rates():
     """pool_counts with a stride samples exposures; on a stationary panel each well-seen cell's rate stays put."""
     from forecaster.forecast.hazard import pool_counts
