@@ -84,3 +84,20 @@ def test_v2_targets_against_the_best_peer() -> None:
     assert t["spike_recall"]["best_peer"] == "moving_average_60" and not t["spike_recall"]["met"]
     rows.loc["ensemble", ["coverage_q90_strict", "coverage_q90"]] = [0.75, 0.86]  # bracket misses 0.9 by > 0.03
     assert not accuracy.v2_targets(rows, ["naive"], "busy")["coverage_q90_bracket"]["met"]
+
+
+def test_paired_spike_recall_difference_and_its_series_bootstrap() -> None:
+    """Two series with spikes: the ensemble catches 6 of 10 and 1 of 10, the peer 4 of 10 and 3 of 10."""
+    rows = []
+    for method, hits in (("ensemble", (6, 1, 0)), ("naive", (4, 3, 0))):
+        for uid, hit, spikes in zip(("a", "b", "c"), hits, (10, 10, 0), strict=True):
+            rows.append({"method": method, "unique_id": uid, "h": 5, "spikes": spikes, "spikes_hit": hit})
+    result = accuracy.BacktestResult(pd.DataFrame(rows), pd.DataFrame())
+    ids = np.array(["a", "b", "c"], dtype=object)
+    out = accuracy.paired_spike_recall(result, np.ones(3, dtype=bool), ids, "naive", resamples=500)
+    assert out["difference"] == pytest.approx(0.0)  # 7 / 20 against 7 / 20
+    assert out["series_with_spikes"] == 2  # the series without spikes is left out
+    # resampling whole series: both drawn twice gives +0.2 or -0.2, so the interval spans them
+    assert out["ci95"][0] == pytest.approx(-0.2) and out["ci95"][1] == pytest.approx(0.2)
+    only_a = accuracy.paired_spike_recall(result, np.array([True, False, True]), ids, "naive")
+    assert only_a["difference"] == pytest.approx(0.2) and only_a["ci95"] == [pytest.approx(0.2)] * 2
