@@ -330,6 +330,7 @@ def budget_summary(table: dict) -> dict:
         out[name] = {"budget_pct": row["budget_pct"], "spend_reached_pct": row.get("wasted_norm_pct"),
                      "cold_pct_p75": row.get("cold_pct_p75"), "cold_pct_overall": row.get("cold_pct_overall"),
                      "wait_p99_s": row.get("wait_p99_s"), "final_factor": state.get("factor"),
+                     "status": state.get("status"), "over_minutes": state.get("over_minutes"),
                      "factor_quantiles": state.get("factor_quantiles"),
                      "controller_spent_vs_allowed": (state["spent_total"] / state["allowed_total"]
                                                      if state.get("allowed_total") else None)}
@@ -487,7 +488,7 @@ def print_v2(report: dict) -> None:
             print(f"  budget {bname}: budget {b['budget_pct']:g} %, spend reached {_fmt(b['spend_reached_pct'])} %, "
                   f"p75 cold {_fmt(b['cold_pct_p75'])} %, p99 wait "
                   f"{'-' if b['wait_p99_s'] is None else _fmt(b['wait_p99_s'])} s, final factor "
-                  f"{_fmt(b['final_factor'])}")
+                  f"{_fmt(b['final_factor'])}, status {b.get('status')}")
     print("\n== issue 14 targets (v2) ==")
     for name, checks in report.get("targets_v2", {}).items():
         for label, c in checks.items():

@@ -412,7 +412,8 @@ def backtest_cmd(
 def waste_budget_text(rows: dict[str, dict]) -> str:
     """Allowed vs spent idle GPU-seconds of the budget controllers (whole replay, warm-up included)."""
     return "; ".join(f"{name}: spent {row['budget_state']['spent_total']:.0f} of {row['budget_state']['allowed_total']:.0f}"
-                     " idle GPU-s allowed" for name, row in rows.items())
+                     f" idle GPU-s allowed, {row['budget_state'].get('status', 'on_budget').replace('_', ' ')}"
+                     for name, row in rows.items())
 
 
 @app.command("simulate")

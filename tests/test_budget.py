@@ -70,11 +70,38 @@ def test_the_controller_is_bounded_and_never_nan():
     assert idle.log_factor == 0.0
 
 
+def test_the_status_says_when_the_budget_is_not_met_and_when_it_cannot_be():
+    """A plant whose spend does not respond to the cold cost (elasticity 0) at 3x the allowance: settling for the
+    first four pacing windows, then over budget, then infeasible once the factor sits at its bound; a plant that
+    responds settles on budget."""
+    budget = WasteBudget(pct=100.0, window_min=15.0, max_factor=1000.0)
+    state, statuses = BudgetState(), []
+    for _ in range(400):
+        state = update_budget(state, budget, spent_gpu_s=300.0, reference_idle_gpu_s=100.0)
+        statuses.append(state.status)
+    assert statuses[0] == "settling" and statuses[58] == "settling"  # 59 minutes over: under 4 windows of 15
+    assert statuses[59] == "over_budget" and state.over_minutes == 400.0
+    first_infeasible = statuses.index("infeasible")
+    assert state.factor == pytest.approx(1e-3) and set(statuses[first_infeasible:]) == {"infeasible"}
+    assert set(statuses[59:first_infeasible]) == {"over_budget"}
+    # the moment the spend falls within the allowance, the count starts again
+    back = update_budget(state, budget, spent_gpu_s=0.0, reference_idle_gpu_s=1e6)
+    assert back.status == "on_budget" and back.over_minutes == 0.0
+    responsive, *_ = _run(budget, scale=300.0, elasticity=1.0, steps=600)
+    assert responsive.status == "on_budget" and responsive.factor > 1e-3
+
+
 def test_the_state_round_trips_through_a_plan_summary_and_garbage_starts_afresh():
     state = update_budget(BudgetState(), WasteBudget(pct=100.0), spent_gpu_s=3.0, reference_idle_gpu_s=10.0)
     assert BudgetState.from_dict(state.as_dict()) == state
     for garbage in (None, "x", {"log_factor": float("nan")}, {"log_factor": "1"}, {"spent": -1.0}):
         assert BudgetState.from_dict(garbage) == BudgetState()
+    over = update_budget(BudgetState(), WasteBudget(pct=100.0), spent_gpu_s=30.0, reference_idle_gpu_s=10.0)
+    assert over.status == "settling" and BudgetState.from_dict(over.as_dict()) == over
+    # a state saved before the status existed reads as on budget; an unknown status too
+    old = {k: v for k, v in over.as_dict().items() if k not in ("status", "over_minutes")}
+    assert BudgetState.from_dict(old).status == "on_budget" and BudgetState.from_dict(old).over_minutes == 0.0
+    assert BudgetState.from_dict({**over.as_dict(), "status": "bogus"}).status == "on_budget"
 
 
 def test_a_budget_needs_a_finite_nonnegative_value():

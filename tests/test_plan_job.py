@@ -127,11 +127,29 @@ def test_budget_mode_carries_its_state_from_plan_to_plan_and_measures_the_idle_r
     state = third["summary"]["budget"]
     assert state["updates"] == 3 and state["spent_total"] > 0 and state["allowed_total"] == 0.0
     assert 0 < state["factor"] < 1
+    assert state["status"] == "settling" and state["over_minutes"] > 0  # over budget, for under four windows
     again = plan_job(engine, budgeted, NOW + timedelta(minutes=6, seconds=30))  # same minute: no new measurement
     assert again["summary"]["budget"]["updates"] == 3
     with engine.connect() as conn:
         stored = conn.execute(text("SELECT summary->'budget'->>'updates' FROM plans ORDER BY id")).scalars().all()
     assert stored == ["1", "2", "3", "3"]
+
+
+def test_budget_mode_says_when_the_budget_cannot_be_met(engine, settings, caplog):
+    """A controller at its lowest cold cost that still spends past a budget of nothing: infeasible, said once."""
+    _setup(engine)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO plans (planned_at, summary) VALUES (:t, CAST(:s AS jsonb))"),
+                     {"t": NOW, "s": '{"budget": {"log_factor": -6.9, "spent": 500.0, "allowed": 0.0, '
+                                     '"status": "over_budget", "over_minutes": 120}}'})
+    budgeted = settings.model_copy(update={"planner_waste_budget_gpu_seconds_per_hour": 0.0})
+    with caplog.at_level("WARNING", logger="forecaster.jobs.planning"):
+        first = plan_job(engine, budgeted, NOW + timedelta(minutes=1))
+        second = plan_job(engine, budgeted, NOW + timedelta(minutes=2))
+    assert first["summary"]["budget"]["status"] == second["summary"]["budget"]["status"] == "infeasible"
+    assert first["summary"]["budget"]["factor"] == pytest.approx(1e-3)
+    said = [r.getMessage() for r in caplog.records if "waste budget infeasible" in r.getMessage()]
+    assert len(said) == 1 and "after 121 minutes over it" in said[0]
 
 
 def test_budget_mode_scales_the_cold_cost_the_plan_job_plans_with(engine, settings):

@@ -172,7 +172,13 @@ def budget_state(engine: Engine, settings: Settings, fleet: FleetState, *, now: 
                              busy="requests")
     reference = keepalive_idle_gpu_seconds(counts, rpm, gpus, minutes=budget.reference_min, last=minutes,
                                            busy="requests")
-    return update_budget(state, budget, spent_gpu_s=spent, reference_idle_gpu_s=reference, minutes=float(minutes))
+    updated = update_budget(state, budget, spent_gpu_s=spent, reference_idle_gpu_s=reference, minutes=float(minutes))
+    if updated.status in ("over_budget", "infeasible") and updated.status != state.status:
+        log.warning("waste budget %s: the discounted idle GPU-seconds are %.0f%% of the allowance after %.0f minutes "
+                    "over it, cold cost at %.3g x the configured (lowest allowed %.3g x)", updated.status.replace("_", " "),
+                    100.0 * updated.spent / max(updated.allowed, 1e-9), updated.over_minutes, updated.factor,
+                    1.0 / budget.max_factor)
+    return updated
 
 
 def plan_job(engine: Engine, settings: Settings, now: datetime, *, actuator=None) -> dict:

@@ -29,6 +29,15 @@ fixed set W in {15, 30, 60} with gain 1/W (and 2/W for 15 and 30): budget 100 %,
 120-239 closest to the budget (60: 115 %, 30: 102 %, 15: 99.8 %, 15 with 2/W: 101.2 %). ``max_factor`` (1000)
 bounds the cold cost to three orders of magnitude either way of the configured one.
 
+Saying when the budget is not met: every update also says where the spend stands (``BudgetState.status``):
+``on_budget`` (the discounted spend within :data:`BUDGET_TOLERANCE` of the discounted allowance, or under it),
+``settling`` (over it, for less than :data:`OVER_BUDGET_WINDOWS` pacing windows), ``over_budget`` (over it for
+that long: the controller has not brought the spend down) and ``infeasible`` (over it with the cold cost at its
+lowest allowed factor, ``1 / max_factor``: the planner cannot spend less by valuing waits less; what is left is
+what the fleet holds anyway, e.g. replicas the reactive path keeps). ``over_minutes`` counts the minutes in a row
+over budget. The plan job logs a warning when the status turns ``over_budget`` or ``infeasible``, and the plan's
+summary carries it with the rest of the state.
+
 Everything here is pure: :class:`BudgetState` is a small frozen value the drivers carry from plan to plan (the
 plan job stores it in the plan's summary); :func:`update_budget` never returns NaN or infinity, and ignores a
 non-finite or negative measurement (counted in ``ignored``).
@@ -40,6 +49,14 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
+
+
+#: Share by which the discounted spend may exceed the discounted allowance and still count as on budget.
+BUDGET_TOLERANCE = 0.05
+#: Pacing windows over budget in a row after which the status is ``over_budget`` rather than ``settling``.
+OVER_BUDGET_WINDOWS = 4
+#: The statuses :func:`update_budget` gives (see the module docstring).
+BUDGET_STATUSES = ("on_budget", "settling", "over_budget", "infeasible")
 
 
 @dataclass(frozen=True)
@@ -103,6 +120,8 @@ class BudgetState:
     allowed_total: float = 0.0
     updates: int = 0
     ignored: int = 0
+    over_minutes: float = 0.0  # minutes in a row with the discounted spend over budget
+    status: str = "on_budget"
 
     @property
     def factor(self) -> float:
@@ -133,6 +152,11 @@ class BudgetState:
             v = values.get(name, 0)
             fields[name] = int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
                 else 0
+        over = values.get("over_minutes", 0.0)  # states saved before the status have neither: on budget
+        fields["over_minutes"] = float(over) if isinstance(over, (int, float)) and not isinstance(over, bool) \
+            and math.isfinite(over) and over >= 0 else 0.0
+        status = values.get("status", "on_budget")
+        fields["status"] = status if status in BUDGET_STATUSES else "on_budget"
         return cls(**fields)
 
 
@@ -151,8 +175,19 @@ def update_budget(state: BudgetState, budget: WasteBudget, *, spent_gpu_s: float
     error = math.log((a + eps) / (s + eps))
     bound = math.log(budget.max_factor)
     log_factor = min(max(state.log_factor + budget.gain_per_min * minutes * error, -bound), bound)
+    over = s > (1.0 + BUDGET_TOLERANCE) * a + 1e-9
+    over_minutes = state.over_minutes + float(minutes) if over else 0.0
+    if not over:
+        status = "on_budget"
+    elif log_factor <= -bound + 1e-9:
+        status = "infeasible"
+    elif over_minutes >= OVER_BUDGET_WINDOWS * budget.window_min:
+        status = "over_budget"
+    else:
+        status = "settling"
     return BudgetState(log_factor=log_factor, spent=s, allowed=a, spent_total=state.spent_total + float(spent_gpu_s),
-                       allowed_total=state.allowed_total + allowed, updates=state.updates + 1, ignored=state.ignored)
+                       allowed_total=state.allowed_total + allowed, updates=state.updates + 1, ignored=state.ignored,
+                       over_minutes=over_minutes, status=status)
 
 
 # --------------------------------------------------------------------------- what was spent, what the reference spent
