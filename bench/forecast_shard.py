@@ -239,7 +239,8 @@ def compare(model_path: Path, codes: list[str], rounds: int, repeats: int) -> No
         for r in range(rounds):
             for code in (codes if r % 2 == 0 else codes[::-1]):  # alternate which tree goes first
                 result_file = Path(tmp) / "result.json"
-                env = dict(os.environ, FORECAST_SHARD_CODE=str(Path(code).resolve()), PYTHONPATH=str(Path(code).resolve()))
+                tree = str(Path(code).resolve())
+                env = dict(os.environ, FORECAST_SHARD_CODE=tree, PYTHONPATH=tree)
                 subprocess.run([sys.executable, __file__, "time", "--model", str(model_path), "--repeats",
                                 str(repeats), "--json", str(result_file), "--quiet"]
                                + (["--save", str(outputs[code])] if r == 0 else []), env=env, check=True)
