@@ -74,12 +74,8 @@ class Member(abc.ABC):
 
     def forecast(self, panel: Panel, origins: Sequence[int], h: int) -> np.ndarray:
         """Point forecasts, shape ``(panel.n_series, len(origins), h)``, clipped at 0."""
-        self._check_fitted()
         origins = [int(o) for o in origins]
-        if h < 1:
-            raise ValueError(f"h must be >= 1, got {h}")
-        if any(o < 1 or o > panel.n_steps for o in origins):
-            raise ValueError(f"origins must lie in 1..{panel.n_steps}, got {origins}")
+        self._check_request(panel, origins, h)
         values = np.asarray(self._forecast(panel, origins, h), dtype=np.float64)
         expected = (panel.n_series, len(origins), h)
         if values.shape != expected:
@@ -96,6 +92,14 @@ class Member(abc.ABC):
         """Point forecasts ``(N, len(origins), h)`` conditioning on data before each origin."""
 
     # ------------------------------------------------------------------ helpers
+    def _check_request(self, panel: Panel, origins: list[int], h: int) -> None:
+        """Raise unless the member is fitted, ``h >= 1`` and every origin lies in ``1..panel.n_steps``."""
+        self._check_fitted()
+        if h < 1:
+            raise ValueError(f"h must be >= 1, got {h}")
+        if any(o < 1 or o > panel.n_steps for o in origins):
+            raise ValueError(f"origins must lie in 1..{panel.n_steps}, got {origins}")
+
     def _check_fitted(self) -> None:
         if not hasattr(self, "panel_"):
             raise NotFittedError(f"{type(self).__name__} is not fitted; call fit() first")
