@@ -434,6 +434,35 @@ def test_ensemble_forecast_is_the_same_without_shared_feature_rows(tree_ensemble
         np.testing.assert_array_equal(shared[column], own[column], err_msg=column)
 
 
+def test_lower_head_skips_cells_where_the_point_is_zero_and_its_bound_is_unchanged(tree_ensemble,
+                                                                                   monkeypatch) -> None:
+    from forecaster.forecast.trees import GlobalTreeMember
+
+    ensemble, panel = tree_ensemble
+    head = ensemble.heads_[0.1]
+    predicted: list[int] = []
+    original = GlobalTreeMember._predict
+
+    def counting(self, features):
+        if self is head:
+            predicted.append(len(features))
+        return original(self, features)
+
+    monkeypatch.setattr(GlobalTreeMember, "_predict", counting)
+    arrays = ensemble.forecast(panel, [600], 15)
+    point = arrays["ensemble"]
+    users = ensemble.head_series_
+    zero = point[users] <= 0
+    assert 0.2 < zero.mean() < 0.9  # both kinds of cells among the series on the heads
+    assert predicted == [int((~zero).sum())]  # the head forecast only where the point is above 0
+    # the bound the full head forecast gives, min(point, head + offset) clipped at 0, on every cell of those series
+    full = head.forecast(Panel(panel.ids[users], panel.start, panel.step, panel.values[users]), [600], 15)
+    offset = ensemble.head_offsets_[0.1][users][:, None, :15, 0]
+    assert np.isfinite(offset).all()
+    expected = np.clip(np.minimum(point[users], full + offset), 0.0, None)
+    np.testing.assert_array_equal(arrays["q0.1"][users], expected)
+
+
 def test_per_series_tables_follow_the_panel_rows(tree_ensemble) -> None:
     ensemble, panel = tree_ensemble
     own = ensemble._per_series(panel, ensemble.grid_)
