@@ -222,6 +222,28 @@ def test_window_pool_gives_exactly_the_pool_of_each_window(n_series):
         pools.counts(0, 501)
 
 
+def test_window_pool_edge_series_give_the_same_tables_as_pool_counts():
+    """Series invoked at every step (an empty last run, the largest activity), never, only at a window's first or
+    last step, or unknown, in chunks of 3 rows (the prior's 0.1 makes the order of additions matter)."""
+    from forecaster.forecast.hazard import WindowPool, pool_counts
+
+    width = 40
+    values = np.zeros((9, width))
+    values[0] = 1.0
+    values[2, 0] = values[3, -1] = values[4, [0, -1]] = 2.0
+    values[5] = np.nan
+    values[6, ::7] = values[7, 5:9] = values[8, 3] = 1.0
+    pools = WindowPool(values, width, chunk_rows=3)
+    for lo, origin in [(0, width), (0, 1), (1, width), (3, 4), (5, 9), (0, width - 1)]:
+        events, exposure = pools.counts(lo, origin)
+        want_events, want_exposure = pool_counts(values[:, lo:origin], width, chunk_rows=3)
+        assert np.array_equal(events, want_events) and np.array_equal(exposure, want_exposure)
+        assert exposure.sum() == want_exposure.size + len(values) * (origin - lo)  # one per step, plus the prior
+        got = pools.idle_state(lo, origin, 5)
+        for a, b in zip(got, idle_time_state(values[:, lo:origin] > 0, 5), strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
 def test_p_any_state_equals_the_pool_of_each_origin_window():
     """The hazard's p_any at many origins equals the one computed origin by origin from pool_counts."""
     from forecaster.forecast import hazard as hz
