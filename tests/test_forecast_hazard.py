@@ -275,3 +275,35 @@ def test_window_idle_state_equals_idle_time_state_of_each_window():
         want = idle_time_state(values[:, lo:end] > 0, 40)
         for a, b in zip(got, want, strict=True):
             assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def test_stacked_cells_read_the_same_inputs_as_the_full_design(monkeypatch):
+    """predict builds the regression's inputs only at the points of stacked cells: the numbers of the full design."""
+    from forecaster.forecast.p_any import SegmentedStack, horizon_band
+
+    monkeypatch.setattr(SegmentedStack, "min_events", 5)  # weights for every segment of this small panel
+    panel = sparse_panel()
+    train = Panel(panel.ids, panel.start, panel.step, panel.values[:, :600])
+    model = Ensemble([MovingAverage(window=30)], horizon=10, refit=False).fit_panel(train).p_any_model_
+    origins = list(range(600, 700, 7))
+    rng = np.random.default_rng(2)
+    point = rng.gamma(0.5, 1.0, (len(panel.values), len(origins), 10))
+    p_resid = rng.uniform(0.0, 1.0, point.shape)
+    estimates = model.estimates(panel.values, origins, point, p_resid)
+    segment = segment_of(estimates["long"])
+    target = actuals(panel.values, origins, 10) > 0
+    full = model.design(estimates)
+    model.stack_ = SegmentedStack().fit(full, target, segment, np.ones(point.shape, dtype=bool))
+    assert model.stack_.by_segment_
+    # every other horizon band stacked, the rest the recent share
+    model.segment_methods_ = {(seg, b): "stacked" if b % 2 == 0 else "recent" for seg in range(5) for b in range(5)}
+    band = np.broadcast_to(horizon_band(10)[None, None, :], point.shape)
+    expected = np.array(estimates["hazard"], dtype=np.float64)
+    for (seg, b), name in model.segment_methods_.items():
+        mine = (segment == seg) & (band == b)
+        if mine.any():
+            expected[mine] = (model.stack_.predict(full[mine], segment[mine]) if name == "stacked"
+                              else np.broadcast_to(estimates[name], point.shape)[mine])
+    np.testing.assert_array_equal(model.predict(panel.values, origins, point, p_resid), expected)
+    picked = (band % 2 == 0) & (segment >= 0)
+    np.testing.assert_array_equal(model.design(estimates, picked), full[picked])

@@ -185,6 +185,21 @@ def test_naive_uses_last_observed_value() -> None:
     np.testing.assert_array_equal(member.forecast(panel, [5, 2], 3)[0], [[2, 2, 2], [5, 5, 5]])
 
 
+def test_naive_level_at_a_few_origins_is_the_forward_fill_at_each() -> None:
+    from forecaster.forecast.members import _naive_level, last_observed
+
+    rng = np.random.default_rng(4)
+    values = rng.poisson(1.0, (7, 50)).astype(float)
+    values[rng.random(values.shape) < 0.3] = np.nan  # unknown steps everywhere
+    values[1, :40] = np.nan  # a series registered late
+    values[2] = np.nan  # one never known
+    values[3, 20:] = np.nan  # one gone quiet
+    for origins in ([50], [1, 25, 41], [3, 10, 30, 50]):
+        expected = np.nan_to_num(last_observed(values)[:, np.asarray(origins) - 1], nan=0.0)
+        np.testing.assert_array_equal(_naive_level(values, origins), expected)
+    assert _naive_level(values, [40])[1, 0] == 0.0 and _naive_level(values, [50])[3, 0] == values[3, 19]
+
+
 def test_seasonal_naive_repeats_the_last_season_and_falls_back_to_naive() -> None:
     panel = tiny_panel([1, 2, 3, 4, 5, 6, 7])
     member = SeasonalNaive(3).fit_panel(panel)

