@@ -19,8 +19,9 @@ forecast path can be timed and checked quickly:
   the ``p_any`` model's pieces (the idle-time hazard and its pooled table, the stack), the residual ``p_any``,
   and the rest of ``Ensemble.forecast`` (weights, combination, quantile assembly) as the remainder. With
   ``--save`` the output arrays go to an ``.npz`` file; with ``--profile`` one more run goes under cProfile.
-* ``compare``: ``time`` in child processes, alternating between code trees (``--code DIR``, one per tree, e.g.
-  a ``git archive`` of the commit before a change and the working tree), ``--rounds`` times; prints each tree's
+* ``compare``: ``time`` in child processes with a Dask worker's environment (:data:`WORKER_ENVIRON`),
+  alternating between code trees (``--code DIR``, one per tree, e.g. a ``git archive`` of the commit before a
+  change and the working tree), ``--rounds`` times; prints each tree's
   median task seconds and stages with the load average, and checks that every tree's output arrays equal the
   first tree's (bit for bit, else the largest absolute difference per column).
 
@@ -43,12 +44,14 @@ import json
 import os
 import pickle
 import pstats
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +59,11 @@ import numpy as np
 HORIZON = 60
 DAY_MIN = 1440
 HOLDOUT_MIN = 120  # Settings.retrain_holdout_min: the retrain fits on the day less this tail
+#: What a Dask worker's nanny sets before it starts the worker (distributed's ``pre-spawn-environ`` defaults):
+#: glibc then trims freed memory eagerly and serves every large array from fresh pages, which makes large
+#: temporary arrays cost page faults, and numpy's BLAS runs one thread. ``compare`` sets them in its children.
+WORKER_ENVIRON = {"MALLOC_TRIM_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                  "OPENBLAS_NUM_THREADS": "1"}
 
 
 def _code_path() -> None:
@@ -143,7 +151,10 @@ def _one_run(ensemble, panel, seconds: dict[str, float]) -> tuple[float, dict[st
     from forecaster.forecast.sharded import forecast_shard
 
     seconds.clear()
-    arrays, failures, task_s = forecast_shard(ensemble, panel, [panel.n_steps], HORIZON)
+    # a Dask worker runs its tasks in a thread of its own (glibc then serves them from a thread arena)
+    with ThreadPoolExecutor(1) as worker_thread:
+        arrays, failures, task_s = worker_thread.submit(
+            forecast_shard, ensemble, panel, [panel.n_steps], HORIZON).result()
     if failures:
         raise RuntimeError(f"members failed: {failures}")
     # a quantile head's forecast (named <member>_q<level>) runs inside the head bounds
@@ -153,6 +164,12 @@ def _one_run(ensemble, panel, seconds: dict[str, float]) -> tuple[float, dict[st
         seconds.get(k, 0.0) for k in ("p_any model", "residual p_any", "head bounds (incl. head forecasts)"))
     stages["ensemble rest (weights, combination, quantiles)"] = task_s - inner
     return task_s, stages, arrays
+
+
+def _rss_mb() -> float:
+    """Resident memory of this process now, MB (what it holds between tasks)."""
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def time_runs(model_path: Path, repeats: int, save: Path | None, profile: Path | None, quiet: bool) -> dict:
@@ -172,7 +189,8 @@ def time_runs(model_path: Path, repeats: int, save: Path | None, profile: Path |
     arrays = None
     for _ in range(repeats):
         task_s, stages, arrays = _one_run(ensemble, panel, seconds)
-        runs.append({"task_s": task_s, "stages": stages, "load_1min": os.getloadavg()[0]})
+        runs.append({"task_s": task_s, "stages": stages, "load_1min": os.getloadavg()[0],
+                     "rss_mb": _rss_mb(), "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
         if not quiet:
             print(f"task {task_s:.3f} s (load {runs[-1]['load_1min']:.2f})", flush=True)
     if save is not None:
@@ -208,7 +226,9 @@ def print_table(columns: dict[str, list[dict]]) -> None:
     for name, runs in columns.items():
         tasks = ", ".join(f"{r['task_s']:.2f}" for r in runs)
         loads = [r["load_1min"] for r in runs]
-        print(f"{name}: {len(runs)} runs, task s {tasks}; load average {min(loads):.2f}..{max(loads):.2f}")
+        memory = (f"; RSS after a task {statistics.median(r['rss_mb'] for r in runs):.0f} MB, peak "
+                  f"{max(r['max_rss_mb'] for r in runs):.0f} MB" if "rss_mb" in runs[0] else "")
+        print(f"{name}: {len(runs)} runs, task s {tasks}; load average {min(loads):.2f}..{max(loads):.2f}{memory}")
 
 
 def compare_outputs(reference: Path, other: Path) -> dict[str, str]:
@@ -240,7 +260,7 @@ def compare(model_path: Path, codes: list[str], rounds: int, repeats: int) -> No
             for code in (codes if r % 2 == 0 else codes[::-1]):  # alternate which tree goes first
                 result_file = Path(tmp) / "result.json"
                 tree = str(Path(code).resolve())
-                env = dict(os.environ, FORECAST_SHARD_CODE=tree, PYTHONPATH=tree)
+                env = dict(os.environ, **WORKER_ENVIRON, FORECAST_SHARD_CODE=tree, PYTHONPATH=tree)
                 subprocess.run([sys.executable, __file__, "time", "--model", str(model_path), "--repeats",
                                 str(repeats), "--json", str(result_file), "--quiet"]
                                + (["--save", str(outputs[code])] if r == 0 else []), env=env, check=True)
