@@ -307,3 +307,24 @@ def test_stacked_cells_read_the_same_inputs_as_the_full_design(monkeypatch):
     np.testing.assert_array_equal(model.predict(panel.values, origins, point, p_resid), expected)
     picked = (band % 2 == 0) & (segment >= 0)
     np.testing.assert_array_equal(model.design(estimates, picked), full[picked])
+
+
+def test_renewal_p_any_is_the_renewal_sum_step_by_step():
+    """u(k) = f(k) + sum_{j<k} u(j) g(k-j), each row summed as a plain numpy row sum of the products."""
+    from forecaster.forecast.hazard import renewal_p_any
+
+    rng = np.random.default_rng(8)
+    n, horizon = 300, 37
+    h_now, h_new = rng.uniform(0.0, 0.3, (n, horizon)), rng.uniform(0.0, 0.3, (n, horizon))
+    age0, active = rng.integers(1, 50, n), rng.integers(0, 20, n).astype(float)
+
+    def hazard_at(ages, act):
+        return h_new if np.array_equal(act, active + 1) else h_now
+
+    first = h_now * np.cumprod(np.concatenate([np.ones((n, 1)), 1 - h_now[:, :-1]], axis=1), axis=1)
+    g = h_new * np.cumprod(np.concatenate([np.ones((n, 1)), 1 - h_new[:, :-1]], axis=1), axis=1)
+    u = np.zeros((n, horizon))
+    u[:, 0] = first[:, 0]
+    for step in range(1, horizon):
+        u[:, step] = first[:, step] + (u[:, :step] * g[:, step - 1::-1]).sum(axis=1)
+    np.testing.assert_array_equal(renewal_p_any(hazard_at, age0, active, horizon), np.clip(u, 0.0, 1.0))

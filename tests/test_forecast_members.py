@@ -200,6 +200,32 @@ def test_naive_level_at_a_few_origins_is_the_forward_fill_at_each() -> None:
     assert _naive_level(values, [40])[1, 0] == 0.0 and _naive_level(values, [50])[3, 0] == values[3, 19]
 
 
+def test_features_are_each_float64_value_rounded_once_to_float32() -> None:
+    """Level-carrying features are divided by the local level in float64 and then rounded to float32."""
+    from forecaster.forecast.features import LEVEL_FLOOR, FeatureSpec, SeriesWindows, build_features
+
+    rng = np.random.default_rng(9)
+    values = rng.poisson(rng.uniform(0.05, 8.0, (6, 1)), (6, 600)) / rng.uniform(0.3, 3.0, (6, 1))
+    values[1, :500] = np.nan
+    spec = FeatureSpec.for_panel(pd.Timedelta(minutes=1), 600, with_horizon=True)
+    windows = SeriesWindows(values)
+    rows = np.repeat(np.arange(6), 20)
+    origin = np.full(120, 580)
+    h = np.tile(np.arange(1, 21), 6)
+    features, level = build_features(spec, windows, rows, origin, h, 10_000 + origin + h - 1, np.zeros(120),
+                                     horizon_cap=15)
+    assert features.dtype == np.float32 and features.shape == (120, len(spec.names))
+    names = list(spec.names)
+    recent = np.array([np.nanmean(values[r, 580 - spec.windows[-1]:580]) for r in rows])
+    # the level is a difference of running sums: the window's mean up to rounding
+    np.testing.assert_allclose(level, np.maximum(np.nan_to_num(recent, nan=0.0), LEVEL_FLOOR), rtol=1e-12)
+    for k in (1, 2, 15):
+        expected = (values[rows, 580 - k] / level).astype(np.float32)
+        np.testing.assert_array_equal(features[:, names.index(f"lag_{k}")], expected)
+    np.testing.assert_array_equal(features[:, names.index("log_local_level")], np.log(level).astype(np.float32))
+    np.testing.assert_array_equal(features[:, names.index("h")], np.minimum(h, 15).astype(np.float32))
+
+
 def test_seasonal_naive_repeats_the_last_season_and_falls_back_to_naive() -> None:
     panel = tiny_panel([1, 2, 3, 4, 5, 6, 7])
     member = SeasonalNaive(3).fit_panel(panel)
