@@ -200,6 +200,27 @@ def test_naive_level_at_a_few_origins_is_the_forward_fill_at_each() -> None:
     assert _naive_level(values, [40])[1, 0] == 0.0 and _naive_level(values, [50])[3, 0] == values[3, 19]
 
 
+def test_series_windows_are_running_sums_from_the_first_column() -> None:
+    from forecaster.forecast.features import SeriesWindows
+
+    rng = np.random.default_rng(10)
+    scaled = rng.poisson(0.7, (5, 300)) / rng.uniform(0.2, 3.0, (5, 1))
+    scaled[rng.random(scaled.shape) < 0.1] = np.nan
+    windows = SeriesWindows(scaled)
+    filled = np.nan_to_num(scaled, nan=0.0)
+    zeros = np.zeros((5, 1))
+    np.testing.assert_array_equal(windows.csum, np.concatenate([zeros, np.cumsum(filled, axis=1)], axis=1))
+    np.testing.assert_array_equal(windows.csq, np.concatenate([zeros, np.cumsum(filled * filled, axis=1)], axis=1))
+    np.testing.assert_array_equal(windows.ccount, np.concatenate([zeros, np.cumsum(~np.isnan(scaled), axis=1)], 1))
+    np.testing.assert_array_equal(windows.cnonzero, np.concatenate([zeros, np.cumsum(filled > 0, axis=1)], axis=1))
+    last = np.maximum.accumulate(np.where(filled > 0, np.arange(300), -(10**9)), axis=1)
+    np.testing.assert_array_equal(windows.last_nonzero, last)
+    mean, std, nonzero = windows.window_stats(np.arange(5), np.full(5, 250), 60)
+    window = scaled[:, 190:250]
+    np.testing.assert_allclose(mean, np.nanmean(window, axis=1), rtol=1e-12)
+    np.testing.assert_allclose(nonzero, (window > 0).sum(axis=1) / (~np.isnan(window)).sum(axis=1), rtol=1e-15)
+
+
 def test_features_are_each_float64_value_rounded_once_to_float32() -> None:
     """Level-carrying features are divided by the local level in float64 and then rounded to float32."""
     from forecaster.forecast.features import LEVEL_FLOOR, FeatureSpec, SeriesWindows, build_features

@@ -119,14 +119,21 @@ class SeriesWindows:
 
     def __init__(self, scaled: np.ndarray):
         self.values = scaled
+        n, t = scaled.shape
         known = ~np.isnan(scaled)
         filled = np.where(known, scaled, 0.0)
-        zeros = np.zeros((scaled.shape[0], 1))
-        self.csum = np.concatenate([zeros, np.cumsum(filled, axis=1)], axis=1)
-        self.csq = np.concatenate([zeros, np.cumsum(filled * filled, axis=1)], axis=1)
-        self.ccount = np.concatenate([zeros, np.cumsum(known, axis=1)], axis=1)
-        self.cnonzero = np.concatenate([zeros, np.cumsum(filled > 0, axis=1)], axis=1)
-        index = np.where(filled > 0, np.arange(scaled.shape[1]), -(10**9))
+        positive = filled > 0
+        # running sums after a leading column of zeros, accumulated in place (no concatenated copies); the
+        # counts are int32, which holds them exactly
+        self.csum = np.zeros((n, t + 1))
+        np.cumsum(filled, axis=1, out=self.csum[:, 1:])
+        self.csq = np.zeros((n, t + 1))
+        np.cumsum(np.square(filled, out=filled), axis=1, out=self.csq[:, 1:])
+        self.ccount = np.zeros((n, t + 1), dtype=np.int32)
+        np.cumsum(known, axis=1, out=self.ccount[:, 1:])
+        self.cnonzero = np.zeros((n, t + 1), dtype=np.int32)
+        np.cumsum(positive, axis=1, out=self.cnonzero[:, 1:])
+        index = np.where(positive, np.arange(t, dtype=np.int32), np.int32(-(10**9)))
         self.last_nonzero = np.maximum.accumulate(index, axis=1)
 
     def at(self, rows: np.ndarray, columns: np.ndarray) -> np.ndarray:
