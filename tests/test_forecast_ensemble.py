@@ -474,3 +474,20 @@ def test_per_series_tables_follow_the_panel_rows(tree_ensemble) -> None:
     assert np.isnan(table[-1]).all() and table.flags.writeable  # the unseen series has no residuals
     weights = ensemble._weights_for(served)
     assert (weights[-1] == np.eye(len(ensemble.members_))[-1]).all()  # unseen: the fallback alone
+
+
+def test_residual_p_any_in_blocks_is_the_one_shot_formula(monkeypatch) -> None:
+    import forecaster.forecast.ensemble as ensemble_module
+    from forecaster.forecast.ensemble import residual_p_any
+
+    rng = np.random.default_rng(6)
+    point = np.where(rng.random((301, 2, 15)) < 0.5, 0.0, rng.gamma(1.0, 2.0, (301, 2, 15)))
+    spread = np.sqrt(point + 1.0)
+    grid = np.sort(rng.normal(0.0, 1.5, (301, 2, 15, 20)), axis=-1)
+    grid[:7] = np.nan  # series without residual quantiles: Poisson
+    expected = np.mean(point[..., None] + spread[..., None] * grid >= 0.5, axis=-1)
+    expected[:7] = 1.0 - np.exp(-point[:7])
+    monkeypatch.setattr(ensemble_module, "RESIDUAL_BLOCK_VALUES", 1300)  # blocks of 2 series, the last of 1
+    np.testing.assert_array_equal(residual_p_any(point, spread, grid), expected)
+    monkeypatch.setattr(ensemble_module, "RESIDUAL_BLOCK_VALUES", 10**9)  # one block
+    np.testing.assert_array_equal(residual_p_any(point, spread, grid), expected)
