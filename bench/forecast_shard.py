@@ -251,7 +251,7 @@ def compare_outputs(reference: Path, other: Path) -> dict[str, str]:
     return report
 
 
-def compare(model_path: Path, codes: list[str], rounds: int, repeats: int) -> None:
+def compare(model_path: Path, codes: list[str], rounds: int, repeats: int, worker_environ: bool = True) -> None:
     """Alternate child processes over the code trees; print medians, loads and the output check."""
     columns: dict[str, list[dict]] = {code: [] for code in codes}
     with tempfile.TemporaryDirectory(prefix="forecast-shard-") as tmp:
@@ -260,7 +260,8 @@ def compare(model_path: Path, codes: list[str], rounds: int, repeats: int) -> No
             for code in (codes if r % 2 == 0 else codes[::-1]):  # alternate which tree goes first
                 result_file = Path(tmp) / "result.json"
                 tree = str(Path(code).resolve())
-                env = dict(os.environ, **WORKER_ENVIRON, FORECAST_SHARD_CODE=tree, PYTHONPATH=tree)
+                env = dict(os.environ, **(WORKER_ENVIRON if worker_environ else {}), FORECAST_SHARD_CODE=tree,
+                           PYTHONPATH=tree)
                 subprocess.run([sys.executable, __file__, "time", "--model", str(model_path), "--repeats",
                                 str(repeats), "--json", str(result_file), "--quiet"]
                                + (["--save", str(outputs[code])] if r == 0 else []), env=env, check=True)
@@ -288,6 +289,8 @@ def main() -> None:
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--code", action="append", help="compare: a code tree (repeat; the first is the reference)")
     parser.add_argument("--rounds", type=int, default=3, help="compare: child processes per tree, alternating")
+    parser.add_argument("--inherit-environ", action="store_true",
+                        help="compare: children keep this environment instead of a Dask worker's")
     args = parser.parse_args()
     _code_path()
     if args.mode == "train":
@@ -301,7 +304,7 @@ def main() -> None:
     else:
         if not args.code:
             parser.error("compare needs at least one --code DIR")
-        compare(args.model, args.code, args.rounds, args.repeats)
+        compare(args.model, args.code, args.rounds, args.repeats, worker_environ=not args.inherit_environ)
 
 
 if __name__ == "__main__":
