@@ -12,7 +12,8 @@ forecast path can be timed and checked quickly:
   ``p_any`` model; the factory of :func:`~forecaster.forecast.sharded.production_model`) fitted as the nightly
   retrain fits a shard: on one day of ``--series`` fleetgen series (:mod:`forecaster.simulation.fleetgen`, seed
   ``--seed``, what ``bench/scale.py`` ingests) less the retrain's 120-minute holdout (1,320 minutes). The fitted
-  ensemble and the day (``(N, 1440)`` counts) are pickled to ``--model`` once (about 20-40 minutes of one core).
+  ensemble and the day (``(N, 1440)`` counts) are pickled to ``--model`` once (18 minutes on the shared 2-core
+  machine at load 3-5; 222 MB).
 * ``time``: loads them and runs ``forecast_shard`` ``--repeats`` times after one untimed warm-up (the job keeps
   a loaded shard in each worker), printing the task's seconds and the stages inside it: each member's and head's
   forecast (the ensemble's own ``forecast_seconds_``), the tree members' feature building and model predictions,
