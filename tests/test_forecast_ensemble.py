@@ -361,3 +361,133 @@ def test_shrunk_scores_follow_the_segment_without_evidence_and_the_series_with_i
     assert list(score.argmin(axis=1)) == [0, 0, 1]  # 100 invoked steps each: their own errors
     mae[2, 1] = np.inf  # a member not available stays unavailable
     assert np.isinf(shrunk_scores(mae, values, busy_tail, shrinkage=20.0)[2, 1])
+
+
+# ---------------------------------------------------------------------------- forecast path: same numbers, less work
+
+
+def sparse_burst_panel(n: int = 24, n_steps: int = 600, seed: int = 5) -> Panel:
+    """Mostly idle series (rate 0.15 per minute) that burst 30x at minute 7 of every quarter hour, and two timers:
+    point forecasts of 0 at quiet minutes, heads chosen for the bursty series."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(n_steps)
+    rate = np.where(t % 15 == 7, 4.5, 0.15)[None, :] * rng.uniform(0.5, 1.5, (n, 1))
+    timers = np.stack([np.where(t % 15 == 3, 5.0, 0.0), np.where(t % 15 == 9, 2.0, 0.0)])
+    ids = [*(f"s{k:02d}" for k in range(n)), "timer-a", "timer-b"]
+    return Panel.from_wide(ids, np.vstack([rng.poisson(rate).astype(float), timers]), start=START, step="1min")
+
+
+@pytest.fixture(scope="module")
+def tree_ensemble() -> tuple[Ensemble, Panel]:
+    """Small LightGBM, XGBoost and RandomForest members with LightGBM quantile heads, fitted on 540 minutes."""
+    from forecaster.forecast.trees import RandomForestMember, XGBoostMember
+
+    panel = sparse_burst_panel()
+    members = [LightGBMMember(horizon=15, params={"n_estimators": 40}),
+               XGBoostMember(horizon=15, params={"n_estimators": 40, "max_depth": 4}),
+               RandomForestMember(horizon=15, params={"n_estimators": 5}), MovingAverage(60)]
+    ensemble = Ensemble(members, horizon=15, refit=False, p_any="residuals").fit_panel(panel.head(540))
+    return ensemble, panel
+
+
+def served_panel(panel: Panel) -> Panel:
+    """The panel's series in another order, one of them twice, and one series the fit never saw."""
+    order = np.array([3, 0, 25, 7, 7, 12, 24, 1, *range(13, 20)])
+    ids = np.asarray([*panel.ids[order], "unseen"], dtype=object)
+    values = np.vstack([panel.values[order], panel.values[5:6] * 2.0])
+    return Panel(ids, panel.start, panel.step, values)
+
+
+@pytest.mark.parametrize("origins, h", [([600], 15), ([560, 575, 600], 15), ([600], 20)])
+def test_tree_members_forecast_the_same_numbers_on_shared_feature_rows(tree_ensemble, origins, h) -> None:
+    from forecaster.forecast.trees import GlobalTreeMember, SharedFeatures
+
+    ensemble, panel = tree_ensemble
+    served = served_panel(panel)
+    trees = [m for m in [*ensemble.members_, *ensemble.heads_.values()] if isinstance(m, GlobalTreeMember)]
+    assert len(trees) == 5
+    shared = SharedFeatures(served, origins, h)
+    rng = np.random.default_rng(1)
+    for member in trees:  # overlapping subsets: rows built for one member are reused by the next
+        rows = np.sort(rng.choice(served.n_series, size=9, replace=False))
+        rows[0] = served.n_series - 1  # the unseen series, scaled by what precedes the first origin
+        sub = Panel(served.ids[rows], served.start, served.step, served.values[rows])
+        own = member.forecast(sub, origins, h)
+        np.testing.assert_array_equal(member.forecast_shared(shared, rows), own)
+        cells = rng.random(own.shape) < 0.4
+        partial = member.forecast_shared(shared, rows, cells)
+        np.testing.assert_array_equal(partial[cells], own[cells])
+        assert np.isnan(partial[~cells]).all()
+    assert len(shared._groups) == 1  # one set of feature rows for all five
+
+
+def test_ensemble_forecast_is_the_same_without_shared_feature_rows(tree_ensemble, monkeypatch) -> None:
+    from forecaster.forecast.trees import SharedFeatures
+
+    ensemble, panel = tree_ensemble
+    served = served_panel(panel)
+    shared = ensemble.forecast(served, [570, 600], 15, members=True)
+    monkeypatch.setattr(SharedFeatures, "fits", classmethod(lambda cls, *args: False))
+    own = ensemble.forecast(served, [570, 600], 15, members=True)
+    assert shared.keys() == own.keys()
+    for column in own:
+        np.testing.assert_array_equal(shared[column], own[column], err_msg=column)
+
+
+def test_lower_head_skips_cells_where_the_point_is_zero_and_its_bound_is_unchanged(tree_ensemble,
+                                                                                   monkeypatch) -> None:
+    from forecaster.forecast.trees import GlobalTreeMember
+
+    ensemble, panel = tree_ensemble
+    head = ensemble.heads_[0.1]
+    predicted: list[int] = []
+    original = GlobalTreeMember._predict
+
+    def counting(self, features):
+        if self is head:
+            predicted.append(len(features))
+        return original(self, features)
+
+    monkeypatch.setattr(GlobalTreeMember, "_predict", counting)
+    arrays = ensemble.forecast(panel, [600], 15)
+    point = arrays["ensemble"]
+    users = ensemble.head_series_
+    zero = point[users] <= 0
+    assert 0.2 < zero.mean() < 0.9  # both kinds of cells among the series on the heads
+    assert predicted == [int((~zero).sum())]  # the head forecast only where the point is above 0
+    # the bound the full head forecast gives, min(point, head + offset) clipped at 0, on every cell of those series
+    full = head.forecast(Panel(panel.ids[users], panel.start, panel.step, panel.values[users]), [600], 15)
+    offset = ensemble.head_offsets_[0.1][users][:, None, :15, 0]
+    assert np.isfinite(offset).all()
+    expected = np.clip(np.minimum(point[users], full + offset), 0.0, None)
+    np.testing.assert_array_equal(arrays["q0.1"][users], expected)
+
+
+def test_per_series_tables_follow_the_panel_rows(tree_ensemble) -> None:
+    ensemble, panel = tree_ensemble
+    own = ensemble._per_series(panel, ensemble.grid_)
+    assert np.shares_memory(own, ensemble.grid_) and not own.flags.writeable  # the shard's own series: no copy
+    served = served_panel(panel)
+    table = ensemble._per_series(served, ensemble.grid_)
+    position = pd.Index(panel.ids).get_indexer(served.ids)
+    np.testing.assert_array_equal(table[:-1], ensemble.grid_[position[:-1]])
+    assert np.isnan(table[-1]).all() and table.flags.writeable  # the unseen series has no residuals
+    weights = ensemble._weights_for(served)
+    assert (weights[-1] == np.eye(len(ensemble.members_))[-1]).all()  # unseen: the fallback alone
+
+
+def test_residual_p_any_in_blocks_is_the_one_shot_formula(monkeypatch) -> None:
+    import forecaster.forecast.ensemble as ensemble_module
+    from forecaster.forecast.ensemble import residual_p_any
+
+    rng = np.random.default_rng(6)
+    point = np.where(rng.random((301, 2, 15)) < 0.5, 0.0, rng.gamma(1.0, 2.0, (301, 2, 15)))
+    spread = np.sqrt(point + 1.0)
+    grid = np.sort(rng.normal(0.0, 1.5, (301, 2, 15, 20)), axis=-1)
+    grid[:7] = np.nan  # series without residual quantiles: Poisson
+    expected = np.mean(point[..., None] + spread[..., None] * grid >= 0.5, axis=-1)
+    expected[:7] = 1.0 - np.exp(-point[:7])
+    monkeypatch.setattr(ensemble_module, "RESIDUAL_BLOCK_VALUES", 1300)  # blocks of 2 series, the last of 1
+    np.testing.assert_array_equal(residual_p_any(point, spread, grid), expected)
+    monkeypatch.setattr(ensemble_module, "RESIDUAL_BLOCK_VALUES", 10**9)  # one block
+    np.testing.assert_array_equal(residual_p_any(point, spread, grid), expected)

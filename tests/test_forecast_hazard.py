@@ -244,6 +244,28 @@ def test_window_pool_gives_exactly_the_pool_of_each_window(n_series):
         pools.counts(0, 501)
 
 
+def test_window_pool_edge_series_give_the_same_tables_as_pool_counts():
+    """Series invoked at every step (an empty last run, the largest activity), never, only at a window's first or
+    last step, or unknown, in chunks of 3 rows (the prior's 0.1 makes the order of additions matter)."""
+    from forecaster.forecast.hazard import WindowPool, pool_counts
+
+    width = 40
+    values = np.zeros((9, width))
+    values[0] = 1.0
+    values[2, 0] = values[3, -1] = values[4, [0, -1]] = 2.0
+    values[5] = np.nan
+    values[6, ::7] = values[7, 5:9] = values[8, 3] = 1.0
+    pools = WindowPool(values, width, chunk_rows=3)
+    for lo, origin in [(0, width), (0, 1), (1, width), (3, 4), (5, 9), (0, width - 1)]:
+        events, exposure = pools.counts(lo, origin)
+        want_events, want_exposure = pool_counts(values[:, lo:origin], width, chunk_rows=3)
+        assert np.array_equal(events, want_events) and np.array_equal(exposure, want_exposure)
+        assert exposure.sum() == want_exposure.size + len(values) * (origin - lo)  # one per step, plus the prior
+        got = pools.idle_state(lo, origin, 5)
+        for a, b in zip(got, idle_time_state(values[:, lo:origin] > 0, 5), strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
 def test_p_any_state_equals_the_pool_of_each_origin_window():
     """The hazard's p_any at many origins equals the one computed origin by origin from pool_counts."""
     from forecaster.forecast import hazard as hz
@@ -275,3 +297,56 @@ def test_window_idle_state_equals_idle_time_state_of_each_window():
         want = idle_time_state(values[:, lo:end] > 0, 40)
         for a, b in zip(got, want, strict=True):
             assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def test_stacked_cells_read_the_same_inputs_as_the_full_design(monkeypatch):
+    """predict builds the regression's inputs only at the points of stacked cells: the numbers of the full design."""
+    from forecaster.forecast.p_any import SegmentedStack, horizon_band
+
+    monkeypatch.setattr(SegmentedStack, "min_events", 5)  # weights for every segment of this small panel
+    panel = sparse_panel()
+    train = Panel(panel.ids, panel.start, panel.step, panel.values[:, :600])
+    model = Ensemble([MovingAverage(window=30)], horizon=10, refit=False).fit_panel(train).p_any_model_
+    origins = list(range(600, 700, 7))
+    rng = np.random.default_rng(2)
+    point = rng.gamma(0.5, 1.0, (len(panel.values), len(origins), 10))
+    p_resid = rng.uniform(0.0, 1.0, point.shape)
+    estimates = model.estimates(panel.values, origins, point, p_resid)
+    segment = segment_of(estimates["long"])
+    target = actuals(panel.values, origins, 10) > 0
+    full = model.design(estimates)
+    model.stack_ = SegmentedStack().fit(full, target, segment, np.ones(point.shape, dtype=bool))
+    assert model.stack_.by_segment_
+    # every other horizon band stacked, the rest the recent share
+    model.segment_methods_ = {(seg, b): "stacked" if b % 2 == 0 else "recent" for seg in range(5) for b in range(5)}
+    band = np.broadcast_to(horizon_band(10)[None, None, :], point.shape)
+    expected = np.array(estimates["hazard"], dtype=np.float64)
+    for (seg, b), name in model.segment_methods_.items():
+        mine = (segment == seg) & (band == b)
+        if mine.any():
+            expected[mine] = (model.stack_.predict(full[mine], segment[mine]) if name == "stacked"
+                              else np.broadcast_to(estimates[name], point.shape)[mine])
+    np.testing.assert_array_equal(model.predict(panel.values, origins, point, p_resid), expected)
+    picked = (band % 2 == 0) & (segment >= 0)
+    np.testing.assert_array_equal(model.design(estimates, picked), full[picked])
+
+
+def test_renewal_p_any_is_the_renewal_sum_step_by_step():
+    """u(k) = f(k) + sum_{j<k} u(j) g(k-j), each row summed as a plain numpy row sum of the products."""
+    from forecaster.forecast.hazard import renewal_p_any
+
+    rng = np.random.default_rng(8)
+    n, horizon = 300, 37
+    h_now, h_new = rng.uniform(0.0, 0.3, (n, horizon)), rng.uniform(0.0, 0.3, (n, horizon))
+    age0, active = rng.integers(1, 50, n), rng.integers(0, 20, n).astype(float)
+
+    def hazard_at(ages, act):
+        return h_new if np.array_equal(act, active + 1) else h_now
+
+    first = h_now * np.cumprod(np.concatenate([np.ones((n, 1)), 1 - h_now[:, :-1]], axis=1), axis=1)
+    g = h_new * np.cumprod(np.concatenate([np.ones((n, 1)), 1 - h_new[:, :-1]], axis=1), axis=1)
+    u = np.zeros((n, horizon))
+    u[:, 0] = first[:, 0]
+    for step in range(1, horizon):
+        u[:, step] = first[:, step] + (u[:, :step] * g[:, step - 1::-1]).sum(axis=1)
+    np.testing.assert_array_equal(renewal_p_any(hazard_at, age0, active, horizon), np.clip(u, 0.0, 1.0))

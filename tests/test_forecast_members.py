@@ -185,6 +185,68 @@ def test_naive_uses_last_observed_value() -> None:
     np.testing.assert_array_equal(member.forecast(panel, [5, 2], 3)[0], [[2, 2, 2], [5, 5, 5]])
 
 
+def test_naive_level_at_a_few_origins_is_the_forward_fill_at_each() -> None:
+    from forecaster.forecast.members import _naive_level, last_observed
+
+    rng = np.random.default_rng(4)
+    values = rng.poisson(1.0, (7, 50)).astype(float)
+    values[rng.random(values.shape) < 0.3] = np.nan  # unknown steps everywhere
+    values[1, :40] = np.nan  # a series registered late
+    values[2] = np.nan  # one never known
+    values[3, 20:] = np.nan  # one gone quiet
+    for origins in ([50], [1, 25, 41], [3, 10, 30, 50]):
+        expected = np.nan_to_num(last_observed(values)[:, np.asarray(origins) - 1], nan=0.0)
+        np.testing.assert_array_equal(_naive_level(values, origins), expected)
+    assert _naive_level(values, [40])[1, 0] == 0.0 and _naive_level(values, [50])[3, 0] == values[3, 19]
+
+
+def test_series_windows_are_running_sums_from_the_first_column() -> None:
+    from forecaster.forecast.features import SeriesWindows
+
+    rng = np.random.default_rng(10)
+    scaled = rng.poisson(0.7, (5, 300)) / rng.uniform(0.2, 3.0, (5, 1))
+    scaled[rng.random(scaled.shape) < 0.1] = np.nan
+    windows = SeriesWindows(scaled)
+    filled = np.nan_to_num(scaled, nan=0.0)
+    zeros = np.zeros((5, 1))
+    np.testing.assert_array_equal(windows.csum, np.concatenate([zeros, np.cumsum(filled, axis=1)], axis=1))
+    np.testing.assert_array_equal(windows.csq, np.concatenate([zeros, np.cumsum(filled * filled, axis=1)], axis=1))
+    np.testing.assert_array_equal(windows.ccount, np.concatenate([zeros, np.cumsum(~np.isnan(scaled), axis=1)], 1))
+    np.testing.assert_array_equal(windows.cnonzero, np.concatenate([zeros, np.cumsum(filled > 0, axis=1)], axis=1))
+    last = np.maximum.accumulate(np.where(filled > 0, np.arange(300), -(10**9)), axis=1)
+    np.testing.assert_array_equal(windows.last_nonzero, last)
+    mean, std, nonzero = windows.window_stats(np.arange(5), np.full(5, 250), 60)
+    window = scaled[:, 190:250]
+    np.testing.assert_allclose(mean, np.nanmean(window, axis=1), rtol=1e-12)
+    np.testing.assert_allclose(nonzero, (window > 0).sum(axis=1) / (~np.isnan(window)).sum(axis=1), rtol=1e-15)
+
+
+def test_features_are_each_float64_value_rounded_once_to_float32() -> None:
+    """Level-carrying features are divided by the local level in float64 and then rounded to float32."""
+    from forecaster.forecast.features import LEVEL_FLOOR, FeatureSpec, SeriesWindows, build_features
+
+    rng = np.random.default_rng(9)
+    values = rng.poisson(rng.uniform(0.05, 8.0, (6, 1)), (6, 600)) / rng.uniform(0.3, 3.0, (6, 1))
+    values[1, :500] = np.nan
+    spec = FeatureSpec.for_panel(pd.Timedelta(minutes=1), 600, with_horizon=True)
+    windows = SeriesWindows(values)
+    rows = np.repeat(np.arange(6), 20)
+    origin = np.full(120, 580)
+    h = np.tile(np.arange(1, 21), 6)
+    features, level = build_features(spec, windows, rows, origin, h, 10_000 + origin + h - 1, np.zeros(120),
+                                     horizon_cap=15)
+    assert features.dtype == np.float32 and features.shape == (120, len(spec.names))
+    names = list(spec.names)
+    recent = np.array([np.nanmean(values[r, 580 - spec.windows[-1]:580]) for r in rows])
+    # the level is a difference of running sums: the window's mean up to rounding
+    np.testing.assert_allclose(level, np.maximum(np.nan_to_num(recent, nan=0.0), LEVEL_FLOOR), rtol=1e-12)
+    for k in (1, 2, 15):
+        expected = (values[rows, 580 - k] / level).astype(np.float32)
+        np.testing.assert_array_equal(features[:, names.index(f"lag_{k}")], expected)
+    np.testing.assert_array_equal(features[:, names.index("log_local_level")], np.log(level).astype(np.float32))
+    np.testing.assert_array_equal(features[:, names.index("h")], np.minimum(h, 15).astype(np.float32))
+
+
 def test_seasonal_naive_repeats_the_last_season_and_falls_back_to_naive() -> None:
     panel = tiny_panel([1, 2, 3, 4, 5, 6, 7])
     member = SeasonalNaive(3).fit_panel(panel)

@@ -38,7 +38,10 @@ Fitting (``Ensemble.fit``), on a fit window of ``T`` steps:
    residual quantiles cannot see (recent volatility, time since the last
    invocation, the target's phase), so bounds widen where bursts are likely
    and narrow elsewhere; series forecast exactly (timers) or idle keep their
-   residual bounds, and only the series that use a head pay for its forecast;
+   residual bounds, and only the series that use a head pay for its forecast
+   (a head below the median only where the point forecast is above 0, since
+   the bound is 0 wherever the point is; the heads and the tree members build
+   their feature rows once between them at forecast time);
 6. with ``refit=True`` the members (and the chosen heads) are refitted on the
    whole window (weights and quantile offsets stay those of steps 3-5);
 7. ``p_any`` (``p_any="stacked"``, the default with the fallback): the residual
@@ -574,8 +577,13 @@ class Ensemble:
         """
         if not hasattr(self, "members_"):
             raise RuntimeError("Ensemble is not fitted; call fit() first")
+        from forecaster.forecast.trees import SharedFeatures
+
         origins = list(origins)
-        weights = self._weights_for(panel)
+        position = self._positions(panel)
+        weights = self._weights_for(panel, position)
+        # the tree members and heads build their feature rows once per series between them
+        shared = SharedFeatures(panel, origins, h) if SharedFeatures.fits(panel.n_series, len(origins), h) else None
         outputs = []
         self.forecast_seconds_: dict[str, float] = {}
         for j, member in enumerate(self.members_):
@@ -588,8 +596,7 @@ class Ensemble:
             output = np.full((panel.n_series, len(origins), h), np.nan)
             try:
                 if rows.any():
-                    sub = panel if rows.all() else Panel(panel.ids[rows], panel.start, panel.step, panel.values[rows])
-                    output[rows] = member.forecast(sub, origins, h)
+                    output[rows] = _forecast_rows(member, panel, rows, origins, h, shared)
                 self.forecast_seconds_[member.name] = time.perf_counter() - started
             except Exception as error:  # a member failing at forecast time is skipped too
                 if member is self.members_[-1]:
@@ -599,8 +606,8 @@ class Ensemble:
         stacked = np.stack(outputs, axis=0)
         point = _combine(stacked, weights)
         result = {self.name: point}
-        offsets = self._per_series(panel, self.offsets_)  # (N, H, L)
-        grid = self._per_series(panel, self.grid_)
+        offsets = self._per_series(panel, self.offsets_, position)  # (N, H, L)
+        grid = self._per_series(panel, self.grid_, position)
         offsets, grid = _extend(offsets, h), _extend(grid, h)
         head_cache: dict[float, tuple[np.ndarray, np.ndarray] | None] = {}
         bounds: dict[float, np.ndarray] = {}
@@ -616,7 +623,8 @@ class Ensemble:
             if missing.any():  # scipy's ppf is slow: only where there are no residual quantiles
                 bound[missing] = poisson_quantile(np.broadcast_to(point, bound.shape)[missing], tau)
             if tau in getattr(self, "head_offsets_", {}) and getattr(self, "heads_", {}):
-                bound = self._head_bound(panel, origins, h, tau, point, bound, head_cache)
+                bound = self._head_bound(panel, origins, h, tau, point, bound, head_cache, position=position,
+                                         shared=shared)
             bounds[tau] = np.clip(bound, 0.0, None)
         # monotone rearrangement outward from the median (each bound already lies on its side of the point):
         # sorting quantile estimates never makes them worse (Chernozhukov, Fernandez-Val and Galichon, 2010)
@@ -631,7 +639,7 @@ class Ensemble:
         result["p_any"] = p_resid if p_any_model is None else p_any_model.predict(panel.values, origins, point, p_resid)
         if members:
             for j, member in enumerate(self.members_):
-                own = _extend(self._per_series(panel, self.member_offsets_[member.name]), h)
+                own = _extend(self._per_series(panel, self.member_offsets_[member.name], position), h)
                 result[member.name] = stacked[j]
                 spread = self._spread(stacked[j])
                 result[f"{member.name}-q0.1"] = _bounded(stacked[j], spread * own[:, None, :, 0], 0.1)
@@ -652,27 +660,38 @@ class Ensemble:
 
     # ------------------------------------------------------------------ helpers
     def _head_bound(self, panel: Panel, origins: list[int], h: int, tau: float, point: np.ndarray,
-                    residual_bound: np.ndarray, cache: dict | None = None) -> np.ndarray:
+                    residual_bound: np.ndarray, cache: dict | None = None, *, position: np.ndarray | None = None,
+                    shared=None) -> np.ndarray:
         """Conformalised head forecast for level ``tau``; the residual bound where the head has no offset or fails.
 
         ``cache`` (head level -> (rows, forecast) or None) lets the levels that
-        share a head (q0.9, q0.95, q0.99 on the q0.9 head) forecast it once.
+        share a head (q0.9, q0.95, q0.99 on the q0.9 head) forecast it once;
+        ``position`` is :meth:`_positions` of ``panel`` and ``shared`` the
+        tree members' :class:`~forecaster.forecast.trees.SharedFeatures`, if any.
+
+        A bound below the median is ``min(point, head + offset)``, clipped at 0
+        by the caller: where the point forecast is 0 that is 0 whatever the head
+        says, so a head below the median forecasts only the cells where the
+        point is above 0 (in a 5,000-series shard of the production ensemble,
+        42 % of the q0.1 head's cells), and the bound there is the point itself,
+        which is the same number after the clip.
         """
         base = getattr(self, "head_base_", {}).get(tau, tau)
         head = self.heads_[base]
-        offset = _extend(self._per_series(panel, self.head_offsets_[tau]), h)[:, None, :, 0]  # (N, 1, h)
+        offset = _extend(self._per_series(panel, self.head_offsets_[tau], position), h)[:, None, :, 0]  # (N, 1, h)
         rows = ~np.isnan(offset).all(axis=(1, 2))  # series that use the head (unseen ones never do)
         if not rows.any():
             return residual_bound
         cache = {} if cache is None else cache
         if base not in cache:
             # forecast the head once for every series that uses the heads (a superset of ``rows``)
-            users = rows | (self._per_series(panel, self.head_series_[:, None].astype(np.float64))[:, 0] == 1.0)
+            head_series = self._per_series(panel, self.head_series_[:, None].astype(np.float64), position)
+            users = rows | (head_series[:, 0] == 1.0)
+            cells = ~(point <= 0) if base < 0.5 else None  # below the median: only where the point is above 0
             started = time.perf_counter()
             try:
-                sub = panel if users.all() else Panel(panel.ids[users], panel.start, panel.step, panel.values[users])
                 full = np.full((panel.n_series, len(origins), h), np.nan)
-                full[users] = head.forecast(sub, origins, h)
+                full[users] = _forecast_rows(head, panel, users, origins, h, shared, cells)
                 cache[base] = full
                 self.forecast_seconds_[head.name] = time.perf_counter() - started
             except Exception as error:  # the residual quantiles stand in
@@ -683,7 +702,11 @@ class Ensemble:
         forecast = cache[base][rows]
         shifted = forecast + offset[rows]
         bound = residual_bound.copy()
-        mine = np.maximum(point[rows], shifted) if tau > 0.5 else np.minimum(point[rows], shifted)
+        if tau > 0.5:
+            mine = np.maximum(point[rows], shifted)
+        else:  # where the point is 0 (the cells the head skipped) the clipped bound is the point
+            zero = (point[rows] <= 0) & ~np.isnan(offset[rows])
+            mine = np.where(zero, point[rows], np.minimum(point[rows], shifted))
         bound[rows] = np.where(np.isnan(mine), residual_bound[rows], mine)
         return bound
 
@@ -693,21 +716,54 @@ class Ensemble:
             return np.sqrt(np.clip(np.nan_to_num(point, nan=0.0), 0.0, None) + 1.0)
         return np.ones_like(point)
 
-    def _weights_for(self, panel: Panel) -> np.ndarray:
+    def _weights_for(self, panel: Panel, position: np.ndarray | None = None) -> np.ndarray:
         """Fitted weights on ``panel``'s rows; unseen series use the fallback alone."""
-        position = pd.Index(self.panel_.ids).get_indexer(panel.ids)
+        position = self._positions(panel) if position is None else position
         weights = np.zeros((panel.n_series, len(self.members_)))
         weights[:, -1] = 1.0
         known = position >= 0
         weights[known] = self.weights_[position[known]]
         return weights
 
-    def _per_series(self, panel: Panel, table: np.ndarray) -> np.ndarray:
-        position = pd.Index(self.panel_.ids).get_indexer(panel.ids)
-        out = np.full((panel.n_series, *table.shape[1:]), np.nan)
+    def _positions(self, panel: Panel) -> np.ndarray:
+        """Row of the fit window's panel of each of ``panel``'s series (-1: not seen in the fit window)."""
+        return pd.Index(self.panel_.ids).get_indexer(panel.ids)
+
+    def _per_series(self, panel: Panel, table: np.ndarray, position: np.ndarray | None = None) -> np.ndarray:
+        """Rows of the fitted per-series ``table`` for ``panel``'s series, float64; NaN for series not seen in the fit.
+
+        ``position`` is :meth:`_positions` of ``panel`` (computed when not given).
+        When ``panel`` holds the fitted series in their order (a shard forecasting
+        its own series), the result is a read-only view of ``table`` rather than
+        a copy: the grid of residual quantiles alone is 48 MB for 5,000 series.
+        """
+        position = self._positions(panel) if position is None else position
+        table = np.asarray(table, dtype=np.float64)
+        if len(position) == len(table) and np.array_equal(position, np.arange(len(table))):
+            view = table.view()
+            view.flags.writeable = False
+            return view
         known = position >= 0
-        out[known] = table[position[known]]
+        if not known.any():
+            return np.full((panel.n_series, *table.shape[1:]), np.nan)
+        out = table[np.where(known, position, 0)]
+        out[~known] = np.nan
         return out
+
+
+def _forecast_rows(member: Member, panel: Panel, rows: np.ndarray, origins: list[int], h: int, shared,
+                   cells: np.ndarray | None = None) -> np.ndarray:
+    """``member``'s forecast ``(rows.sum(), O, h)`` of the series ``rows`` (bool) of ``panel``.
+
+    A direct tree member reads the feature rows it shares with the others from ``shared``
+    (:class:`~forecaster.forecast.trees.SharedFeatures`, ``None``: not shared) and, with ``cells`` (bool
+    ``(N, O, h)``), forecasts only those cells (NaN elsewhere); any other member forecasts a panel of those rows,
+    every cell.
+    """
+    if shared is not None and getattr(member, "strategy", None) == "direct" and hasattr(member, "forecast_shared"):
+        return member.forecast_shared(shared, np.flatnonzero(rows), None if cells is None else cells[rows])
+    sub = panel if rows.all() else Panel(panel.ids[rows], panel.start, panel.step, panel.values[rows])
+    return member.forecast(sub, origins, h)
 
 
 def _combine(stacked: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -721,6 +777,8 @@ def _combine(stacked: np.ndarray, weights: np.ndarray) -> np.ndarray:
 
 
 WEIGHTINGS = ("best", "inverse_error", "shrunk")
+#: Values (points x quantiles) per block of :func:`residual_p_any`: 1 MB buffers.
+RESIDUAL_BLOCK_VALUES = 131_072
 
 
 def shrunk_scores(mae: np.ndarray, values: np.ndarray, actual: np.ndarray | None, shrinkage: float) -> np.ndarray:
@@ -756,9 +814,25 @@ def shrunk_scores(mae: np.ndarray, values: np.ndarray, actual: np.ndarray | None
 
 
 def residual_p_any(point: np.ndarray, spread: np.ndarray, grid: np.ndarray) -> np.ndarray:
-    """P(point + residual >= 0.5) from residual quantiles ``grid`` (``point.shape + (G,)``); Poisson where none."""
+    """P(point + residual >= 0.5) from residual quantiles ``grid`` (``point.shape + (G,)``); Poisson where none.
+
+    Computed a block of series at a time in two reused buffers of :data:`RESIDUAL_BLOCK_VALUES` values: for a
+    whole 5,000-series shard (60 horizons, 20 quantiles) each temporary array would be 48 MB, fresh pages in a
+    Dask worker (0.075 s against 0.047 s there, 0.06 against 0.04 s in a plain process). The same operations on
+    the same values, so the same numbers.
+    """
+    p_any = np.empty(point.shape)
+    block = max(1, RESIDUAL_BLOCK_VALUES // max(1, int(np.prod(grid.shape[1:]))))
+    shifted = np.empty((min(block, len(point)), *grid.shape[1:]))
+    above = np.empty(shifted.shape, dtype=bool)
     with np.errstate(invalid="ignore"):
-        p_any = np.mean(point[..., None] + spread[..., None] * grid >= 0.5, axis=-1)
+        for lo in range(0, len(point), block):
+            part = slice(lo, lo + block)
+            rows = len(point[part])
+            np.multiply(spread[part][..., None], grid[part], out=shifted[:rows])
+            np.add(point[part][..., None], shifted[:rows], out=shifted[:rows])
+            np.greater_equal(shifted[:rows], 0.5, out=above[:rows])
+            p_any[part] = np.mean(above[:rows], axis=-1)
     missing = np.isnan(grid[..., 0]) | np.isnan(point)
     p_any[missing] = (1.0 - np.exp(-np.nan_to_num(point[missing], nan=0.0)))
     return p_any

@@ -119,14 +119,21 @@ class SeriesWindows:
 
     def __init__(self, scaled: np.ndarray):
         self.values = scaled
+        n, t = scaled.shape
         known = ~np.isnan(scaled)
         filled = np.where(known, scaled, 0.0)
-        zeros = np.zeros((scaled.shape[0], 1))
-        self.csum = np.concatenate([zeros, np.cumsum(filled, axis=1)], axis=1)
-        self.csq = np.concatenate([zeros, np.cumsum(filled * filled, axis=1)], axis=1)
-        self.ccount = np.concatenate([zeros, np.cumsum(known, axis=1)], axis=1)
-        self.cnonzero = np.concatenate([zeros, np.cumsum(filled > 0, axis=1)], axis=1)
-        index = np.where(filled > 0, np.arange(scaled.shape[1]), -(10**9))
+        positive = filled > 0
+        # running sums after a leading column of zeros, accumulated in place (no concatenated copies); the
+        # counts are int32, which holds them exactly
+        self.csum = np.zeros((n, t + 1))
+        np.cumsum(filled, axis=1, out=self.csum[:, 1:])
+        self.csq = np.zeros((n, t + 1))
+        np.cumsum(np.square(filled, out=filled), axis=1, out=self.csq[:, 1:])
+        self.ccount = np.zeros((n, t + 1), dtype=np.int32)
+        np.cumsum(known, axis=1, out=self.ccount[:, 1:])
+        self.cnonzero = np.zeros((n, t + 1), dtype=np.int32)
+        np.cumsum(positive, axis=1, out=self.cnonzero[:, 1:])
+        index = np.where(positive, np.arange(t, dtype=np.int32), np.int32(-(10**9)))
         self.last_nonzero = np.maximum.accumulate(index, axis=1)
 
     def at(self, rows: np.ndarray, columns: np.ndarray) -> np.ndarray:
@@ -198,14 +205,21 @@ def build_features(
     if spec.with_horizon:
         columns.append(np.minimum(h, horizon_cap or h.max(initial=1)).astype(np.float64))
     columns.append(np.asarray(log_level, dtype=np.float64))
+    # each column is computed in float64 and rounded to float32 once, straight into the matrix (no float64
+    # matrix and no divided copies in between: the same numbers, fewer large temporary arrays)
+    features = np.empty((len(rows), len(columns) + spec.local_level), dtype=np.float32)
     level = np.ones(len(rows))
+    n_level = 0
     if spec.local_level:
         # divide every level-carrying feature (and, in the member, the target) by the
         # recent level, floored at a tenth of the series' fit mean (= 0.1 after scaling)
         recent = windows.window_stats(rows, origin, spec.windows[-1])[0]
         level = np.maximum(np.nan_to_num(recent, nan=0.0), LEVEL_FLOOR)
         n_level = len(spec.lags) + 3 * len(spec.seasons) + len(spec.windows) + 1  # + std
-        for k in range(n_level):
-            columns[k] = columns[k] / level
-        columns.append(np.log(level))
-    return np.stack(columns, axis=1).astype(np.float32), level
+        features[:, -1] = np.log(level)
+    for k, column in enumerate(columns):
+        if k < n_level:
+            np.divide(column, level, out=features[:, k])
+        else:
+            features[:, k] = column
+    return features, level

@@ -37,7 +37,7 @@ at every horizon (one prediction per horizon instead of ``h`` sequential ones).
 from __future__ import annotations
 
 import abc
-
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -163,19 +163,44 @@ class GlobalTreeMember(Member):
     def _forecast_direct(self, panel, scaled, log_level, origins, h) -> np.ndarray:
         windows = SeriesWindows(scaled)
         n, out = panel.n_series, np.empty((panel.n_series, len(origins), h))
-        steps = np.arange(1, h + 1)
-        chunk = max(1, 400_000 // max(1, n * h))
+        chunk = max(1, MAX_FEATURE_ROWS // max(1, n * h))
         for start in range(0, len(origins), chunk):
             block = origins[start : start + chunk]
-            rows = np.repeat(np.arange(n), len(block) * h)
-            origin = np.tile(np.repeat(block, h), n)
-            hh = np.tile(np.tile(steps, len(block)), n)
-            target_step = panel.step_index(0, 1)[0] + origin + hh - 1
-            features, level = build_features(
-                self.spec_, windows, rows, origin, hh, target_step, log_level[rows], horizon_cap=self.horizon
-            )
+            features, level = self._direct_features(panel, windows, log_level, block, h)
             out[:, start : start + len(block), :] = (self._predict(features) * level).reshape(n, len(block), h)
         return out
+
+    def _direct_features(self, panel, windows, log_level, origins, h) -> tuple[np.ndarray, np.ndarray]:
+        """Feature rows of every series of ``windows`` at ``origins`` and horizons ``1..h`` (series, then origin,
+        then horizon), and their local levels."""
+        n, steps = windows.values.shape[0], np.arange(1, h + 1)
+        rows = np.repeat(np.arange(n), len(origins) * h)
+        origin = np.tile(np.repeat(origins, h), n)
+        hh = np.tile(np.tile(steps, len(origins)), n)
+        target_step = panel.step_index(0, 1)[0] + origin + hh - 1
+        return build_features(
+            self.spec_, windows, rows, origin, hh, target_step, log_level[rows], horizon_cap=self.horizon
+        )
+
+    def forecast_shared(self, shared: SharedFeatures, series: np.ndarray, cells: np.ndarray | None = None
+                        ) -> np.ndarray:
+        """``forecast`` of rows ``series`` of ``shared.panel``, on feature rows built once for every member that reads
+        the same ones (:class:`SharedFeatures`); with ``cells`` (bool, ``(len(series), O, h)``) only those cells are
+        predicted and the others are NaN.
+
+        The numbers are those of ``forecast(panel of those rows, origins, h)`` bit for bit: features, predictions
+        and the level and scale products are computed row by row, the same operations in the same order.
+        """
+        features, level, scale = shared.rows(self, series)
+        o, h = len(shared.origins), shared.h
+        out = np.full(len(level), np.nan)
+        if cells is None:
+            out[:] = self._predict(features) * level
+        else:
+            keep = np.asarray(cells, dtype=bool).ravel()
+            if keep.any():
+                out[keep] = self._predict(features[keep]) * level[keep]
+        return np.clip(out.reshape(len(series), o, h) * scale[:, None, None], 0.0, None)
 
     def _forecast_recursive(self, panel, scaled, log_level, origins, h) -> np.ndarray:
         lookback = self.spec_.lookback
@@ -206,6 +231,85 @@ class GlobalTreeMember(Member):
         values = np.asarray(self.model_.feature_importances_, dtype=np.float64)
         total = values.sum() or 1.0
         return dict(zip(self.spec_.names, values / total, strict=True))
+
+
+#: Most feature rows (series x origins x horizons) built at once: a direct member's chunk, and the most
+#: :class:`SharedFeatures` holds (about 55 MB of float32 features with the per-minute spec).
+MAX_FEATURE_ROWS = 400_000
+
+
+def _same_features(a: GlobalTreeMember, b: GlobalTreeMember) -> bool:
+    """Whether two fitted direct members build the same feature rows for any panel (same spec, horizon cap, fitted
+    series, scales and levels); the ensemble's tree members and heads, fitted on one panel, do."""
+    return (a.strategy == b.strategy == "direct" and a.horizon == b.horizon and a.spec_ == b.spec_
+            and np.array_equal(a.panel_.ids, b.panel_.ids) and np.array_equal(a.scale_, b.scale_)
+            and np.array_equal(a.log_level_, b.log_level_))
+
+
+class SharedFeatures:
+    """Direct-strategy feature rows of one panel at fixed origins and horizons, built once per series for all the
+    tree members that read the same features.
+
+    An ensemble's LightGBM, XGBoost and RandomForest members and LightGBM's quantile heads are fitted on one panel
+    with one spec, so a series' feature rows are the same for all of them, and each forecasts a different subset
+    of the series (those that weight it, or use the heads): in a 5,000-series shard of the production ensemble
+    (``bench/forecast_shard.py``) the five subsets add up to 60 % of the series, their union to 31 %. Rows are
+    built for each series the first time a member asks for it and kept; a feature row depends on its own series
+    only, so the rows are the same numbers as a member's own (``tests/test_forecast_ensemble.py`` compares them).
+
+    Args:
+        panel: the panel the members forecast (rows are indices into it).
+        origins: forecast origins (columns), as in ``Member.forecast``.
+        h: horizons ``1..h``.
+    """
+
+    def __init__(self, panel: Panel, origins: Sequence[int], h: int):
+        self.panel = panel
+        self.origins = [int(o) for o in origins]
+        self.h = int(h)
+        self._groups: list[tuple[GlobalTreeMember, dict[str, Any]]] = []
+
+    @classmethod
+    def fits(cls, n_series: int, n_origins: int, h: int) -> bool:
+        """Whether the feature rows of ``n_series`` series stay within :data:`MAX_FEATURE_ROWS`."""
+        return n_series * n_origins * h <= MAX_FEATURE_ROWS
+
+    def rows(self, member: GlobalTreeMember, series: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Feature rows ``(len(series) * O * h, F)`` of panel rows ``series`` (series, then origin, then horizon),
+        their local levels, and each series' scale ``(len(series),)``, for ``member``."""
+        member._check_request(self.panel, self.origins, self.h)
+        group = self._group(member)
+        series = np.asarray(series, dtype=np.int64)
+        new = np.unique(series[group["slot"][series] < 0])
+        if len(new):
+            features, level, scale = self._build(member, new)
+            group["slot"][new] = len(group["scale"]) + np.arange(len(new))
+            for key, part in (("features", features), ("level", level), ("scale", scale)):
+                group[key] = np.concatenate([group[key], part]) if len(group[key]) else part
+        slot = group["slot"][series]
+        per_series = len(self.origins) * self.h
+        rows = (slot[:, None] * per_series + np.arange(per_series)[None, :]).ravel()
+        return group["features"][rows], group["level"][rows], group["scale"][slot]
+
+    def _group(self, member: GlobalTreeMember) -> dict[str, Any]:
+        for owner, group in self._groups:
+            if owner is member or _same_features(owner, member):
+                return group
+        group = {"slot": np.full(self.panel.n_series, -1, dtype=np.int64), "features": np.empty((0, 0), np.float32),
+                 "level": np.empty(0), "scale": np.empty(0)}
+        self._groups.append((member, group))
+        return group
+
+    def _build(self, member: GlobalTreeMember, series: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What ``member._forecast`` builds for a panel of rows ``series``: features, levels and scales."""
+        panel = self.panel
+        sub = Panel(panel.ids[series], panel.start, panel.step, panel.values[series])
+        before = sub.values[:, : min(self.origins)]
+        scale = member._per_series(sub, member.scale_, series_scale(before))
+        log_level = member._per_series(sub, member.log_level_, np.log1p(_mean_or_zero(before)))
+        windows = SeriesWindows(sub.values / scale[:, None])
+        features, level = member._direct_features(sub, windows, log_level, self.origins, self.h)
+        return features, level, scale
 
 
 def _mean_or_zero(values: np.ndarray) -> np.ndarray:
