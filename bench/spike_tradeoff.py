@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 from bench.accuracy import DATASETS, load_panel, protocol_for  # noqa: E402
 from forecaster.forecast.backtest import Protocol, busy_mask, pinball  # noqa: E402
 from forecaster.forecast.ensemble import Ensemble, _crossfit_bound, default_members  # noqa: E402
-from forecaster.forecast.members import Naive, SeasonalNaive, actuals  # noqa: E402
+from forecaster.forecast.members import Naive, SeasonalNaive  # noqa: E402
 from forecaster.forecast.panel import Panel  # noqa: E402
 from forecaster.forecast.trees import LightGBMMember  # noqa: E402
 
