@@ -22,7 +22,8 @@ import logging
 import multiprocessing
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -107,6 +108,23 @@ class Replay:
     fit_minute: int | None = None
 
 
+@contextmanager
+def one_blas_thread() -> Iterator[None]:
+    """Run the enclosed code with the BLAS libraries (numpy's and scipy's OpenBLAS) on one thread each.
+
+    The report already keeps the cores busy with its own processes (prewarm's replay, the forecasting process, the
+    baselines), so a BLAS call that starts a second thread only makes threads wait on each other: OpenBLAS's
+    threads spin while they wait, and on 2 shared cores ARIMA's statsmodels fits (small matrix products in every
+    Kalman filter step) took 24 CPU seconds for 8 series with the default 2 threads against 1.9 s with one, same
+    parameters, and a 2-day report of 40 models 354 CPU seconds in all its processes against 659 s, with the same
+    numbers bit for bit (``bench/report_digest.py``; docs/report.md, Speed).
+    """
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
+
+
 def _first_fit(since_col: int, history_min: int, min_train_min: int) -> int:
     """Column of the ensemble's first fit: the window's start when the store holds at least the ensemble's minimum
     history before it, else ``history_min`` minutes into the data (the window's first minutes then plan from the
@@ -189,7 +207,8 @@ def _forecast_blocks(ensemble, conn) -> None:
 
     started = time.perf_counter()
     try:
-        ensemble.precompute(on_block=lambda first, arrays: conn.send(("block", first, arrays)))
+        with one_blas_thread():  # a spawned process: the parent's limit does not carry over
+            ensemble.precompute(on_block=lambda first, arrays: conn.send(("block", first, arrays)))
         conn.send(("done", ensemble.counters(), time.perf_counter() - started))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent, which raises it
         conn.send(("error", traceback.format_exc()))
@@ -213,7 +232,18 @@ def replay(history: History, settings: Settings, *, keepalive_min: int = 10, his
             forecasts to this one as it replays prewarm (:class:`BlockStream`; default: when the machine has 2 or
             more cores and can fork); the results are the same either way.
         progress: called with a line per stage.
+
+    BLAS runs on one thread in every process of the replay (:func:`one_blas_thread`).
     """
+    with one_blas_thread():  # the forked baselines' process inherits it
+        return _replay(history, settings, keepalive_min=keepalive_min, history_min=history_min,
+                       retrain_every_min=retrain_every_min, members=members, parallel=parallel, progress=progress)
+
+
+def _replay(history: History, settings: Settings, *, keepalive_min: int, history_min: int,
+            retrain_every_min: int | None, members, parallel: bool | None,
+            progress: Callable[[str], None] | None) -> Replay:
+    """:func:`replay`'s work (see there)."""
     if parallel is None:
         parallel = (os.cpu_count() or 1) >= 2 and "fork" in multiprocessing.get_all_start_methods()
     say = progress or log.info
