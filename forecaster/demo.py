@@ -427,7 +427,7 @@ def run_loop(
     from forecaster.jobs.forecasting import forecast_job, retrain_job
     from forecaster.jobs.planning import plan_job
     from forecaster.forecast.ensemble import Ensemble
-    from forecaster.forecast.registry import ChampionCache, champion
+    from forecaster.forecast.registry import ENSEMBLE_FILE, ChampionCache, champion, set_status
     from forecaster.store.replays import replay_action_statuses
 
     stop = stop or threading.Event()
@@ -451,7 +451,14 @@ def run_loop(
     clock = clock or SimClock(split.to_pydatetime())
     clock.set(split.to_pydatetime())
     cache = ChampionCache()
-    if champion(engine) is None:
+    held = champion(engine)
+    if held is not None and not (Path(held.path) / ENSEMBLE_FILE).exists():
+        # the embedded database lives in the user's data dir, the artefacts in the checkout's models/: a champion
+        # trained by a checkout since moved or deleted cannot be loaded, so it is marked failed and trained again
+        echo(f"the champion {held.id} has no artefacts at {held.path}; marking it failed and training again")
+        set_status(engine, held.id, "failed")
+        held = None
+    if held is None:
         echo("training the forecasting ensemble on the history (members: "
              f"{', '.join(members) if members else 'all'} + fallback) ...")
         began = wall.perf_counter()

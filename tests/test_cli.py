@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -253,6 +254,24 @@ def test_demo_loop_trains_forecasts_plans_and_records_actions(cli, engine):
         replayed = conn.execute(text("SELECT count(*) FROM ingest_batches WHERE source = 'demo-replay'")).scalar()
     assert champion == 1 and tuple(issued) == (3, 100) and plans == 3 and replayed == 3
     assert latency == 1  # the retrain trained the latency model too
+
+
+def test_demo_trains_again_when_the_champions_artefacts_are_gone(cli, engine):
+    """The embedded database outlives a deleted checkout whose models/ held the champion: no crash, a new one."""
+    args = ("demo", "--replay-minutes", "1", "--speed", "0", "--no-serve", "--members", "fallback")
+    assert cli(*args).exit_code == 0
+    with engine.connect() as conn:
+        old_id, old_path = conn.execute(text("SELECT id, path FROM model_versions WHERE status = 'champion' "
+                                             "AND kind = 'forecast'")).one()
+    shutil.rmtree(old_path)
+    result = cli(*args)
+    assert result.exit_code == 0, result.output
+    assert f"the champion {old_id} has no artefacts" in result.stdout
+    with engine.connect() as conn:
+        statuses = dict(conn.execute(text("SELECT id, status FROM model_versions WHERE kind = 'forecast'")).all())
+    assert statuses[old_id] == "failed"
+    assert [v for v, status in statuses.items() if status == "champion"] != [old_id]
+    assert list(statuses.values()).count("champion") == 1
 
 
 # --- errors at the edge: one line, the file or option, exit code 2 ------------------------
