@@ -91,6 +91,43 @@ def test_forecast_job_without_champion_falls_back(engine, ingested):
     assert result["models"] == 100 and result["model_version"] is None and result["rows"] == 6000
 
 
+def test_a_champion_that_cannot_be_loaded_never_stops_the_forecast_job(engine, ingested, monkeypatch):
+    """Artefacts gone (a deleted folder, an unmounted volume): the job forecasts with what it holds, retries later."""
+    first = retrain_job(engine, ingested, DAY_END, cache=registry.ChampionCache(),
+                        ensemble_factory=small(SeasonalNaive(15)))
+    folder = ingested.models_dir / first["version"]
+    hidden = folder.with_name(folder.name + ".away")
+    folder.rename(hidden)
+    loads, seconds = [], [0.0]
+    original = registry.load_ensemble
+    monkeypatch.setattr(registry, "load_ensemble", lambda path: loads.append(path) or original(path))
+    cache = registry.ChampionCache(retry_after_s=600, clock=lambda: seconds[0])
+
+    result = forecast_job(engine, ingested, DAY_END, cache=cache)  # nothing held yet: the fallback model
+    assert result["models"] == 100 and result["rows"] == 6000 and result["model_version"] is None
+    assert first["version"] in result["champion_error"] and "No such file" in result["champion_error"]
+    seconds[0] = 599.0
+    assert forecast_job(engine, ingested, DAY_END + timedelta(minutes=1), cache=cache)["model_version"] is None
+    assert len(loads) == 1  # not retried every minute
+    hidden.rename(folder)  # the volume is back
+    seconds[0] = 600.0
+    result = forecast_job(engine, ingested, DAY_END + timedelta(minutes=2), cache=cache)
+    assert result["model_version"] == first["version"] and result["champion_error"] is None and len(loads) == 2
+
+    # a newer champion whose folder is missing: the previous champion goes on, under its own version
+    second = retrain_job(engine, ingested, DAY_END + timedelta(minutes=3), cache=registry.ChampionCache(),
+                         ensemble_factory=small(MovingAverage(60)))
+    registry.promote(engine, second["version"])
+    (ingested.models_dir / second["version"] / "ensemble.pkl").write_bytes(b"truncated")
+    result = forecast_job(engine, ingested, DAY_END + timedelta(minutes=4), cache=cache)
+    assert result["models"] == 100 and result["model_version"] == first["version"]
+    assert second["version"] in result["champion_error"]
+    with engine.connect() as conn:
+        versions = conn.execute(text("SELECT DISTINCT model_version_id FROM forecasts WHERE issued_at = :t"),
+                                {"t": DAY_END + timedelta(minutes=4)}).scalars().all()
+    assert versions == [first["version"]]
+
+
 def test_forecast_job_stores_every_forecast_level_and_the_api_serves_them(engine, ingested):
     from fastapi.testclient import TestClient
 

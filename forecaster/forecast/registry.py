@@ -16,6 +16,7 @@ import logging
 import pickle
 import shutil
 import subprocess
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -128,17 +129,44 @@ def set_status(engine: Engine, version_id: str, status: str) -> None:
 
 
 class ChampionCache:
-    """Loads the champion once per version; the forecast job asks it every minute."""
+    """Loads the champion once per version; the forecast job asks it every minute.
 
-    def __init__(self) -> None:
+    A champion whose artefacts cannot be loaded (its folder deleted or not yet mounted, a truncated pickle, code
+    that no longer unpickles it) never stops the job: the error is logged and kept in :attr:`last_error`, the
+    job goes on with the ensemble it already holds (the previous champion, reported under its own version) or,
+    when it holds none, with the fallback model, and the load is tried again ``retry_after_s`` later rather than
+    every minute. The version is not marked failed here: a volume that comes back heals by itself, and the
+    nightly retrain promotes a challenger over a champion that cannot forecast.
+    """
+
+    def __init__(self, *, retry_after_s: float = 600.0, clock=time.monotonic) -> None:
         self._version: str | None = None
         self._ensemble = None
+        self._failed_at: dict[str, float] = {}
+        self.retry_after_s = retry_after_s
+        self._clock = clock
+        self.last_error: str | None = None
 
     def get(self, engine: Engine):
+        """``(version id, ensemble)`` to forecast with; ``(None, None)`` when there is nothing to load."""
         info = champion(engine)
         if info is None:
             return None, None
         if info.id != self._version:
+            failed_at = self._failed_at.get(info.id)
+            if failed_at is not None and self._clock() - failed_at < self.retry_after_s:
+                return self._version, self._ensemble
             log.info("loading champion model %s from %s", info.id, info.path)
-            self._ensemble, self._version = load_ensemble(info.path), info.id
+            try:
+                ensemble = load_ensemble(info.path)
+            except Exception as error:  # missing files, a truncated or foreign pickle: any of them, the job goes on
+                self._failed_at[info.id] = self._clock()
+                self.last_error = f"champion {info.id} could not be loaded from {info.path}: {error!r}"
+                log.error("%s; forecasting with %s, retrying in %.0f s", self.last_error,
+                          f"the previous champion {self._version}" if self._ensemble is not None
+                          else "the fallback model", self.retry_after_s)
+                return self._version, self._ensemble
+            self._ensemble, self._version = ensemble, info.id
+            self._failed_at.pop(info.id, None)
+            self.last_error = None
         return info.id, self._ensemble

@@ -120,7 +120,7 @@ def forecast_job(engine: Engine, settings: Settings, now: datetime, *, cache: Ch
     return {"models": panel.n_series, "rows": rows, "model_version": version,
             "no_history": len(ids) - panel.n_series, "read_s": round(read_s, 3), "read": history_cache.last_read,
             "forecast_s": round(forecast_s, 3), "shards": getattr(ensemble, "forecast_run_", None),
-            "seconds": round(time.perf_counter() - started, 3)}
+            "champion_error": cache.last_error, "seconds": round(time.perf_counter() - started, 3)}
 
 
 def _holdout_protocol(n_steps: int, holdout: int, horizon: int) -> Protocol:
