@@ -55,3 +55,16 @@ def dies_once(marker: str, x: int) -> int:
 
 def always_fails(x: int) -> int:
     raise ValueError(f"shard {x} is broken (simulated)")
+
+
+def native_threads(_: int) -> dict:
+    """The thread counts of this process's BLAS and OpenMP pools and torch's, after loading scipy, LightGBM, torch."""
+    import lightgbm  # noqa: F401 - loads its OpenMP runtime
+    import scipy.linalg  # noqa: F401 - scipy's own OpenBLAS, loaded here unless something loaded it before
+    import torch
+    from threadpoolctl import threadpool_info
+
+    pools = {"torch": [torch.get_num_threads()]}
+    for pool in threadpool_info():
+        pools.setdefault(pool["user_api"], []).append(pool["num_threads"])
+    return pools

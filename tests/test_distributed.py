@@ -27,7 +27,8 @@ from forecaster.forecast.panel import Panel
 from forecaster.forecast.sharded import ShardedEnsemble, plan_shards, series_levels
 from forecaster.ingest.service import ingest_trace_file
 from forecaster.jobs.forecasting import forecast_job, retrain_job
-from tests.distributed_members import PoisonedEnsemble, SlowNaive, always_fails, dies_once, flaky_square
+from tests.distributed_members import (PoisonedEnsemble, SlowNaive, always_fails, dies_once, flaky_square,
+                                      native_threads)
 
 DAY_END = datetime(2019, 7, 16, tzinfo=timezone.utc)  # the shipped sample covers 2019-07-15
 
@@ -128,6 +129,22 @@ def test_pool_survives_a_worker_process_dying(tmp_path):
         assert run.attempts["k3"] == 2
     finally:
         executor.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: every pool is one thread anyway")
+def test_pool_workers_share_the_cores_instead_of_each_taking_them_all():
+    """Workers x native threads never exceeds the cores: BLAS, OpenMP and torch sized for the machine in every
+    worker spin against each other (Dask's nanny caps its workers the same way)."""
+    cores = len(os.sched_getaffinity(0))
+    executor = PoolExecutor(cores, retries=0)
+    try:
+        run = executor.run(native_threads, {f"k{i}": (i,) for i in range(cores)})
+    finally:
+        executor.close()
+    assert not run.failures
+    for pools in run.results.values():
+        assert set(pools) >= {"blas", "openmp", "torch"}
+        assert all(n == 1 for threads in pools.values() for n in threads), pools
 
 
 # ------------------------------------------------------------------ a real Dask cluster

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import threading
 import time
 import uuid
@@ -125,8 +126,35 @@ class InlineExecutor(Executor):
         return errors
 
 
+NATIVE_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def native_threads_per_worker(workers: int) -> int:
+    """Native threads each of ``workers`` processes may use: this process's cores shared out, at least one."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, workers))
+
+
+def limit_native_threads(threads: int) -> None:
+    """Cap this process's BLAS and OpenMP thread pools at ``threads`` (a pool worker's initializer).
+
+    The pool's parallelism is across shards. A BLAS or OpenMP pool sized for the whole machine in every worker
+    starts threads that spin waiting for cores the sibling workers hold (the report's processes lost half their
+    CPU to that, docs/report.md); Dask's nanny sets the same variables to 1 in its workers. The variables reach the
+    libraries this worker loads from now on, threadpoolctl those already loaded (numpy's, with the main module).
+    The members' own thread settings (``n_jobs`` of the trees and the LSTM, 1 by default) are explicit and stay.
+    """
+    for name in NATIVE_THREAD_VARIABLES:
+        os.environ[name] = str(threads)
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=threads)
+
+
 class PoolExecutor(Executor):
-    """A persistent pool of ``workers`` spawned processes (kept between runs: models stay cached there)."""
+    """A persistent pool of ``workers`` spawned processes (kept between runs: models stay cached there).
+
+    Each worker's BLAS and OpenMP pools get the cores divided by the workers (:func:`limit_native_threads`).
+    """
 
     backend = "pool"
 
@@ -143,7 +171,9 @@ class PoolExecutor(Executor):
     def _get_pool(self) -> ProcessPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"))
+                self._pool = ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=limit_native_threads,
+                                                 initargs=(native_threads_per_worker(self._workers),))
             return self._pool
 
     def _reset_pool(self) -> None:
