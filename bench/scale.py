@@ -406,7 +406,7 @@ def run(admin_url: str, args, models_dir: Path) -> dict:
     figures["forecast"] = []
     if "forecast" in args.stages and "retrain" in args.stages:  # the small fleet's champion comes from the retrains
         for workers in args.forecast_workers:
-            with _backend(base, workers, args.forecast_backend) as settings:
+            with _backend(base, workers, args.forecast_backend[0]) as settings:
                 figures["forecast"].append(forecast(small, settings, runs=args.forecast_runs))
             print("forecast", figures["forecast"][-1], flush=True)
             save(figures)
@@ -423,9 +423,11 @@ def run(admin_url: str, args, models_dir: Path) -> dict:
             print("champion (sample)", figures["forecast_champion_big"], flush=True)
             save(figures)
             big_base = base.model_copy(update={"shard_max_series": args.big_shard_max_series})
-            with _backend(big_base, max(args.forecast_workers), args.forecast_backend) as settings:
-                result = forecast(big, settings, runs=args.forecast_runs,
-                                  cache=SampleServedCache(args.big_shard_max_series), profile=args.forecast_profile)
+            for kind in args.forecast_backend:  # several: one after the other on the same store and champion
+                with _backend(big_base, max(args.forecast_workers), kind) as settings:
+                    result = forecast(big, settings, runs=args.forecast_runs,
+                                      cache=SampleServedCache(args.big_shard_max_series),
+                                      profile=args.forecast_profile)
                 result["champion"] = (f"trained on a {figures['forecast_champion_big']['models']:,}-series sample, "
                                       f"serving {result['models']:,}")
                 figures["forecast"].append(result)
@@ -433,7 +435,7 @@ def run(admin_url: str, args, models_dir: Path) -> dict:
                 save(figures)
         elif "forecast" in args.stages:
             big_base = base.model_copy(update={"shard_max_series": args.big_shard_max_series})
-            with _backend(big_base, max(args.forecast_workers), args.forecast_backend) as settings:
+            with _backend(big_base, max(args.forecast_workers), args.forecast_backend[0]) as settings:
                 trained = retrain(big, settings, label=f"champion for {args.models} models",
                                   members=args.forecast_train_members)
                 figures["forecast_champion_big"] = trained
@@ -475,7 +477,7 @@ def _sample_champion(small, big, base: Settings, args, figures: dict) -> dict:
             if args.forecast_train_sample != args.retrain_models or "retrain" not in args.stages:
                 raise SystemExit("--forecast-train-sample must equal --retrain-models (the small fleet is the "
                                  "sample), with the retrain stage, unless --forecast-champion names a saved version")
-            with _backend(base, max(args.forecast_workers), args.forecast_backend) as settings:
+            with _backend(base, max(args.forecast_workers), args.forecast_backend[0]) as settings:
                 last = retrain(small, settings, label=f"champion for {args.models} models (sample)",
                                members=args.forecast_train_members)
         trained = dict(last, label=f"champion for {args.models:,} models, trained on a "
@@ -532,9 +534,11 @@ def main() -> None:
     parser.add_argument("--big-shard-max-series", type=int, default=10_000,
                         help="shard size of the champion trained for --models (fewer, larger shards)")
     parser.add_argument("--forecast-workers", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--forecast-backend", choices=("dask", "pool"), default="dask",
+    parser.add_argument("--forecast-backend", choices=("dask", "pool"), nargs="+", default=["dask"],
                         help="with more than one worker: a local Dask cluster, or the product's local process pool "
-                             "(PREWARM_SHARD_WORKERS, no Dask)")
+                             "(PREWARM_SHARD_WORKERS, no Dask); several: the --models forecast runs once per "
+                             "backend, in this order, on the same store and sample champion (the first backend "
+                             "serves every other stage)")
     parser.add_argument("--forecast-runs", type=int, default=3)
     parser.add_argument("--api-seconds", type=float, default=20.0)
     parser.add_argument("--api-clients", type=int, default=50)
