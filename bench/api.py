@@ -220,10 +220,9 @@ def serving(url: str, token: str, probe_model: str, *, timeout_s: float = 120.0,
 
 @contextlib.contextmanager
 def floor_serving(workers: int, *, timeout_s: float = 60.0):
-    """The bare-ASGI floor (:mod:`asgi_floor`) on the same uvicorn with ``workers`` processes."""
+    """The bare-ASGI floor (:mod:`asgi_floor`) served as prewarm serves, with ``workers`` processes."""
     port = free_port()
-    argv = [sys.executable, "-m", "uvicorn", "asgi_floor:app", "--app-dir", str(BENCH), "--host", "127.0.0.1",
-            "--port", str(port), "--workers", str(workers), "--log-level", "warning", "--no-access-log"]
+    argv = [sys.executable, str(BENCH / "asgi_floor.py"), "--port", str(port), "--workers", str(workers)]
     with _process(argv, dict(os.environ), f"http://127.0.0.1:{port}", "/v1/models/model-000000/recommendation",
                   "", timeout_s) as base:
         yield base

@@ -1,13 +1,17 @@
 """The bare-ASGI floor of bench/api.py: one Starlette route, no auth, no work, a fixed recommendation-sized body.
 
-Served by the same uvicorn (same event loop, HTTP parser and worker count) as
-``prewarm serve``, so the gap between the two is what prewarm's own request
-path costs::
+Served the way ``prewarm serve`` serves the API (the same uvicorn options, event loop and HTTP parser, and with
+several workers the same supervisor, each worker on its own ``SO_REUSEPORT`` socket: :mod:`api.workers`), so
+the gap between the two is what prewarm's own request path costs::
 
-    python -m uvicorn asgi_floor:app --app-dir bench --workers N --no-access-log
+    python bench/asgi_floor.py --port P --workers N
 """
 
 from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.responses import Response
@@ -25,3 +29,26 @@ async def recommendation(request) -> Response:
 
 
 app = Starlette(routes=[Route("/v1/models/{model_id}/recommendation", recommendation)])
+
+
+def make_app() -> Starlette:
+    """The floor as an app factory (what :func:`api.workers.serve_workers` runs in each worker)."""
+    return app
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # prewarm's api package, for its supervisor
+    import uvicorn
+
+    from api import workers
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--workers", type=int, default=1)
+    args = parser.parse_args()
+    options = {"host": args.host, "port": args.port, **workers.SERVER_OPTIONS}
+    if args.workers == 1:
+        uvicorn.run(app, **options)
+    else:
+        workers.serve_workers("asgi_floor:make_app", args.workers, options)

@@ -294,8 +294,9 @@ def serve_cmd(
 ) -> None:
     """Run the REST API (and, by default, the scheduler) against the configured database.
 
-    With more than one worker, uvicorn runs that many processes on the one port; each opens its own engine and
-    forecast snapshot (``api.main:app_from_environment``), and the scheduler runs once, in this process.
+    With more than one worker, that many processes serve the one port, each on its own ``SO_REUSEPORT`` socket
+    (:mod:`api.workers`); each opens its own engine and forecast snapshot (``api.main:app_from_environment``),
+    and the scheduler runs once, in this process.
     """
     import uvicorn
     from apscheduler.schedulers.background import BackgroundScheduler
@@ -312,16 +313,23 @@ def serve_cmd(
             background.start()
         bind_host, bind_port = host or settings.api_host, port or settings.api_port
         typer.echo(f"prewarm API on http://{bind_host}:{bind_port} (OpenAPI at /docs), {worker_count} worker(s)")
-        # uvicorn[standard]: uvloop and httptools when installed ("auto"); no access log on the hot path
-        options = {"host": bind_host, "port": bind_port, "log_level": "warning", "access_log": False,
-                   "loop": "auto", "http": "auto"}
+        from api import workers as api_workers
+
+        options = {"host": bind_host, "port": bind_port, **api_workers.SERVER_OPTIONS}
         try:
             if worker_count == 1:
                 uvicorn.run(create_app(settings, engine), **options)
             else:
                 # the workers are spawned: they read the database (embedded or not) from the environment
                 os.environ["DATABASE_URL"] = engine.url.render_as_string(hide_password=False)
-                uvicorn.run("api.main:app_from_environment", factory=True, workers=worker_count, **options)
+                if api_workers.supported():  # a socket per worker: the kernel spreads the connections
+                    try:
+                        api_workers.serve_workers("api.main:app_from_environment", worker_count, options)
+                    except OSError as error:
+                        typer.echo(f"prewarm serve: cannot listen on {bind_host}:{bind_port}: {error}", err=True)
+                        raise typer.Exit(api_workers.BIND_FAILURE) from None
+                else:
+                    uvicorn.run("api.main:app_from_environment", factory=True, workers=worker_count, **options)
         finally:
             if background is not None:
                 background.shutdown(wait=False)

@@ -261,3 +261,74 @@ def test_serve_with_two_workers_each_loads_and_refreshes_its_own_snapshot(engine
             time.sleep(0.3)
     finally:
         stop_process(server, timeout=20)
+
+
+def _listening_sockets(port: int) -> int:
+    """Listening TCP sockets on ``port`` in this machine's network namespace (from /proc/net/tcp and tcp6)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as handle:
+            for line in list(handle)[1:]:
+                local, state = line.split()[1], line.split()[3]
+                count += int(local.rsplit(":", 1)[1], 16) == port and state == "0A"
+    return count
+
+
+def _workers_of(server: subprocess.Popen) -> list[psutil.Process]:
+    """The live API worker processes (multiprocessing's resource tracker is a child too)."""
+    workers = []
+    for child in psutil.Process(server.pid).children():
+        try:
+            if "python" in child.name().lower() and "resource_tracker" not in " ".join(child.cmdline()):
+                workers.append(child)
+        except psutil.Error:  # a worker that just died (a zombie until the supervisor reaps it)
+            pass
+    return workers
+
+
+def test_serve_workers_each_accept_on_their_own_socket_and_one_that_dies_is_replaced(engine, db_url, tmp_path):
+    """Each worker listens on its own SO_REUSEPORT socket, so kept-alive connections spread over the workers
+    (uvicorn's shared socket left them all on one: api/workers.py); a killed worker is replaced; a second server
+    on the same port is refused with a clear error instead of silently sharing the connections."""
+    read = create_token(engine, name="keda", scopes=["read"])
+    port = _free_port()
+    env = {**os.environ, "DATABASE_URL": db_url, "PREWARM_DATA_DIR": str(tmp_path), "PYTHONPATH": str(REPO),
+           "PREWARM_API_WORKERS": "2"}
+    argv = [sys.executable, "-m", "forecaster.cli", "serve", "--port", str(port), "--no-scheduler"]
+    server = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    clients: list[httpx.Client] = []
+    try:
+        deadline = time.monotonic() + 90
+        while _listening_sockets(port) < 2 or len(_workers_of(server)) < 2:
+            assert server.poll() is None and time.monotonic() < deadline, "prewarm serve did not come up"
+            time.sleep(0.3)
+        assert _listening_sockets(port) == 2  # one per worker, not one shared
+        for _ in range(32):  # kept-alive connections, as an autoscaler holds them
+            client = httpx.Client(base_url=base, timeout=10)
+            assert client.get("/healthz").status_code == 200
+            clients.append(client)
+        held = {w.pid: sum(c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port
+                           for c in w.net_connections(kind="tcp")) for w in _workers_of(server)}
+        assert sum(held.values()) == 32 and min(held.values()) > 0, held  # all on one: 2 ** -31 by chance
+
+        second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 3 and "already accepts connections" in second.stderr, second.stderr
+
+        victim = _workers_of(server)[0]
+        victim.kill()
+        deadline = time.monotonic() + 60
+        while victim.pid in [w.pid for w in _workers_of(server)] or len(_workers_of(server)) < 2 \
+                or _listening_sockets(port) < 2:
+            assert server.poll() is None and time.monotonic() < deadline, "the dead worker was not replaced"
+            time.sleep(0.3)
+        for _ in range(8):
+            with httpx.Client(base_url=base, timeout=10) as fresh:
+                assert fresh.get("/v1/models/nope/recommendation", headers=auth(read)).status_code == 404
+    finally:
+        for client in clients:
+            client.close()
+        stop_process(server, timeout=40)
+    assert server.returncode == 0
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "api.workers" in " ".join(p.info["cmdline"] or [])
+                and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
