@@ -1,7 +1,7 @@
 """API benchmark: the recommendation endpoint against a bare-ASGI floor, closed and open loop, 10,000-100,000 models.
 
 Usage:
-    python bench/api.py [--models 10000 100000] [--connections 10 100] [--seconds 15] [--workers N]
+    python bench/api.py [--models 10000 100000] [--connections 10 100] [--seconds 15] [--rounds 3] [--workers N]
                         [--open-loop-rps R] [--hey] [--json PATH]
 
 For each ``--models`` count a fresh database (embedded PostgreSQL unless
@@ -21,7 +21,8 @@ Load generators, in their own processes:
 * closed loop: ``wrk -t1 -c C -d S --latency`` (Debian's C generator) with a
   Lua script that sets the Authorization header, picks a random model per
   request and reports percentiles; floor and prewarm alternate per
-  connection count, so both see the same neighbours on the machine;
+  connection count, ``--rounds`` pairs (default 3), so both see the same
+  neighbours on the machine; the figures are the pairs' medians;
 * open loop: :mod:`open_loop` (asyncio on uvloop, its own process) sends at a
   constant rate, by default the rate KEDA's metrics-api scaler sends (one
   request per model every 30 s: N / 30 per second), random models, latency
@@ -285,19 +286,35 @@ def run_models(admin_url: str, n_models: int, args, script: Path) -> list[dict]:
         for base in (floor, served):  # warm every worker's connections and caches
             wrk(base, token, n_models, max(args.connections), 3, script)
         for connections in args.connections:
-            floor_fig = wrk(floor, token, n_models, connections, args.seconds, script)
-            served_fig = wrk(served, token, n_models, connections, args.seconds, script)
-            print(f"{n_models:,} models, {connections} connections: floor {floor_fig['rps']:,.0f}/s "
-                  f"p99 {floor_fig['p99_ms']:.1f} ms; recommendation {served_fig['rps']:,.0f}/s "
-                  f"p50 {served_fig['p50_ms']:.2f} ms p99 {served_fig['p99_ms']:.1f} ms "
-                  f"({served_fig['rps'] / floor_fig['rps']:.2f}x floor), errors {served_fig['errors']}", flush=True)
+            pairs = []  # floor then prewarm, --rounds times: each wrk run opens new connections, and the kernel
+            for _ in range(args.rounds):  # deals them to the workers afresh, so one split never decides a figure
+                pairs.append((wrk(floor, token, n_models, connections, args.seconds, script),
+                              wrk(served, token, n_models, connections, args.seconds, script)))
+            ratios = [served_fig["rps"] / floor_fig["rps"] for floor_fig, served_fig in pairs]
+            for k, (floor_fig, served_fig) in enumerate(pairs):
+                print(f"{n_models:,} models, {connections} connections, round {k + 1}/{len(pairs)}: floor "
+                      f"{floor_fig['rps']:,.0f}/s p99 {floor_fig['p99_ms']:.1f} ms; recommendation "
+                      f"{served_fig['rps']:,.0f}/s p50 {served_fig['p50_ms']:.2f} ms p99 {served_fig['p99_ms']:.1f} ms "
+                      f"({ratios[k]:.2f}x floor), errors {served_fig['errors']}", flush=True)
+
+            def median(key: str, which: int) -> float:
+                return round(float(np.median([pair[which][key] for pair in pairs])), 3)
+
             rows.append({"models": n_models, "connections": connections, "workers": args.workers,
-                         "floor_rps": floor_fig["rps"], "floor_p50_ms": floor_fig["p50_ms"],
-                         "floor_p99_ms": floor_fig["p99_ms"], "rps": served_fig["rps"],
-                         "p50_ms": served_fig["p50_ms"], "p90_ms": served_fig["p90_ms"],
-                         "p99_ms": served_fig["p99_ms"], "max_ms": served_fig["max_ms"],
-                         "errors": served_fig["errors"], "floor_errors": floor_fig["errors"],
-                         "capacity_vs_floor": round(served_fig["rps"] / floor_fig["rps"], 3)})
+                         "rounds": len(pairs), "floor_rps": median("rps", 0), "floor_p50_ms": median("p50_ms", 0),
+                         "floor_p99_ms": median("p99_ms", 0), "rps": median("rps", 1),
+                         "p50_ms": median("p50_ms", 1), "p90_ms": median("p90_ms", 1),
+                         "p99_ms": median("p99_ms", 1), "max_ms": max(pair[1]["max_ms"] for pair in pairs),
+                         "errors": sum(pair[1]["errors"] for pair in pairs),
+                         "floor_errors": sum(pair[0]["errors"] for pair in pairs),
+                         "capacity_vs_floor": round(float(np.median(ratios)), 3),
+                         "capacity_vs_floor_rounds": [round(r, 3) for r in ratios],
+                         "p99_ms_rounds": [pair[1]["p99_ms"] for pair in pairs],
+                         "floor_p99_ms_rounds": [pair[0]["p99_ms"] for pair in pairs]})
+            row = rows[-1]
+            print(f"{n_models:,} models, {connections} connections, median of {len(pairs)}: floor "
+                  f"{row['floor_rps']:,.0f}/s p99 {row['floor_p99_ms']:.1f} ms; recommendation {row['rps']:,.0f}/s "
+                  f"p99 {row['p99_ms']:.1f} ms ({row['capacity_vs_floor']:.2f}x floor)", flush=True)
         floor_open = open_loop(floor, token, n_models, rate, args.seconds, args.open_loop_connections)
         served_open = open_loop(served, token, n_models, rate, args.seconds, args.open_loop_connections)
         print(f"{n_models:,} models, open loop at {rate:,.0f}/s over {args.open_loop_connections} connections: "
@@ -357,6 +374,10 @@ def main() -> None:
     parser.add_argument("--models", type=int, nargs="+", default=[10_000, 100_000])
     parser.add_argument("--connections", type=int, nargs="+", default=[10, 100])
     parser.add_argument("--seconds", type=float, default=15.0, help="Length of each measured run.")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="Closed-loop floor/prewarm pairs per connection count; the figures are their medians "
+                             "(the capacity ratio: the median of the pairs' ratios). Each run's connections are "
+                             "dealt to the workers afresh, which alone moved a single run's ratio by ~20%%.")
     parser.add_argument("--workers", type=int, default=min(2, len(os.sched_getaffinity(0))),
                         help="uvicorn worker processes of both servers (default: 2, or 1 on one core).")
     parser.add_argument("--open-loop-rps", type=float, help="Constant rate; default the KEDA rate, models / 30 s.")
