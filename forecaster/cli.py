@@ -64,7 +64,33 @@ def _settings() -> Settings:
 
 @contextmanager
 def _database(settings: Settings, *, migrate: bool = True) -> Iterator[Engine]:
-    """Open the database, wait for it, and bring the schema to head (as the service does at start-up)."""
+    """Open the database, wait for it, and bring the schema to head (as the service does at start-up).
+
+    SIGTERM (``kill``, systemd, ``docker stop``) unwinds this block like Ctrl-C does, so that an embedded PostgreSQL
+    this command started is stopped rather than left running: uvicorn re-raises the SIGTERM it handled once the API
+    has shut down, and Python's default action would end the process before any ``finally`` ran.
+    """
+    with _terminate_unwinds():
+        yield from _open_database(settings, migrate=migrate)
+
+
+@contextmanager
+def _terminate_unwinds() -> Iterator[None]:
+    """While in the block, SIGTERM raises SystemExit(143) in the main thread (elsewhere: left as it is)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _open_database(settings: Settings, *, migrate: bool) -> Iterator[Engine]:
     try:
         with open_database(settings) as engine:
             wait_for_database(engine, timeout_s=settings.db_wait_timeout_s)

@@ -423,3 +423,57 @@ def test_replays_endpoint_without_a_replay_is_empty(engine, settings):
         unauthorised = client.get("/v1/replays/latest")
     assert response.status_code == 200 and response.json() == {"replay": None, "count": 0, "data": []}
     assert unauthorised.status_code == 401
+
+
+def test_serve_stopped_by_sigterm_stops_the_embedded_database_it_started(tmp_path):
+    """kill / systemd / docker stop: the embedded PostgreSQL goes down with prewarm instead of being orphaned."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    import psutil
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    data = tmp_path / "data"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_") and k != "DATABASE_URL"}
+    env["PREWARM_DATA_DIR"] = str(data)
+    server = subprocess.Popen([sys.executable, "-m", "forecaster.cli", "serve", "--no-scheduler", "--port", str(port)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+    def postgres() -> list[psutil.Process]:
+        found = []
+        for process in psutil.process_iter(["cmdline"]):
+            try:
+                if str(data) in " ".join(process.info["cmdline"] or []) and "postgres" in process.name():
+                    found.append(process)
+            except psutil.Error:
+                pass
+        return found
+
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, "prewarm serve did not come up"
+            time.sleep(0.5)
+        assert postgres(), "serve did not start an embedded PostgreSQL"
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while postgres() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not postgres(), "the embedded PostgreSQL outlived prewarm serve"
+    finally:
+        if server.poll() is None:
+            server.kill()
+        for process in postgres():
+            process.send_signal(signal.SIGINT)
