@@ -436,6 +436,8 @@ def test_serve_stopped_by_sigterm_stops_the_embedded_database_it_started(tmp_pat
     import httpx
     import psutil
 
+    from tests.runtime_fixtures import wait_until
+
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -456,15 +458,8 @@ def test_serve_stopped_by_sigterm_stops_the_embedded_database_it_started(tmp_pat
         return found
 
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, "prewarm serve did not come up"
-            time.sleep(0.5)
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200,
+                   timeout=120, what="prewarm serve", proc=server)
         assert postgres(), "serve did not start an embedded PostgreSQL"
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
