@@ -230,6 +230,10 @@ class Settings(BaseSettings):
     shard_max_series: int = Field(
         default=5000, ge=1, description="Series per shard; each shard of similar series gets its own ensemble.")
     shard_retries: int = Field(default=2, ge=0, le=20, description="Extra attempts for a shard that fails.")
+    forecast_fit_threads: int = Field(
+        default=1, ge=1, le=64,
+        description="Ensemble members one shard fits at once, each on its own thread (the fitted model is the same "
+                    "whatever this is; raise it where cores would otherwise idle during a retrain).")
 
     # --- actuator (forecaster.actuation) ---------------------------------
     actuator_backend: Literal["dry-run", "agent", "kubernetes", "composite"] = "dry-run"

@@ -491,3 +491,38 @@ def test_residual_p_any_in_blocks_is_the_one_shot_formula(monkeypatch) -> None:
     np.testing.assert_array_equal(residual_p_any(point, spread, grid), expected)
     monkeypatch.setattr(ensemble_module, "RESIDUAL_BLOCK_VALUES", 10**9)  # one block
     np.testing.assert_array_equal(residual_p_any(point, spread, grid), expected)
+
+
+def test_members_fitted_on_threads_make_the_same_ensemble_number_for_number() -> None:
+    """``fit_threads`` changes when members fit, never what they learn: tree members, quantile heads, the LSTM (torch)
+    and ARIMA, with refits and a member that fails, fitted one after another and three at once."""
+    from forecaster.forecast.arima import ARIMAMember
+    from forecaster.forecast.lstm import LSTMMember
+    from forecaster.forecast.trees import RandomForestMember, XGBoostMember
+
+    panel = sparse_burst_panel()
+
+    def fitted(threads: int) -> Ensemble:
+        members = [LightGBMMember(horizon=15, params={"n_estimators": 30}),
+                   XGBoostMember(horizon=15, params={"n_estimators": 30, "max_depth": 4}),
+                   RandomForestMember(horizon=15, params={"n_estimators": 5}), Broken(),
+                   ARIMAMember(max_series=3, min_mean=0.1), LSTMMember(horizon=15, samples=2000, epochs=2)]
+        return Ensemble(members, horizon=15, fit_threads=threads).fit_panel(panel.head(540))
+
+    one, three = fitted(1), fitted(3)
+    assert one.member_names_ == three.member_names_ and set(one.heads_) == set(three.heads_) == {0.1, 0.9}
+    assert "lstm" in one.member_names_ and "arima" in one.member_names_
+    assert one.failures_ == three.failures_ and "broken" in one.failures_
+    assert set(one.fit_seconds_) == set(three.fit_seconds_)
+    for name in ("weights_", "validation_mae_"):
+        np.testing.assert_array_equal(getattr(one, name), getattr(three, name))
+    origins = list(range(540, 600, 5))
+    a, b = one.forecast(panel, origins, 15), three.forecast(panel, origins, 15)
+    assert set(a) == set(b)
+    for column in a:
+        np.testing.assert_array_equal(a[column], b[column], err_msg=column)
+
+
+def test_a_failing_member_of_last_resort_raises_its_own_error_with_threads() -> None:
+    with pytest.raises(RuntimeError, match="cannot fit"):
+        Ensemble([Broken(), Broken()], horizon=10, fallback=False, fit_threads=2).fit_panel(mixed_panel())

@@ -78,6 +78,7 @@ import logging
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 import pandas as pd
@@ -85,6 +86,8 @@ import pandas as pd
 from forecaster.contracts.forecast import FORECAST_LEVELS, quantile_column
 from forecaster.forecast.members import Fallback, Member, actuals
 from forecaster.forecast.panel import Panel, forecast_frame
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -284,6 +287,12 @@ class Ensemble:
             their intervals).
         p_any_lookback: steps before an origin the hazard and the long-run
             share read (bounds a forecast's cost whatever the history's length).
+        fit_threads: members (and then quantile heads, then refits) fitted at once, each on a thread of its own.
+            The members share nothing while they fit and each keeps its own one-thread estimator, so the fitted
+            ensemble is the same number for number whatever this is (``tests/test_forecast_ensemble.py``); what
+            changes is the wall time, where the libraries release the GIL (the tree members, torch). 1 (default):
+            one after another, as the nightly retrain on a busy machine wants; ``prewarm report`` fits with 2
+            while its other processes wait for the forecasts (:mod:`forecaster.report.replay`).
         progress: called with one line per stage (defaults to ``logging.info``).
     """
 
@@ -309,6 +318,7 @@ class Ensemble:
         head_levels: Sequence[float] = (0.1, 0.9),
         p_any: str | None = None,
         p_any_lookback: int = 1440,
+        fit_threads: int = 1,
         progress: Callable[[str], None] | None = None,
     ):
         self.members = members
@@ -328,6 +338,7 @@ class Ensemble:
         self.head_levels = tuple(head_levels)
         self.p_any = p_any
         self.p_any_lookback = int(p_any_lookback)
+        self.fit_threads = int(fit_threads)
         self.progress = progress
 
     # ------------------------------------------------------------------ fit
@@ -353,38 +364,42 @@ class Ensemble:
 
         self.failures_: dict[str, str] = {}
         self.fit_seconds_: dict[str, float] = {}
+        threads = getattr(self, "fit_threads", 1)  # (a model pickled before the setting existed)
+
+        def fit_and_validate(member: Member, what: str) -> Callable[[], np.ndarray]:
+            def task() -> np.ndarray:
+                say(f"ensemble: {what}: fit on {first} steps, validate on {len(origins)} origins")
+                member.fit_panel(train)
+                return member.forecast(panel, origins, h)
+            return task
+
         fitted: list[Member] = []
         forecasts: list[np.ndarray] = []
-        for k, member in enumerate(candidates):
-            started = time.perf_counter()
-            say(f"ensemble: member {k + 1}/{len(candidates)} {member.name}: fit on {first} steps, "
-                f"validate on {len(origins)} origins")
-            try:
-                member.fit_panel(train)
-                forecast = member.forecast(panel, origins, h)
-            except Exception as error:  # reported and skipped; the fallback remains
+        done = run_each([fit_and_validate(m, f"member {k + 1}/{len(candidates)} {m.name}")
+                         for k, m in enumerate(candidates)], threads)
+        for k, (member, (forecast, error, seconds)) in enumerate(zip(candidates, done, strict=True)):
+            if error is not None:  # reported and skipped; the fallback remains
                 if isinstance(member, Fallback) or (k == len(candidates) - 1 and not fitted):
-                    raise  # the member of last resort failing is a bug, not a data problem
+                    raise error  # the member of last resort failing is a bug, not a data problem
                 self.failures_[member.name] = f"{type(error).__name__}: {error}"
                 say(f"ensemble: member {member.name} failed and is skipped: {self.failures_[member.name]}")
                 continue
-            self.fit_seconds_[member.name] = time.perf_counter() - started
+            self.fit_seconds_[member.name] = seconds
             fitted.append(member)
             forecasts.append(forecast)
 
         heads: dict[float, Member] = {}
         head_forecasts: dict[float, np.ndarray] = {}
-        for tau, head in self._heads(candidates).items():
-            started = time.perf_counter()
-            say(f"ensemble: quantile head {head.name}: fit on {first} steps, validate on {len(origins)} origins")
-            try:
-                head.fit_panel(train)
-                head_forecasts[tau] = head.forecast(panel, origins, h)
-            except Exception as error:  # reported; the residual quantiles remain
+        unfitted_heads = self._heads(candidates)
+        done = run_each([fit_and_validate(head, f"quantile head {head.name}") for head in unfitted_heads.values()],
+                        threads)
+        for (tau, head), (forecast, error, seconds) in zip(unfitted_heads.items(), done, strict=True):
+            if error is not None:  # reported; the residual quantiles remain
                 self.failures_[head.name] = f"{type(error).__name__}: {error}"
                 say(f"ensemble: quantile head {head.name} failed and is skipped: {self.failures_[head.name]}")
                 continue
-            self.fit_seconds_[head.name] = time.perf_counter() - started
+            self.fit_seconds_[head.name] = seconds
+            head_forecasts[tau] = forecast
             heads[tau] = head
 
         actual = actuals(panel.values, origins, h)  # (N, O, h)
@@ -406,16 +421,20 @@ class Ensemble:
             if self.quantile_method_ != "residuals":
                 head_list = list(heads.values())
                 refits += [(k, m, head_list) for k, m in enumerate(head_list)]
-            for k, member, owner in refits:
-                started = time.perf_counter()
-                say(f"ensemble: refit {member.name} on {panel.n_steps} steps")
-                previous = copy.deepcopy(member)
-                try:
+            previous = [copy.deepcopy(member) for _, member, _ in refits]
+
+            def refit(member: Member) -> Callable[[], None]:
+                def task() -> None:
+                    say(f"ensemble: refit {member.name} on {panel.n_steps} steps")
                     member.fit_panel(panel)
-                except Exception as error:  # keep the version fitted on the shorter window
+                return task
+
+            done = run_each([refit(member) for _, member, _ in refits], threads)
+            for (k, member, owner), before, (_, error, seconds) in zip(refits, previous, done, strict=True):
+                if error is not None:  # keep the version fitted on the shorter window
                     self.failures_[f"{member.name} (refit)"] = f"{type(error).__name__}: {error}"
-                    owner[k] = previous
-                self.fit_seconds_[member.name] += time.perf_counter() - started
+                    owner[k] = before
+                self.fit_seconds_[member.name] += seconds
             heads = dict(zip(heads, head_list, strict=True)) if self.quantile_method_ != "residuals" else heads
         self.heads_ = heads if self.quantile_method_ != "residuals" else {}
         self.members_ = fitted
@@ -749,6 +768,33 @@ class Ensemble:
         out = table[np.where(known, position, 0)]
         out[~known] = np.nan
         return out
+
+
+def run_each(tasks: Sequence[Callable[[], T]], threads: int = 1) -> list[tuple[T | None, Exception | None, float]]:
+    """Run every task, one after another or up to ``threads`` at once on threads of their own, and return each
+    one's ``(result, exception, wall seconds)`` in the order given: a task that raises does not stop the others."""
+
+    def timed(task: Callable[[], T]) -> tuple[T | None, Exception | None, float]:
+        started = time.perf_counter()
+        try:
+            return task(), None, time.perf_counter() - started
+        except Exception as error:  # noqa: BLE001 - handed back to the caller, who reports or raises it
+            return None, error, time.perf_counter() - started
+
+    if threads <= 1 or len(tasks) <= 1:
+        return [timed(task) for task in tasks]
+    from concurrent.futures import ThreadPoolExecutor
+
+    # Python's warning filters are one list for all threads: a member's ``catch_warnings`` that ends while another
+    # member is inside its own puts back the list as it was when it began, undoing the other's "ignore". The
+    # warnings the members silence when alone (RuntimeWarning of empty slices, and all of statsmodels' in the ARIMA
+    # fits) are silenced here for the whole threaded fit, so a threaded fit prints what a sequential one prints;
+    # warnings do not change any number
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        warnings.filterwarnings("ignore", module=r"statsmodels(\.|$)")
+        with ThreadPoolExecutor(max_workers=min(threads, len(tasks)), thread_name_prefix="ensemble-fit") as pool:
+            return list(pool.map(timed, tasks))
 
 
 def _forecast_rows(member: Member, panel: Panel, rows: np.ndarray, origins: list[int], h: int, shared,
