@@ -47,6 +47,10 @@ WARMUP_MIN = 10
 FORECAST_AHEAD_MIN = 5
 #: the levels the report keeps of each forecast (median and the 80 % band)
 SHOWN_LEVELS = (0.1, 0.5, 0.9)
+#: niceness of the baselines' processes in a parallel replay: their results wait until prewarm's replay ends, while
+#: the ensemble's fit and prewarm's replay after it are the report's critical path, so on a busy machine the
+#: baselines take the cores those two leave idle (same numbers either way; docs/report.md, Speed)
+BASELINES_NICE = 19
 
 
 class RecordingSource:
@@ -132,14 +136,16 @@ def _first_fit(since_col: int, history_min: int, min_train_min: int) -> int:
     return since_col if since_col >= min_train_min else max(since_col, history_min)
 
 
-def _baselines(workload: Workload, models: pd.DataFrame, config, keepalive_min: int) -> tuple[dict, dict]:
-    """The reactive and keep-alive replays, and their seconds."""
-    results, seconds = {}, {}
-    for name, policy in (("reactive", KnativePolicy()), (f"keepalive_{keepalive_min}", KeepAlivePolicy(keepalive_min))):
-        started = time.perf_counter()
-        results[name] = FleetSimulator(workload, models, policy, config, record_minutes=True).run()
-        seconds[f"simulate_{name}_s"] = time.perf_counter() - started
-    return results, seconds
+def _baseline_policies(keepalive_min: int) -> dict[str, object]:
+    """The baselines by report name: Knative's KPA and the fixed keep-alive."""
+    return {"reactive": KnativePolicy(), f"keepalive_{keepalive_min}": KeepAlivePolicy(keepalive_min)}
+
+
+def _baseline(workload: Workload, models: pd.DataFrame, config, policy) -> tuple[SimResult, float]:
+    """One baseline's replay, and its seconds."""
+    started = time.perf_counter()
+    result = FleetSimulator(workload, models, policy, config, record_minutes=True).run()
+    return result, time.perf_counter() - started
 
 
 class BlockStream:
@@ -228,9 +234,10 @@ def replay(history: History, settings: Settings, *, keepalive_min: int = 10, his
         retrain_every_min: minutes between refits (None: fitted once).
         members: ensemble members instead of the product default (tests of the plumbing only; the CLI never sets
             it).
-        parallel: replay the baselines in one forked process and fit and forecast in another, streaming the
-            forecasts to this one as it replays prewarm (:class:`BlockStream`; default: when the machine has 2 or
-            more cores and can fork); the results are the same either way.
+        parallel: replay each baseline in a forked process of its own at the lowest priority
+            (:data:`BASELINES_NICE`) and fit (on 2 threads) and forecast in another, streaming the forecasts to
+            this one as it replays prewarm (:class:`BlockStream`; default: when the machine has 2 or more cores and
+            can fork); the results are the same either way.
         progress: called with a line per stage.
 
     BLAS runs on one thread in every process of the replay (:func:`one_blas_thread`).
@@ -258,9 +265,13 @@ def _replay(history: History, settings: Settings, *, keepalive_min: int, history
     models = history.models.loc[list(history.ids)]
     min_train = 4 * settings.forecast_horizon_min
     fit_col = _first_fit(history.since_col, history_min, min_train)
+    # in parallel the forecasting process fits on 2 threads: this process waits for its first fit once it has
+    # replayed the minutes before it, and the baselines' process yields its core (BASELINES_NICE)
+    fit_settings = settings.model_copy(update={"forecast_fit_threads": max(settings.forecast_fit_threads, 2)}) \
+        if parallel else settings
     sources = ForecastSources(source_panel, train_until_min=fit_col,
-                              retrain_every_min=retrain_every_min or n_cols + 1, members=members, settings=settings,
-                              progress=lambda line: log.debug(line))
+                              retrain_every_min=retrain_every_min or n_cols + 1, members=members,
+                              settings=fit_settings, progress=lambda line: log.debug(line))
     ensemble = sources.get("ensemble")
     keepalive = f"keepalive_{keepalive_min}"
     baselines = forecasts = None
@@ -268,11 +279,15 @@ def _replay(history: History, settings: Settings, *, keepalive_min: int, history
         say(f"fitting the ensemble at minute {fit_col} on {min(fit_col, settings.train_window_min)} minutes before "
             "it, then forecasting every replayed minute" + (" (in a second process)" if parallel else ""))
     if parallel:
-        # one child replays the baselines (they need no forecast; forked: numpy only), one fits and forecasts
-        # (spawned, see BlockStream), streaming each block to this process, which meanwhile replays prewarm (the
-        # minutes before the first fit need no ensemble, later ones wait for it)
-        pool = multiprocessing.get_context("fork").Pool(1)
-        baselines = pool.apply_async(_baselines, (workload, models, config, keepalive_min))
+        # a child per baseline replays it (they need no forecast; forked: numpy only; at the lowest priority, so
+        # that they run on what the critical path leaves, two at once once prewarm's replay is done), one fits and
+        # forecasts (spawned, see BlockStream), streaming each block to this process, which meanwhile replays
+        # prewarm (the minutes before the first fit need no ensemble, later ones wait for it)
+        policies = _baseline_policies(keepalive_min)
+        pool = multiprocessing.get_context("fork").Pool(len(policies), initializer=os.nice,
+                                                        initargs=(BASELINES_NICE,))
+        baselines = {name: pool.apply_async(_baseline, (workload, models, config, policy))
+                     for name, policy in policies.items()}
         pool.close()
         if ensemble.schedule:
             forecasts = BlockStream(ensemble)
@@ -287,19 +302,23 @@ def _replay(history: History, settings: Settings, *, keepalive_min: int, history
                                budget=waste_budget(settings), cold_costs=history.cold_cost)
     started = time.perf_counter()
     say(f"replaying {workload.duration_s / 60:.0f} minutes of {workload.n_models} models under prewarm"
-        + (" (reactive and keep-alive in a second process)" if parallel else ""))
+        + (" (reactive and keep-alive in processes of their own)" if parallel else ""))
     results: dict[str, SimResult] = {
         "prewarm": FleetSimulator(workload, models, prewarm, config, record_minutes=True).run()}
     stages["simulate_prewarm_s"] = time.perf_counter() - started
     if forecasts is not None:
         stages.update(forecasts.finish())
     started = time.perf_counter()
-    other, seconds = baselines.get() if baselines is not None else _baselines(workload, models, config, keepalive_min)
-    results.update(other)
     if baselines is not None:
+        done = {name: pending.get() for name, pending in baselines.items()}
         pool.join()
         stages["wait_for_baselines_s"] = time.perf_counter() - started
-    stages.update(seconds)
+    else:
+        done = {name: _baseline(workload, models, config, policy)
+                for name, policy in _baseline_policies(keepalive_min).items()}
+    for name, (result, seconds) in done.items():
+        results[name] = result
+        stages[f"simulate_{name}_s"] = seconds
     s = prewarm.summaries
     results["prewarm"].extra.update(
         sources.report("ensemble"),
