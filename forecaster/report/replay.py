@@ -266,7 +266,7 @@ def _replay(history: History, settings: Settings, *, keepalive_min: int, history
     min_train = 4 * settings.forecast_horizon_min
     fit_col = _first_fit(history.since_col, history_min, min_train)
     # in parallel the forecasting process fits on 2 threads: this process waits for its first fit once it has
-    # replayed the minutes before it, and the baselines' process yields its core (BASELINES_NICE)
+    # replayed the minutes before it, and the baselines' processes yield the cores (BASELINES_NICE)
     fit_settings = settings.model_copy(update={"forecast_fit_threads": max(settings.forecast_fit_threads, 2)}) \
         if parallel else settings
     sources = ForecastSources(source_panel, train_until_min=fit_col,
