@@ -57,7 +57,8 @@ class CountPanel:
         """Long forecast frame from (N, H) arrays, target minutes ``first_col .. first_col + H - 1``."""
         n, h = next(iter(values.values())).shape
         ds = self.start + pd.to_timedelta(np.arange(first_col, first_col + h), unit="min")
-        out = {"unique_id": np.repeat(self.ids, h), "ds": np.tile(ds, n)}
+        # ``take`` keeps the tz-aware datetimes as one array; ``np.tile`` made 1,000 Timestamp objects per minute
+        out = {"unique_id": np.repeat(self.ids, h), "ds": ds.take(np.tile(np.arange(h), n))}
         out.update({name: np.asarray(v, dtype="float64").reshape(-1) for name, v in values.items()})
         return pd.DataFrame(out)
 
