@@ -43,7 +43,7 @@ from datetime import datetime
 import grpc
 
 from api.proto import externalscaler_pb2 as pb
-from api.proto import externalscaler_pb2_grpc as pb_grpc
+from api.proto import externalscaler_rpc
 from api.snapshot import ForecastSnapshot, ModelView
 from forecaster.planning.recommendation import Recommendation, demand_within_lead, recommend, replicas_for
 from forecaster.settings import Settings
@@ -183,7 +183,7 @@ class StreamTicker:
             return self.generation
 
 
-class ExternalScalerService(pb_grpc.ExternalScalerServicer):
+class ExternalScalerService:
     """The four RPCs of KEDA's ``externalscaler.ExternalScaler`` (method names are the proto's)."""
 
     def __init__(self, floors: ForecastFloor, ticker: StreamTicker) -> None:
@@ -294,7 +294,7 @@ class KedaScalerServer:
         ticker = StreamTicker(self._snapshot, self._settings.keda_stream_check_s,
                               refresh=self._settings.api_snapshot_refresh_s > 0)
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a port in use is an error, not shared
-        pb_grpc.add_ExternalScalerServicer_to_server(ExternalScalerService(self._floors, ticker), server)
+        externalscaler_rpc.add_to_server(ExternalScalerService(self._floors, ticker), server)
         try:
             self.port = server.add_insecure_port(self._address)
             await server.start()

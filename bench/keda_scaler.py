@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO))
 
 from api.keda_scaler import METRIC_NAME  # noqa: E402
 from api.proto import externalscaler_pb2 as pb  # noqa: E402
-from api.proto import externalscaler_pb2_grpc as pb_grpc  # noqa: E402
+from api.proto import externalscaler_rpc  # noqa: E402
 from forecaster.store.db import embedded_server  # noqa: E402
 
 DATABASE = "bench_keda"
@@ -94,7 +94,7 @@ def serving(url: str, token: str, probe_model: str, *, timeout_s: float = 180.0)
                     rest_up = httpx.get(f"{base}/v1/models/{probe_model}/recommendation",
                                         headers={"Authorization": f"Bearer {token}"}, timeout=30).status_code == 200
                     with grpc.insecure_channel(address) as channel:
-                        pb_grpc.ExternalScalerStub(channel).GetMetrics(request(probe_model), timeout=30)
+                        externalscaler_rpc.Stub(channel).GetMetrics(request(probe_model), timeout=30)
                     if rest_up:
                         break
                 except (httpx.HTTPError, grpc.RpcError):
@@ -118,7 +118,7 @@ def request(model_id: str) -> pb.GetMetricsRequest:
 
 async def grpc_phase(address: str, ids: list[str], concurrency: int, seconds: float, streams: int) -> dict:
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.ExternalScalerStub(channel)
+        stub = externalscaler_rpc.Stub(channel)
         opened, first = [], []
         started = time.perf_counter()
         for lo in range(0, streams, STREAM_BATCH):  # each batch's first answers before the next batch opens

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from api.keda_scaler import METRIC_NAME, KedaScalerServer
 from api.main import create_app
 from api.proto import externalscaler_pb2 as pb
-from api.proto import externalscaler_pb2_grpc as pb_grpc
+from api.proto import externalscaler_rpc
 from api.snapshot import ForecastSnapshot
 from forecaster.store.catalog import ServingModelSpec, upsert_models
 from forecaster.store.forecasts import write_forecasts
@@ -54,7 +54,7 @@ def stub(engine, scaler_settings, clock):
     port = server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield pb_grpc.ExternalScalerStub(channel)
+        yield externalscaler_rpc.Stub(channel)
     finally:
         channel.close()
         server.stop()
@@ -216,9 +216,9 @@ def test_the_api_process_serves_the_scaler_when_a_port_is_set(engine, settings, 
     with TestClient(app):
         port = app.state.keda_scaler.port
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            assert floor_value(pb_grpc.ExternalScalerStub(channel), model="llama") == 2
+            assert floor_value(externalscaler_rpc.Stub(channel), model="llama") == 2
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # stopped with the app
-        got, _ = status_of(lambda: pb_grpc.ExternalScalerStub(channel).IsActive(ref(model="llama"), timeout=2))
+        got, _ = status_of(lambda: externalscaler_rpc.Stub(channel).IsActive(ref(model="llama"), timeout=2))
         assert got == grpc.StatusCode.UNAVAILABLE
 
 
@@ -236,11 +236,20 @@ def test_a_port_in_use_fails_start_up_with_the_address(engine, scaler_settings, 
 
 
 def test_every_rpc_of_the_proto_is_implemented_by_the_service():
-    """The generated servicer's methods only raise NotImplementedError; prewarm's service overrides each RPC the
-    proto declares (a method added to the proto without an implementation here fails this test)."""
+    """prewarm's service defines each RPC the proto declares itself (there is no generated base class to inherit an
+    UNIMPLEMENTED answer from), and the bindings refuse a service that lacks one (a method added to the proto without
+    an implementation here fails this test and the server's start)."""
     from api.keda_scaler import ExternalScalerService
 
     declared = [m.name for m in pb.DESCRIPTOR.services_by_name["ExternalScaler"].methods]
     assert declared == ["IsActive", "StreamIsActive", "GetMetricSpec", "GetMetrics"]
     for name in declared:
-        assert getattr(ExternalScalerService, name) is not getattr(pb_grpc.ExternalScalerServicer, name), name
+        assert name in vars(ExternalScalerService) and callable(vars(ExternalScalerService)[name]), name
+    assert [m.name for m in externalscaler_rpc.SERVICE.methods] == declared
+
+    class Partial:
+        async def IsActive(self, request, context):  # noqa: N802 - the proto's name
+            return pb.IsActiveResponse(result=True)
+
+    with pytest.raises(TypeError, match="StreamIsActive, GetMetricSpec, GetMetrics"):
+        externalscaler_rpc.add_to_server(Partial(), grpc.aio.server())
