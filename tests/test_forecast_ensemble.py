@@ -526,3 +526,27 @@ def test_members_fitted_on_threads_make_the_same_ensemble_number_for_number() ->
 def test_a_failing_member_of_last_resort_raises_its_own_error_with_threads() -> None:
     with pytest.raises(RuntimeError, match="cannot fit"):
         Ensemble([Broken(), Broken()], horizon=10, fallback=False, fit_threads=2).fit_panel(mixed_panel())
+
+
+class FailsOnRefit(MovingAverage):
+    """Fits on the training part of the window, raises on the whole window (the refit)."""
+
+    def __init__(self, most_steps: int):
+        super().__init__(30)
+        self.most_steps = most_steps
+
+    def _fit(self, panel: Panel) -> None:
+        if panel.n_steps > self.most_steps:
+            raise RuntimeError("refit refused")
+        super()._fit(panel)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_failing_refit_keeps_the_member_fitted_on_the_shorter_window(threads: int) -> None:
+    panel = mixed_panel()  # 360 steps; the validation tail is 72, so the members first fit on 288
+    ensemble = Ensemble([FailsOnRefit(300), MovingAverage(60)], horizon=10, fit_threads=threads).fit_panel(panel)
+    assert ensemble.failures_ == {"moving_average_30 (refit)": "RuntimeError: refit refused"}
+    kept = ensemble.members_[0]
+    assert isinstance(kept, FailsOnRefit) and kept.panel_.n_steps == 288  # not the half-done refit's panel
+    assert ensemble.members_[1].panel_.n_steps == 360
+    assert np.isfinite(ensemble.predict(10)["ensemble"]).all()

@@ -421,19 +421,21 @@ class Ensemble:
             if self.quantile_method_ != "residuals":
                 head_list = list(heads.values())
                 refits += [(k, m, head_list) for k, m in enumerate(head_list)]
-            previous = [copy.deepcopy(member) for _, member, _ in refits]
+            previous: dict[int, Member] = {}  # the version fitted on the shorter window, while its refit runs
 
-            def refit(member: Member) -> Callable[[], None]:
+            def refit(position: int, member: Member) -> Callable[[], None]:
                 def task() -> None:
                     say(f"ensemble: refit {member.name} on {panel.n_steps} steps")
+                    previous[position] = copy.deepcopy(member)
                     member.fit_panel(panel)
+                    del previous[position]
                 return task
 
-            done = run_each([refit(member) for _, member, _ in refits], threads)
-            for (k, member, owner), before, (_, error, seconds) in zip(refits, previous, done, strict=True):
+            done = run_each([refit(j, member) for j, (_, member, _) in enumerate(refits)], threads)
+            for j, ((k, member, owner), (_, error, seconds)) in enumerate(zip(refits, done, strict=True)):
                 if error is not None:  # keep the version fitted on the shorter window
                     self.failures_[f"{member.name} (refit)"] = f"{type(error).__name__}: {error}"
-                    owner[k] = before
+                    owner[k] = previous.pop(j)
                 self.fit_seconds_[member.name] += seconds
             heads = dict(zip(heads, head_list, strict=True)) if self.quantile_method_ != "residuals" else heads
         self.heads_ = heads if self.quantile_method_ != "residuals" else {}
