@@ -35,6 +35,10 @@ top-level ``curves``, ``at_equal_cost``, ``oracle_gap_closed``, ``budget``):
   each GPU-seconds level (LLM traces);
 * ``oracle_gap_closed``: (hybrid - policy) / (hybrid - oracle) on p75 cold % at
   the hybrid's waste;
+* each curve point of the fleet and LLM replays also carries ``wait_p99_top_minute_share`` and
+  ``wait_p99_without_top_minute_s`` (:func:`forecaster.simulation.engine.wait_tail`): how much of the p99
+  tail arrived in one minute, and the p99 without that minute. On an hour-long single-model trace one burst
+  can hold every request above the p99, and the p99 read is then that burst's drain time;
 * ``budget``: ``prewarm_budget100``, the product in budget mode
   (:mod:`forecaster.planning.budget`) at 100 % of the 10-minute keep-alive's
   waste: the spend it reached over the scored window and its cold % / p99;
@@ -240,7 +244,8 @@ def p99_at_gpu(table: dict, prefix: str, grid, gpu: float) -> float | None:
 
 # --------------------------------------------------------------------------- v2: curves, equal cost, the oracle gap
 
-POINT_FIELDS = ("wasted_norm_pct", "cold_pct_p75", "cold_pct_overall", "wait_p99_s", "gpu_seconds")
+POINT_FIELDS = ("wasted_norm_pct", "cold_pct_p75", "cold_pct_overall", "wait_p99_s", "gpu_seconds",
+                "wait_p99_top_minute_share", "wait_p99_without_top_minute_s")
 
 
 def _point(row: dict, param) -> dict:
@@ -474,6 +479,13 @@ def print_v2(report: dict) -> None:
         for policy, points in entry["curves"].items():
             print(f"  {policy:<20}" + "  ".join(f"[{p['param'] if p['param'] is not None else '-'}] "
                                                 f"{_fmt(p[x])}, {_fmt(p[y])}" for p in points))
+        if y == "wait_p99_s":
+            # a p99 that rests on one minute's burst is that burst's drain time (engine.wait_tail)
+            print("  p99 tail in its worst minute (share; p99 without that minute):")
+            for policy, points in entry["curves"].items():
+                print(f"  {policy:<20}" + "  ".join(
+                    f"[{p['param'] if p['param'] is not None else '-'}] {_fmt(p.get('wait_p99_top_minute_share'))}; "
+                    f"{_fmt(p.get('wait_p99_without_top_minute_s'))}" for p in points))
         print("  at equal cost:")
         for policy, values in entry["at_equal_cost"].items():
             if policy == "tiered_vs_scale_only":

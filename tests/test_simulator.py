@@ -230,3 +230,30 @@ def test_hour_of_a_simulated_moment_is_the_timestamp_hour(start):
     moments += list(np.random.default_rng(0).uniform(0, 3 * 86400.0, 200))
     for seconds in moments:
         assert sim._hour_at(seconds) == (begin + pd.Timedelta(seconds=seconds)).hour, seconds
+
+
+def test_a_p99_resting_on_one_burst_says_so():
+    """Steady traffic served at once, then one burst from nothing in minute 3: every request at or above the p99
+    arrived in that minute, and without it the p99 is the steady traffic's (no wait)."""
+    steady = np.arange(60.0, 600.0, 0.5)  # 2/s, one replica held ready: no waits
+    burst = 200.0 + np.arange(40) * 0.01  # 40 requests in 0.4 s: 2 % of the run, queued behind one replica
+    times = np.sort(np.concatenate([steady, burst]))
+    _, result = simulate(workload(times, 660.0), one_model(10.0), FloorSchedule(lambda t: 1))
+    summary = result.summary()
+    assert summary["wait_p99_s"] > 1.0
+    assert summary["wait_p99_top_minute_share"] == 1.0
+    assert summary["wait_p99_without_top_minute_s"] == pytest.approx(0.0, abs=0.15)
+    assert (result.wait_minute == (times // 60).astype(int)).all()
+
+
+def test_wait_tail_with_no_wait_or_no_request():
+    from forecaster.simulation.engine import wait_tail
+
+    assert wait_tail(np.zeros(5), np.arange(5)) == {"wait_p99_top_minute_share": 0.0,
+                                                     "wait_p99_without_top_minute_s": 0.0}
+    assert wait_tail(np.zeros(0), np.zeros(0, dtype=int))["wait_p99_top_minute_share"] == 0.0
+    # the tail split over two minutes, 3 of 4 in minute 7
+    waits = np.concatenate([np.zeros(396), [5.0, 6.0, 7.0, 8.0]])
+    minutes = np.concatenate([np.arange(396) % 5, [7, 7, 7, 2]])
+    out = wait_tail(waits, minutes)
+    assert out["wait_p99_top_minute_share"] == pytest.approx(0.75)
