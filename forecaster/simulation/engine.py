@@ -152,8 +152,8 @@ class SimResult:
         }
 
 
-def wait_tail(waits: np.ndarray, minute: np.ndarray, q: float = 99.0) -> dict:
-    """How many minutes the ``q``-th percentile wait rests on.
+def wait_tail(waits: np.ndarray, minute: np.ndarray) -> dict:
+    """How many minutes the 99th percentile wait rests on.
 
     A p99 over a few thousand requests is the wait of the ``1 %`` slowest; when one burst queues more requests than
     that, the p99 is that burst's drain time and says nothing about the rest of the run. Returns the share of the
@@ -163,7 +163,7 @@ def wait_tail(waits: np.ndarray, minute: np.ndarray, q: float = 99.0) -> dict:
     """
     if not len(waits):
         return {"wait_p99_top_minute_share": 0.0, "wait_p99_without_top_minute_s": 0.0}
-    cut = float(np.percentile(waits, q))
+    cut = float(np.percentile(waits, 99))
     tail = waits >= cut
     if cut <= 0.0:
         return {"wait_p99_top_minute_share": 0.0, "wait_p99_without_top_minute_s": cut}
@@ -171,7 +171,7 @@ def wait_tail(waits: np.ndarray, minute: np.ndarray, q: float = 99.0) -> dict:
     top = minutes[np.argmax(counts)]
     rest = waits[minute != top]
     return {"wait_p99_top_minute_share": float(counts.max() / tail.sum()),
-            "wait_p99_without_top_minute_s": float(np.percentile(rest, q)) if len(rest) else 0.0}
+            "wait_p99_without_top_minute_s": float(np.percentile(rest, 99)) if len(rest) else 0.0}
 
 
 # --------------------------------------------------------------------------- the view policies get
