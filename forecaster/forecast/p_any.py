@@ -387,25 +387,25 @@ def _offset_logistic(x: np.ndarray, offset: np.ndarray, y: np.ndarray, penalty: 
     """
     w = np.zeros(x.shape[1])
 
-    def penalised_loss(v: np.ndarray) -> float:
+    def penalised_loss(v: np.ndarray) -> tuple[float, np.ndarray]:
         eta = offset + x @ v
-        return float(np.sum(np.logaddexp(0.0, eta) - y * eta) + 0.5 * penalty * (v @ v))
+        return float(np.sum(np.logaddexp(0.0, eta) - y * eta) + 0.5 * penalty * (v @ v)), eta
 
-    loss = penalised_loss(w)
+    loss, eta = penalised_loss(w)
     for _ in range(iterations):
-        p = _sigmoid(offset + x @ w)
+        p = _sigmoid(eta)  # eta of the accepted w: one matrix product per trial, none again here
         grad = x.T @ (p - y) + penalty * w
         hess = (x * (p * (1 - p))[:, None]).T @ x + penalty * np.eye(x.shape[1])
         step = np.linalg.solve(hess, grad)
         slope = float(grad @ step)  # > 0: the Hessian is positive definite
         t = 1.0
         while True:
-            trial = penalised_loss(w - t * step)
+            trial, trial_eta = penalised_loss(w - t * step)
             if trial <= loss - 1e-4 * t * slope or t < 1e-10:
                 break
             t *= 0.5
         w = w - t * step
-        loss = trial
+        loss, eta = trial, trial_eta
         if np.max(np.abs(t * step)) < 1e-6:
             break
     return w
