@@ -925,9 +925,8 @@ class FleetSimulator:
     def result(self) -> SimResult:
         """What was measured up to ``now`` (the whole run after :meth:`run`; a snapshot between advances, where a
         request still queued counts its wait so far and one not yet arrived counts nothing)."""
-        waits, wait_model = self._waits()
+        waits, wait_model, wait_minute = self._waits()
         wl = self.workload
-        scored = wl.times >= self.config.score_from_s
         events = pd.DataFrame(self.events)
         return SimResult(policy=self.policy.name, model_ids=wl.ids, requests=self.requests.copy(),
                          cold_requests=self.cold.copy(), waits=waits, wait_model=wait_model,
@@ -941,10 +940,11 @@ class FleetSimulator:
                          bytes_object_store_by_model=self.bytes_object_store_model.copy(),
                          cold_by_minute=None if self.cold_minute is None else self.cold_minute.copy(),
                          gpu_seconds_by_minute=None if self.gpu_minute is None else self.gpu_minute.copy(),
-                         wait_minute=(wl.times[scored] // 60).astype(np.int64))
+                         wait_minute=wait_minute)
 
-    def _waits(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per scored request, seconds from arrival to service start (FIFO per model, fluid within a tick)."""
+    def _waits(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per scored request, seconds from arrival to service start (FIFO per model, fluid within a tick), its
+        model and the simulated minute it arrived in."""
         wl = self.workload
         dt = self.config.tick_s
         n = wl.n_models
@@ -985,4 +985,4 @@ class FleetSimulator:
         start = np.where(unserved, np.maximum(self.now, wl.times), start)
         waits = np.maximum(start - wl.times, 0.0)
         scored = wl.times >= self.config.score_from_s
-        return waits[scored], wl.model[scored]
+        return waits[scored], wl.model[scored], (wl.times[scored] // 60).astype(np.int64)
