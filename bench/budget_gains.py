@@ -3,9 +3,20 @@
 EVALUATION.md section 2 scores minutes 240-1439; policies may learn on 0-239. This script runs the minute
 protocol's prewarm (causal empirical forecasts, the product's default cold cost) in budget mode at 100 % of the
 10-minute keep-alive's waste on minutes 0-239 of every function, for a small fixed set of (window, gain) pairs,
-and reports how far each one's spend over minutes 120-239 (the second half, after the start-up transient) lands
-from the budget. The pair with the smallest miss becomes the product default
-(``planner_waste_budget_window_min`` / ``_gain``). Nothing here reads a scored minute.
+and reports each one's spend over minutes 120-239 (the second half, after the start-up transient) and its p75
+cold % there. Nothing here reads a scored minute.
+
+The rule: **the slowest controller (lowest gain, then longest window) whose spend lands within the protocol's
+5 % of the budget** becomes the product default (``planner_waste_budget_window_min`` / ``_gain``). Why the
+slowest: the budget is a total, and the cold cost that buys the fewest cold starts for a total waste is a
+constant one (the Lagrange multiplier of "fewest cold starts subject to the summed waste" is the same in every
+minute), so every swing of the factor that the spend does not require costs cold starts; a faster controller
+only chases the pace of the last minutes. The spend criterion keeps controllers too slow to settle from the
+configured cold cost in time. (The rule until December 2026 took the candidate closest to the budget, 15
+minutes with gain 1/15; on the Azure day's scored minutes its factor swung between 0.16 and 0.62 at the 10th
+and 90th percentiles with the empirical source, and it reached p75 33.3 % at 100.7 % spend where constant cold
+costs read about 29 % at that spend: a diagnosis, not a choice. The p75 column is printed for information; on
+120 warm-up minutes it takes a few discrete values and does not tell the candidates apart.)
 
 Usage: python bench/budget_gains.py [--functions N] [--json PATH]
 """
@@ -30,6 +41,7 @@ from forecaster.simulation.minute import WARMUP_MIN, keepalive_loaded, planner_l
 AZURE_DAY = "azure_functions_2019_sample1350/invocations_per_function_1day_1350fn.csv.gz"
 AZURE_MEMORY = "azure_functions_2019_sample1350/app_memory_1350fn.csv.gz"
 CANDIDATES = ((60.0, 1 / 60.0), (30.0, 1 / 30.0), (30.0, 2 / 30.0), (15.0, 1 / 15.0), (15.0, 2 / 15.0))
+SPEND_TOLERANCE_PCT = 5.0  # the protocol's budget-mode tolerance (EVALUATION.md section 2, issue 14)
 
 
 def main() -> None:
@@ -52,13 +64,17 @@ def main() -> None:
         started = time.perf_counter()
         loaded, info = planner_loaded(counts, mb, cold_cost=product.planner_cold_cost, product=product,
                                       budget=WasteBudget(pct=100.0, window_min=window, gain=gain))
-        spend = 100.0 * score_loaded(counts, mb, loaded, half).wasted_memory_mb_min / reference
+        score = score_loaded(counts, mb, loaded, half)
+        spend = 100.0 * score.wasted_memory_mb_min / reference
         rows.append({"window_min": window, "gain": gain, "spend_pct_minutes_120_239": spend,
-                     "miss_pct": abs(spend - 100.0), "final_factor": info["budget"]["factor"],
+                     "miss_pct": abs(spend - 100.0), "within_tolerance": abs(spend - 100.0) <= SPEND_TOLERANCE_PCT,
+                     "cold_pct_p75_minutes_120_239": score.cold_pct_p75, "final_factor": info["budget"]["factor"],
                      "wall_s": time.perf_counter() - started})
         print(json.dumps(rows[-1]), flush=True)
-    best = min(rows, key=lambda r: r["miss_pct"])
-    print(f"chosen on the warm-up: window {best['window_min']:g} min, gain {best['gain']:.4f} per minute")
+    meeting = [r for r in rows if r["within_tolerance"]] or [min(rows, key=lambda r: r["miss_pct"])]
+    best = min(meeting, key=lambda r: (r["gain"], -r["window_min"]))
+    print(f"chosen on the warm-up: window {best['window_min']:g} min, gain {best['gain']:.4f} per minute "
+          f"(the slowest of {len(meeting)} within {SPEND_TOLERANCE_PCT:g} % of the budget)")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "chosen": best}, indent=1))
 
