@@ -18,6 +18,12 @@ and 90th percentiles with the empirical source, and it reached p75 33.3 % at 100
 costs read about 29 % at that spend: a diagnosis, not a choice. The p75 column is printed for information; on
 120 warm-up minutes it takes a few discrete values and does not tell the candidates apart.)
 
+Outcome, measured once after the rule was fixed and committed (``bench/policies.py --skip fleet,llm --no-grid``,
+ensemble source, scored minutes): 30 minutes reached p75 29.1 % at 101.0 % spend, worse than 15 minutes' 26.9 %
+at 100.5 %; its factor still ranged 0.12-0.70 (10th-90th percentile), so the swings are mostly the drift of the
+factor the budget needs over the day, not noise a slower loop averages away. The rule stands (switching back on
+that score would be a choice made on the scored day); a second day of data is what should decide it.
+
 Usage: python bench/budget_gains.py [--functions N] [--json PATH]
 """
 
