@@ -31,8 +31,10 @@ spend over warm-up minutes 120-239 lands within 5 % of the budget (60: 115 %, 30
 cold starts for a total waste is a constant one (the Lagrange multiplier of the summed waste is the same in every
 minute): a faster controller swings the cold cost with the pace of the last minutes, and every swing the spend
 does not need costs cold starts. (A window growing with the minutes seen, towards a day, was tried and dropped:
-on the warm-up it was still at 114 % spend over minutes 120-239; the factor the budget needs drifts over a day,
-from about 0.5 at night to about 0.3 in the day on the Azure trace, faster than a day-long window follows.)
+on the warm-up it was still at 114 % spend over minutes 120-239. A diagnosis on the Azure day's scored minutes,
+nothing chosen on it, says why: the factor the budget needs drifts from about 0.5 at night to about 0.3 by day,
+faster than a day-long window follows; the same drift is why the 30-minute window did not do better there than
+15 minutes did, see ``bench/budget_gains.py``.)
 ``max_factor`` (1000) bounds the cold cost to three orders of magnitude either way of the configured one.
 
 Saying when the budget is not met: every update also says where the spend stands (``BudgetState.status``):
