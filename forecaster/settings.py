@@ -208,13 +208,14 @@ class Settings(BaseSettings):
     planner_waste_budget_reference_min: int = Field(default=10, ge=1, le=1440,
                                                     description="Keep-alive minutes of the normalised budget's 100 %.")
     planner_waste_budget_window_min: float = Field(
-        default=30.0, gt=0, le=10080, allow_inf_nan=False,
-        description="Pacing window of the budget controller, minutes (30: chosen by bench/budget_gains.py on the "
-                    "Azure day's warm-up minutes 0-239 only, among 15/30/60 with gain 1/window or 2/window: the "
-                    "slowest controller whose spend there lands within 5 % of the budget).")
+        default=240.0, gt=0, le=10080, allow_inf_nan=False,
+        description="Pacing window of the budget controller, minutes: the spend curves and spend it meets the "
+                    "allowance over (240: chosen by bench/budget_gains.py on the Azure day's warm-up minutes 0-239 "
+                    "only, among 15/30/60/120/240: the longest whose spend there lands within 5 % of the budget).")
     planner_waste_budget_gain: float | None = Field(
         default=None, gt=0, le=10, allow_inf_nan=False,
-        description="Integral gain per minute on log(cold cost); unset: 1 / planner_waste_budget_window_min.")
+        description="Integral gain per minute on log(cold cost) while no spend curve is known yet (the first "
+                    "plan); unset: 1 / planner_waste_budget_window_min.")
     planner_waste_budget_max_factor: float = Field(
         default=1000.0, ge=1, le=1e6, allow_inf_nan=False,
         description="Budget mode keeps the cold cost within [1/f, f] x the configured one.")

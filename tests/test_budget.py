@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from forecaster.planning.budget import (BudgetState, WasteBudget, idle_gpu_seconds, keepalive_idle_gpu_seconds,
-                                        update_budget)
+                                        spend_curve_log_factors, update_budget)
 from forecaster.planning.step import waste_budget
 from forecaster.settings import Settings, SettingsError, load_settings
 from forecaster.simulation.curves import cost_at, gap_closed, value_at
@@ -16,12 +16,19 @@ from forecaster.simulation.minute import keepalive_loaded
 
 
 def _run(budget: WasteBudget, *, scale: float, elasticity: float, steps: int, seed: int = 0,
-         reference: float = 100.0) -> tuple[BudgetState, list[float], list[float], list[float]]:
-    """A synthetic plant: spend per minute = scale x factor^elasticity x lognormal noise."""
+         reference: float = 100.0, curve_error: float | None = None
+         ) -> tuple[BudgetState, list[float], list[float], list[float]]:
+    """A synthetic plant: spend per minute = scale x factor^elasticity x lognormal noise.
+
+    With ``curve_error`` each minute's plan predicts its spend curve as that multiple of the plant's mean
+    (the planner's spend curve, wrong by a constant factor); without it there is no curve (the integral step)."""
     rng = np.random.default_rng(seed)
     state = BudgetState()
     spent, allowed, factors = [], [], []
+    grid = spend_curve_log_factors(budget.max_factor)
     for _ in range(steps):
+        if curve_error is not None:
+            state = state.with_curve(curve_error * scale * np.exp(grid * elasticity) * math.exp(0.5 ** 2 / 2))
         s = scale * state.factor ** elasticity * float(rng.lognormal(0.0, 0.5))
         before = state.allowed_total
         state = update_budget(state, budget, spent_gpu_s=s, reference_idle_gpu_s=reference)
@@ -31,15 +38,21 @@ def _run(budget: WasteBudget, *, scale: float, elasticity: float, steps: int, se
     return state, spent, allowed, factors
 
 
+@pytest.mark.parametrize("curve_error", [1.0, 2.0, 0.5, None])
 @pytest.mark.parametrize("scale,elasticity", [(20.0, 0.3), (300.0, 0.5), (100.0, 1.0)])
-def test_the_controller_spends_the_budget_on_a_synthetic_stream(scale, elasticity):
-    budget = WasteBudget(pct=100.0)  # 100 GPU-s a minute allowed
-    _, spent, allowed, factors = _run(budget, scale=scale, elasticity=elasticity, steps=1440)
+def test_the_controller_spends_the_budget_on_a_synthetic_stream(scale, elasticity, curve_error):
+    # with spend curves (right or wrong by 2x either way) at the default window; without, the integral step
+    # at a 30-minute window (its default gain 1/30: the 240-minute default is too slow for it to settle here)
+    budget = WasteBudget(pct=100.0) if curve_error is not None else WasteBudget(pct=100.0, window_min=30.0)
+    _, spent, allowed, factors = _run(budget, scale=scale, elasticity=elasticity, steps=1440,
+                                      curve_error=curve_error)
     # after a 4-hour warm-up (the protocol's), the rest of the day spends within 5 % of what was allowed
     assert abs(sum(spent[240:]) / sum(allowed[240:]) - 1.0) < 0.05
     assert all(math.isfinite(f) and 1e-3 <= f <= 1e3 for f in factors)
     # and moves the cold cost the right way: up when it spent too little, down when too much
     assert (factors[-1] > 1.0) == (scale < 100.0)
+    if curve_error is not None:  # the factor the plant needs: scale x f^elasticity = 100
+        assert factors[-1] == pytest.approx((100.0 / scale) ** (1.0 / elasticity), rel=0.5)
 
 
 def test_the_cold_cost_moves_the_right_way_step_by_step():

@@ -65,6 +65,18 @@ BUDGET_TOLERANCE = 0.05
 OVER_BUDGET_WINDOWS = 4
 #: The statuses :func:`update_budget` gives (see the module docstring).
 BUDGET_STATUSES = ("on_budget", "settling", "over_budget", "infeasible")
+#: Points of the spend curve: cold-cost factors log-evenly spaced over ``[1 / max_factor, max_factor]``.
+SPEND_CURVE_POINTS = 25
+#: The pace correction of the feed-forward step stays within this ratio either way (see the module docstring).
+MAX_PACE_RATIO = 4.0
+#: The spend curve's bias (actual over predicted spend) stays within this ratio either way.
+MAX_CURVE_BIAS = 10.0
+
+
+def spend_curve_log_factors(max_factor: float) -> np.ndarray:
+    """The fixed grid of log cold-cost factors at which the planner predicts its spend (budget mode)."""
+    bound = math.log(max(float(max_factor), 1.0))
+    return np.linspace(-bound, bound, SPEND_CURVE_POINTS)
 
 
 @dataclass(frozen=True)
@@ -83,7 +95,7 @@ class WasteBudget:
     gpu_seconds_per_hour: float | None = None
     pct: float | None = None
     reference_min: int = 10
-    window_min: float = 30.0
+    window_min: float = 240.0
     gain: float | None = None
     max_factor: float = 1000.0
 
@@ -130,6 +142,10 @@ class BudgetState:
     ignored: int = 0
     over_minutes: float = 0.0  # minutes in a row with the discounted spend over budget
     status: str = "on_budget"
+    curve_span: float = math.log(1000.0)  # log(max_factor): the spend curve's grid (spend_curve_log_factors)
+    curve: tuple[float, ...] = ()  # the last plan's predicted idle GPU-seconds per minute at each grid factor
+    curve_sum: tuple[float, ...] = ()  # discounted sum of the curves of the plans since (x their minutes)
+    predicted: float = 0.0  # discounted sum of the curves at the factors used (what the curves predicted)
 
     @property
     def factor(self) -> float:
@@ -165,7 +181,46 @@ class BudgetState:
             and math.isfinite(over) and over >= 0 else 0.0
         status = values.get("status", "on_budget")
         fields["status"] = status if status in BUDGET_STATUSES else "on_budget"
+        span = values.get("curve_span", math.log(1000.0))
+        if isinstance(span, (int, float)) and not isinstance(span, bool) and math.isfinite(span) and span >= 0:
+            fields["curve_span"] = float(span)
+        predicted = values.get("predicted", 0.0)
+        fields["predicted"] = float(predicted) if isinstance(predicted, (int, float)) and not isinstance(
+            predicted, bool) and math.isfinite(predicted) and predicted >= 0 else 0.0
+        for name in ("curve", "curve_sum"):  # states saved before the feed-forward step have none: no curve yet
+            fields[name] = _curve(values.get(name, ()))
         return cls(**fields)
+
+    def with_curve(self, curve) -> "BudgetState":
+        """The state with the spend curve of the plan just made (per minute, at :func:`spend_curve_log_factors`)."""
+        return replace(self, curve=_curve(curve))
+
+
+def _curve(values: object) -> tuple[float, ...]:
+    """A spend curve as a tuple of :data:`SPEND_CURVE_POINTS` finite non-negative floats, or () when unusable."""
+    if not isinstance(values, (list, tuple, np.ndarray)) or len(values) != SPEND_CURVE_POINTS:
+        return ()
+    try:
+        out = tuple(float(v) for v in values)
+    except (TypeError, ValueError):
+        return ()
+    if not all(math.isfinite(v) and v >= 0 for v in out):
+        return ()
+    return out
+
+
+def _solve_factor(log_factors: np.ndarray, spend: np.ndarray, target: float) -> float:
+    """The log factor at which the (made non-decreasing) ``spend`` curve reaches ``target``, linear between
+    grid points; the grid's ends when the target is out of the curve's range."""
+    spend = np.maximum.accumulate(spend)
+    if target <= spend[0]:
+        return float(log_factors[0])
+    if target >= spend[-1]:
+        return float(log_factors[-1])
+    j = int(np.argmax(spend >= target))  # first point at or above the target; j >= 1 here
+    lo, hi = spend[j - 1], spend[j]
+    frac = (target - lo) / (hi - lo) if hi > lo else 1.0
+    return float(log_factors[j - 1] + frac * (log_factors[j] - log_factors[j - 1]))
 
 
 def update_budget(state: BudgetState, budget: WasteBudget, *, spent_gpu_s: float, reference_idle_gpu_s: float | None,
@@ -182,7 +237,22 @@ def update_budget(state: BudgetState, budget: WasteBudget, *, spent_gpu_s: float
     eps = 1e-9 + 0.01 * (a + s)
     error = math.log((a + eps) / (s + eps))
     bound = math.log(budget.max_factor)
-    log_factor = min(max(state.log_factor + budget.gain_per_min * minutes * error, -bound), bound)
+    grid = spend_curve_log_factors(budget.max_factor)
+    same_grid = abs(state.curve_span - bound) < 1e-9
+    curve_sum = np.asarray(state.curve_sum, dtype="float64") * keep if state.curve_sum and same_grid else None
+    predicted = keep * state.predicted if curve_sum is not None else 0.0
+    if state.curve and same_grid:  # the plan made at the start of this interval said what it would spend
+        pending = np.asarray(state.curve, dtype="float64") * float(minutes)
+        curve_sum = pending if curve_sum is None else curve_sum + pending
+        predicted += float(np.interp(state.log_factor, grid, pending))
+    if curve_sum is not None and predicted > 0 and curve_sum[-1] > 0:
+        # feed-forward: the factor that would have met the window's allowance, repaying the window's pace error
+        bias = min(max((s + eps) / (predicted + eps), 1.0 / MAX_CURVE_BIAS), MAX_CURVE_BIAS)
+        pace = min(max(math.exp(error), 1.0 / MAX_PACE_RATIO), MAX_PACE_RATIO)
+        log_factor = _solve_factor(grid, bias * curve_sum, a * pace)
+    else:  # no curve yet: the integral step
+        log_factor = state.log_factor + budget.gain_per_min * minutes * error
+    log_factor = min(max(log_factor, -bound), bound)
     over = s > (1.0 + BUDGET_TOLERANCE) * a + 1e-9
     over_minutes = state.over_minutes + float(minutes) if over else 0.0
     if not over:
@@ -195,7 +265,8 @@ def update_budget(state: BudgetState, budget: WasteBudget, *, spent_gpu_s: float
         status = "settling"
     return BudgetState(log_factor=log_factor, spent=s, allowed=a, spent_total=state.spent_total + float(spent_gpu_s),
                        allowed_total=state.allowed_total + allowed, updates=state.updates + 1, ignored=state.ignored,
-                       over_minutes=over_minutes, status=status)
+                       over_minutes=over_minutes, status=status, curve_span=bound,
+                       curve_sum=() if curve_sum is None else tuple(float(v) for v in curve_sum), predicted=predicted)
 
 
 # --------------------------------------------------------------------------- what was spent, what the reference spent

@@ -298,6 +298,9 @@ def plan(
     fleet: FleetState,
     settings: PlannerSettings,
     now: datetime,
+    *,
+    spend_curve_multipliers: np.ndarray | None = None,
+    spend_curve_busy: str = "requests",
 ) -> Plan:
     """Plan pre-warm actions for the next ``settings.horizon_min`` minutes.
 
@@ -309,6 +312,11 @@ def plan(
         fleet: the fleet as it stands at ``now``.
         settings: costs and guardrails.
         now: planning time (UTC); forecast horizon 1 is the minute starting at ``now``.
+        spend_curve_multipliers: budget mode (:mod:`forecaster.planning.budget`): multipliers of every cold cost
+            at which to also predict the idle GPU-seconds of the next minute (:func:`spend_curve`); the plan's
+            summary then carries them as ``spend_curve_gpu_s``.
+        spend_curve_busy: how the driver counts busy replicas (``"requests"`` or ``"replicas"``, see
+            :func:`forecaster.planning.budget.idle_gpu_seconds`).
 
     Returns:
         The plan; ``summary`` counts actions per kind and reason, late actions
@@ -340,13 +348,16 @@ def plan(
     best_state, cache_index = _best_states(fleet, gpus)
     d_by_state = np.stack([np.nan_to_num(lat[s], nan=0.0) for s in START_STATES], axis=1)  # (N, 4)
 
-    def scale_levels(state_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Desired ready replicas (N, H) when a new replica starts from ``state_idx``; benefits per unit."""
+    def scale_levels(state_idx: np.ndarray, multiplier: float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Desired ready replicas (N, H) when a new replica starts from ``state_idx``; benefits per unit.
+
+        ``multiplier`` scales every cold cost (budget mode's spend curve asks what other factors would hold)."""
         d = d_by_state[np.arange(n), state_idx]
-        c_cold = np.broadcast_to(cold_cost[:, None] * _wait_seconds(d[:, None], rate, settings.count_queued_wait),
+        cost = cold_cost * multiplier
+        c_cold = np.broadcast_to(cost[:, None] * _wait_seconds(d[:, None], rate, settings.count_queued_wait),
                                  (n, h_count)).copy()
         warm = fa.p_any * c_cold >= (1.0 - fa.p_any) * c_idle[:, None]
-        c_u = cold_cost * np.maximum(d, 1e-9) / 2.0
+        c_u = cost * np.maximum(d, 1e-9) / 2.0
         c_o = c_idle / cap
         level = c_u / (c_u + c_o)
         size = np.ceil(np.maximum(fa.quantile(level), 0.0) / cap[:, None] - 1e-9)
@@ -459,7 +470,55 @@ def plan(
         "models_forecast": int(fa.known.sum()),
         "forecast_rows_rescaled": fa.rescaled,
     }
+    if spend_curve_multipliers is not None:
+        summary["spend_curve_gpu_s"] = [
+            _expected_idle_gpu_s(fa, _held_next_minute(scale_levels(best_state, float(m))[0], current, lead,
+                                                       m * c_cold.max(axis=1) / np.maximum(c_idle, 1e-12),
+                                                       settings.release_hold_min),
+                                 cap, gpus, spend_curve_busy)
+            for m in np.asarray(spend_curve_multipliers, dtype="float64")]
     return Plan(planned_at=now, actions=tuple(actions), summary=summary)
+
+
+def _held_next_minute(desired: np.ndarray, current: np.ndarray, lead_s: np.ndarray, bridge_minutes: np.ndarray,
+                      release_hold_min: int) -> np.ndarray:
+    """(N,) replicas the plan's scale and release rules leave up in the minute after ``now``, for ``desired``.
+
+    The rules of :func:`plan`, read for one minute: a replica wanted within the lead time is started in it, and
+    a running one is kept while the keep window (lead time, bridge, hold) still wants it. Tiers, the GPU budget
+    and the concurrency limits are left out: this is a prediction for budget mode's spend curve, not the plan.
+    """
+    h_count = desired.shape[1]
+    lead_h = np.clip(np.ceil(lead_s / 60.0).astype(np.int64), 0, h_count - 1)
+    keep_h = np.maximum(lead_h, np.minimum(np.floor(bridge_minutes), h_count - 1).astype(np.int64)) + release_hold_min
+    cols = np.arange(h_count)[None, :]
+    starting = np.where(cols <= lead_h[:, None], desired, 0).max(axis=1)
+    keep = np.where(cols <= keep_h[:, None], desired, 0).max(axis=1)
+    return np.maximum(starting, np.minimum(current, keep)).astype("float64")
+
+
+def _expected_idle_gpu_s(fa: ForecastArrays, held: np.ndarray, cap: np.ndarray, gpus: np.ndarray, busy: str) -> float:
+    """Expected idle GPU-seconds of ``held`` replicas in the first forecast minute: E[(held - need)+] x GPUs x 60.
+
+    ``need`` is the replicas the minute's requests use, counted as the driver counts them (``busy``, see
+    :func:`forecaster.planning.budget.idle_gpu_seconds`), integrated over the forecast's quantiles (each level
+    weighs the probability between the midpoints to its neighbours); with whole replicas at least ``p_any`` of
+    one replica is used.
+    """
+    q = fa.values[:, 0, :]
+    levels = fa.levels
+    edges = np.concatenate([[0.0], (levels[1:] + levels[:-1]) / 2.0, [1.0]]) if len(levels) > 1 else np.array([0, 1.])
+    weight = np.diff(edges)
+    per_replica = q / cap[:, None]
+    if busy == "replicas":
+        need = np.where(q > 0, np.maximum(1.0, np.ceil(per_replica - 1e-9)), 0.0)
+    else:
+        need = per_replica
+    used = (np.minimum(need, held[:, None]) * weight[None, :]).sum(axis=1)
+    if busy == "replicas":
+        used = np.maximum(used, fa.p_any[:, 0] * np.minimum(held, 1.0))
+    idle = np.where(fa.known, np.maximum(held - used, 0.0), held)
+    return float((idle * gpus).sum() * 60.0)
 
 
 def _share_budget(fa: ForecastArrays, target: np.ndarray, cap: np.ndarray, c_cold: np.ndarray,

@@ -22,7 +22,7 @@ import pandas as pd
 from forecaster.contracts.actions import Plan
 from forecaster.contracts.fleet import FleetState
 from forecaster.contracts.forecast import float_columns, quantile_levels
-from forecaster.planning.budget import BudgetState, WasteBudget
+from forecaster.planning.budget import BudgetState, WasteBudget, spend_curve_log_factors
 from forecaster.planning.fleet import PlannerSettings
 from forecaster.planning.planner import plan
 from forecaster.settings import Settings
@@ -87,7 +87,7 @@ def _usable_forecast(forecasts: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, s
 
 
 def plan_step(now: datetime, forecasts: pd.DataFrame, fleet: FleetState, latency: pd.DataFrame,
-              settings: PlannerSettings, *, budget: BudgetState | None = None) -> Plan:
+              settings: PlannerSettings, *, budget: BudgetState | None = None, budget_busy: str = "requests") -> Plan:
     """Plan the next ``settings.horizon_min`` minutes (see the module docstring).
 
     Args:
@@ -98,7 +98,11 @@ def plan_step(now: datetime, forecasts: pd.DataFrame, fleet: FleetState, latency
         settings: from :func:`planner_settings`.
         budget: budget mode's controller state (:mod:`forecaster.planning.budget`), already updated by the driver
             with what was spent up to ``now``: every model's cold cost is multiplied by its factor, and the state
-            goes into ``summary["budget"]`` (the plan job reads it back from the newest stored plan).
+            goes into ``summary["budget"]`` with the plan's spend curve (its predicted idle GPU-seconds in the next
+            minute at every factor of the controller's grid), which the next update reads: the plan job reads it
+            back from the newest stored plan, the replays with :func:`budget_after`.
+        budget_busy: how the driver counts busy replicas when it measures the spend (``"requests"``: the plan job
+            and the fleet replay; ``"replicas"``: the minute protocol), so that the curve predicts what it measures.
 
     Returns:
         The plan; ``summary["skipped"]`` counts the models left out and ``summary["skipped_models"]`` names up to
@@ -112,9 +116,20 @@ def plan_step(now: datetime, forecasts: pd.DataFrame, fleet: FleetState, latency
     if budget is not None:
         fleet = replace(fleet, models=fleet.models.assign(cold_cost=budget.cold_cost(
             fleet.models["cold_cost"].to_numpy(dtype="float64"))))
-    result = plan(forecasts, latency, fleet, settings, now)
+    multipliers = None if budget is None else \
+        np.exp(spend_curve_log_factors(np.exp(budget.curve_span)) - budget.log_factor)
+    result = plan(forecasts, latency, fleet, settings, now, spend_curve_multipliers=multipliers,
+                  spend_curve_busy=budget_busy)
     summary = {**result.summary, "skipped": len(skipped),
                "skipped_models": dict(list(skipped.items())[:20])}
     if budget is not None:
-        summary["budget"] = budget.as_dict()
+        summary["budget"] = budget.with_curve(summary.pop("spend_curve_gpu_s")).as_dict()
     return Plan(planned_at=result.planned_at, actions=result.actions, summary=summary)
+
+
+def budget_after(plan: Plan, state: BudgetState | None) -> BudgetState | None:
+    """Budget mode's state as the plan left it (with its spend curve), for the driver's next update; ``state``
+    itself when the plan carries none."""
+    if state is None or "budget" not in plan.summary:
+        return state
+    return BudgetState.from_dict(plan.summary["budget"])

@@ -39,7 +39,7 @@ from forecaster.planning.budget import BudgetState, WasteBudget, idle_gpu_second
     update_budget
 from forecaster.planning.fleet import PlannerSettings
 from forecaster.planning.forecasts import CountPanel, EmpiricalForecast
-from forecaster.planning.step import plan_step
+from forecaster.planning.step import budget_after, plan_step
 from forecaster.settings import Settings
 from forecaster.simulation.policies import HybridHistogram, ReplayActuation
 
@@ -214,7 +214,9 @@ def planner_loaded(counts: np.ndarray, memory_mb: np.ndarray, *, cold_cost: floa
         rate = (cumulative + 1.0) / (t + 1.0)
         models = base.assign(cold_cost=cold_cost / rate, replicas=cluster.current)
         forecast = source.quantiles(now, 1)
-        result = plan_step(now, forecast, build_fleet(models, nodes), latency, settings, budget=state)
+        result = plan_step(now, forecast, build_fleet(models, nodes), latency, settings, budget=state,
+                           budget_busy="replicas")
+        state = budget_after(result, state)
         for action in result.actions:
             reasons[action.reason.value] = reasons.get(action.reason.value, 0) + 1
         actuation.submit(result, now)

@@ -34,7 +34,7 @@ from forecaster.contracts.forecast import ForecastSource
 from forecaster.planning.budget import BudgetState, WasteBudget, idle_gpu_seconds, keepalive_idle_gpu_seconds, \
     update_budget
 from forecaster.planning.fleet import PlannerSettings
-from forecaster.planning.step import plan_step
+from forecaster.planning.step import budget_after, plan_step
 from forecaster.settings import Settings
 from forecaster.simulation.backend import SimulatedBackend
 from forecaster.simulation.engine import Decision, SimView
@@ -417,6 +417,7 @@ class PlannerPolicy:
             forecast = self.source.quantiles(now, self.settings.horizon_min)
             result = plan_step(now, forecast, self.fleet(view, now), self.latency(view), self.settings,
                                budget=self.budget_state)
+            self.budget_state = budget_after(result, self.budget_state)
             self.summaries.append(result.summary)
             if self.plans is not None:
                 self.plans.append(result)
