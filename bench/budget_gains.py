@@ -1,28 +1,25 @@
-"""Choose budget mode's controller window and gain on the Azure day's warm-up window only (minutes 0-239).
+"""Choose budget mode's controller window on the Azure day's warm-up window only (minutes 0-239).
 
 EVALUATION.md section 2 scores minutes 240-1439; policies may learn on 0-239. This script runs the minute
 protocol's prewarm (causal empirical forecasts, the product's default cold cost) in budget mode at 100 % of the
-10-minute keep-alive's waste on minutes 0-239 of every function, for a small fixed set of (window, gain) pairs,
-and reports each one's spend over minutes 120-239 (the second half, after the start-up transient) and its p75
-cold % there. Nothing here reads a scored minute.
+10-minute keep-alive's waste on minutes 0-239 of every function, for a small fixed set of windows (each with its
+default gain 1/window, used only before the first spend curve), and reports each one's spend over minutes
+120-239 (the second half, after the start-up transient) and its p75 cold % there. Nothing here reads a scored
+minute.
 
-The rule: **the slowest controller (lowest gain, then longest window) whose spend lands within the protocol's
-5 % of the budget** becomes the product default (``planner_waste_budget_window_min`` / ``_gain``). Why the
-slowest: the budget is a total, and the cold cost that buys the fewest cold starts for a total waste is a
-constant one (the Lagrange multiplier of "fewest cold starts subject to the summed waste" is the same in every
-minute), so every swing of the factor that the spend does not require costs cold starts; a faster controller
-only chases the pace of the last minutes. The spend criterion keeps controllers too slow to settle from the
-configured cold cost in time. (The rule until December 2026 took the candidate closest to the budget, 15
-minutes with gain 1/15; on the Azure day's scored minutes its factor swung between 0.16 and 0.62 at the 10th
-and 90th percentiles with the empirical source, and it reached p75 33.3 % at 100.7 % spend where constant cold
-costs read about 29 % at that spend: a diagnosis, not a choice. The p75 column is printed for information; on
-120 warm-up minutes it takes a few discrete values and does not tell the candidates apart.)
+The rule: **the longest window whose spend lands within the protocol's 5 % of the budget** becomes the product
+default (``planner_waste_budget_window_min``). Why the longest: the budget is a total, and the cold cost that
+buys the fewest cold starts for a total waste is a constant one (the Lagrange multiplier of "fewest cold starts
+subject to the summed waste" is the same in every minute), so the factor should move with the trade-off's
+drift, not with the last minutes' noise; the feed-forward controller (each plan's spend curve, see
+``forecaster/planning/budget.py``) follows the drift at once whatever the window. No candidate is longer than
+the warm-up, which could not judge it. The p75 column is printed for information; on 120 warm-up minutes it
+takes a few discrete values and does not tell the candidates apart.
 
-Outcome, measured once after the rule was fixed and committed (``bench/policies.py --skip fleet,llm --no-grid``,
-ensemble source, scored minutes): 30 minutes reached p75 29.1 % at 101.0 % spend, worse than 15 minutes' 26.9 %
-at 100.5 %; its factor still ranged 0.12-0.70 (10th-90th percentile), so the swings are mostly the drift of the
-factor the budget needs over the day, not noise a slower loop averages away. The rule stands (switching back on
-that score would be a choice made on the scored day); a second day of data is what should decide it.
+History: the integral controller before the spend curves was chosen here among 15/30/60 minutes with gain 1/W or
+2/W: first the candidate closest to the budget (15 minutes, scored day p75 26.9 % at 100.5 % spend), then the
+slowest within 5 % (30 minutes: warm-up spend 102.1 %, 60 minutes 115 %; scored day p75 29.1 % at 101.0 %, its
+factor ranging 0.12-0.70 at the 10th-90th percentiles: the drift an integral step learns a window late).
 
 Usage: python bench/budget_gains.py [--functions N] [--json PATH]
 """
@@ -46,7 +43,7 @@ from forecaster.simulation.minute import WARMUP_MIN, keepalive_loaded, planner_l
 
 AZURE_DAY = "azure_functions_2019_sample1350/invocations_per_function_1day_1350fn.csv.gz"
 AZURE_MEMORY = "azure_functions_2019_sample1350/app_memory_1350fn.csv.gz"
-CANDIDATES = ((240.0, 1 / 240.0), (120.0, 1 / 120.0), (60.0, 1 / 60.0), (30.0, 1 / 30.0), (15.0, 1 / 15.0))
+CANDIDATES = ((240.0, 1 / 240.0), (120.0, 1 / 120.0), (60.0, 1 / 60.0), (30.0, 1 / 30.0), (15.0, 1 / 15.0))  # (window, gain)
 SPEND_TOLERANCE_PCT = 5.0  # the protocol's budget-mode tolerance (EVALUATION.md section 2, issue 14)
 
 
@@ -78,9 +75,9 @@ def main() -> None:
                      "wall_s": time.perf_counter() - started})
         print(json.dumps(rows[-1]), flush=True)
     meeting = [r for r in rows if r["within_tolerance"]] or [min(rows, key=lambda r: r["miss_pct"])]
-    best = min(meeting, key=lambda r: (r["gain"], -r["window_min"]))
-    print(f"chosen on the warm-up: window {best['window_min']:g} min, gain {best['gain']:.4f} per minute "
-          f"(the slowest of {len(meeting)} within {SPEND_TOLERANCE_PCT:g} % of the budget)")
+    best = max(meeting, key=lambda r: r["window_min"])
+    print(f"chosen on the warm-up: window {best['window_min']:g} min "
+          f"(the longest of {len(meeting)} within {SPEND_TOLERANCE_PCT:g} % of the budget)")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "chosen": best}, indent=1))
 

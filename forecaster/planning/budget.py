@@ -14,32 +14,38 @@ multiplies every model's cold cost by a factor ``f = exp(u)`` and moves ``u`` af
   the normalised one: ``pct`` % of what a fixed keep-alive of ``reference_min`` minutes would have wasted on
   the same invocations in the same interval (:func:`keepalive_idle_gpu_seconds`; causal, it reads only
   minutes that have ended). With both set the smaller allowance holds.
-* **the controller**: exponentially discounted totals over a window of ``window_min`` minutes,
-  ``S <- l S + spent``, ``A <- l A + allowed`` with ``l = exp(-dt / window_min)``; the pace error
-  ``e = log((A + eps) / (S + eps))`` (``eps = 1e-9 + 0.01 (A + S)``, so ``|e| <= log 101``: positive when under
-  budget); then an integral step on log(cold cost), ``u <- clip(u + gain dt e, -log(max_factor), log(max_factor))``.
+* **what the plan would spend** (the spend curve): every plan in budget mode also predicts the idle GPU-seconds
+  of its next minute at :data:`SPEND_CURVE_POINTS` cold-cost factors, log-evenly spaced over
+  ``[1 / max_factor, max_factor]`` (:func:`spend_curve_log_factors`): the replicas its own scale and release
+  rules would hold at each factor, less the replicas the forecast's quantiles say the minute's requests use
+  (:func:`forecaster.planning.planner.plan`, ``spend_curve_multipliers``). The curve rides in the state
+  (``curve``) to the next update.
+* **the controller** (feed-forward): exponentially discounted totals over a window of ``window_min`` minutes,
+  ``S <- l S + spent``, ``A <- l A + allowed``, ``C(f) <- l C(f) + minutes x curve(f)`` and
+  ``P <- l P + minutes x curve(f_used)`` with ``l = exp(-dt / window_min)``. The curves' bias is
+  ``b = S / P`` (what was spent over what they predicted at the factors used, within 10x either way), the pace
+  error ``A / S`` (within 4x either way; ``eps = 1e-9 + 0.01 (A + S)`` on both sides). The new factor is the one
+  at which ``b C(f) = A x A / S``: the constant factor that would have met the window's allowance, spending
+  less after the window overspent (and more after it underspent) so that the total comes back to the budget.
+  Before the first curve (a fresh state, or one saved before curves) the factor takes an integral step instead,
+  ``u <- u + gain dt log(A / S)``.
 
-Gains: with spend elasticity ``k = d log(spend) / d log(cold cost)``, the discounted window is a first-order lag
-of ``W = window_min`` and the integral step closes a second-order loop ``W s^2 + s + gain k = 0`` whose damping
-ratio is ``1 / (2 sqrt(gain k W))``. ``gain = 1 / W`` makes it critically damped at ``k = 1/4`` and damped at 0.5
-at ``k = 1`` (the planner's waste grows slower than its cold cost: ``k`` is about 0.3 on the Azure minute
-protocol's cold-cost curve), so the loop never oscillates much and settles in a few ``W / k``. The window itself
-(30 minutes) was chosen by ``bench/budget_gains.py`` on the Azure day's warm-up minutes 0-239 only, from the
-fixed set W in {15, 30, 60} with gain 1/W (and 2/W for 15 and 30), budget 100 %: the slowest controller whose
-spend over warm-up minutes 120-239 lands within 5 % of the budget (60: 115 %, 30: 102.1 %, 30 with 2/W: 98.0 %,
-15: 99.8 %, 15 with 2/W: 101.2 %). Slowest, because a budget is a total and the cold cost that buys the fewest
-cold starts for a total waste is a constant one (the Lagrange multiplier of the summed waste is the same in every
-minute): a faster controller swings the cold cost with the pace of the last minutes, and every swing the spend
-does not need costs cold starts. (A window growing with the minutes seen, towards a day, was tried and dropped:
-on the warm-up it was still at 114 % spend over minutes 120-239. A diagnosis on the Azure day's scored minutes,
-nothing chosen on it, says why: the factor the budget needs drifts from about 0.5 at night to about 0.3 by day,
-faster than a day-long window follows; the same drift is why the 30-minute window did not do better there than
-15 minutes did, see ``bench/budget_gains.py``.)
+Why feed-forward: the factor the budget needs drifts through the day (on the Azure day from about 0.5 at night
+to about 0.3 by day, with the empirical source); an integral step only learns the drift from the spend it has
+already made, a window's lag later, and over-shoots; the curve says at once what each factor would spend on the
+minutes now coming. Why a long window: a budget is a total, and the cold cost that buys the fewest cold starts
+for a total waste is a constant one (the Lagrange multiplier of "fewest cold starts subject to the summed waste"
+is the same in every minute), so the factor should follow the drift of the trade-off, not the noise of the last
+minutes. The window (240 minutes) was chosen by ``bench/budget_gains.py`` on the Azure day's warm-up minutes
+0-239 only, from the fixed set {15, 30, 60, 120, 240} (none longer than the warm-up, which could not judge it),
+budget 100 %: the longest whose spend over warm-up minutes 120-239 lands within 5 % of the budget (240: 100.7 %,
+120: 100.1 %, 60: 99.95 %, 30: 100.2 %, 15: 100.5 %; the integral controller it replaced spent 115 % at 60
+minutes and 102.1 % at 30 there).
 ``max_factor`` (1000) bounds the cold cost to three orders of magnitude either way of the configured one.
 
 Saying when the budget is not met: every update also says where the spend stands (``BudgetState.status``):
 ``on_budget`` (the discounted spend within :data:`BUDGET_TOLERANCE` of the discounted allowance, or under it),
-``settling`` (over it, for less than :data:`OVER_BUDGET_WINDOWS` pacing windows), ``over_budget`` (over it for
+``settling`` (over it, for less than :data:`OVER_BUDGET_MIN` minutes), ``over_budget`` (over it for
 that long: the controller has not brought the spend down) and ``infeasible`` (over it with the cold cost at its
 lowest allowed factor, ``1 / max_factor``: the planner cannot spend less by valuing waits less; what is left is
 what the fleet holds anyway, e.g. replicas the reactive path keeps). ``over_minutes`` counts the minutes in a row
@@ -61,8 +67,9 @@ import numpy as np
 
 #: Share by which the discounted spend may exceed the discounted allowance and still count as on budget.
 BUDGET_TOLERANCE = 0.05
-#: Pacing windows over budget in a row after which the status is ``over_budget`` rather than ``settling``.
-OVER_BUDGET_WINDOWS = 4
+#: Minutes over budget in a row after which the status is ``over_budget`` rather than ``settling`` (two hours: a
+#: fixed time, not a number of pacing windows, since the feed-forward step does not settle at the window's pace).
+OVER_BUDGET_MIN = 120.0
 #: The statuses :func:`update_budget` gives (see the module docstring).
 BUDGET_STATUSES = ("on_budget", "settling", "over_budget", "infeasible")
 #: Points of the spend curve: cold-cost factors log-evenly spaced over ``[1 / max_factor, max_factor]``.
@@ -259,7 +266,7 @@ def update_budget(state: BudgetState, budget: WasteBudget, *, spent_gpu_s: float
         status = "on_budget"
     elif log_factor <= -bound + 1e-9:
         status = "infeasible"
-    elif over_minutes >= OVER_BUDGET_WINDOWS * budget.window_min:
+    elif over_minutes >= OVER_BUDGET_MIN:
         status = "over_budget"
     else:
         status = "settling"

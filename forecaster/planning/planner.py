@@ -471,11 +471,11 @@ def plan(
         "forecast_rows_rescaled": fa.rescaled,
     }
     if spend_curve_multipliers is not None:
+        need = _need_given_any(fa, cap, spend_curve_busy)
         summary["spend_curve_gpu_s"] = [
             _expected_idle_gpu_s(fa, _held_next_minute(scale_levels(best_state, float(m))[0], current, lead,
                                                        m * c_cold.max(axis=1) / np.maximum(c_idle, 1e-12),
-                                                       settings.release_hold_min),
-                                 cap, gpus, spend_curve_busy)
+                                                       settings.release_hold_min), need, gpus)
             for m in np.asarray(spend_curve_multipliers, dtype="float64")]
     return Plan(planned_at=now, actions=tuple(actions), summary=summary)
 
@@ -497,26 +497,31 @@ def _held_next_minute(desired: np.ndarray, current: np.ndarray, lead_s: np.ndarr
     return np.maximum(starting, np.minimum(current, keep)).astype("float64")
 
 
-def _expected_idle_gpu_s(fa: ForecastArrays, held: np.ndarray, cap: np.ndarray, gpus: np.ndarray, busy: str) -> float:
-    """Expected idle GPU-seconds of ``held`` replicas in the first forecast minute: E[(held - need)+] x GPUs x 60.
+#: Quantile levels sampled per model, evenly over the mass above zero, for the expected replicas a minute uses.
+_NEED_SAMPLES = 16
 
-    ``need`` is the replicas the minute's requests use, counted as the driver counts them (``busy``, see
-    :func:`forecaster.planning.budget.idle_gpu_seconds`), integrated over the forecast's quantiles (each level
-    weighs the probability between the midpoints to its neighbours); with whole replicas at least ``p_any`` of
-    one replica is used.
-    """
-    q = fa.values[:, 0, :]
-    levels = fa.levels
-    edges = np.concatenate([[0.0], (levels[1:] + levels[:-1]) / 2.0, [1.0]]) if len(levels) > 1 else np.array([0, 1.])
-    weight = np.diff(edges)
-    per_replica = q / cap[:, None]
+
+def _need_given_any(fa: ForecastArrays, cap: np.ndarray, busy: str) -> np.ndarray:
+    """(N, S) replicas the first forecast minute's requests use, at :data:`_NEED_SAMPLES` quantiles evenly spread
+    over the mass above zero (levels ``1 - p_any (j + 1/2) / S``), counted as the driver counts them (``busy``,
+    see :func:`forecaster.planning.budget.idle_gpu_seconds`: whole replicas, at least one with any request; or
+    the share of a replica's capacity)."""
+    p = fa.p_any[:, :1]
+    samples = np.stack([fa.quantile(1.0 - p * (j + 0.5) / _NEED_SAMPLES)[:, 0] for j in range(_NEED_SAMPLES)],
+                       axis=1)
+    per_replica = np.maximum(samples, 0.0) / cap[:, None]
     if busy == "replicas":
-        need = np.where(q > 0, np.maximum(1.0, np.ceil(per_replica - 1e-9)), 0.0)
-    else:
-        need = per_replica
-    used = (np.minimum(need, held[:, None]) * weight[None, :]).sum(axis=1)
-    if busy == "replicas":
-        used = np.maximum(used, fa.p_any[:, 0] * np.minimum(held, 1.0))
+        return np.maximum(1.0, np.ceil(per_replica - 1e-9))
+    if busy == "requests":
+        return per_replica
+    raise ValueError(f"busy must be 'replicas' or 'requests', got {busy!r}")
+
+
+def _expected_idle_gpu_s(fa: ForecastArrays, held: np.ndarray, need_given_any: np.ndarray, gpus: np.ndarray
+                         ) -> float:
+    """Expected idle GPU-seconds of ``held`` replicas in the first forecast minute: E[(held - need)+] x GPUs x 60,
+    with ``E[min(need, held)] = p_any x mean(min(need | any, held))`` (:func:`_need_given_any`)."""
+    used = fa.p_any[:, 0] * np.minimum(need_given_any, held[:, None]).mean(axis=1)
     idle = np.where(fa.known, np.maximum(held - used, 0.0), held)
     return float((idle * gpus).sum() * 60.0)
 
