@@ -127,7 +127,8 @@ def test_budget_mode_carries_its_state_from_plan_to_plan_and_measures_the_idle_r
     state = third["summary"]["budget"]
     assert state["updates"] == 3 and state["spent_total"] > 0 and state["allowed_total"] == 0.0
     assert 0 < state["factor"] < 1
-    assert state["status"] == "settling" and state["over_minutes"] > 0  # over budget, for under four windows
+    assert state["status"] == "settling" and state["over_minutes"] > 0  # over budget, for under two hours
+    assert len(state["curve"]) == 25 and len(state["curve_sum"]) == 25  # each plan says what it would spend
     again = plan_job(engine, budgeted, NOW + timedelta(minutes=6, seconds=30))  # same minute: no new measurement
     assert again["summary"]["budget"]["updates"] == 3
     with engine.connect() as conn:
@@ -140,7 +141,7 @@ def test_budget_mode_says_when_the_budget_cannot_be_met(engine, settings, caplog
     _setup(engine)
     with engine.begin() as conn:
         conn.execute(text("INSERT INTO plans (planned_at, summary) VALUES (:t, CAST(:s AS jsonb))"),
-                     {"t": NOW, "s": '{"budget": {"log_factor": -6.9, "spent": 500.0, "allowed": 0.0, '
+                     {"t": NOW, "s": '{"budget": {"log_factor": -6.908, "spent": 500.0, "allowed": 0.0, '
                                      '"status": "over_budget", "over_minutes": 120}}'})
     budgeted = settings.model_copy(update={"planner_waste_budget_gpu_seconds_per_hour": 0.0})
     with caplog.at_level("WARNING", logger="forecaster.jobs.planning"):

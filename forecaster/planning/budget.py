@@ -45,12 +45,12 @@ minutes and 102.1 % at 30 there).
 
 Saying when the budget is not met: every update also says where the spend stands (``BudgetState.status``):
 ``on_budget`` (the discounted spend within :data:`BUDGET_TOLERANCE` of the discounted allowance, or under it),
-``settling`` (over it, for less than :data:`OVER_BUDGET_MIN` minutes), ``over_budget`` (over it for
-that long: the controller has not brought the spend down) and ``infeasible`` (over it with the cold cost at its
-lowest allowed factor, ``1 / max_factor``: the planner cannot spend less by valuing waits less; what is left is
-what the fleet holds anyway, e.g. replicas the reactive path keeps). ``over_minutes`` counts the minutes in a row
-over budget. The plan job logs a warning when the status turns ``over_budget`` or ``infeasible``, and the plan's
-summary carries it with the rest of the state.
+``settling`` (over it, for less than :data:`OVER_BUDGET_MIN` minutes), ``over_budget`` (over it for that long:
+the controller has not brought the spend down) and ``infeasible`` (over it with the cold cost at its lowest
+allowed factor, ``1 / max_factor``, both in the interval measured and after the update: the planner cannot spend
+less by valuing waits less; what is left is what the fleet holds anyway, e.g. replicas the reactive path keeps).
+``over_minutes`` counts the minutes in a row over budget. The plan job logs a warning when the status turns
+``over_budget`` or ``infeasible``, and the plan's summary carries it with the rest of the state.
 
 Everything here is pure: :class:`BudgetState` is a small frozen value the drivers carry from plan to plan (the
 plan job stores it in the plan's summary); :func:`update_budget` never returns NaN or infinity, and ignores a
@@ -264,7 +264,7 @@ def update_budget(state: BudgetState, budget: WasteBudget, *, spent_gpu_s: float
     over_minutes = state.over_minutes + float(minutes) if over else 0.0
     if not over:
         status = "on_budget"
-    elif log_factor <= -bound + 1e-9:
+    elif log_factor <= -bound + 1e-9 and state.log_factor <= -bound + 1e-9:  # spent over at the lowest factor
         status = "infeasible"
     elif over_minutes >= OVER_BUDGET_MIN:
         status = "over_budget"
