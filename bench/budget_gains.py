@@ -21,6 +21,11 @@ History: the integral controller before the spend curves was chosen here among 1
 slowest within 5 % (30 minutes: warm-up spend 102.1 %, 60 minutes 115 %; scored day p75 29.1 % at 101.0 %, its
 factor ranging 0.12-0.70 at the 10th-90th percentiles: the drift an integral step learns a window late).
 
+Outcome of the feed-forward controller at the 240-minute window, measured once after it was committed
+(``bench/policies.py --skip fleet,llm --no-grid``, ensemble source, scored minutes 240-1439): spend 101.9 % of
+the budget, p75 cold 25.0 % (the static cold-cost curve reads about 24.2 % at 100 %); its factor ranged 0.14-0.76
+at the 10th-90th percentiles over the day (0.47 at the end).
+
 Usage: python bench/budget_gains.py [--functions N] [--json PATH]
 """
 
