@@ -313,8 +313,9 @@ def plan(
         settings: costs and guardrails.
         now: planning time (UTC); forecast horizon 1 is the minute starting at ``now``.
         spend_curve_multipliers: budget mode (:mod:`forecaster.planning.budget`): multipliers of every cold cost
-            at which to also predict the idle GPU-seconds of the next minute (:func:`spend_curve`); the plan's
-            summary then carries them as ``spend_curve_gpu_s``.
+            at which to also predict the idle GPU-seconds of the next minute (the replicas the plan's rules
+            would hold there, :func:`_held_next_minute`, less the expected use, :func:`_expected_idle_gpu_s`);
+            the plan's summary then carries them as ``spend_curve_gpu_s``.
         spend_curve_busy: how the driver counts busy replicas (``"requests"`` or ``"replicas"``, see
             :func:`forecaster.planning.budget.idle_gpu_seconds`).
 
