@@ -24,7 +24,10 @@ factor ranging 0.12-0.70 at the 10th-90th percentiles: the drift an integral ste
 Outcome of the feed-forward controller at the 240-minute window, measured once after it was committed
 (``bench/policies.py --skip fleet,llm --no-grid``, ensemble source, scored minutes 240-1439): spend 101.9 % of
 the budget, p75 cold 25.0 % (the static cold-cost curve reads about 24.2 % at 100 %); its factor ranged 0.14-0.76
-at the 10th-90th percentiles over the day (0.47 at the end).
+at the 10th-90th percentiles over the day (0.47 at the end). On the fleet day (``--skip minute,llm,fleet-keepalive
+--no-grid``) it spent 100.2 % with p75 cold 37.5 %, overall cold 2.07 %, p99 wait 14.0 s, where the static
+default cold cost spent 101.4 % with 33.3 %, 2.23 % and 14.0 s: fewer cold starts overall, a worse p75; the
+spend curves' bias there was 1.04.
 
 Usage: python bench/budget_gains.py [--functions N] [--json PATH]
 """
