@@ -51,7 +51,8 @@ from forecaster.simulation.minute import WARMUP_MIN, keepalive_loaded, planner_l
 
 AZURE_DAY = "azure_functions_2019_sample1350/invocations_per_function_1day_1350fn.csv.gz"
 AZURE_MEMORY = "azure_functions_2019_sample1350/app_memory_1350fn.csv.gz"
-CANDIDATES = ((240.0, 1 / 240.0), (120.0, 1 / 120.0), (60.0, 1 / 60.0), (30.0, 1 / 30.0), (15.0, 1 / 15.0))  # (window, gain)
+#: (window minutes, gain per minute) pairs tried
+CANDIDATES = ((240.0, 1 / 240.0), (120.0, 1 / 120.0), (60.0, 1 / 60.0), (30.0, 1 / 30.0), (15.0, 1 / 15.0))
 SPEND_TOLERANCE_PCT = 5.0  # the protocol's budget-mode tolerance (EVALUATION.md section 2, issue 14)
 
 

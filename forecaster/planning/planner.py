@@ -411,9 +411,8 @@ def plan(
     # ---------------------------------------------------------------- scale and release
     # keep a replica through a lull when idling until the demand returns costs less than restarting it:
     # look ahead at least the lead time, and as many minutes as one restart's wait cost buys of idling
-    bridge_minutes = np.floor(c_cold.max(axis=1) / np.maximum(c_idle, 1e-12))
-    lead_minutes = np.maximum(np.ceil(lead / 60.0), np.minimum(bridge_minutes, h_count - 1)).astype(np.int64)
-    lead_minutes = lead_minutes + settings.release_hold_min
+    lead_minutes = _keep_minutes(lead, c_cold.max(axis=1) / np.maximum(c_idle, 1e-12), h_count,
+                                 settings.release_hold_min)
     registry_img = np.array([registry_of(r) for r in models["image_ref"].to_numpy()], dtype=object)
     pull_s = np.nan_to_num(lat.get("none:image_pull_s", np.zeros(n)), nan=0.0)
     id_values = ids.to_numpy()  # (an Index lookup per action costs more than the action)
@@ -474,27 +473,32 @@ def plan(
     if spend_curve_multipliers is not None:
         need = _need_given_any(fa, cap, spend_curve_busy)
         summary["spend_curve_gpu_s"] = [
-            _expected_idle_gpu_s(fa, _held_next_minute(scale_levels(best_state, float(m))[0], current, lead,
-                                                       m * c_cold.max(axis=1) / np.maximum(c_idle, 1e-12),
-                                                       settings.release_hold_min), need, gpus)
+            _expected_idle_gpu_s(fa, _held_next_minute(
+                scale_levels(best_state, float(m))[0], current, lead,
+                _keep_minutes(lead, m * c_cold.max(axis=1) / np.maximum(c_idle, 1e-12), h_count,
+                              settings.release_hold_min)), need, gpus)
             for m in np.asarray(spend_curve_multipliers, dtype="float64")]
     return Plan(planned_at=now, actions=tuple(actions), summary=summary)
 
 
-def _held_next_minute(desired: np.ndarray, current: np.ndarray, lead_s: np.ndarray, bridge_minutes: np.ndarray,
-                      release_hold_min: int) -> np.ndarray:
+def _keep_minutes(lead_s: np.ndarray, bridge_ratio: np.ndarray, h_count: int, release_hold_min: int) -> np.ndarray:
+    """(N,) last horizon minute whose desired replicas keep a running one up: at least the lead time, and as many
+    minutes as one restart's wait cost buys of idling (``bridge_ratio`` = C_cold / C_idle), plus the hold."""
+    bridge = np.minimum(np.floor(bridge_ratio), h_count - 1)
+    return np.maximum(np.ceil(lead_s / 60.0), bridge).astype(np.int64) + release_hold_min
+
+
+def _held_next_minute(desired: np.ndarray, current: np.ndarray, lead_s: np.ndarray, keep_minutes: np.ndarray
+                      ) -> np.ndarray:
     """(N,) replicas the plan's scale and release rules leave up in the minute after ``now``, for ``desired``.
 
     The rules of :func:`plan`, read for one minute: a replica wanted within the lead time is started in it, and
-    a running one is kept while the keep window (lead time, bridge, hold) still wants it. Tiers, the GPU budget
+    a running one is kept while the keep window (:func:`_keep_minutes`) still wants it. Tiers, the GPU budget
     and the concurrency limits are left out: this is a prediction for budget mode's spend curve, not the plan.
     """
-    h_count = desired.shape[1]
-    lead_h = np.clip(np.ceil(lead_s / 60.0).astype(np.int64), 0, h_count - 1)
-    keep_h = np.maximum(lead_h, np.minimum(np.floor(bridge_minutes), h_count - 1).astype(np.int64)) + release_hold_min
-    cols = np.arange(h_count)[None, :]
-    starting = np.where(cols <= lead_h[:, None], desired, 0).max(axis=1)
-    keep = np.where(cols <= keep_h[:, None], desired, 0).max(axis=1)
+    cols = np.arange(desired.shape[1])[None, :]
+    starting = np.where(cols <= np.ceil(lead_s / 60.0)[:, None], desired, 0).max(axis=1)
+    keep = np.where(cols <= keep_minutes[:, None], desired, 0).max(axis=1)
     return np.maximum(starting, np.minimum(current, keep)).astype("float64")
 
 
@@ -507,9 +511,9 @@ def _need_given_any(fa: ForecastArrays, cap: np.ndarray, busy: str) -> np.ndarra
     over the mass above zero (levels ``1 - p_any (j + 1/2) / S``), counted as the driver counts them (``busy``,
     see :func:`forecaster.planning.budget.idle_gpu_seconds`: whole replicas, at least one with any request; or
     the share of a replica's capacity)."""
-    p = fa.p_any[:, :1]
-    samples = np.stack([fa.quantile(1.0 - p * (j + 0.5) / _NEED_SAMPLES)[:, 0] for j in range(_NEED_SAMPLES)],
-                       axis=1)
+    first = ForecastArrays(levels=fa.levels, values=fa.values[:, :1], p_any=fa.p_any[:, :1], known=fa.known)
+    samples = np.concatenate([first.quantile(1.0 - first.p_any * (j + 0.5) / _NEED_SAMPLES)
+                              for j in range(_NEED_SAMPLES)], axis=1)
     per_replica = np.maximum(samples, 0.0) / cap[:, None]
     if busy == "replicas":
         return np.maximum(1.0, np.ceil(per_replica - 1e-9))
