@@ -11,6 +11,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import OperationalError
 
+from forecaster.planning.budget import BUDGET_STATUSES, BudgetState
+
 
 class StoreCollector:
     """Reads what the store says at scrape time, so every replica of the API reports the same."""
@@ -29,8 +31,8 @@ class StoreCollector:
                     "EXTRACT(EPOCH FROM finished_at - started_at) FROM job_runs "
                     "WHERE finished_at IS NOT NULL ORDER BY job_name, slot DESC")).all()
                 actions = conn.execute(text("SELECT kind, status, count(*) FROM actions GROUP BY 1, 2")).all()
-                skipped = conn.execute(text("SELECT (summary->>'skipped')::int FROM plans "
-                                            "ORDER BY planned_at DESC, id DESC LIMIT 1")).scalar()
+                newest_plan = conn.execute(text("SELECT (summary->>'skipped')::int, summary->'budget' FROM plans "
+                                                "ORDER BY planned_at DESC, id DESC LIMIT 1")).first()
         except OperationalError:
             up.add_metric([], 0)
             yield up
@@ -54,9 +56,39 @@ class StoreCollector:
         left_out = GaugeMetricFamily("prewarm_plan_skipped_models",
                                      "Models the newest plan left out because a value was unusable (see the plan's "
                                      "summary and the plan job's log for which and why)")
+        skipped, budget = newest_plan if newest_plan is not None else (None, None)
         if skipped is not None:
             left_out.add_metric([], float(skipped))
         yield left_out
+        # the newest plan's state only: with budget mode switched off the metrics go, as the plan's state does
+        yield from budget_metrics(None if budget is None else BudgetState.from_dict(budget))
+
+
+def budget_metrics(state: BudgetState | None):
+    """Budget mode's newest controller state (nothing before its first update): the factor, the pacing window's
+    spend over its allowance, the status (1 for the current one), and spend and allowance since the state began."""
+    if state is None or not state.updates:
+        return
+    factor = GaugeMetricFamily("prewarm_waste_budget_factor", "Budget mode's multiplier on every model's cold cost")
+    factor.add_metric([], state.factor)
+    yield factor
+    ratio = GaugeMetricFamily("prewarm_waste_budget_window_spent_ratio",
+                              "Discounted idle GPU-seconds over the discounted allowance of the pacing window "
+                              "(above 1.05 the status leaves on_budget)")
+    if state.allowed > 0:
+        ratio.add_metric([], state.spent / state.allowed)
+    yield ratio
+    status = GaugeMetricFamily("prewarm_waste_budget_status", "1 for budget mode's current status",
+                               labels=["status"])
+    for name in BUDGET_STATUSES:
+        status.add_metric([name], 1.0 if state.status == name else 0.0)
+    yield status
+    idle = CounterMetricFamily("prewarm_waste_budget_idle_gpu_seconds",
+                               "Idle GPU-seconds spent and allowed since budget mode's state began",
+                               labels=["kind"])
+    idle.add_metric(["spent"], state.spent_total)
+    idle.add_metric(["allowed"], state.allowed_total)
+    yield idle
 
 
 class RecommendationCollector:

@@ -296,6 +296,8 @@ QUERIES = [
     ("/v1/fleet", {"search": "\x00"}), ("/v1/fleet", {"end": "0001-01-01T00:00:00+01:00"}),
     ("/v1/models/llama/series", {"start": "today"}), ("/v1/models/llama/forecast", {"quantiles": "nan,inf"}),
     ("/v1/models/llama/recommendation", {"quantile": "NaN"}), ("/v1/models/llama/forecast", {"horizon": str(2**64)}),
+    ("/v1/budget", {"limit": "0"}), ("/v1/budget", {"limit": str(2**64)}), ("/v1/budget", {"since": "yesterday"}),
+    ("/v1/budget", {"since": "0001-01-01"}),
 ]
 
 

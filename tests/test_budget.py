@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from forecaster.planning.budget import (BudgetState, WasteBudget, idle_gpu_seconds, keepalive_idle_gpu_seconds,
-                                        spend_curve_log_factors, update_budget)
+from forecaster.planning.budget import (BudgetState, WasteBudget, budget_history, idle_gpu_seconds,
+                                        keepalive_idle_gpu_seconds, spend_curve_log_factors, update_budget)
 from forecaster.planning.step import waste_budget
 from forecaster.settings import Settings, SettingsError, load_settings
 from forecaster.simulation.curves import cost_at, gap_closed, value_at
@@ -269,3 +269,30 @@ def test_a_stored_curve_that_is_not_usable_is_dropped():
     for bad in ([1.0] * 24, [float("nan")] * 25, [-1.0] * 25, ["a"] * 25, "x", None):
         assert BudgetState.from_dict({**state.as_dict(), "curve": bad}).curve == ()
     assert BudgetState().with_curve([float("inf")] * 25).curve == ()
+
+
+def test_each_update_keeps_its_interval_and_the_history_counts_each_once():
+    budget = WasteBudget(pct=100.0)
+    curve = np.linspace(0.0, 48.0, 25)  # idle GPU-s per minute at each grid factor
+    first = update_budget(BudgetState(), budget, spent_gpu_s=3.0, reference_idle_gpu_s=10.0).with_curve(curve)
+    assert (first.interval_min, first.interval_spent, first.interval_allowed) == (1.0, 3.0, 10.0)
+    assert first.interval_predicted is None and BudgetState().predicted_next_minute() is None
+    assert first.predicted_next_minute() == pytest.approx(np.interp(first.log_factor, spend_curve_log_factors(1000.0),
+                                                                    curve))
+    second = update_budget(first, budget, spent_gpu_s=50.0, reference_idle_gpu_s=20.0, minutes=2.0)
+    assert second.interval_predicted == pytest.approx(first.predicted_next_minute() * 2.0)
+    assert (second.interval_min, second.interval_spent, second.interval_allowed) == (2.0, 50.0, 20.0)
+    ignored = update_budget(second, budget, spent_gpu_s=float("nan"), reference_idle_gpu_s=1.0)
+    assert ignored.ignored == 1 and ignored.interval_min == 0.0 and ignored.interval_predicted is None
+    # a state saved before the interval fields reads with none; unusable values are dropped one by one
+    old = {k: v for k, v in second.as_dict().items() if not k.startswith("interval_")}
+    assert BudgetState.from_dict(old).interval_min == 0.0 and BudgetState.from_dict(old).interval_predicted is None
+    assert BudgetState.from_dict({**second.as_dict(), "interval_spent": -1.0}).interval_spent == 0.0
+    assert BudgetState.from_dict({**second.as_dict(), "interval_predicted": "x"}).interval_predicted is None
+    # the history: fresh and unusable states give no point, a state carried unchanged (same minute) one point
+    rows = [("t0", BudgetState().as_dict()), ("t1", first.as_dict()), ("t2", "garbage"), ("t3", second.as_dict()),
+            ("t4", second.as_dict())]
+    points = budget_history(rows)
+    assert [p.planned_at for p in points] == ["t1", "t3"]
+    assert [p.spent_gpu_s for p in points] == [3.0, 50.0] and points[1].window_spent_pct == pytest.approx(
+        100.0 * second.spent / second.allowed)

@@ -7,6 +7,7 @@ either is missing, except under CI (env ``CI`` set), where that is a failure.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -15,16 +16,21 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import numpy as np
 import pytest
 from sqlalchemy import text
 
 from api.main import create_app
+from forecaster.planning.budget import BudgetState, WasteBudget, update_budget
 from forecaster.store.catalog import ServingModelSpec, upsert_models
 from forecaster.store.forecasts import ensure_forecast_partitions
 from forecaster.store.partitions import ensure_partitions
 from forecaster.store.replays import start_replay, write_replay_outcomes
 from forecaster.store.tokens import create_token
 
+#: Budget mode as the served app is configured, and the plans that stored its state.
+BUDGET = WasteBudget(pct=100.0)
+BUDGET_PLANS = 30
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
@@ -116,6 +122,13 @@ def seed(engine) -> dict[str, list[int]]:
                                                   "reactive": {"gpu_seconds": 4000.0}}},
                               outcomes={policy: [{"model_id": m, **figures} for m, figures in rows.items()]
                                         for policy, rows in REPLAY.items()})
+        # Budget mode's controller after each of the last BUDGET_PLANS plans (the plan job stores it so).
+        state = BudgetState()
+        for k in range(BUDGET_PLANS):
+            state = update_budget(state, BUDGET, spent_gpu_s=60.0 + 30.0 * (k % 3), reference_idle_gpu_s=80.0
+                                  ).with_curve(np.linspace(0.0, 200.0, 25))
+            conn.execute(text("INSERT INTO plans (planned_at, summary) VALUES (:t, CAST(:s AS jsonb))"),
+                         {"t": END - timedelta(minutes=BUDGET_PLANS - k), "s": json.dumps({"budget": state.as_dict()})})
         conn.execute(text("ANALYZE"))
     return action_ids
 
@@ -128,7 +141,8 @@ def served(engine, settings):
     action_ids = seed(engine)
     token = create_token(engine, name="dashboard", scopes=["read"])
     clock = {"now": NOW}
-    app = create_app(settings, engine, clock=lambda: clock["now"])
+    app = create_app(settings.model_copy(update={"planner_waste_budget_pct": BUDGET.pct}), engine,
+                     clock=lambda: clock["now"])
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -198,6 +212,14 @@ def test_dashboard_shows_forecast_actual_and_actions(served, tmp_path):
             mistral = page.locator("#fleet-table tbody tr[data-model='mistral-7b']")
             assert mistral.locator("td.replay-avoided").inner_text() == "\u22125"  # prewarm had 5 more
             assert "loss" in mistral.locator("td.replay-avoided").get_attribute("class")
+            # Budget mode: the controller's status and a point per stored update, spent against allowed.
+            page.wait_for_selector(f"body[data-budget-loaded='{BUDGET_PLANS}']")
+            assert page.locator("#budget-panel").is_visible()
+            budget = page.inner_text("#budget-summary")
+            assert "Status settling" in budget and "% of its allowance spent" in budget
+            assert "100 % of a 10-minute keep-alive's idle GPU-seconds" in page.inner_text("#budget-config")
+            spent, allowed = page.evaluate("[1, 2].map(i => window.prewarm.charts.budget.data[i])")
+            assert spent[:3] == [60.0, 90.0, 120.0] and set(allowed) == {80.0}
             page.fill("#fleet-search", "mistral")
             page.wait_for_function("document.querySelectorAll('#fleet-table tbody tr').length === 1")
             page.fill("#fleet-search", "")

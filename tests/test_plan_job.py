@@ -165,3 +165,42 @@ def test_budget_mode_scales_the_cold_cost_the_plan_job_plans_with(engine, settin
     result = plan_job(engine, budgeted, NOW + timedelta(seconds=10))
     assert result["summary"]["budget"]["factor"] == pytest.approx(math.exp(-6.9))
     assert unbudgeted >= 5 and _planned_replicas(engine) < unbudgeted
+
+
+def test_budget_history_api_and_metrics_follow_the_plan_jobs_state(engine, settings):
+    """What an operator reads (``GET /v1/budget``, the ``prewarm_waste_budget_*`` metrics) is what the plan job
+    stored: one point per measurement, whose spends add up to the state's total, each predicted by the plan
+    before it at the factor it used."""
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from forecaster.planning.budget import BudgetState
+    from forecaster.store.tokens import create_token
+
+    _setup(engine)
+    budgeted = settings.model_copy(update={"planner_waste_budget_pct": 100.0})
+    results = [plan_job(engine, budgeted, NOW + timedelta(minutes=m)) for m in (0, 5, 6, 6.5, 9)]
+    states = [BudgetState.from_dict(r["summary"]["budget"]) for r in results]
+    token = create_token(engine, name="read", scopes=["read"])
+    with TestClient(create_app(budgeted, engine, clock=lambda: NOW + timedelta(minutes=10))) as client:
+        body = client.get("/v1/budget", headers={"Authorization": f"Bearer {token}"}).json()
+        metrics = client.get("/metrics").text
+        unbudgeted = TestClient(create_app(settings, engine, clock=lambda: NOW)).get(
+            "/v1/budget?limit=2", headers={"Authorization": f"Bearer {token}"}).json()
+    assert body["enabled"] and body["configured"]["pct"] == 100.0 and body["configured"]["window_min"] == 240.0
+    points = body["points"]
+    assert [p["interval_min"] for p in points] == [1.0, 5.0, 1.0, 3.0]  # the plan at 6.5 measured nothing new
+    assert sum(p["spent_gpu_s"] for p in points) == pytest.approx(states[-1].spent_total) and states[-1].spent_total > 0
+    assert points[0]["predicted_gpu_s"] is None  # the first plan had no plan before it
+    # each later interval was predicted by the plan before it: its curve at its factor, for the minutes measured
+    for point, before in zip(points[1:], [states[0], states[1], states[3]]):
+        assert point["predicted_gpu_s"] == pytest.approx(before.predicted_next_minute() * point["interval_min"])
+    assert body["factor"] == pytest.approx(states[-1].factor) and body["status"] == states[-1].status
+    assert body["predicted_next_minute_gpu_s"] == pytest.approx(states[-1].predicted_next_minute())
+    assert f"prewarm_waste_budget_factor {states[-1].factor!r}" in metrics
+    assert f'prewarm_waste_budget_status{{status="{states[-1].status}"}} 1.0' in metrics
+    assert 'prewarm_waste_budget_idle_gpu_seconds_total{kind="spent"}' in metrics
+    # budget mode switched off: the stored states stay readable (the newest two plans: the measurements of
+    # minutes 6 and 9), and the API says the budget is not set
+    assert not unbudgeted["enabled"] and unbudgeted["configured"] is None
+    assert [p["interval_min"] for p in unbudgeted["points"]] == [1.0, 3.0]

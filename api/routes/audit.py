@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from datetime import datetime
 
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import text
 
-from api.deps import AdminToken, ClockDep, EngineDep, ReadToken
-from forecaster.store.actions import set_paused
+from api.deps import AdminToken, ClockDep, EngineDep, ReadToken, SettingsDep
+from forecaster.planning.budget import BudgetState, budget_history
+from forecaster.planning.step import waste_budget
+from forecaster.store.actions import plan_budget_states, set_paused
 from api.schemas import ListPublic, SafeId, SafeText, UtcTime
 
 #: Largest id accepted in a bigint query parameter.
@@ -76,6 +79,65 @@ def list_actions(engine: EngineDep, _: ReadToken, limit: int = Query(100, ge=1, 
                                  "LIMIT :limit"), {**params, "limit": limit}).mappings().all()
         count = conn.execute(text(f"SELECT count(*) FROM actions {where}"), params).scalar()
     return ListPublic(data=[ActionPublic(**r) for r in rows], count=count)
+
+
+class BudgetConfigPublic(BaseModel):
+    gpu_seconds_per_hour: float | None
+    pct: float | None
+    reference_min: int
+    window_min: float
+    max_factor: float
+
+
+class BudgetPointPublic(BaseModel):
+    planned_at: datetime
+    factor: float
+    status: str
+    interval_min: float
+    spent_gpu_s: float
+    allowed_gpu_s: float
+    predicted_gpu_s: float | None
+    window_spent_pct: float | None
+
+
+class BudgetPublic(BaseModel):
+    enabled: bool = Field(description="The settings of this service set a waste budget (PREWARM_PLANNER_WASTE_BUDGET_*)")
+    configured: BudgetConfigPublic | None
+    as_of: datetime | None = Field(None, description="The newest plan with a budget state (None: no update yet)")
+    status: str | None = Field(None, description="on_budget, settling, over_budget or infeasible")
+    factor: float | None = Field(None, description="Multiplier on every model's cold cost")
+    over_minutes: float | None = Field(None, description="Minutes in a row over budget")
+    window_spent_gpu_s: float | None = Field(None, description="Discounted idle GPU-seconds over the pacing window")
+    window_allowed_gpu_s: float | None = Field(None, description="Discounted allowance over the pacing window")
+    spent_total_gpu_s: float | None = None
+    allowed_total_gpu_s: float | None = None
+    predicted_next_minute_gpu_s: float | None = Field(
+        None, description="Idle GPU-seconds the newest plan's spend curve predicts for its next minute")
+    points: list[BudgetPointPublic] = Field(description="One per controller update, oldest first")
+
+
+@router.get("/budget", response_model=BudgetPublic)
+def get_budget(engine: EngineDep, settings: SettingsDep, _: ReadToken,
+               limit: int = Query(1440, ge=1, le=10080, description="Updates at most (newest kept)"),
+               since: UtcTime | None = Query(None, description="ISO 8601; no zone = UTC.")) -> BudgetPublic:
+    """Budget mode as the plan job runs it: spend against allowance, the cold-cost factor and the status, per plan.
+
+    States stored while a budget was set stay readable after it is unset (``enabled`` says which holds now).
+    """
+    budget = waste_budget(settings)
+    configured = None if budget is None else BudgetConfigPublic(
+        gpu_seconds_per_hour=budget.gpu_seconds_per_hour, pct=budget.pct, reference_min=budget.reference_min,
+        window_min=budget.window_min, max_factor=budget.max_factor)
+    with engine.connect() as conn:
+        rows = plan_budget_states(conn, since=since, limit=limit)
+    points = [BudgetPointPublic(**asdict(p)) for p in budget_history(rows)]
+    newest = {}
+    if rows and (state := BudgetState.from_dict(rows[-1][1])).updates:
+        newest = dict(as_of=rows[-1][0], status=state.status, factor=state.factor, over_minutes=state.over_minutes,
+                      window_spent_gpu_s=state.spent, window_allowed_gpu_s=state.allowed,
+                      spent_total_gpu_s=state.spent_total, allowed_total_gpu_s=state.allowed_total,
+                      predicted_next_minute_gpu_s=state.predicted_next_minute())
+    return BudgetPublic(enabled=budget is not None, configured=configured, points=points, **newest)
 
 
 class ActuatorStatePublic(BaseModel):

@@ -1,7 +1,7 @@
 /* prewarm dashboard: fleet ranking and per-model forecast vs actual, cold starts and actions.
  *
  * Plain ES2020, no build step; charts by the vendored uPlot. Reads only the read-scope API
- * (/v1/fleet, /v1/replays/latest, /v1/models/{id}/series|coldstarts|actions) with a bearer token kept in
+ * (/v1/fleet, /v1/replays/latest, /v1/budget, /v1/models/{id}/series|coldstarts|actions) with a bearer token kept in
  * localStorage (or handed in once as #token=... in the URL, which is then removed from it).
  * The view lives in the URL fragment: #model=ID&h=5&range=1440[&end=...], or nothing for the fleet.
  * The horizons offered are those the store holds (/v1/dashboard/context); the fleet is ranked, searched and
@@ -14,6 +14,7 @@
   const TOKEN_KEY = "prewarm.readToken";
   const FALLBACK_HORIZONS = [5]; // until /v1/dashboard/context answers
   const PAGE_SIZE = 50;
+  const BUDGET_POINTS = 1440; // controller updates shown: a day at one plan a minute
   const REFRESH_MS = 60000;
   const KINDS = ["prepull", "preload", "scale", "release"];
   const SVG_NS = "http://www.w3.org/2000/svg";
@@ -22,6 +23,7 @@
   const state = {
     fleet: null,        // last /v1/fleet body
     replay: null,       // last /v1/replays/latest body (prewarm vs reactive on a simulated cluster)
+    budget: null,       // last /v1/budget body (budget mode: spend against allowance, plan by plan)
     context: null,      // last /v1/dashboard/context body: stored horizons, where the windows end
     horizons: FALLBACK_HORIZONS,
     page: 0,
@@ -200,14 +202,17 @@
                                           limit: PAGE_SIZE, offset: state.page * PAGE_SIZE });
       if (p.search) query.set("search", p.search);
       if (p.end) query.set("end", p.end);
-      const [body, replay] = await Promise.all([api("/v1/fleet?" + query), api("/v1/replays/latest?limit=0")]);
+      const [body, replay, budget] = await Promise.all([api("/v1/fleet?" + query), api("/v1/replays/latest?limit=0"),
+                                                        api("/v1/budget?limit=" + BUDGET_POINTS)]);
       if (body.data.length === 0 && body.count > 0 && state.page > 0) { // past the end after a search
         state.page = Math.max(0, Math.ceil(body.count / PAGE_SIZE) - 1);
         return loadFleet();
       }
       state.fleet = body;
       state.replay = replay;
+      state.budget = budget;
       renderFleet();
+      renderBudget();
       document.body.dataset.fleetLoaded = String(body.count);
     });
   }
@@ -284,6 +289,51 @@
       `${f.count} models${f.data.length ? `, ranks ${f.data[0].rank}\u2013${f.data[f.data.length - 1].rank}` : ""}; ` +
       `horizon ${f.horizon_min} min; ${fmt.time(f.start)} to ${fmt.time(f.end)}` +
       (f.end_source === "newest_data" ? " (nothing recent stored: ending at the newest data)" : "");
+  }
+
+  // Budget mode (PREWARM_PLANNER_WASTE_BUDGET_*): what the controller measured after each plan, per minute of
+  // the interval measured, and the cold-cost factor it set. Hidden when no budget is set and none was stored.
+  function renderBudget() {
+    const b = state.budget;
+    const panel = $("budget-panel");
+    panel.hidden = !b || (!b.enabled && b.points.length === 0);
+    if (panel.hidden) return;
+    const c = b.configured;
+    const limits = c ? [
+      c.pct != null ? `${fmt.num(c.pct, 0)} % of a ${c.reference_min}-minute keep-alive's idle GPU-seconds` : null,
+      c.gpu_seconds_per_hour != null ? `${fmt.int(c.gpu_seconds_per_hour)} idle GPU-seconds an hour` : null,
+    ].filter(Boolean) : [];
+    $("budget-config").textContent = c
+      ? `(budget: ${limits.join(", or less: ")}; pacing window ${fmt.int(c.window_min)} min)`
+      : "(no budget is set now: states stored while one was)";
+    $("budget-summary").textContent = b.status == null ? "No controller update is stored yet." :
+      `Status ${b.status.replace(/_/g, " ")} at ${fmt.time(b.as_of)}` +
+      (b.over_minutes > 0 ? ` (${fmt.int(b.over_minutes)} min over budget)` : "") +
+      `; cold cost \u00d7 ${fmt.num(b.factor, 3)}; pacing window: ` +
+      (b.window_allowed_gpu_s > 0 ? `${fmt.pct(b.window_spent_gpu_s / b.window_allowed_gpu_s)} of its allowance spent`
+        : "nothing allowed yet") +
+      `; in all ${fmt.int(b.spent_total_gpu_s)} idle GPU-seconds spent of ${fmt.int(b.allowed_total_gpu_s)} allowed` +
+      `; the newest plan predicts ${fmt.num(b.predicted_next_minute_gpu_s, 1)} idle GPU-seconds for its next minute.`;
+    const pts = b.points.filter((p) => p.interval_min > 0);
+    const perMin = (key) => pts.map((p) => (p[key] == null ? null : p[key] / p.interval_min));
+    const el = $("chart-budget");
+    replaceChart("budget", {
+      width: chartWidth(el),
+      height: 240,
+      tzDate: utcDate,
+      scales: { x: { time: true }, factor: { distr: 3 } },
+      axes: [timeAxis, { label: "idle GPU-s / min", size: 70 },
+             { scale: "factor", side: 1, label: "cold-cost factor", size: 60, grid: { show: false } }],
+      series: [
+        timeSeries,
+        { label: "spent", stroke: "#c0392b", width: 1.5 },
+        { label: "allowed", stroke: "#1d2330", width: 1.5 },
+        { label: "predicted", stroke: "#2662d9", width: 1, dash: [4, 3] },
+        { label: "factor", scale: "factor", stroke: "#7d8da8", width: 1 },
+      ],
+    }, [pts.map((p) => Date.parse(p.planned_at) / 1000), perMin("spent_gpu_s"), perMin("allowed_gpu_s"),
+        perMin("predicted_gpu_s"), pts.map((p) => p.factor)], el);
+    document.body.dataset.budgetLoaded = String(pts.length);
   }
 
   function showFleet() {

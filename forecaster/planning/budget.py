@@ -52,6 +52,12 @@ less by valuing waits less; what is left is what the fleet holds anyway, e.g. re
 ``over_minutes`` counts the minutes in a row over budget. The plan job logs a warning when the status turns
 ``over_budget`` or ``infeasible``, and the plan's summary carries it with the rest of the state.
 
+What an operator reads: every state also keeps its last interval undiscounted (``interval_min``,
+``interval_spent``, ``interval_allowed`` and ``interval_predicted``, the curve's prediction for it at the factor
+used); ``GET /v1/budget``, the ``prewarm_waste_budget_*`` metrics and the dashboard show them plan by plan, so
+spend against allowance, and the curves' prediction against the spend, can be followed through the day
+(:func:`budget_history`).
+
 Everything here is pure: :class:`BudgetState` is a small frozen value the drivers carry from plan to plan (the
 plan job stores it in the plan's summary); :func:`update_budget` never returns NaN or infinity, and ignores a
 non-finite or negative measurement (counted in ``ignored``).
@@ -153,6 +159,11 @@ class BudgetState:
     curve: tuple[float, ...] = ()  # the last plan's predicted idle GPU-seconds per minute at each grid factor
     curve_sum: tuple[float, ...] = ()  # discounted sum of the curves of the plans since (x their minutes)
     predicted: float = 0.0  # discounted sum of the curves at the factors used (what the curves predicted)
+    # the last update's interval, undiscounted (what an operator reads: spent, allowed and predicted per interval)
+    interval_min: float = 0.0
+    interval_spent: float = 0.0
+    interval_allowed: float = 0.0
+    interval_predicted: float | None = None  # the previous plan's curve at its factor, x the minutes; None: no curve
 
     @property
     def factor(self) -> float:
@@ -196,7 +207,19 @@ class BudgetState:
             predicted, bool) and math.isfinite(predicted) and predicted >= 0 else 0.0
         for name in ("curve", "curve_sum"):  # states saved before the feed-forward step have none: no curve yet
             fields[name] = _curve(values.get(name, ()))
+        for name in ("interval_min", "interval_spent", "interval_allowed", "interval_predicted"):
+            v = values.get(name)  # states saved before the interval fields have none
+            usable = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+            if usable:
+                fields[name] = float(v)
         return cls(**fields)
+
+    def predicted_next_minute(self) -> float | None:
+        """Idle GPU-seconds the last plan's spend curve predicts for its next minute at the factor it used."""
+        if not self.curve:
+            return None
+        grid = np.linspace(-self.curve_span, self.curve_span, SPEND_CURVE_POINTS)
+        return float(np.interp(self.log_factor, grid, np.asarray(self.curve, dtype="float64")))
 
     def with_curve(self, curve) -> "BudgetState":
         """The state with the spend curve of the plan just made (per minute, at :func:`spend_curve_log_factors`)."""
@@ -236,7 +259,8 @@ def update_budget(state: BudgetState, budget: WasteBudget, *, spent_gpu_s: float
     values = (spent_gpu_s, minutes) + (() if reference_idle_gpu_s is None else (reference_idle_gpu_s,))
     if not all(isinstance(v, (int, float, np.floating, np.integer)) and math.isfinite(v) and v >= 0 for v in values) \
             or minutes <= 0:
-        return replace(state, ignored=state.ignored + 1)
+        return replace(state, ignored=state.ignored + 1, interval_min=0.0, interval_spent=0.0, interval_allowed=0.0,
+                       interval_predicted=None)
     allowed = budget.allowed(minutes, reference_idle_gpu_s)
     keep = math.exp(-minutes / budget.window_min)
     s = keep * state.spent + float(spent_gpu_s)
@@ -248,10 +272,12 @@ def update_budget(state: BudgetState, budget: WasteBudget, *, spent_gpu_s: float
     same_grid = abs(state.curve_span - bound) < 1e-9
     curve_sum = np.asarray(state.curve_sum, dtype="float64") * keep if state.curve_sum and same_grid else None
     predicted = keep * state.predicted if curve_sum is not None else 0.0
+    interval_predicted = None
     if state.curve and same_grid:  # the plan made at the start of this interval said what it would spend
         pending = np.asarray(state.curve, dtype="float64") * float(minutes)
         curve_sum = pending if curve_sum is None else curve_sum + pending
-        predicted += float(np.interp(state.log_factor, grid, pending))
+        interval_predicted = float(np.interp(state.log_factor, grid, pending))
+        predicted += interval_predicted
     if curve_sum is not None and predicted > 0 and curve_sum[-1] > 0:
         # feed-forward: the factor that would have met the window's allowance, repaying the window's pace error
         bias = min(max((s + eps) / (predicted + eps), 1.0 / MAX_CURVE_BIAS), MAX_CURVE_BIAS)
@@ -273,7 +299,45 @@ def update_budget(state: BudgetState, budget: WasteBudget, *, spent_gpu_s: float
     return BudgetState(log_factor=log_factor, spent=s, allowed=a, spent_total=state.spent_total + float(spent_gpu_s),
                        allowed_total=state.allowed_total + allowed, updates=state.updates + 1, ignored=state.ignored,
                        over_minutes=over_minutes, status=status, curve_span=bound,
-                       curve_sum=() if curve_sum is None else tuple(float(v) for v in curve_sum), predicted=predicted)
+                       curve_sum=() if curve_sum is None else tuple(float(v) for v in curve_sum), predicted=predicted,
+                       interval_min=float(minutes), interval_spent=float(spent_gpu_s), interval_allowed=allowed,
+                       interval_predicted=interval_predicted)
+
+
+@dataclass(frozen=True)
+class BudgetPoint:
+    """One controller update as an operator follows it (:func:`budget_history`)."""
+
+    planned_at: object  # the plan whose state it is (a datetime from the store)
+    factor: float  # the cold-cost multiplier that plan used
+    status: str
+    interval_min: float  # minutes measured
+    spent_gpu_s: float  # idle GPU-seconds held in them
+    allowed_gpu_s: float  # what the budget allowed in them
+    predicted_gpu_s: float | None  # what the plan before predicted it would spend in them; None: no curve
+    window_spent_pct: float | None  # the discounted spend as % of the discounted allowance (what ``status`` reads)
+
+
+def budget_history(rows) -> list[BudgetPoint]:
+    """One point per controller update, oldest first, from ``(planned_at, stored state)`` rows oldest first.
+
+    A plan in the same minute as the one before carries the state unchanged (the same ``updates``): one point for
+    both, so no interval is counted twice. Rows whose state is unusable, or a fresh state before any update, give
+    no point.
+    """
+    points: list[BudgetPoint] = []
+    last_updates = None
+    for planned_at, values in rows:
+        state = BudgetState.from_dict(values)
+        if state.updates == 0 or state.updates == last_updates:
+            continue
+        last_updates = state.updates
+        points.append(BudgetPoint(
+            planned_at=planned_at, factor=state.factor, status=state.status, interval_min=state.interval_min,
+            spent_gpu_s=state.interval_spent, allowed_gpu_s=state.interval_allowed,
+            predicted_gpu_s=state.interval_predicted,
+            window_spent_pct=100.0 * state.spent / state.allowed if state.allowed > 0 else None))
+    return points
 
 
 # --------------------------------------------------------------------------- what was spent, what the reference spent

@@ -55,6 +55,16 @@ def newest_plan_budget(conn: Connection) -> tuple[datetime, object] | None:
     return None if row is None else (row[0], row[1])
 
 
+def plan_budget_states(conn: Connection, *, since: datetime | None = None, limit: int = 1440
+                       ) -> list[tuple[datetime, object]]:
+    """(planned_at, summary["budget"]) of the newest ``limit`` plans carrying budget mode's state, planned at or after
+    ``since``, oldest first."""
+    rows = conn.execute(text("SELECT planned_at, summary->'budget' FROM plans WHERE summary->'budget' IS NOT NULL "
+                             "AND (CAST(:since AS timestamptz) IS NULL OR planned_at >= :since) "
+                             "ORDER BY id DESC LIMIT :limit"), {"since": since, "limit": int(limit)}).all()
+    return [(r[0], r[1]) for r in reversed(rows)]
+
+
 def submit_action(conn: Connection, plan_id: int | None, action: Action, *, backend: str,
                   now: datetime) -> tuple[int, bool]:
     """Record ``action`` as pending, or merge it into the open unit with the same key.
