@@ -218,7 +218,7 @@ class BudgetState:
         """Idle GPU-seconds the last plan's spend curve predicts for its next minute at the factor it used."""
         if not self.curve:
             return None
-        grid = np.linspace(-self.curve_span, self.curve_span, SPEND_CURVE_POINTS)
+        grid = spend_curve_log_factors(math.exp(self.curve_span))
         return float(np.interp(self.log_factor, grid, np.asarray(self.curve, dtype="float64")))
 
     def with_curve(self, curve) -> "BudgetState":
