@@ -174,9 +174,11 @@ def budget_state(engine: Engine, settings: Settings, fleet: FleetState, *, now: 
                                            busy="requests")
     updated = update_budget(state, budget, spent_gpu_s=spent, reference_idle_gpu_s=reference, minutes=float(minutes))
     if updated.status in ("over_budget", "infeasible") and updated.status != state.status:
-        log.warning("waste budget %s: the discounted idle GPU-seconds are %.0f%% of the allowance after %.0f minutes "
-                    "over it, cold cost at %.3g x the configured (lowest allowed %.3g x)", updated.status.replace("_", " "),
-                    100.0 * updated.spent / max(updated.allowed, 1e-9), updated.over_minutes, updated.factor,
+        share = (f"{100.0 * updated.spent / updated.allowed:.0f}% of the allowance" if updated.allowed >= 1.0
+                 else f"{updated.spent:.0f} with {updated.allowed:.2g} allowed")
+        log.warning("waste budget %s: the discounted idle GPU-seconds are %s after %.0f minutes over it, cold cost "
+                    "at %.3g x the configured (lowest allowed %.3g x); GET /v1/budget shows the spend plan by plan",
+                    updated.status.replace("_", " "), share, updated.over_minutes, updated.factor,
                     1.0 / budget.max_factor)
     return updated
 
