@@ -297,7 +297,7 @@ QUERIES = [
     ("/v1/models/llama/series", {"start": "today"}), ("/v1/models/llama/forecast", {"quantiles": "nan,inf"}),
     ("/v1/models/llama/recommendation", {"quantile": "NaN"}), ("/v1/models/llama/forecast", {"horizon": str(2**64)}),
     ("/v1/budget", {"limit": "0"}), ("/v1/budget", {"limit": str(2**64)}), ("/v1/budget", {"since": "yesterday"}),
-    ("/v1/budget", {"since": "0001-01-01"}),
+    ("/v1/budget", {"since": "0001-01-01"}), ("/v1/budget", {"until": "now"}), ("/v1/budget", {"until": "2300-01-01"}),
 ]
 
 

@@ -344,6 +344,7 @@ def test_windows_follow_the_data_and_the_date_picker_moves_them(served):
             assert all(r["error"]["scored_minutes"] == 60 for r in fleet["data"])  # not an empty dashboard
             assert "latest data: 2026-11-29 12:00 UTC" in page.inner_text("header")
             assert "ending at the newest data" in page.inner_text("#fleet-summary")
+            page.wait_for_selector(f"body[data-budget-loaded='{BUDGET_PLANS}']")
 
             # Pick a window end a day earlier, with the browser's picker: the fleet is scored over the hour before
             # it, and the field shows the end in the page's format.
@@ -353,6 +354,9 @@ def test_windows_follow_the_data_and_the_date_picker_moves_them(served):
             page.wait_for_function("window.prewarm.fleet.end === '2026-11-28T12:00:00Z'")
             assert "2026-11-28 11:00 UTC to 2026-11-28 12:00 UTC" in page.inner_text("#fleet-summary")
             assert page.evaluate("window.prewarm.fleet.end_source") == "request"
+            # the waste budget ends there too: every stored controller state is later
+            page.wait_for_selector("body[data-budget-loaded='0']")
+            assert "No controller update is stored yet." in page.inner_text("#budget-summary")
 
             # The model page keeps the picked end: its day ends there.
             page.click("#fleet-table tbody tr[data-model='phi-3'] td.model a")

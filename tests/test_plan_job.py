@@ -184,6 +184,8 @@ def test_budget_history_api_and_metrics_follow_the_plan_jobs_state(engine, setti
     token = create_token(engine, name="read", scopes=["read"])
     with TestClient(create_app(budgeted, engine, clock=lambda: NOW + timedelta(minutes=10))) as client:
         body = client.get("/v1/budget", headers={"Authorization": f"Bearer {token}"}).json()
+        until_six = client.get("/v1/budget", params={"until": (NOW + timedelta(minutes=6)).isoformat()},
+                            headers={"Authorization": f"Bearer {token}"}).json()
         metrics = client.get("/metrics").text
         unbudgeted = TestClient(create_app(settings, engine, clock=lambda: NOW)).get(
             "/v1/budget?limit=2", headers={"Authorization": f"Bearer {token}"}).json()
@@ -197,6 +199,10 @@ def test_budget_history_api_and_metrics_follow_the_plan_jobs_state(engine, setti
         assert point["predicted_gpu_s"] == pytest.approx(before.predicted_next_minute() * point["interval_min"])
     assert body["factor"] == pytest.approx(states[-1].factor) and body["status"] == states[-1].status
     assert body["predicted_next_minute_gpu_s"] == pytest.approx(states[-1].predicted_next_minute())
+    # up to a window end: the measurements before it, and the state of the last plan before it
+    assert [p["interval_min"] for p in until_six["points"]] == [1.0, 5.0]
+    assert until_six["factor"] == pytest.approx(states[1].factor)
+    assert until_six["as_of"].startswith("2026-11-29T12:05")
     assert f"prewarm_waste_budget_factor {states[-1].factor!r}" in metrics
     assert f'prewarm_waste_budget_status{{status="{states[-1].status}"}} 1.0' in metrics
     assert 'prewarm_waste_budget_idle_gpu_seconds_total{kind="spent"}' in metrics

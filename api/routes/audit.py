@@ -119,17 +119,20 @@ class BudgetPublic(BaseModel):
 @router.get("/budget", response_model=BudgetPublic)
 def get_budget(engine: EngineDep, settings: SettingsDep, _: ReadToken,
                limit: int = Query(1440, ge=1, le=10080, description="Updates at most (newest kept)"),
-               since: UtcTime | None = Query(None, description="ISO 8601; no zone = UTC.")) -> BudgetPublic:
+               since: UtcTime | None = Query(None, description="ISO 8601; no zone = UTC."),
+               until: UtcTime | None = Query(None, description="End, exclusive; ISO 8601, no zone = UTC; default: "
+                                                               "the newest")) -> BudgetPublic:
     """Budget mode as the plan job runs it: spend against allowance, the cold-cost factor and the status, per plan.
 
-    States stored while a budget was set stay readable after it is unset (``enabled`` says which holds now).
+    States stored while a budget was set stay readable after it is unset (``enabled`` says which holds now). With
+    ``until`` the newest state is the last one before it (the dashboard's window end).
     """
     budget = waste_budget(settings)
     configured = None if budget is None else BudgetConfigPublic(
         gpu_seconds_per_hour=budget.gpu_seconds_per_hour, pct=budget.pct, reference_min=budget.reference_min,
         window_min=budget.window_min, max_factor=budget.max_factor)
     with engine.connect() as conn:
-        rows = plan_budget_states(conn, since=since, limit=limit)
+        rows = plan_budget_states(conn, since=since, until=until, limit=limit)
     points = [BudgetPointPublic(**asdict(p)) for p in budget_history(rows)]
     newest = {}
     if rows and (state := BudgetState.from_dict(rows[-1][1])).updates:

@@ -14,7 +14,7 @@
   const TOKEN_KEY = "prewarm.readToken";
   const FALLBACK_HORIZONS = [5]; // until /v1/dashboard/context answers
   const PAGE_SIZE = 50;
-  const BUDGET_POINTS = 1440; // controller updates shown: a day at one plan a minute
+  const BUDGET_POINTS = 1440; // controller updates shown, up to the window end: a day at one plan a minute
   const REFRESH_MS = 60000;
   const KINDS = ["prepull", "preload", "scale", "release"];
   const SVG_NS = "http://www.w3.org/2000/svg";
@@ -202,12 +202,15 @@
                                           limit: PAGE_SIZE, offset: state.page * PAGE_SIZE });
       if (p.search) query.set("search", p.search);
       if (p.end) query.set("end", p.end);
-      const [body, replay, budget] = await Promise.all([api("/v1/fleet?" + query), api("/v1/replays/latest?limit=0"),
-                                                        api("/v1/budget?limit=" + BUDGET_POINTS)]);
+      const [body, replay] = await Promise.all([api("/v1/fleet?" + query), api("/v1/replays/latest?limit=0")]);
       if (body.data.length === 0 && body.count > 0 && state.page > 0) { // past the end after a search
         state.page = Math.max(0, Math.ceil(body.count / PAGE_SIZE) - 1);
         return loadFleet();
       }
+      // the budget ends where the fleet's window ends when one is picked (the fleet has checked the end)
+      const budgetQuery = new URLSearchParams({ limit: BUDGET_POINTS });
+      if (p.end) budgetQuery.set("until", body.end);
+      const budget = await api("/v1/budget?" + budgetQuery);
       state.fleet = body;
       state.replay = replay;
       state.budget = budget;

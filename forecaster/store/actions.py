@@ -55,15 +55,17 @@ def newest_plan_budget(conn: Connection) -> tuple[datetime, object] | None:
     return None if row is None else (row[0], row[1])
 
 
-def plan_budget_states(conn: Connection, *, since: datetime | None = None, limit: int = 1440
-                       ) -> list[tuple[datetime, object]]:
+def plan_budget_states(conn: Connection, *, since: datetime | None = None, until: datetime | None = None,
+                       limit: int = 1440) -> list[tuple[datetime, object]]:
     """(planned_at, summary["budget"]) of the newest ``limit`` plans carrying budget mode's state, planned at or after
-    ``since``, oldest first; without the controller's discounted curve sum (``curve_sum``), which only the next
-    update reads."""
+    ``since`` and before ``until``, oldest first; without the controller's discounted curve sum (``curve_sum``),
+    which only the next update reads."""
     rows = conn.execute(text("SELECT planned_at, (summary->'budget') - 'curve_sum' FROM plans "
                              "WHERE summary->'budget' IS NOT NULL "
                              "AND (CAST(:since AS timestamptz) IS NULL OR planned_at >= :since) "
-                             "ORDER BY id DESC LIMIT :limit"), {"since": since, "limit": int(limit)}).all()
+                             "AND (CAST(:until AS timestamptz) IS NULL OR planned_at < :until) "
+                             "ORDER BY id DESC LIMIT :limit"),
+                        {"since": since, "until": until, "limit": int(limit)}).all()
     return [(r[0], r[1]) for r in reversed(rows)]
 
 
