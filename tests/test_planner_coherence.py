@@ -16,15 +16,16 @@ from forecaster.contracts.fleet import FleetState
 from forecaster.planning.coherence import coherent_quantiles, incoherent_rows
 from forecaster.planning.fleet import PlannerSettings
 from forecaster.planning.forecasts import CountPanel, EmpiricalForecast, OracleForecast
-from forecaster.planning.planner import forecast_arrays, plan
+from forecaster.planning.planner import ForecastArrays, forecast_arrays, plan
 from tests.test_planner import MIN, T0, latency, model, nodes
 
 LEVELS = (0.1, 0.5, 0.9, 0.99)
 
 
-def frame(quantiles: tuple[float, ...], p_any: float, horizon: int = 5, model_id: str = "m") -> pd.DataFrame:
+def frame(quantiles: tuple[float, ...], p_any: float, horizon: int = 5, model_id: str = "m",
+          levels: tuple[float, ...] = LEVELS) -> pd.DataFrame:
     return pd.DataFrame([{"unique_id": model_id, "ds": T0 + h * MIN, "p_any": p_any,
-                          **{f"q{lv:g}": v for lv, v in zip(LEVELS, quantiles)}} for h in range(horizon)])
+                          **{f"q{lv:g}": v for lv, v in zip(levels, quantiles)}} for h in range(horizon)])
 
 
 def test_rows_that_agree_with_p_any_are_read_unchanged():
@@ -62,11 +63,11 @@ def test_a_disagreeing_row_gets_p_any_mass_above_zero_and_keeps_its_shape(quanti
 
 def test_rescaling_keeps_the_positive_part_of_a_row():
     """The unconditional quantiles of (p_q = 0.95 above zero, positive part P) rescaled to p_any = 0.2 read as the
-    coherent row of (0.2 above zero, the same P): the demand given a request is P's median."""
+    coherent row of (0.2 above zero, the same P): the same median given a request, the same P(count > 0)."""
     coherent = forecast_arrays(frame((0.0, 0.0, 1.0, 2.0), 0.2), pd.Index(["m"]), T0, 5)
     wide = forecast_arrays(frame((1.0, 1.0, 1.9, 2.0), 0.2), pd.Index(["m"]), T0, 5)
     assert coherent.rescaled == 0 and wide.rescaled == 5
-    given_any = lambda fa: fa.quantile(1.0 - fa.p_any / 2.0)  # noqa: E731 (what the planner reads)
+    given_any = lambda fa: fa.quantile(1.0 - fa.p_any / 2.0)  # noqa: E731 (the positive part's median)
     np.testing.assert_allclose(given_any(wide), given_any(coherent), atol=0.06)
     np.testing.assert_allclose(wide.exceed(np.full((1, 5), 0.5)), coherent.exceed(np.full((1, 5), 0.5)), atol=0.02)
 
@@ -86,3 +87,36 @@ def test_a_sparse_model_is_not_held_for_the_wide_quantiles_of_an_unconditional_f
     # the same row with p_any = 0.3 is worth holding either way (0.3 x 202 >= 0.7 x 60)
     held = plan(frame((1.0, 1.0, 1.9, 2.0), 0.3), lat, fleet, settings, T0)
     assert [a for a in held.actions if a.kind is ActionKind.SCALE]
+
+
+def test_mean_above_integrates_the_quantile_function_the_planner_reads():
+    """Exact on a hand case (the tail above the last level held flat), and the mean of a dense sample elsewhere."""
+    fa = forecast_arrays(frame((0.0, 0.0, 0.0, 10.0), 0.1), pd.Index(["m"]), T0, 5)
+    # over [0.9, 1]: 0 -> 10 linearly up to 0.99 (0.09 x 5), then 10 (0.01 x 10); divided by 0.1
+    np.testing.assert_allclose(fa.mean_above(np.full((1, 5), 0.9)), 5.5)
+    np.testing.assert_allclose(fa.mean_above(np.full((1, 5), 0.0)), (0.09 * 5 + 0.1) / 1.0)
+    rng = np.random.default_rng(5)
+    values = np.sort(rng.gamma(1.0, 5.0, (30, 4, len(LEVELS))), axis=2)
+    fa = ForecastArrays(levels=np.array(LEVELS), values=values, p_any=rng.uniform(0.01, 1.0, (30, 4)),
+                        known=np.ones(30, dtype=bool))
+    start = 1.0 - fa.p_any
+    dense = np.mean([fa.quantile(start + (1.0 - start) * (j + 0.5) / 4000) for j in range(4000)], axis=0)
+    np.testing.assert_allclose(fa.mean_above(start), dense, rtol=1e-4)
+
+
+def test_a_bursty_model_is_held_for_the_mean_of_its_demand_given_a_request():
+    """p_any = 0.1; when called, one request in the median minute but up to 60 in the top 1 %. A cold start's queued
+    wait is linear in the requests that arrive during it, so its expected cost takes their mean (18.45 a minute:
+    0.1 x about 1,900 s of wait > 0.9 x 60 GPU-s): held. Read at the median (one request a minute: 0.1 x 202 s),
+    it was not; the same model whose top 1 % is one request is still not held."""
+    levels = (0.1, 0.5, 0.9, 0.95, 0.99)
+    fleet = FleetState.build([model("m")], nodes(2))
+    lat = latency(["m"])
+    settings = PlannerSettings(tiers=False)
+    bursty = frame((0.0, 0.0, 0.0, 1.0, 60.0), 0.1, levels=levels)
+    lone = frame((0.0, 0.0, 0.0, 1.0, 1.0), 0.1, levels=levels)
+    fa = forecast_arrays(bursty, pd.Index(["m"]), T0, 5)
+    assert fa.rescaled == 0
+    np.testing.assert_allclose(fa.mean_above(1.0 - fa.p_any), (0.05 * 0.5 + 0.04 * 30.5 + 0.01 * 60) / 0.1)
+    assert [a for a in plan(bursty, lat, fleet, settings, T0).actions if a.kind is ActionKind.SCALE]
+    assert not [a for a in plan(lone, lat, fleet, settings, T0).actions if a.kind is ActionKind.SCALE]

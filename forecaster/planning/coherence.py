@@ -4,8 +4,9 @@ The planner reads two things from a forecast row: ``p_any`` (the warm-or-not dec
 (the demand given a request, which sets the queued-wait part of a cold start's cost; the replica count; the
 chance that a replica beyond the warm ones is needed, which drives pre-loads; the GPU budget's ranking). It
 reads the quantiles as the distribution whose mass above zero is ``p_any``: a level ``tau <= 1 - p_any`` has
-quantile 0, a higher one a positive count, and "the demand given any request" is the quantile at
-``1 - p_any / 2`` (the median of the positive part).
+quantile 0, a higher one a positive count, and "the demand given any request" is the mean of the quantile
+function over ``[1 - p_any, 1]`` (the mean of the positive part, :meth:`ForecastArrays.mean_above
+<forecaster.planning.planner.ForecastArrays.mean_above>`).
 
 The causal empirical source builds its quantiles that way (a point mass at zero of ``1 - p_any`` mixed with the
 non-zero counts), so the two agree. The ensemble's do not: its quantiles are the point forecast plus
@@ -14,8 +15,8 @@ the Azure day (1,350 functions; the ensemble fitted at minute 600 on minutes 0..
 minutes from 600 to 950, 10 minutes ahead; a diagnosis, nothing here is chosen from it): in the 0.1-0.3
 activity segment the ensemble's q0.9 is positive on 60 % of
 the idle minutes where its own ``p_any`` is below 0.1 (the empirical source's: 0 %), and the quantile the
-planner takes for the demand given a request is 3 times the empirical source's (4.6 vs 1.5 requests per
-minute), so a cold start's queued wait (``lambda D^2 / 2``), and with it the value of holding or pre-loading the
+planner took for the demand given a request (then its median) is 3 times the empirical source's (4.6 vs 1.5
+requests per minute), so a cold start's queued wait (``lambda D^2 / 2``), and with it the value of holding or pre-loading the
 model, is inflated for exactly the sparse models whose cold starts the p75 counts.
 
 :func:`coherent_quantiles` keeps a row whose zero/positive pattern already agrees with its ``p_any`` as it is

@@ -10,7 +10,8 @@ of the horizon it decides, with costs in GPU-seconds:
    ``cold_cost`` (value of a second of wait, its SLO weight) x the wait a cold
    start causes, ``D + lambda D^2 / 2`` (first request waits ``D``, those that
    queue behind it ``D / 2`` on average), with ``D`` the predicted cold start
-   from the warmest cache state the model can start from.
+   from the warmest cache state the model can start from and ``lambda`` the mean
+   demand in a minute with a request (the wait is linear in it).
 2. **How many replicas** (newsvendor on the count). Size for the demand
    quantile at the critical level ``c_u / (c_u + c_o)``: ``c_u`` = wait cost of
    a request that finds no capacity (``cold_cost x D / 2``), ``c_o`` = idle cost
@@ -80,6 +81,31 @@ class ForecastArrays:
         v_lo = np.take_along_axis(self.values, lo[..., None], axis=2)[..., 0]
         v_hi = np.take_along_axis(self.values, hi[..., None], axis=2)[..., 0]
         return v_lo * (1 - frac) + v_hi * frac
+
+    def mean_above(self, level: np.ndarray) -> np.ndarray:
+        """(N, H) mean of the quantile function over ``[level, 1]`` (``level`` (N, H) in [0, 1)): exact for the
+        piecewise-linear function :meth:`quantile` reads, held flat beyond the first and last levels."""
+        level = np.clip(np.asarray(level, dtype="float64"), 0.0, 1.0 - 1e-12)
+        levels, values = self.levels, self.values
+        if len(levels) == 1:
+            return values[..., 0]
+        first, last = values[..., 0], values[..., -1]
+        # area under the quantile function from the first level up to each level
+        cum = np.zeros(values.shape)
+        np.cumsum(np.diff(levels) * (values[..., 1:] + values[..., :-1]) / 2.0, axis=2, out=cum[..., 1:])
+        total = levels[0] * first + cum[..., -1] + (1.0 - levels[-1]) * last
+        pos = np.interp(level, levels, np.arange(len(levels)))
+        lo = np.minimum(np.floor(pos).astype(np.int64), len(levels) - 2)[..., None]
+        frac = (pos - lo[..., 0])
+        v_lo = np.take_along_axis(values, lo, axis=2)[..., 0]
+        v_hi = np.take_along_axis(values, lo + 1, axis=2)[..., 0]
+        at = v_lo + frac * (v_hi - v_lo)
+        # area from 0 to ``level`` (below the first level the function is flat at its first value, and the
+        # segment formula with frac = 0 gives exactly that; above the last it is flat at its last value)
+        below = levels[0] * first + np.take_along_axis(cum, lo, axis=2)[..., 0] \
+            + (level - levels[lo[..., 0]]) * (v_lo + at) / 2.0
+        below = np.where(level > levels[-1], total - (1.0 - level) * last, below)
+        return (total - below) / (1.0 - level)
 
     def row(self, i: int) -> "ForecastArrays":
         return ForecastArrays(levels=self.levels, values=self.values[i:i + 1], p_any=self.p_any[i:i + 1],
@@ -342,8 +368,10 @@ def plan(
     start_s = np.arange(h_count) * 60.0  # minute starts, seconds after now
 
     c_idle = gpus * 60.0 * settings.gpu_second_cost  # one replica-minute
-    # demand given any request: the median of the positive part of the distribution
-    q_given_any = fa.quantile(np.clip(1.0 - fa.p_any / 2.0, 0.0, 1.0))
+    # demand given any request: the mean of the positive part of the distribution. A cold start's queued wait is
+    # linear in the requests that arrive during it, so its expected cost takes their mean; the median read one
+    # request a minute for a bursty model whose minutes with a request average many more
+    q_given_any = fa.mean_above(1.0 - np.clip(fa.p_any, 1e-9, 1.0))
     rate = np.maximum(q_given_any, 1.0) / 60.0
 
     best_state, cache_index = _best_states(fleet, gpus)
