@@ -68,8 +68,13 @@ def test_rescaling_keeps_the_positive_part_of_a_row():
     wide = forecast_arrays(frame((1.0, 1.0, 1.9, 2.0), 0.2), pd.Index(["m"]), T0, 5)
     assert coherent.rescaled == 0 and wide.rescaled == 5
     given_any = lambda fa: fa.quantile(1.0 - fa.p_any / 2.0)  # noqa: E731 (the positive part's median)
-    np.testing.assert_allclose(given_any(wide), given_any(coherent), atol=0.06)
-    np.testing.assert_allclose(wide.exceed(np.full((1, 5), 0.5)), coherent.exceed(np.full((1, 5), 0.5)), atol=0.02)
+    np.testing.assert_allclose(given_any(wide.coherent()), given_any(coherent), atol=0.06)
+    np.testing.assert_allclose(wide.coherent().exceed(np.full((1, 5), 0.5)), coherent.exceed(np.full((1, 5), 0.5)),
+                               atol=0.02)
+    np.testing.assert_allclose(wide.demand_given_any(), coherent.demand_given_any(), rtol=0.05)
+    # the quantiles as forecast stay what sizing, pre-loads and the GPU budget read
+    np.testing.assert_array_equal(wide.values[0, :, :], np.tile([1.0, 1.0, 1.9, 2.0], (5, 1)))
+    assert coherent.coherent().values is coherent.values
 
 
 def test_a_sparse_model_is_not_held_for_the_wide_quantiles_of_an_unconditional_forecast():
@@ -120,3 +125,26 @@ def test_a_bursty_model_is_held_for_the_mean_of_its_demand_given_a_request():
     np.testing.assert_allclose(fa.mean_above(1.0 - fa.p_any), (0.05 * 0.5 + 0.04 * 30.5 + 0.01 * 60) / 0.1)
     assert [a for a in plan(bursty, lat, fleet, settings, T0).actions if a.kind is ActionKind.SCALE]
     assert not [a for a in plan(lone, lat, fleet, settings, T0).actions if a.kind is ActionKind.SCALE]
+
+
+def test_replicas_are_sized_on_the_quantiles_as_forecast_whatever_p_any_says():
+    """Sizing asks a coverage question (the demand quantile at the newsvendor level), which the forecast's own
+    quantiles answer (conformal, calibrated per level); p_any decides warm or not and the demand given a request.
+    The same quantiles with a p_any that disagrees (0.6; their own mass above zero is 0.95) give the same replicas
+    as with one that agrees. Rescaled for sizing too, they gave fewer: on the demo sample that doubled the
+    cold-start requests (1,601 -> 3,447 over the 6-hour replay) for 8 % more GPU-seconds."""
+    fleet = FleetState.build([model("m", replica_rpm=5.0, cold_cost=0.5)], nodes(2))
+    lat = latency(["m"])
+    settings = PlannerSettings(tiers=False)
+    quantiles = (1.0, 5.0, 20.0, 100.0)
+
+    def replicas(p_any: float) -> int:
+        result = plan(frame(quantiles, p_any), lat, fleet, settings, T0)
+        return max((a.replicas for a in result.actions if a.kind is ActionKind.SCALE), default=0)
+
+    agreeing, disagreeing = replicas(0.95), replicas(0.6)
+    assert agreeing > 1
+    assert disagreeing == agreeing
+    rows = forecast_arrays(frame(quantiles, 0.6), pd.Index(["m"]), T0, 5)
+    assert rows.rescaled == 5
+    assert (rows.coherent().quantile(0.69) < rows.quantile(0.69)).all()  # what sizing would have read rescaled

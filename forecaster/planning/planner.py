@@ -63,7 +63,10 @@ class ForecastArrays:
     values: np.ndarray  # (N, H, L) quantiles of the per-minute count
     p_any: np.ndarray  # (N, H)
     known: np.ndarray  # (N,) the model has a forecast
-    rescaled: int = 0  # rows whose quantiles were made to agree with their p_any (:mod:`.coherence`)
+    rescaled: int = 0  # rows whose quantiles disagreed with their p_any (:mod:`.coherence`)
+    #: (N, H, L) the quantiles made coherent with ``p_any`` (:mod:`.coherence`), read for the demand given a
+    #: request only; None: ``values`` are (built another way than by :func:`forecast_arrays`)
+    coherent_values: np.ndarray | None = None
 
     def quantile(self, level: np.ndarray | float) -> np.ndarray:
         """(N, H) quantile at ``level`` (scalar, (N,) or (N, H)), linear between levels, clamped at the ends."""
@@ -106,6 +109,17 @@ class ForecastArrays:
             + (level - levels[lo[..., 0]]) * (v_lo + at) / 2.0
         below = np.where(level > levels[-1], total - (1.0 - level) * last, below)
         return (total - below) / (1.0 - level)
+
+    def coherent(self) -> "ForecastArrays":
+        """The same forecast with its quantiles made coherent with ``p_any``: what a request's minute looks like."""
+        if self.coherent_values is None:
+            return self
+        return ForecastArrays(levels=self.levels, values=self.coherent_values, p_any=self.p_any, known=self.known)
+
+    def demand_given_any(self) -> np.ndarray:
+        """(N, H) mean count in a minute with at least one request: the mean of the positive part of the
+        distribution whose mass above zero is ``p_any``."""
+        return self.coherent().mean_above(1.0 - np.clip(self.p_any, 1e-9, 1.0))
 
     def row(self, i: int) -> "ForecastArrays":
         return ForecastArrays(levels=self.levels, values=self.values[i:i + 1], p_any=self.p_any[i:i + 1],
@@ -159,10 +173,13 @@ def forecast_arrays(forecast: pd.DataFrame, model_ids: pd.Index, now: datetime, 
         else:
             p_any[row, h] = p_any_from_quantiles(levels, vals)
         known[row] = True
-    # the quantiles are read as the distribution whose mass above zero is p_any: rows that say otherwise (the
-    # ensemble's residual quantiles beside its stacked p_any) are rescaled to it
-    values, rescaled = coherent_quantiles(levels, values, p_any)
-    return ForecastArrays(levels=levels, values=values, p_any=p_any, known=known, rescaled=rescaled)
+    # the demand given a request is read from the distribution whose mass above zero is p_any: rows that say
+    # otherwise (the ensemble's residual quantiles beside its stacked p_any) are rescaled to it for that reading
+    # only; sizing, pre-loads and the GPU budget ask coverage questions, which the quantiles as forecast answer
+    # (:mod:`.coherence`)
+    coherent, rescaled = coherent_quantiles(levels, values, p_any)
+    return ForecastArrays(levels=levels, values=values, p_any=p_any, known=known, rescaled=rescaled,
+                          coherent_values=coherent)
 
 
 # --------------------------------------------------------------------------- concurrency
@@ -371,7 +388,7 @@ def plan(
     # demand given any request: the mean of the positive part of the distribution. A cold start's queued wait is
     # linear in the requests that arrive during it, so its expected cost takes their mean; the median read one
     # request a minute for a bursty model whose minutes with a request average many more
-    q_given_any = fa.mean_above(1.0 - np.clip(fa.p_any, 1e-9, 1.0))
+    q_given_any = fa.demand_given_any()
     rate = np.maximum(q_given_any, 1.0) / 60.0
 
     best_state, cache_index = _best_states(fleet, gpus)
@@ -539,7 +556,8 @@ def _need_given_any(fa: ForecastArrays, cap: np.ndarray, busy: str) -> np.ndarra
     over the mass above zero (levels ``1 - p_any (j + 1/2) / S``), counted as the driver counts them (``busy``,
     see :func:`forecaster.planning.budget.idle_gpu_seconds`: whole replicas, at least one with any request; or
     the share of a replica's capacity)."""
-    first = ForecastArrays(levels=fa.levels, values=fa.values[:, :1], p_any=fa.p_any[:, :1], known=fa.known)
+    given_any = fa.coherent()
+    first = ForecastArrays(levels=fa.levels, values=given_any.values[:, :1], p_any=fa.p_any[:, :1], known=fa.known)
     samples = np.concatenate([first.quantile(1.0 - first.p_any * (j + 0.5) / _NEED_SAMPLES)
                               for j in range(_NEED_SAMPLES)], axis=1)
     per_replica = np.maximum(samples, 0.0) / cap[:, None]
