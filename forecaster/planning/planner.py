@@ -65,7 +65,7 @@ class ForecastArrays:
     known: np.ndarray  # (N,) the model has a forecast
     rescaled: int = 0  # rows whose quantiles disagreed with their p_any (:mod:`.coherence`)
     #: (N, H, L) the quantiles made coherent with ``p_any`` (:mod:`.coherence`), read for the demand given a
-    #: request only; None: ``values`` are (built another way than by :func:`forecast_arrays`)
+    #: request only; None when built another way than by :func:`forecast_arrays` (``values`` are read for it)
     coherent_values: np.ndarray | None = None
 
     def quantile(self, level: np.ndarray | float) -> np.ndarray:
@@ -122,8 +122,9 @@ class ForecastArrays:
         return self.coherent().mean_above(1.0 - np.clip(self.p_any, 1e-9, 1.0))
 
     def row(self, i: int) -> "ForecastArrays":
+        coherent = None if self.coherent_values is None else self.coherent_values[i:i + 1]
         return ForecastArrays(levels=self.levels, values=self.values[i:i + 1], p_any=self.p_any[i:i + 1],
-                              known=self.known[i:i + 1])
+                              known=self.known[i:i + 1], coherent_values=coherent)
 
     def exceed(self, x: np.ndarray) -> np.ndarray:
         """(N, H) P(count > x) from the quantiles (piecewise linear CDF); ``x`` is (N, H)."""
