@@ -115,6 +115,9 @@ LATENCY_REFIT_MIN = 60
 #: Where the simulator's replica starts go in ``cold_starts.source``.
 COLD_START_SOURCE = "simulated-cluster"
 REPLAY_SOURCE = "demo"
+#: Minutes after the replay's end within which actions it planned may fall due (the plan horizon is at most 60):
+#: a re-run clears them and the closing summary counts them, so both read the same actions.
+ACTION_TAIL_MIN = 60
 
 
 def register_fleet(engine: Engine, counts: pd.DataFrame, *, config: FleetConfig = DEMO_CLUSTER) -> pd.DataFrame:
@@ -295,7 +298,11 @@ class DemoCluster:
         self._pushed = 0
         end = start + pd.Timedelta(minutes=minutes)
         with engine.begin() as conn:
+            # actions an earlier run planned near its end fall due after it; left pending they would be carried
+            # out (or dropped) in this run and counted in its summary
             self.forgotten = forget_replay_window(conn, start=self.start.to_pydatetime(), end=end.to_pydatetime(),
+                                                  actions_end=(end + pd.Timedelta(minutes=ACTION_TAIL_MIN)
+                                                               ).to_pydatetime(),
                                                   cold_start_source=COLD_START_SOURCE, stale_nodes_like="gpu-node-%")
             self.replay_id = start_replay(conn, source=REPLAY_SOURCE, window_start=start.to_pydatetime(),
                                           window_end=end.to_pydatetime(), policies=("prewarm", "reactive"),
@@ -522,7 +529,8 @@ def run_loop(
     figures = figures or cluster.comparison()
     with engine.connect() as conn:
         statuses = replay_action_statuses(conn, start=cluster.start.to_pydatetime(),
-                                          end=(split + pd.Timedelta(minutes=replay_minutes + 60)).to_pydatetime())
+                                          end=(split + pd.Timedelta(minutes=replay_minutes + ACTION_TAIL_MIN)
+                                               ).to_pydatetime())
     return {"replayed_minutes": replayed, **totals, "carried_out": carried_out, "action_statuses": statuses,
             "totals": figures["totals"],
             "outcomes": figures["outcomes"], "guardrail_refusals": figures["guardrail_refusals"],

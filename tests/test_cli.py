@@ -472,3 +472,25 @@ def test_serve_stopped_by_sigterm_stops_the_embedded_database_it_started(tmp_pat
             server.kill()
         for process in postgres():
             process.send_signal(signal.SIGINT)
+
+
+def test_demo_replay_run_again_on_the_same_store_reads_the_same(engine, settings, tmp_path):
+    """The embedded database outlives a demo run: a second run of the same window clears what the first left
+    (its actions planned ahead of the window's end included), so it plans, acts and counts exactly the same."""
+    from forecaster.demo import SimClock, run_loop
+
+    trace = tmp_path / "azure2019_thirty.csv"
+    pd.read_csv(sample_path(AZURE2019_TOP100)).head(30).to_csv(trace, index=False)
+
+    def once() -> dict:
+        clock = SimClock(pd.Timestamp("2019-07-15", tz="UTC").to_pydatetime())
+        return run_loop(engine, settings, clock=clock, trace=trace, replay_minutes=12, speed=0,
+                        members=["fallback"], echo=lambda line: None)
+
+    first, second = once(), once()
+    assert second["totals"] == first["totals"]
+    assert second["action_statuses"] == first["action_statuses"]
+    assert (second["actions"], second["cold_starts_stored"]) == (first["actions"], first["cold_starts_stored"])
+    with engine.connect() as conn:
+        pending_after = conn.execute(text("SELECT count(*) FROM actions WHERE status = 'pending'")).scalar()
+    assert pending_after == first["action_statuses"].get("pending", 0)

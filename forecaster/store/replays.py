@@ -132,17 +132,19 @@ REPLAY_BACKENDS = ("dry-run", "simulated")
 
 
 def forget_replay_window(conn: Connection, *, start: datetime, end: datetime, cold_start_source: str,
-                         stale_nodes_like: str | None = None) -> dict:
+                         stale_nodes_like: str | None = None, actions_end: datetime | None = None) -> dict:
     """Clear what an earlier replay of ``[start, end)`` left, so a re-run's dashboard shows this run only.
 
-    Deletes the plans made in the window, the dry-run and simulated actions planned in it, the cold starts
-    ``cold_start_source`` recorded in it and (``stale_nodes_like``, a SQL ``LIKE`` pattern) nodes an earlier
-    demo registered under other names. Real backends' actions and other sources' cold starts stay.
+    Deletes the plans made in the window, the dry-run and simulated actions due in it (or up to ``actions_end``,
+    for the actions a replay plans ahead of its end), the cold starts ``cold_start_source`` recorded in it and
+    (``stale_nodes_like``, a SQL ``LIKE`` pattern) nodes an earlier demo registered under other names. Real
+    backends' actions and other sources' cold starts stay.
     """
     window = {"s": start, "e": end}
     actions = conn.execute(text(
         "DELETE FROM actions WHERE backend = ANY(:b) AND coalesce(not_before, updated_at) >= :s "
-        "AND coalesce(not_before, updated_at) < :e"), {**window, "b": list(REPLAY_BACKENDS)}).rowcount
+        "AND coalesce(not_before, updated_at) < :e"),
+        {"s": start, "e": actions_end or end, "b": list(REPLAY_BACKENDS)}).rowcount
     plans = conn.execute(text(
         "DELETE FROM plans p WHERE planned_at >= :s AND planned_at < :e "
         "AND NOT EXISTS (SELECT 1 FROM actions a WHERE a.plan_id = p.id)"), window).rowcount
