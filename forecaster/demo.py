@@ -434,7 +434,7 @@ def run_loop(
     from forecaster.jobs.forecasting import forecast_job, retrain_job
     from forecaster.jobs.planning import plan_job
     from forecaster.forecast.ensemble import Ensemble
-    from forecaster.forecast.registry import ENSEMBLE_FILE, ChampionCache, champion, set_status
+    from forecaster.forecast.registry import ENSEMBLE_FILE, ChampionCache, champion, code_version, set_status
     from forecaster.store.replays import replay_action_statuses
 
     stop = stop or threading.Event()
@@ -465,6 +465,15 @@ def run_loop(
         echo(f"the champion {held.id} has no artefacts at {held.path}; marking it failed and training again")
         set_status(engine, held.id, "failed")
         held = None
+    elif held is not None and held.code_version != code_version():
+        # the data dir outlives checkouts: a champion another version of the code trained would make this run
+        # replay that version's forecasts, so the demo's figures would depend on which checkout ran it first
+        echo(f"the champion {held.id} was trained by {held.code_version or 'an unknown version'}, not by this "
+             f"checkout ({code_version()}); retiring it and training again")
+        set_status(engine, held.id, "retired")
+        held = None
+    elif held is not None:
+        echo(f"forecasting with the champion {held.id}, trained by this checkout on an earlier run")
     if held is None:
         echo("training the forecasting ensemble on the history (members: "
              f"{', '.join(members) if members else 'all'} + fallback) ...")

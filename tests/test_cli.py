@@ -274,6 +274,26 @@ def test_demo_trains_again_when_the_champions_artefacts_are_gone(cli, engine):
     assert list(statuses.values()).count("champion") == 1
 
 
+def test_demo_trains_again_when_another_version_of_the_code_trained_the_champion(cli, engine):
+    """The data dir outlives checkouts: a champion trained by other code is retired and trained again, so the
+    demo replays this checkout's forecasts; one this checkout trained is used as it is."""
+    args = ("demo", "--replay-minutes", "1", "--speed", "0", "--no-serve", "--members", "fallback")
+    assert cli(*args).exit_code == 0
+    with engine.connect() as conn:
+        first = conn.execute(text("SELECT id FROM model_versions WHERE status = 'champion' AND kind = 'forecast'"
+                                  )).scalar()
+    again = cli(*args)
+    assert again.exit_code == 0 and f"forecasting with the champion {first}" in again.stdout
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE model_versions SET code_version = '0.0.1+0ld' WHERE id = :id"), {"id": first})
+    result = cli(*args)
+    assert result.exit_code == 0, result.output
+    assert f"the champion {first} was trained by 0.0.1+0ld" in result.stdout
+    with engine.connect() as conn:
+        statuses = dict(conn.execute(text("SELECT id, status FROM model_versions WHERE kind = 'forecast'")).all())
+    assert statuses[first] == "retired" and list(statuses.values()).count("champion") == 1
+
+
 # --- errors at the edge: one line, the file or option, exit code 2 ------------------------
 
 

@@ -29,6 +29,8 @@ class VersionInfo:
     scores: dict
     members: list
     kind: str = "forecast"
+    #: Package version and commit of the code that trained it (None for rows written without one).
+    code_version: str | None = None
 
 
 def insert_version(engine: Engine, *, version_id: str, path: Path, status: str, train_start, train_end,
@@ -49,11 +51,11 @@ def insert_version(engine: Engine, *, version_id: str, path: Path, status: str, 
 def champion_version(engine: Engine, *, kind: str = "forecast") -> VersionInfo | None:
     """The champion of ``kind``, or None when none is saved yet (one index probe)."""
     with engine.connect() as conn:
-        row = conn.execute(text("SELECT id, status, path, train_start, train_end, scores, members, kind "
-                                "FROM model_versions WHERE status = 'champion' AND kind = :kind"),
+        row = conn.execute(text("SELECT id, status, path, train_start, train_end, scores, members, kind, "
+                                "code_version FROM model_versions WHERE status = 'champion' AND kind = :kind"),
                            {"kind": kind}).first()
     return None if row is None else VersionInfo(row[0], row[1], Path(row[2]), row[3], row[4], row[5], row[6],
-                                                row[7])
+                                                row[7], row[8])
 
 
 def promote_version(engine: Engine, version_id: str) -> None:
