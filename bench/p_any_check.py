@@ -12,6 +12,14 @@ Two views:
    fixed grid of ``kappa``, the 75th percentile over functions of their cold % and the idle minutes held.
    Brier scores hardly see probabilities of 1e-4 vs 1e-3, but for a function called once an hour that is the
    difference between holding it all day and not.
+3. reliability, by activity (invoked minutes of the first 240) and age (minutes since the last invoked one): mean
+   p_any against the share of minutes invoked, one minute ahead and ``RELIABILITY_H`` minutes ahead (binned by the
+   age at issue). It shows the idle-time hazard's geometric tail (ages beyond 240 minutes) reading the pooled
+   hazard squared when a series has no long gap of its own (``forecaster/forecast/hazard.py``: the tail's prior
+   events are ``prior_weight * h0`` over ``prior_weight / h0`` steps): p_any 0.0004 where 0.0016 of the minutes saw
+   a call (20-59 invoked minutes, idle 3 hours or more). Written as ``prior_weight`` events it is calibrated there
+   (0.0015), but the planner's curves got worse with it (minute protocol, 2026-12-03: p75 at the hybrid's waste
+   13.6 % against 7.7 %, gap closed 0.39 against 0.75), so the formula is left as it is; see issue 14's note.
 
 Takes about 5 minutes on 2 cores at 1,350 functions.
 
@@ -32,6 +40,11 @@ from forecaster.settings import Settings  # noqa: E402
 
 FIT_MIN, END_MIN = 240, 600
 KAPPAS = (1, 3, 10, 30, 100, 300)
+#: The reliability table's second horizon (minutes ahead; a cold start's lead time on the fleet is a few minutes).
+RELIABILITY_H = 5
+#: Reliability bands: invoked minutes before the fit (of FIT_MIN) and minutes since the last invocation.
+ACTIVITY_EDGES = (0, 1, 5, 20, 60, 240)
+AGE_EDGES = (1, 10, 60, 180, 10**6)
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--functions", type=int, default=1350, help="The first N functions of the day (default all).")
 N_FUNCTIONS = parser.parse_args().functions
@@ -44,11 +57,18 @@ panel = CountPanel(ids=ids, start=start, counts=counts)
 sources = {"ensemble": EnsembleForecast(panel, train_until_min=FIT_MIN, settings=Settings()),
            "empirical": EmpiricalForecast(panel)}
 p_any = {name: np.zeros((len(ids), END_MIN - FIT_MIN)) for name in sources}
+# p_any for the minute RELIABILITY_H - 1 steps after the first forecast one (target minute t + h - 1)
+p_ahead = {name: np.full((len(ids), END_MIN - FIT_MIN), np.nan) for name in sources}
 for t in range(FIT_MIN, END_MIN):
     now = (start + pd.Timedelta(minutes=t)).to_pydatetime()
     for name, source in sources.items():
-        frame = source.quantiles(now, 1).set_index("unique_id").reindex(ids)
-        p_any[name][:, t - FIT_MIN] = frame["p_any"].to_numpy()
+        frame = source.quantiles(now, RELIABILITY_H)
+        frame = frame.assign(step=frame.groupby("unique_id").cumcount())
+        first = frame[frame.step == 0].set_index("unique_id").reindex(ids)
+        p_any[name][:, t - FIT_MIN] = first["p_any"].to_numpy()
+        if t + RELIABILITY_H - 1 < END_MIN:
+            last = frame[frame.step == RELIABILITY_H - 1].set_index("unique_id").reindex(ids)
+            p_ahead[name][:, t + RELIABILITY_H - 1 - FIT_MIN] = last["p_any"].to_numpy()
 invoked = counts[:, FIT_MIN:END_MIN] > 0
 sparse = (counts[:, :FIT_MIN] > 0).mean(axis=1) < 0.2
 rate = (np.cumsum(counts, axis=1)[:, FIT_MIN - 1:END_MIN - 1] + 1.0) / (np.arange(FIT_MIN, END_MIN) + 1.0)
@@ -65,3 +85,32 @@ for name, p in p_any.items():
         cold = ((~held) & invoked).sum(axis=1)[calls > 0] / calls[calls > 0]
         line.append(f"kappa {kappa}: p75 cold {100 * np.percentile(cold, 75):.1f}% idle {int((held & ~invoked).sum())}")
     print(f"{name:10s} " + " | ".join(line))
+
+# Reliability by activity and age: is p_any too low at long idle ages for mid-activity functions (the fleet day's
+# p75 misses are session starts after 1-3 hours idle; bench/fleet_margin.py)? Age: minutes since the last invoked
+# minute before the target minute (causal), "never" when none since minute 0.
+last_seen = np.full(len(ids), -10**6)
+ages = np.zeros((len(ids), END_MIN - FIT_MIN))
+for t in range(END_MIN):
+    if t >= FIT_MIN:
+        ages[:, t - FIT_MIN] = t - last_seen
+    last_seen = np.where(counts[:, t] > 0, t, last_seen)
+active_before = (counts[:, :FIT_MIN] > 0).sum(axis=1)
+ages_at_issue = np.full_like(ages, -1.0)  # aligned to the target minute; -1 where the issue fell before FIT_MIN
+ages_at_issue[:, RELIABILITY_H - 1:] = ages[:, :ages.shape[1] - (RELIABILITY_H - 1)] + (RELIABILITY_H - 1)
+print(f"\nreliability: mean p_any against the invoked share of minutes, by invoked minutes of the first {FIT_MIN}"
+      f" and minutes idle; horizons 1 and {RELIABILITY_H}")
+for lo, hi in zip(ACTIVITY_EDGES[:-1], ACTIVITY_EDGES[1:]):
+    rows = (active_before >= lo) & (active_before < hi)
+    for alo, ahi in zip(AGE_EDGES[:-1], AGE_EDGES[1:]):
+        cell = rows[:, None] & (ages >= alo) & (ages < ahi)
+        if cell.sum() < 50:
+            continue
+        parts = [f"active {lo:>3}-{hi:<3} idle {alo:>4}-{'' if ahi >= 10**6 else ahi:<4} n {int(cell.sum()):>7}"
+                 f" invoked {invoked[cell].mean():.4f}"]
+        # horizon RELIABILITY_H: binned by the age when the forecast was issued, RELIABILITY_H - 1 minutes earlier
+        ahead = rows[:, None] & (ages_at_issue >= alo) & (ages_at_issue < ahi)
+        parts.append(f"h{RELIABILITY_H} n {int(ahead.sum()):>7} invoked {invoked[ahead].mean():.4f}")
+        for name in sources:
+            parts.append(f"{name} h1 {p_any[name][cell].mean():.4f} h{RELIABILITY_H} {p_ahead[name][ahead].mean():.4f}")
+        print(" | ".join(parts))

@@ -82,7 +82,11 @@ def hazard(
     num = hist[rows, idx]
     den = survival[rows, idx]
     h = (num + prior_weight * h0) / (den + prior_weight)
-    # beyond the histogram's range: geometric tail fitted to the overflow idle times (MLE n / sum of excess)
+    # beyond the histogram's range: geometric tail fitted to the overflow idle times (MLE n / sum of excess). Its
+    # prior reads prior_weight * h0 events over prior_weight / h0 steps, so a series with no long gap of its own
+    # gets h0 squared, below the calls seen (bench/p_any_check.py's reliability table). The calibrated form
+    # (prior_weight events) made the planner's minute-protocol curve worse (p75 at the hybrid's waste 13.6 %
+    # against 7.7 %, 2026-12-03), so it stays until the planner is measured with calibrated long-age p_any
     n_over = hist[:, max_age + 1][:, None]
     tail = (n_over + prior_weight * h0) / (excess[:, None] + prior_weight / np.maximum(h0, 1e-6))
     h = np.where(a2 > max_age, tail, h)
