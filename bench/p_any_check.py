@@ -3,7 +3,7 @@
 The Azure 2019 day's functions (all 1,350 by default; ``--functions 300`` is the development sample, which
 turned out unrepresentative: see the hazard pool in ``forecaster/forecast/hazard.py``); the product ensemble (``EnsembleForecast``, production defaults)
 fitted at minute 240 on minutes 0..239; one-minute-ahead ``p_any`` for minutes 240..599 from both sources.
-Two views:
+Three views:
 
 1. calibration, per subset (sparse: under 20 % active minutes before minute 240): mean p_any on minutes with and
    without an invocation, the share of invoked minutes given p_any < 0.01, the Brier score;

@@ -297,12 +297,13 @@ class DemoCluster:
         self.policy.actuator, self.policy.engine = self.actuator, engine
         self._pushed = 0
         end = start + pd.Timedelta(minutes=minutes)
+        #: actions planned in the replay fall due up to here: a re-run clears them and the summary counts them
+        self.actions_end = (end + pd.Timedelta(minutes=ACTION_TAIL_MIN)).to_pydatetime()
         with engine.begin() as conn:
             # actions an earlier run planned near its end fall due after it; left pending they would be carried
             # out (or dropped) in this run and counted in its summary
             self.forgotten = forget_replay_window(conn, start=self.start.to_pydatetime(), end=end.to_pydatetime(),
-                                                  actions_end=(end + pd.Timedelta(minutes=ACTION_TAIL_MIN)
-                                                               ).to_pydatetime(),
+                                                  actions_end=self.actions_end,
                                                   cold_start_source=COLD_START_SOURCE, stale_nodes_like="gpu-node-%")
             self.replay_id = start_replay(conn, source=REPLAY_SOURCE, window_start=start.to_pydatetime(),
                                           window_end=end.to_pydatetime(), policies=("prewarm", "reactive"),
@@ -537,9 +538,7 @@ def run_loop(
         figures = cluster.store(clock())
     figures = figures or cluster.comparison()
     with engine.connect() as conn:
-        statuses = replay_action_statuses(conn, start=cluster.start.to_pydatetime(),
-                                          end=(split + pd.Timedelta(minutes=replay_minutes + ACTION_TAIL_MIN)
-                                               ).to_pydatetime())
+        statuses = replay_action_statuses(conn, start=cluster.start.to_pydatetime(), end=cluster.actions_end)
     return {"replayed_minutes": replayed, **totals, "carried_out": carried_out, "action_statuses": statuses,
             "totals": figures["totals"],
             "outcomes": figures["outcomes"], "guardrail_refusals": figures["guardrail_refusals"],
