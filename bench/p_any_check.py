@@ -19,7 +19,8 @@ Three views:
    events are ``prior_weight * h0`` over ``prior_weight / h0`` steps): p_any 0.0004 where 0.0016 of the minutes saw
    a call (20-59 invoked minutes, idle 3 hours or more). Written as ``prior_weight`` events it is calibrated there
    (0.0015), but the planner's curves got worse with it (minute protocol, 2026-12-03: p75 at the hybrid's waste
-   13.6 % against 7.7 %, gap closed 0.39 against 0.75), so the formula is left as it is; see issue 14's note.
+   13.6 % against 7.7 %, gap closed 0.39 against 0.75), so the formula is left as it is; ``bench/long_idle.py``
+   compares the two tails on the empirical source and shows where the held minutes go.
 
 Takes about 5 minutes on 2 cores at 1,350 functions.
 

@@ -82,11 +82,16 @@ def hazard(
     num = hist[rows, idx]
     den = survival[rows, idx]
     h = (num + prior_weight * h0) / (den + prior_weight)
-    # beyond the histogram's range: geometric tail fitted to the overflow idle times (MLE n / sum of excess). Its
-    # prior reads prior_weight * h0 events over prior_weight / h0 steps, so a series with no long gap of its own
-    # gets h0 squared, below the calls seen (bench/p_any_check.py's reliability table). The calibrated form
-    # (prior_weight events) made the planner's minute-protocol curve worse (p75 at the hybrid's waste 13.6 %
-    # against 7.7 %, 2026-12-03), so it stays until the planner is measured with calibrated long-age p_any
+    # beyond the histogram's range: geometric tail fitted to the overflow idle times (MLE n / sum of excess). Its prior
+    # reads prior_weight * h0 events over prior_weight / h0 steps, so a series with no long gap of its own gets h0
+    # squared, below the calls seen. On the Azure day (minutes 240..1439, idle over 240 minutes) the empirical source
+    # reads 0.00003 where 0.0006 of the minutes saw a call for series with no long gap of their own, 0.0002 against
+    # 0.0008 for those with one (bench/long_idle.py). The calibrated form (prior_weight events) reads 0.0006 and 0.0007
+    # there, and made the planner's curves worse at equal waste on both replays (2026-12-03): minute protocol p75 at the
+    # hybrid's waste 13.6 % against 7.7 %, fleet day 22.3 % against 15.4 % (overall cold 1.34 against 0.64 %). Holding a
+    # model idle for hours at 0.0006 a minute costs about 1,600 held minutes per call caught, and such models mostly end
+    # above the p75 line either way. So it stays; bench/long_idle.py and issue 14's notes of stops 32 and 33 have the
+    # measurements.
     n_over = hist[:, max_age + 1][:, None]
     tail = (n_over + prior_weight * h0) / (excess[:, None] + prior_weight / np.maximum(h0, 1e-6))
     h = np.where(a2 > max_age, tail, h)
