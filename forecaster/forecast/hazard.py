@@ -89,9 +89,9 @@ def hazard(
     # 0.0008 for those with one (bench/long_idle.py). The calibrated form (prior_weight events) reads 0.0006 and 0.0007
     # there, and made the planner's curves worse at equal waste on both replays (2026-12-03): minute protocol p75 at the
     # hybrid's waste 13.6 % against 7.7 %, fleet day 22.3 % against 15.4 % (overall cold 1.34 against 0.64 %). Holding a
-    # model idle for hours at 0.0006 a minute costs about 1,600 held minutes per call caught, and such models mostly end
-    # above the p75 line either way. So it stays; bench/long_idle.py and issue 14's notes of stops 32 and 33 have the
-    # measurements.
+    # model idle for hours at 0.0006 a minute costs about 1,600 held minutes per call caught (at 60-240 minutes idle:
+    # about 140), so the same waste catches more calls on models idle for less. So it stays; bench/long_idle.py and
+    # issue 14's notes of stops 32 and 33 have the measurements.
     n_over = hist[:, max_age + 1][:, None]
     tail = (n_over + prior_weight * h0) / (excess[:, None] + prior_weight / np.maximum(h0, 1e-6))
     h = np.where(a2 > max_age, tail, h)
