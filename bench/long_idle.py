@@ -50,7 +50,7 @@ import pandas as pd
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.p75_allocation import KAPPAS, per_function, read_day, run_rule  # noqa: E402
+from bench.p75_allocation import KAPPAS, calls_per_minute_so_far, per_function, read_day, run_rule  # noqa: E402
 from forecaster.forecast.hazard import activity_bin, age_bin, carry_forward, hazard  # noqa: E402
 from forecaster.planning.forecasts import CountPanel, EmpiricalForecast  # noqa: E402
 from forecaster.settings import Settings  # noqa: E402
@@ -102,11 +102,11 @@ def main() -> None:
 
     print("\n2. what a held minute buys, by idle age (all scored minutes; never-called series in the last band)")
     n_scored = counts[:, scored].sum(axis=1)
-    rate = (np.concatenate([np.zeros((len(counts), 1)), np.cumsum(counts, axis=1)[:, :-1]], axis=1) + 1.0) / (
-        np.arange(counts.shape[1]) + 1.0)
+    rate = calls_per_minute_so_far(counts)
     minutes = counts.shape[1] - WARMUP_MIN
+    age_or_large = np.nan_to_num(age, posinf=10**8)  # never-called series: older than any band's start
     for lo, hi in AGE_BANDS_MIN:
-        band = (np.nan_to_num(age, posinf=10**8) >= lo) & (np.nan_to_num(age, posinf=10**8) < hi)
+        band = (age_or_large >= lo) & (age_or_large < hi)
         f, t = np.nonzero(band & called)
         weight = 1.0 / (rate[:, scored][f, t] * minutes)
         value = 1.0 / n_scored[f]

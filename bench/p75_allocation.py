@@ -93,6 +93,12 @@ def causal_p_any(counts: np.ndarray, forecaster: str) -> np.ndarray:
     return p_any
 
 
+def calls_per_minute_so_far(counts: np.ndarray) -> np.ndarray:
+    """Each function's invocations per minute before each minute, smoothed as ``planner_loaded`` does it."""
+    before = np.concatenate([np.zeros((len(counts), 1)), np.cumsum(counts, axis=1)[:, :-1]], axis=1)
+    return (before + 1.0) / (np.arange(counts.shape[1]) + 1.0)
+
+
 def run_rule(counts, p_any, rate, gpus, kappa, target=None, gain=0.0) -> np.ndarray:
     """Loaded matrix of the hold rule, with the per-function controller when ``target`` is given."""
     log_factor = np.zeros(len(counts))
@@ -135,10 +141,9 @@ def main() -> None:
             np.save(args.p_any_cache, p_any)
     print(f"p_any ({args.forecaster}) for {counts.shape[0]} functions x {counts.shape[1]} minutes: "
           f"{time.perf_counter() - started:.0f} s")
-    n, minutes = counts.shape
+    n = len(counts)
     gpus = mb / 1024.0
-    rate = (np.concatenate([np.zeros((n, 1)), np.cumsum(counts, axis=1)[:, :-1]], axis=1) + 1.0) / (
-        np.arange(minutes) + 1.0)
+    rate = calls_per_minute_so_far(counts)
     base = score_loaded(counts, mb, keepalive_loaded(counts, 10)).wasted_memory_mb_min
     hybrid = score_loaded(counts, mb, hybrid_loaded(counts))
     threshold = hybrid.cold_pct_p75
