@@ -20,7 +20,7 @@ from forecaster.contracts.phases import PHASES, START_STATES
 from forecaster.planning.fleet import PlannerSettings
 from forecaster.planning.forecasts import CountPanel, EmpiricalForecast, OracleForecast
 from forecaster.contracts.actions import Action, ActionKind, Reason, Tier
-from forecaster.planning.planner import ConcurrencyLedger, plan
+from forecaster.planning.planner import ConcurrencyLedger, ForecastArrays, plan
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 MIN = timedelta(minutes=1)
@@ -136,6 +136,38 @@ def test_replicas_follow_the_critical_quantile():
     result = plan(forecast(T0, {"a": [(0, 0), (0, 0), (400, 1.0)]}, horizon=3), latency(["a"]), fleet, settings, T0)
     (scale,) = [a for a in result.actions if a.kind is ActionKind.SCALE]
     assert scale.replicas == 6  # q0.9 = 600 requests / 100 per replica; the top level is the clamp
+
+
+
+def test_a_level_above_the_top_quantile_is_read_from_an_exponential_tail():
+    levels = np.array([0.1, 0.5, 0.9, 0.99])
+    beta = 10.0  # exponential counts: q(level) = -beta ln(1 - level)
+    values = (-beta * np.log(1.0 - levels))[None, None, :].repeat(2, axis=1)
+    fa = ForecastArrays(levels=levels, values=values, p_any=np.ones((1, 2)), known=np.ones(1, dtype=bool))
+    want = np.array([[-beta * np.log(1.0 - 0.5), -beta * np.log(1.0 - 0.999)]])
+    level = np.array([[0.5, 0.999]])
+    np.testing.assert_allclose(fa.quantile(level, tail_from=0.9), want, rtol=1e-12)
+    # without a tail, or with one that starts at the top level, a level beyond the top reads the top quantile
+    clamped = np.array([[want[0, 0], -beta * np.log(1.0 - 0.99)]])
+    np.testing.assert_allclose(fa.quantile(level), clamped, rtol=1e-12)
+    np.testing.assert_allclose(fa.quantile(level, tail_from=0.99), clamped, rtol=1e-12)
+
+
+@pytest.mark.parametrize("quantile_for_shape, expected", [(0.9, [5, 6, 7]), (0.99, [5, 5, 5])])  # 0.99: no tail
+def test_replicas_keep_growing_with_the_cold_cost_beyond_the_top_quantile(quantile_for_shape, expected):
+    # D = 107 s, c_o = 60 / 100 per request: critical levels 0.9889, 0.99888, 0.999888 at cold costs 1, 10, 100;
+    # q0.9 = 400, q0.99 = 500 -> the exponential tail through them reads about 500, 596 and 696 there
+    settings = PlannerSettings(tiers=False, replica_utilisation=1.0, horizon_min=3,
+                               quantile_for_shape=quantile_for_shape)
+    replicas = []
+    for cold_cost in (1.0, 10.0, 100.0):
+        fleet = FleetState.build([model("a", replica_rpm=100.0, cold_cost=cold_cost)], nodes(2))
+        frame = forecast(T0, {"a": [(0, 0), (0, 0), (400 / 1.5, 1.0)]}, horizon=3)
+        frame["q0.99"] = np.where(frame["q0.9"] > 0, 500.0, 0.0)
+        result = plan(frame, latency(["a"]), fleet, settings, T0)
+        (scale,) = [a for a in result.actions if a.kind is ActionKind.SCALE]
+        replicas.append(scale.replicas)
+    assert replicas == expected
 
 
 def test_release_when_demand_ends_and_keep_within_the_lead_time():

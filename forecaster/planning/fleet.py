@@ -40,8 +40,10 @@ class PlannerSettings:
             predicted latency (absolute + relative safety margin).
         release_hold_min: minutes of forecast below the current replicas before
             a release (hysteresis; 0 releases as soon as the next minute allows).
-        quantile_for_shape: level used to size replicas beyond the first when the
-            newsvendor level falls outside the forecast's levels.
+        quantile_for_shape: with the top level, the two quantiles through which an
+            exponential tail is drawn when the newsvendor level is above the forecast's
+            top level (:meth:`~forecaster.planning.planner.ForecastArrays.quantile`);
+            at or above the top level, sizing stops at the top quantile.
     """
 
     horizon_min: int = 5

@@ -15,7 +15,9 @@ of the horizon it decides, with costs in GPU-seconds:
 2. **How many replicas** (newsvendor on the count). Size for the demand
    quantile at the critical level ``c_u / (c_u + c_o)``: ``c_u`` = wait cost of
    a request that finds no capacity (``cold_cost x D / 2``), ``c_o`` = idle cost
-   of one request's worth of capacity (``C_idle / capacity``).
+   of one request's worth of capacity (``C_idle / capacity``). A level above the
+   forecast's top one is read from an exponential tail through the quantiles at
+   ``settings.quantile_for_shape`` and the top level, not clamped to the top.
 3. **Which cheaper tier** (when ``settings.tiers``): for the replicas the
    forecast may need beyond those warm, pre-pull the image and pre-load the
    weights to disk or host memory on the nodes where they would start, when
@@ -68,8 +70,15 @@ class ForecastArrays:
     #: request only; None when built another way than by :func:`forecast_arrays` (``values`` are read for it)
     coherent_values: np.ndarray | None = None
 
-    def quantile(self, level: np.ndarray | float) -> np.ndarray:
-        """(N, H) quantile at ``level`` (scalar, (N,) or (N, H)), linear between levels, clamped at the ends."""
+    def quantile(self, level: np.ndarray | float, tail_from: float | None = None) -> np.ndarray:
+        """(N, H) quantile at ``level`` (scalar, (N,) or (N, H)), linear between levels, clamped at the ends.
+
+        With ``tail_from`` (a level below the top one), a level above the top one is read from an exponential
+        tail through the quantiles at ``tail_from`` and at the top level instead of being clamped:
+        ``q_top + (q_top - q_from) * ln((1 - top) / (1 - level)) / ln((1 - from) / (1 - top))``, exact when the
+        count's tail is exponential. Sizing asks for levels above q0.99 when a request's wait behind a missing
+        replica is worth more than 99 minutes of the idle capacity that would serve it; the clamp then stops
+        adding replicas however much more a wait is worth."""
         level = np.asarray(level, dtype="float64")
         if level.ndim == 0:
             level = np.full(self.p_any.shape, float(level))
@@ -83,7 +92,14 @@ class ForecastArrays:
         frac = pos - lo
         v_lo = np.take_along_axis(self.values, lo[..., None], axis=2)[..., 0]
         v_hi = np.take_along_axis(self.values, hi[..., None], axis=2)[..., 0]
-        return v_lo * (1 - frac) + v_hi * frac
+        out = v_lo * (1 - frac) + v_hi * frac
+        top = float(self.levels[-1])
+        if tail_from is None or not 0.0 < tail_from < top or not (level > top).any():
+            return out
+        top_value = self.values[..., -1]
+        scale = (top_value - self.quantile(tail_from)) / math.log((1.0 - tail_from) / (1.0 - top))
+        beyond = np.log((1.0 - top) / (1.0 - np.minimum(level, 1.0 - 1e-9)))
+        return np.where(level > top, top_value + scale * beyond, out)
 
     def mean_above(self, level: np.ndarray) -> np.ndarray:
         """(N, H) mean of the quantile function over ``[level, 1]`` (``level`` (N, H) in [0, 1)): exact for the
@@ -407,7 +423,8 @@ def plan(
         c_u = cost * np.maximum(d, 1e-9) / 2.0
         c_o = c_idle / cap
         level = c_u / (c_u + c_o)
-        size = np.ceil(np.maximum(fa.quantile(level), 0.0) / cap[:, None] - 1e-9)
+        size = np.ceil(np.maximum(fa.quantile(level, tail_from=settings.quantile_for_shape), 0.0) / cap[:, None]
+                       - 1e-9)
         desired = np.where(warm & fa.known[:, None], np.maximum(size, 1.0), 0.0).astype(np.int64)
         return desired, c_cold, d
 
