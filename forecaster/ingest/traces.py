@@ -255,6 +255,22 @@ def _numeric_column(frame: pd.DataFrame, column: str) -> np.ndarray:
     return numeric
 
 
+def _timestamp_column(text: pd.Series, field: str, fmt: str) -> pd.Series:
+    """Times as UTC (a zone-less time is UTC), or IngestError naming the first row that is not a time."""
+    stamps = pd.to_datetime(text, utc=True, errors="coerce", format=fmt)
+    bad = np.flatnonzero(stamps.isna().to_numpy())
+    if len(bad):
+        first = int(bad[0])
+        raise IngestError(
+            "bad_timestamp",
+            f"cannot read {text.iloc[first]!r} as a timestamp",
+            row=first + 1,
+            field=field,
+            value=text.iloc[first],
+        )
+    return stamps
+
+
 def _check_ids(frame: pd.DataFrame, column: str) -> np.ndarray:
     """Model ids as strings; an empty id is an IngestError (groupby would drop it)."""
     ids = frame[column]
@@ -311,17 +327,7 @@ def _read_huawei5min(path: Path) -> RawTrace:
     channels = [str(c) for c in frame.columns if c != "date"]
     if not channels:
         raise IngestError("missing_column", "huawei5min input has no channel columns")
-    dates = pd.to_datetime(frame["date"], utc=True, errors="coerce", format="mixed")
-    bad = np.flatnonzero(dates.isna().to_numpy())
-    if len(bad):
-        first = int(bad[0])
-        raise IngestError(
-            "bad_timestamp",
-            f"cannot read {frame['date'].iloc[first]!r} as a timestamp",
-            row=first + 1,
-            field="date",
-            value=frame["date"].iloc[first],
-        )
+    dates = _timestamp_column(frame["date"], "date", "mixed")
     dates_ns = dates.dt.as_unit("ns").astype("int64").to_numpy()
     raw = _melt_wide(
         frame[channels].to_numpy(),
@@ -351,17 +357,7 @@ def _read_azure_llm2023(path: Path, model_id: str | None) -> RawTrace:
     """
     frame = _read_csv(path, text_columns=("TIMESTAMP",))
     _require_columns(frame, ("TIMESTAMP",), "azure_llm2023")
-    stamps = pd.to_datetime(frame["TIMESTAMP"], utc=True, errors="coerce", format="ISO8601")
-    bad = np.flatnonzero(stamps.isna().to_numpy())
-    if len(bad):
-        first = int(bad[0])
-        raise IngestError(
-            "bad_timestamp",
-            f"cannot read {frame['TIMESTAMP'].iloc[first]!r} as a timestamp",
-            row=first + 1,
-            field="TIMESTAMP",
-            value=frame["TIMESTAMP"].iloc[first],
-        )
+    stamps = _timestamp_column(frame["TIMESTAMP"], "TIMESTAMP", "ISO8601")
     uid = model_id or _default_llm_model_id(path)
     minute_ns = stamps.dt.floor("60s").dt.as_unit("ns").astype("int64").to_numpy()
     rows = np.arange(1, len(frame) + 1, dtype="int64")
@@ -481,17 +477,7 @@ def _read_long(path: Path, step_seconds: int) -> RawTrace:
             value=ds.iloc[0],
         )
     else:
-        parsed = pd.to_datetime(ds, utc=True, errors="coerce", format="mixed")
-        bad = np.flatnonzero(parsed.isna().to_numpy())
-        if len(bad):
-            first = int(bad[0])
-            raise IngestError(
-                "bad_timestamp",
-                f"cannot read {ds.iloc[first]!r} as a timestamp",
-                row=first + 1,
-                field="ds",
-                value=ds.iloc[first],
-            )
+        parsed = _timestamp_column(ds, "ds", "mixed")
     raw = pd.DataFrame(
         {
             "unique_id": frame["unique_id"].to_numpy(dtype=object),
