@@ -103,6 +103,26 @@ class ServingModelPublic(BaseModel):
     updated_at: datetime | None = None
 
 
+class ActionRecord(BaseModel):
+    """The columns of a stored action that every action listing returns (``/v1/actions``, a model's timeline)."""
+
+    id: int
+    plan_id: int | None
+    kind: str
+    node_id: str | None
+    target: str | None
+    spec: dict
+    not_before: datetime | None
+    deadline: datetime | None
+    reason: str | None
+    expected_benefit: float | None
+    expected_cost: float | None
+    status: str
+    status_reason: str | None
+    attempts: int
+    updated_at: datetime
+
+
 class ForecastPoint(BaseModel):
     target_minute: datetime
     point: float

@@ -13,7 +13,7 @@ from api.deps import AdminToken, ClockDep, EngineDep, ReadToken, SettingsDep
 from forecaster.planning.budget import BudgetState, budget_history
 from forecaster.planning.step import waste_budget
 from forecaster.store.actions import plan_budget_states, set_paused
-from api.schemas import ListPublic, SafeId, SafeText, UtcTime
+from api.schemas import ActionRecord, ListPublic, SafeId, SafeText, UtcTime
 
 #: Largest id accepted in a bigint query parameter.
 BIGINT_MAX = 2**63 - 1
@@ -28,25 +28,12 @@ class PlanPublic(BaseModel):
     actions: int
 
 
-class ActionPublic(BaseModel):
-    id: int
-    plan_id: int | None
-    kind: str
+class ActionPublic(ActionRecord):
+    """An action of the audit trail, with its model and what the backend reported."""
+
     model_id: str | None
-    node_id: str | None
-    target: str | None
-    spec: dict
-    not_before: datetime | None
-    deadline: datetime | None
-    reason: str | None
-    expected_benefit: float | None
-    expected_cost: float | None
-    status: str
-    status_reason: str | None
-    attempts: int
     backend: str | None = None
     detail: dict | None = None
-    updated_at: datetime
 
 
 @router.get("/plans", response_model=ListPublic[PlanPublic])

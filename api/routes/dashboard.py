@@ -34,6 +34,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy.exc import OperationalError
 
 from api.deps import ClockDep, EngineDep, ReadToken, SettingsDep
+from api.schemas import ActionRecord
 from forecaster.store.dashboard import (
     FLEET_SORTS,
     ForecastError,
@@ -138,22 +139,8 @@ class ColdStartsPublic(BaseModel):
     note: str | None = None
 
 
-class TimelineActionPublic(BaseModel):
-    id: int
-    plan_id: int | None
-    kind: str
-    node_id: str | None
-    target: str | None
-    spec: dict
-    not_before: datetime | None
-    deadline: datetime | None
-    reason: str | None
-    expected_benefit: float | None
-    expected_cost: float | None
-    status: str
-    status_reason: str | None
-    attempts: int
-    updated_at: datetime
+class TimelineActionPublic(ActionRecord):
+    """An action on a model's timeline (the model is the page's)."""
 
 
 class TimelinePublic(BaseModel):
