@@ -7,6 +7,7 @@ from typing import Annotated, Generic, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
+from forecaster.contracts.bursts import MAX_BURST_FACTOR
 from forecaster.store import fields as bounds
 
 T = TypeVar("T")
@@ -79,6 +80,10 @@ class ServingModelBase(BaseModel):
                                            description="Seconds, 0.001 to 86,400.")
     labels: Annotated[dict[SafeId, Annotated[str, Field(max_length=bounds.MAX_TEXT_LENGTH)]],
                       AfterValidator(_labels)] = Field(default_factory=dict, max_length=bounds.MAX_LABELS)
+    burst_factor: float | None = Field(
+        default=None, ge=1.0, le=MAX_BURST_FACTOR,
+        description="Peak 10-second request rate over the minute's mean, 1 (even arrivals) to 6; replicas are "
+                    "sized for it. Unset: even arrivals, or what an ingested per-request trace measured last.")
 
 
 class ServingModelPut(ServingModelBase):
@@ -98,6 +103,7 @@ class ServingModelPublic(BaseModel):
     replica_rps: float | None = None
     cold_start_slo_s: float | None = None
     labels: dict = Field(default_factory=dict)
+    burst_factor: float | None = None
     id: str
     created_at: datetime | None = None
     updated_at: datetime | None = None

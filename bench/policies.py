@@ -50,6 +50,11 @@ reported under both names.
 Every planner row runs the product's plan step through its actuator (the
 guardrails of the default settings) onto the simulated cluster:
 
+Planner rows size replicas by each model's burst factor (:mod:`forecaster.contracts.bursts`), as the serving
+layer measures it while requests arrive; in production the plan job reads the same factor from the catalogue,
+measured by ingesting a per-request trace or declared. ``--even-arrivals`` plans with a factor of 1, which is
+what a deployment gets when its counts come from Prometheus or pushes and it declares none.
+
 * ``prewarm``: the product default, forecasts from the ensemble
   (``--forecaster``, default ``ensemble``: the production model trained on the
   warm-up and retrained every ``--retrain-every-min`` simulated minutes), at
@@ -188,7 +193,7 @@ def azure_minute(traces: Path, quick: bool, forecaster: str, retrain_every_min: 
 
 def fleet(workload, models, config: FleetConfig, grid, *, baselines=("keepalive_10", "hybrid_histogram", "reactive"),
           learn_latency: bool = True, forecaster: str = "ensemble", retrain_every_min: int = 360,
-          keepalive_grid=(), budgets=()) -> tuple[dict, dict]:
+          keepalive_grid=(), budgets=(), even_arrivals: bool = False) -> tuple[dict, dict]:
     """Baselines (and the keep-alive curve), then the planner rows with the latency model trained on the first
     baseline's warm-up, their cold-cost curves and budget-mode runs (``prewarm_budget<pct>``)."""
     product = Settings()
@@ -207,7 +212,8 @@ def fleet(workload, models, config: FleetConfig, grid, *, baselines=("keepalive_
         if model.trees_ is not None:
             latency = LatencyInput(config, model=model)
             info = {"latency_input": f"ColdStartModel fitted on {len(warm)} warm-up cold starts of {baselines[0]}"}
-    common = dict(latency=latency, progress=reporter, forecaster=forecaster, sources=sources, product=product)
+    common = dict(latency=latency, progress=reporter, forecaster=forecaster, sources=sources, product=product,
+                  even_arrivals=even_arrivals)
     # with --forecaster empirical, prewarm and prewarm_empirical are the same runs: made once, reported under both
     same = forecaster == "empirical"
     planners = ("prewarm_empirical", "prewarm_scale_only") + (() if same else ("prewarm",))
@@ -570,6 +576,10 @@ def main() -> None:
                         help="Source of prewarm and prewarm_scale_only (default: the product's ensemble).")
     parser.add_argument("--retrain-every-min", type=int, default=360, help="Simulated minutes between retrains.")
     parser.add_argument("--no-grid", dest="grid", action="store_false", help="Skip the cold-cost curves.")
+    parser.add_argument("--even-arrivals", action="store_true",
+                        help="Planner rows (the oracle too) plan with a burst factor of 1, as the plan job does for "
+                             "models whose counts carry no sub-minute data (Prometheus, pushes) and whose "
+                             "catalogue entry declares none. Only the per-request traces are affected.")
     args = parser.parse_args()
     loop = {"forecaster": args.forecaster, "retrain_every_min": args.retrain_every_min}
     traces = args.traces or load_settings().traces_dir
@@ -595,7 +605,8 @@ def main() -> None:
         cfg = FleetConfig(n_nodes=160 if wl.n_models > 100 else 16,
                           score_from_s=WARMUP_MIN * 60 if wl.duration_s > 2 * WARMUP_MIN * 60 else 600.0)
         grid = (LLM_GRID if wl.n_models == 1 else FLEET_GRID) if args.grid else ()
-        table, info = fleet(wl, models_for(wl, traces_dir=traces), cfg, grid, budgets=budgets, **loop)
+        table, info = fleet(wl, models_for(wl, traces_dir=traces), cfg, grid, budgets=budgets,
+                            even_arrivals=args.even_arrivals, **loop)
         report["traces"][name] = table
         report["grids"][name] = grid
         report["info"][name] = info
@@ -627,7 +638,8 @@ def main() -> None:
             wl = load_workload(traces / LLM_TRACES[llm])
             cfg = FleetConfig(n_nodes=16, score_from_s=600.0)
             grid = LLM_GRID if args.grid else ()
-            table, info = fleet(wl, models_for(wl), cfg, grid, budgets=budgets, **loop)
+            table, info = fleet(wl, models_for(wl), cfg, grid, budgets=budgets, even_arrivals=args.even_arrivals,
+                                **loop)
             report["traces"][name] = table
             report["grids"][name] = grid
             report["info"][name] = info | {"nodes": cfg.n_nodes, "model": str(models_for(wl)["catalog_name"].iat[0]),

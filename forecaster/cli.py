@@ -257,7 +257,8 @@ def models_list(as_json: Annotated[bool, typer.Option("--json", help="JSON lines
         if as_json:
             typer.echo(json.dumps({"id": m.id, "image_ref": m.image_ref, "weights_uri": m.weights_uri,
                                    "gpus_per_replica": m.gpus_per_replica, "replica_rps": m.replica_rps,
-                                   "cold_start_slo_s": m.cold_start_slo_s, "labels": m.labels}))
+                                   "cold_start_slo_s": m.cold_start_slo_s, "burst_factor": m.burst_factor,
+                                   "labels": m.labels}))
         else:
             typer.echo(f"{m.id}\t{m.image_ref or '-'}\t{m.weights_uri or '-'}\tgpus={m.gpus_per_replica}")
     if not as_json:
@@ -274,6 +275,8 @@ def models_register(
     gpus_per_replica: Annotated[int, typer.Option()] = 1,
     replica_rps: Annotated[Optional[float], typer.Option(help="Requests per second one replica sustains.")] = None,
     cold_start_slo_s: Annotated[Optional[float], typer.Option()] = None,
+    burst_factor: Annotated[Optional[float], typer.Option(
+        help="Peak 10-second request rate over the minute's mean, 1 to 6 (unset: even arrivals).")] = None,
 ) -> None:
     """Register a serving model or update its spec."""
     from forecaster.store.catalog import ServingModelSpec, upsert_models
@@ -283,7 +286,7 @@ def models_register(
         spec = ServingModelSpec(id=model_id, image_ref=image_ref, image_size_bytes=image_size_bytes,
                                 weights_uri=weights_uri, weights_size_bytes=weights_size_bytes,
                                 gpus_per_replica=gpus_per_replica, replica_rps=replica_rps,
-                                cold_start_slo_s=cold_start_slo_s)
+                                cold_start_slo_s=cold_start_slo_s, burst_factor=burst_factor)
     except ValueError as exc:
         _fail(str(exc), 2)
     with _database(settings) as engine, engine.begin() as conn:
@@ -475,6 +478,10 @@ def simulate_cmd(
         "--waste-budget", help="Budget mode for prewarm, prewarm_empirical and prewarm_scale_only: 'N%' = N % of "
                                "what a 10-minute keep-alive wastes on the same traffic, or 'N' = N idle GPU-seconds "
                                "per hour (default: PREWARM_PLANNER_WASTE_BUDGET_*, if set).")] = None,
+    even_arrivals: Annotated[bool, typer.Option(
+        "--even-arrivals", help="Planner policies plan with a burst factor of 1, as the plan job does for models "
+                                "whose counts carry no sub-minute data and whose catalogue entry declares none "
+                                "(default: the factor the simulated serving layer measures).")] = False,
     as_json: Annotated[Optional[Path], typer.Option("--json", help="Also write the figures here as JSON.")] = None,
 ) -> None:
     """Replay a trace against a simulated GPU fleet under each policy: cold starts, waits, GPU-seconds, bytes.
@@ -524,7 +531,7 @@ def simulate_cmd(
     try:
         results = run_policies(workload, models_for(workload, traces_dir=settings.traces_dir), config, names,
                                cold_cost=cold_cost, forecaster=forecaster, sources=sources, product=settings,
-                               budget=budget,
+                               budget=budget, even_arrivals=even_arrivals,
                                progress=ReplayProgress(workload.duration_s / 60.0,
                                                        echo=lambda line: typer.echo(line, err=True)))
     except ValueError as exc:

@@ -192,12 +192,13 @@ def test_demo_ingests_once(cli, engine):
 
 
 def test_models_register(cli, engine):
-    result = cli("models", "register", "m1", "--replica-rps", "12.5", "--cold-start-slo-s", "30")
+    result = cli("models", "register", "m1", "--replica-rps", "12.5", "--cold-start-slo-s", "30",
+                 "--burst-factor", "2.5")
     assert result.exit_code == 0, result.output
     assert result.stdout == "registered m1\n"
     listed = [json.loads(line) for line in cli("models", "list", "--json").stdout.splitlines()]
     assert listed == [{"id": "m1", "image_ref": None, "weights_uri": None, "gpus_per_replica": 1,
-                       "replica_rps": 12.5, "cold_start_slo_s": 30.0, "labels": {}}]
+                       "replica_rps": 12.5, "cold_start_slo_s": 30.0, "burst_factor": 2.5, "labels": {}}]
 
 
 def test_models_register_rejects_zero_rps(cli, engine):

@@ -7,6 +7,7 @@ HTTP API call. Each takes the engine, the settings and ``now`` explicitly.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -20,7 +21,7 @@ from forecaster.ingest.transfers import validate_transfers
 from forecaster.store.fields import id_problem, safe_repr, safe_value
 from forecaster.ingest.validate import build_count_batch
 from forecaster.settings import Settings
-from forecaster.store.catalog import known_model_ids
+from forecaster.store.catalog import known_model_ids, set_burst_factors
 from forecaster.store.coldstarts import write_cold_starts
 from forecaster.store.db import run_with_retry
 from forecaster.store.invocations import WriteResult, coverage_ends, write_count_batch
@@ -105,10 +106,23 @@ def ingest_trace_file(
     from forecaster.ingest.traces import read_trace
 
     trace = read_trace(Path(path), fmt=fmt, start=start, step_seconds=step_seconds, model_id=model_id)
-    return ingest_frame(
+    result = ingest_frame(
         engine, settings, trace.raw, source=trace.source, step_seconds=trace.step_seconds, now=now,
         windows=trace.windows, register=register,
     )
+    if not trace.burst_factors:
+        return result
+    # after the counts, so that a model the batch registered is in the catalogue; a run that fails here has
+    # stored its counts, and running it again stores the factors (the counts are then a duplicate batch)
+    stored = run_with_retry(lambda: _store_burst_factors(engine, trace.burst_factors),
+                            attempts=settings.db_retry_attempts, base_delay_s=settings.db_retry_base_delay_s,
+                            what=f"burst factors of {trace.source}")
+    return replace(result, burst_factors_stored=stored)
+
+
+def _store_burst_factors(engine: Engine, factors: dict[str, float]) -> int:
+    with engine.begin() as conn:
+        return set_burst_factors(conn, factors)
 
 
 def push_counts(

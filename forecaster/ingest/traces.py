@@ -56,6 +56,7 @@ import numpy as np
 import pandas as pd
 
 from forecaster.contracts.batches import COUNT_COLUMNS, IngestError
+from forecaster.contracts.bursts import burst_factors
 
 TRACE_FORMATS = ("azure2019", "huawei5min", "azure_llm2023", "mooncake", "azure2021", "long")
 
@@ -93,12 +94,16 @@ class RawTrace:
             coverage per model; inside it a step without a count is a true
             zero. ``None`` means "first to last step of each model".
         source: coverage source name, ``trace:<format>``.
+        burst_factors: per model, how its requests arrive inside the minute
+            (:func:`forecaster.contracts.bursts.burst_factors`), for the
+            per-request formats, whose timestamps show it; ``None`` for counts.
     """
 
     raw: pd.DataFrame
     step_seconds: int
     windows: pd.DataFrame | None
     source: str
+    burst_factors: dict[str, float] | None = None
 
 
 # --------------------------------------------------------------------------- helpers
@@ -359,13 +364,15 @@ def _read_azure_llm2023(path: Path, model_id: str | None) -> RawTrace:
     _require_columns(frame, ("TIMESTAMP",), "azure_llm2023")
     stamps = _timestamp_column(frame["TIMESTAMP"], "TIMESTAMP", "ISO8601")
     uid = model_id or _default_llm_model_id(path)
+    stamps_ns = stamps.dt.as_unit("ns").astype("int64").to_numpy()
     minute_ns = stamps.dt.floor("60s").dt.as_unit("ns").astype("int64").to_numpy()
     rows = np.arange(1, len(frame) + 1, dtype="int64")
     raw = _bin_requests(np.full(len(frame), uid, dtype=object), minute_ns, rows, "TIMESTAMP")
     windows = None
     if len(raw):
         windows = _windows([uid], raw["ds"].min(), raw["ds"].max() + _MINUTE)
-    return RawTrace(raw, 60, windows, "trace:azure_llm2023")
+    bursts = burst_factors(np.full(len(stamps_ns), uid, dtype=object), stamps_ns / 1e9)
+    return RawTrace(raw, 60, windows, "trace:azure_llm2023", bursts)
 
 
 def _default_mooncake_model_id(path: Path) -> str:
@@ -416,7 +423,9 @@ def _read_mooncake(path: Path, start: pd.Timestamp, model_id: str | None) -> Raw
     windows = None
     if len(raw):
         windows = _windows([uid], start, raw["ds"].max() + _MINUTE)
-    return RawTrace(raw, 60, windows, "trace:mooncake")
+    bursts = burst_factors(np.full(len(lines), uid, dtype=object),
+                           start.value / 1e9 + np.asarray(offsets_ms, dtype="float64") / 1000.0)
+    return RawTrace(raw, 60, windows, "trace:mooncake", bursts)
 
 
 def _read_azure2021(path: Path, start: pd.Timestamp) -> RawTrace:
@@ -451,7 +460,8 @@ def _read_azure2021(path: Path, start: pd.Timestamp) -> RawTrace:
     if len(raw):
         first_minute = min(start, raw["ds"].min())
         windows = _windows(ids, first_minute, raw["ds"].max() + _MINUTE)
-    return RawTrace(raw, 60, windows, "trace:azure2021")
+    bursts = burst_factors(ids, start.value / 1e9 + end_s - duration_s)
+    return RawTrace(raw, 60, windows, "trace:azure2021", bursts)
 
 
 def _read_long(path: Path, step_seconds: int) -> RawTrace:

@@ -43,6 +43,7 @@ import pandas as pd
 
 from forecaster.contracts.fleet import registry_of
 from forecaster.contracts.actions import Action, ActionKind, Tier
+from forecaster.contracts.bursts import BURST_BUCKET_S, update_burst_factor
 from forecaster.contracts.fleetconfig import FleetConfig
 from forecaster.simulation.workload import Workload
 
@@ -50,9 +51,6 @@ log = logging.getLogger(__name__)
 
 STATE_NAMES = ("none", "image", "disk", "host")
 RATE_TAU_S = 10.0  # memory of the serving layer's request-rate estimate
-BURST_BUCKET_S = 10.0  # burst factor: peak rate over 10-second buckets ...
-BURST_MIN_REQUESTS = 20  # ... in minutes with at least this many requests ...
-BURST_ALPHA = 0.2  # ... smoothed exponentially over such minutes
 
 
 # --------------------------------------------------------------------------- records
@@ -823,9 +821,7 @@ class FleetSimulator:
                 self._minute_peak = np.maximum(self._minute_peak, self._bucket)
                 self._bucket[:] = 0.0
             if tick > 0 and tick % minute_every == 0:
-                busy = self.minute_arrivals >= BURST_MIN_REQUESTS
-                ratio = self._minute_peak * (60.0 / BURST_BUCKET_S) / np.maximum(self.minute_arrivals, 1.0)
-                self.burst = np.where(busy, (1 - BURST_ALPHA) * self.burst + BURST_ALPHA * ratio, self.burst)
+                self.burst = update_burst_factor(self.burst, self.minute_arrivals, self._minute_peak)
                 self._minute_peak[:] = 0.0
                 self.minute_arrivals[:] = 0.0
             while self._heap and self._heap[0][0] <= now + 1e-9:

@@ -313,6 +313,8 @@ class PlannerPolicy:
             the same, as a per-model SLO does).
         product: the product settings whose ``actuator_*`` guardrails the replay applies (default: defaults).
         record_plans: keep every plan made (tests; off for long replays).
+        even_arrivals: plan with a burst factor of 1, as the plan job does for a model whose counts come with no
+            sub-minute data (Prometheus, pushes) and whose catalogue entry declares none.
         budget: budget mode (:mod:`forecaster.planning.budget`): before each plan the controller is updated with
             the minute before, as the plan job measures it: mean replicas held (ready + starting, sampled every
             tick) beyond the replica time the minute's requests kept busy (count / replica_rpm, the simulator's
@@ -326,8 +328,10 @@ class PlannerPolicy:
 
     def __init__(self, source: ForecastSource, latency: LatencyProvider, settings: PlannerSettings = PlannerSettings(),
                  *, name: str = "prewarm", cold_cost: float = 1.0, normalise_by_rate: bool = False,
-                 product: Settings | None = None, record_plans: bool = False, budget: WasteBudget | None = None):
+                 product: Settings | None = None, record_plans: bool = False, budget: WasteBudget | None = None,
+                 even_arrivals: bool = False):
         self.source = source
+        self.even_arrivals = even_arrivals
         self.budget = budget
         self.budget_state: BudgetState | None = BudgetState() if budget is not None else None
         self.budget_factors: list[float] = []
@@ -349,6 +353,9 @@ class PlannerPolicy:
         self.decide_every_s = sim.config.tick_s
 
     def model_frame(self, view: SimView) -> pd.DataFrame:
+        """The catalogue rows the plan job reads from the store. The burst factor is the serving layer's running
+        measurement. The plan job reads the same definition from the catalogue (:mod:`forecaster.contracts.bursts`),
+        measured there from an ingested per-request trace or declared by the user."""
         m = view.models
         cold = np.full(len(m), self.cold_cost)
         if self.normalise_by_rate:
@@ -360,7 +367,7 @@ class PlannerPolicy:
             "weights_uri": m["weights_uri"].to_numpy(), "weights_bytes": m["weights_bytes"].to_numpy(),
             "gpus": m["gpus"].to_numpy(dtype="float64"), "replica_rpm": m["replica_rps"].to_numpy() * 60.0,
             "cold_cost": cold, "slo_s": np.nan, "replicas": view.ready + view.starting,
-            "burst_factor": view.burst_factor,
+            "burst_factor": 1.0 if self.even_arrivals else view.burst_factor,
         }, index=m.index.astype(str))
 
     def fleet(self, view: SimView, now: datetime) -> FleetState:

@@ -160,13 +160,14 @@ def make_policy(name: str, workload: Workload, config: FleetConfig, *, latency: 
                 settings: PlannerSettings | None = None, cold_cost: float | None = None,
                 normalise_by_rate: bool | None = None, forecaster: str = "ensemble",
                 sources: ForecastSources | None = None, product: Settings | None = None,
-                budget: WasteBudget | None = None):
+                budget: WasteBudget | None = None, even_arrivals: bool = False):
     """A policy by its report name (one of :data:`POLICY_NAMES`, or ``keepalive_<minutes>``).
 
     Planner policies (``prewarm``, ``prewarm_empirical``, ``prewarm_scale_only``, ``oracle``) run the product's
     plan step with the product's settings (``product``, default: defaults) through its actuator; ``forecaster``
     names the source of ``prewarm`` and ``prewarm_scale_only``. ``budget`` puts them (not the oracle) in budget
     mode; default: the product's own budget (``PREWARM_PLANNER_WASTE_BUDGET_*``), if it sets one.
+    ``even_arrivals`` plans them with a burst factor of 1 (:class:`~forecaster.simulation.policies.PlannerPolicy`).
     """
     product = product or Settings()
     latency = latency or LatencyInput(config)
@@ -188,14 +189,15 @@ def make_policy(name: str, workload: Workload, config: FleetConfig, *, latency: 
     budget = waste_budget(product) if budget is None else budget
     return PlannerPolicy(sources.get(source_name), latency, replace(settings, tiers=tiers), name=name,
                          cold_cost=cold_cost, normalise_by_rate=normalise, product=product,
-                         budget=None if name == "oracle" else budget)
+                         budget=None if name == "oracle" else budget, even_arrivals=even_arrivals)
 
 
 def run_policies(workload: Workload, models: pd.DataFrame, config: FleetConfig, names: list[str], *,
                  latency: LatencyInput | None = None, settings: PlannerSettings | None = None,
                  cold_cost: float | None = None, progress: Callable[[str, float], None] | None = None,
                  forecaster: str = "ensemble", sources: ForecastSources | None = None,
-                 product: Settings | None = None, budget: WasteBudget | None = None) -> dict[str, SimResult]:
+                 product: Settings | None = None, budget: WasteBudget | None = None,
+                 even_arrivals: bool = False) -> dict[str, SimResult]:
     """Simulate each named policy on the same workload and fleet (planner policies share ``sources``)."""
     product = product or Settings()
     if sources is None:
@@ -203,7 +205,8 @@ def run_policies(workload: Workload, models: pd.DataFrame, config: FleetConfig, 
     results = {}
     for name in names:
         policy = make_policy(name, workload, config, latency=latency, settings=settings, cold_cost=cold_cost,
-                             forecaster=forecaster, sources=sources, product=product, budget=budget)
+                             forecaster=forecaster, sources=sources, product=product, budget=budget,
+                             even_arrivals=even_arrivals)
         report = (lambda frac, _n=name: progress(_n, frac)) if progress else None
         results[name] = FleetSimulator(workload, models, policy, config, progress=report).run()
         if isinstance(policy, PlannerPolicy):

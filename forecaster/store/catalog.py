@@ -9,6 +9,7 @@ from sqlalchemy import Connection, Engine, select, text
 from sqlalchemy.dialects.postgresql import insert
 
 from forecaster.contracts.batches import IngestError
+from forecaster.contracts.bursts import MAX_BURST_FACTOR
 from forecaster.store.tables import ServingModel
 
 
@@ -25,6 +26,8 @@ class ServingModelSpec:
     replica_rps: float | None = None
     cold_start_slo_s: float | None = None
     labels: dict = field(default_factory=dict)
+    #: peak 10-second request rate over the minute's mean (:mod:`forecaster.contracts.bursts`); None: even
+    burst_factor: float | None = None
 
     def __post_init__(self) -> None:
         """Refuse what the store cannot hold or the planner cannot use (bounds: forecaster.store.fields)."""
@@ -50,6 +53,7 @@ class ServingModelSpec:
                 raise ValueError(f"{name} must be > 0, got {value}")
             bounds.check_number(name, value, low=low, high=high)
         bounds.check_labels(self.labels)
+        bounds.check_number("burst_factor", self.burst_factor, low=1.0, high=MAX_BURST_FACTOR)
 
 
 def upsert_models(conn: Connection, specs: Iterable[ServingModelSpec]) -> int:
@@ -62,6 +66,19 @@ def upsert_models(conn: Connection, specs: Iterable[ServingModelSpec]) -> int:
     update["updated_at"] = text("now()")
     conn.execute(stmt.on_conflict_do_update(index_elements=["id"], set_=update))
     return len(rows)
+
+
+def set_burst_factors(conn: Connection, factors: dict[str, float]) -> int:
+    """Store measured burst factors (:mod:`forecaster.contracts.bursts`) of the catalogued models among
+    ``factors``; returns how many were stored. Ids not in the catalogue are left out, as their counts are."""
+    if not factors:
+        return 0
+    ids = sorted(factors)
+    values = [min(max(float(factors[i]), 1.0), MAX_BURST_FACTOR) for i in ids]
+    return conn.execute(text(
+        "UPDATE serving_models m SET burst_factor = v.b, updated_at = now() "
+        "FROM unnest(CAST(:ids AS text[]), CAST(:values AS double precision[])) AS v(id, b) WHERE m.id = v.id"),
+        {"ids": ids, "values": values}).rowcount
 
 
 def register_missing(conn: Connection, model_ids: Iterable[str], *, labels: dict | None = None) -> list[str]:

@@ -15,6 +15,8 @@ image / weights size         0 .. 2^50 bytes (1 PiB)                  ``bigint``
 replica_rps                  1e-3 .. 1e6 requests per second          ``1e-300`` gave a 300-digit
                                                                       replica count
 cold_start_slo_s             1e-3 .. 86,400 s (one day)               finite, positive
+burst_factor                 1 .. 6                                   peak 10-s rate over the minute's
+                                                                      mean: 6 = a minute in one bucket
 cold-start durations         0 .. 86,400 s                            a day-long cold start is a bug
 counts per step              0 .. 2^53                                exact in float64
 timestamps                   ISO 8601 text (``2026-11-29T12:00Z``);   ``now``, ``today``, numbers and

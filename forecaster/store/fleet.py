@@ -19,18 +19,19 @@ def read_fleet_inputs(conn: Connection, *, now: datetime) -> tuple[pd.DataFrame,
     """(models, nodes, artefacts) frames as :func:`~forecaster.contracts.fleet.build_fleet` takes them.
 
     ``models`` carries the raw catalogue values (the builder fills defaults and refuses unusable ones);
-    ``cold_cost`` comes from the model's label of that name when it is a number.
+    ``cold_cost`` comes from the model's label of that name when it is a number; ``burst_factor`` from the
+    catalogue (declared, or measured from an ingested per-request trace; missing: the builder's 1, even arrivals).
     """
     rows = conn.execute(text(
         "SELECT m.id, m.image_ref, m.image_size_bytes, m.weights_uri, m.weights_size_bytes, m.gpus_per_replica, "
-        "m.replica_rps, m.cold_start_slo_s, m.labels->'cold_cost', "
+        "m.replica_rps, m.cold_start_slo_s, m.labels->'cold_cost', m.burst_factor, "
         "(SELECT a.replicas FROM (SELECT (spec->>'replicas')::int AS replicas, updated_at FROM actions "
         "   WHERE model_id = m.id AND kind IN ('scale', 'release') AND status = 'succeeded' "
         "   ORDER BY updated_at DESC, id DESC LIMIT 1) a) AS replicas "
         "FROM serving_models m ORDER BY m.id")).all()
     # plain tuples: pandas probes each SQLAlchemy Row for attributes (1.2 s at 100,000 models, 0.05 s as tuples)
     models = pd.DataFrame([tuple(row) for row in rows], columns=["model_id", "image_ref", "image_bytes", "weights_uri", "weights_bytes",
-                                         "gpus", "replica_rps", "slo_s", "cold_cost", "replicas"]).set_index("model_id")
+                                         "gpus", "replica_rps", "slo_s", "cold_cost", "burst_factor", "replicas"]).set_index("model_id")
     rps = pd.to_numeric(models.pop("replica_rps"), errors="coerce")
     models["replica_rpm"] = rps * 60.0
     models["cold_cost"] = [float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else np.nan

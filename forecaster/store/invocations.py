@@ -43,6 +43,8 @@ class WriteResult:
     zeroed_steps: int = 0
     zeroed_invocations: int = 0
     warnings: tuple[str, ...] = ()
+    #: Models whose burst factor a per-request trace measured and the catalogue now holds.
+    burst_factors_stored: int = 0
 
     def as_dict(self) -> dict[str, object]:
         out = dict(self.__dict__)

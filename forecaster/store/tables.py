@@ -49,6 +49,8 @@ class ServingModel(Base):
     gpus_per_replica: Mapped[int] = mapped_column(Integer, default=1)
     replica_rps: Mapped[float | None] = mapped_column(Float, doc="Requests per second one replica sustains.")
     cold_start_slo_s: Mapped[float | None] = mapped_column(Float)
+    burst_factor: Mapped[float | None] = mapped_column(
+        Float, doc="Peak 10-second request rate over the minute's mean (forecaster.contracts.bursts); 1 to 6.")
     labels: Mapped[dict] = mapped_column(JSONB, default=dict)
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
