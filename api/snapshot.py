@@ -61,7 +61,7 @@ _CATALOGUE_PROBE = text("SELECT count(*), max(updated_at) FROM serving_models")
 
 @dataclass
 class ModelView:
-    replica_rps: float | None = None
+    replica_rps: float | None = None  # what one replica serves at the model's burst factor (read_catalogue_sizes)
     lead_time_s: float | None = None  # the planner's lead time from the latency model (None: not computed)
     start_state: str | None = None  # the state a new replica would start from (warmest cached)
     forecast: MinuteQuantiles | None = None

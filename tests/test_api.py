@@ -139,6 +139,10 @@ def test_recommendation_covers_demand_at_the_cold_start_lead_time(client, engine
     body = client.get("/v1/models/llama/recommendation", headers=auth(tokens["read"])).json()
     assert body["lead_time_s"] == pytest.approx(290.0 * 1.2 + 5.0, rel=0.05)
     assert (body["replicas_at_lead_time"], body["reason"]) == (4, "forecast")
+    # requests that come in 10-second bursts at twice the minute's mean rate: a replica serves half as many
+    put_model(client, tokens, burst_factor=2.0)
+    body = client.get("/v1/models/llama/recommendation", headers=auth(tokens["read"])).json()
+    assert (body["replicas_now"], body["replicas_at_lead_time"]) == (3, 8)
     put_model(client, tokens, model_id="quiet")
     assert client.get("/v1/models/quiet/recommendation",
                       headers=auth(tokens["read"])).json()["reason"] == "no_forecast"

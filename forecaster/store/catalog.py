@@ -122,9 +122,13 @@ def list_models(engine: Engine) -> list[ServingModel]:
 
 
 def read_catalogue_sizes(conn: Connection) -> list[tuple]:
-    """``(id, replica_rps, image_size_bytes, weights_size_bytes)`` of every model, for the API's snapshot."""
-    return conn.execute(text("SELECT id, replica_rps, image_size_bytes, weights_size_bytes FROM serving_models "
-                             "ORDER BY id")).all()
+    """``(id, replica_rps, image_size_bytes, weights_size_bytes)`` of every model, for the API's snapshot.
+
+    ``replica_rps`` is what one replica serves when requests come at the model's burst factor
+    (:mod:`forecaster.contracts.bursts`): the catalogue's rate divided by the factor, as the planner divides a
+    replica's capacity, so that a recommendation sizes for the same sub-minute peaks as the plan job."""
+    return conn.execute(text("SELECT id, replica_rps / coalesce(burst_factor, 1.0), image_size_bytes, "
+                             "weights_size_bytes FROM serving_models ORDER BY id")).all()
 
 
 def require_models(conn: Connection, model_ids: Iterable[str], *, register: bool, source: str) -> None:
