@@ -243,48 +243,37 @@ def _bin_requests(
     )
 
 
+def _refuse_first(bad: np.ndarray, text: pd.Series, reason: str, message: str, field: str | None = None) -> None:
+    """IngestError ``reason`` naming the first row where ``bad`` holds (``message`` formatted with that row's value
+    of ``text``; field: ``text``'s name unless given), or nothing when no row is bad."""
+    rows = np.flatnonzero(bad)
+    if len(rows):
+        first = int(rows[0])
+        value = text.iloc[first]
+        raise IngestError(reason, message.format(value), row=first + 1,
+                          field=str(text.name) if field is None else field, value=value)
+
+
 def _numeric_column(frame: pd.DataFrame, column: str) -> np.ndarray:
     """A column as finite float64, or IngestError naming the first bad row."""
     text = frame[column]
     numeric = pd.to_numeric(text, errors="coerce").to_numpy(dtype="float64", na_value=np.nan)
-    bad = np.flatnonzero(~np.isfinite(numeric))
-    if len(bad):
-        first = int(bad[0])
-        raise IngestError(
-            "not_a_number",
-            f"{column} is not a finite number: {text.iloc[first]!r}",
-            row=first + 1,
-            field=column,
-            value=text.iloc[first],
-        )
+    _refuse_first(~np.isfinite(numeric), text, "not_a_number", column + " is not a finite number: {!r}")
     return numeric
 
 
 def _timestamp_column(text: pd.Series, field: str, fmt: str) -> pd.Series:
     """Times as UTC (a zone-less time is UTC), or IngestError naming the first row that is not a time."""
     stamps = pd.to_datetime(text, utc=True, errors="coerce", format=fmt)
-    bad = np.flatnonzero(stamps.isna().to_numpy())
-    if len(bad):
-        first = int(bad[0])
-        raise IngestError(
-            "bad_timestamp",
-            f"cannot read {text.iloc[first]!r} as a timestamp",
-            row=first + 1,
-            field=field,
-            value=text.iloc[first],
-        )
+    _refuse_first(stamps.isna().to_numpy(), text, "bad_timestamp", "cannot read {!r} as a timestamp", field)
     return stamps
 
 
 def _check_ids(frame: pd.DataFrame, column: str) -> np.ndarray:
     """Model ids as strings; an empty id is an IngestError (groupby would drop it)."""
     ids = frame[column]
-    empty = np.flatnonzero((ids.isna() | (ids.astype("string").str.strip() == "")).to_numpy())
-    if len(empty):
-        first = int(empty[0])
-        raise IngestError(
-            "missing_model", "model id is empty", row=first + 1, field=column, value=ids.iloc[first]
-        )
+    _refuse_first((ids.isna() | (ids.astype("string").str.strip() == "")).to_numpy(), ids, "missing_model",
+                  "model id is empty")
     return ids.astype(str).to_numpy(dtype=object)
 
 
@@ -442,16 +431,7 @@ def _read_azure2021(path: Path, start: pd.Timestamp) -> RawTrace:
     ids = _check_ids(frame, "func")
     end_s = _numeric_column(frame, "end_timestamp")
     duration_s = _numeric_column(frame, "duration")
-    negative = np.flatnonzero(duration_s < 0)
-    if len(negative):
-        first = int(negative[0])
-        raise IngestError(
-            "negative_duration",
-            f"duration is negative: {frame['duration'].iloc[first]!r}",
-            row=first + 1,
-            field="duration",
-            value=frame["duration"].iloc[first],
-        )
+    _refuse_first(duration_s < 0, frame["duration"], "negative_duration", "duration is negative: {!r}")
     minutes = np.floor((end_s - duration_s) / 60).astype("int64")
     minute_ns = start.value + minutes * _MINUTE_NS
     rows = np.arange(1, len(frame) + 1, dtype="int64")
