@@ -83,7 +83,8 @@ class ServingModelBase(BaseModel):
     burst_factor: float | None = Field(
         default=None, ge=1.0, le=MAX_BURST_FACTOR,
         description="Peak 10-second request rate over the minute's mean, 1 (even arrivals) to 6; replicas are "
-                    "sized for it. Unset: even arrivals, or what an ingested per-request trace measured last.")
+                    "sized for it. Unset: even arrivals, until a per-request trace of the model is ingested (a PUT "
+                    "replaces the whole spec, this field included).")
 
 
 class ServingModelPut(ServingModelBase):
