@@ -7,8 +7,8 @@ HTTP API call. Each takes the engine, the settings and ``now`` explicitly.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
