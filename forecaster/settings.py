@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 import platformdirs
-from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -130,6 +130,12 @@ class Settings(BaseSettings):
     prometheus_query_template: str = (
         'sum(increase(vllm:request_success_total{{model_name="{model_id}"}}[1m]))'
     )
+    prometheus_burst_query_template: str | None = Field(
+        default=None,
+        description="PromQL with {model_id} giving, at t, the most requests of any 10-second bucket of the minute "
+                    "before t (example: forecaster.ingest.prometheus.EXAMPLE_BURST_QUERY_TEMPLATE; it needs a "
+                    "scrape interval of 5 s or less). Each minute's peak moves the model's burst factor. Unset: only "
+                    "models labelled prometheus_burst_query have one read.")
     prometheus_lag_s: int = Field(default=120, ge=0, description="Wait this long before a minute is final.")
     prometheus_backfill_minutes: int = Field(default=60, ge=1, le=10_080)
     prometheus_timeout_s: float = Field(default=10.0, gt=0)
@@ -362,11 +368,18 @@ class Settings(BaseSettings):
             raise ValueError(f"must be a scheduler address such as tcp://host:8786, got {value!r}")
         return value
 
-    @field_validator("prometheus_query_template")
+    @field_validator("prometheus_query_template", "prometheus_burst_query_template")
     @classmethod
-    def _template_names_model(cls, value: str) -> str:
+    def _template_names_model(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if info.field_name == "prometheus_burst_query_template" and (value is None or not value.strip()):
+            return None  # optional: unset, or set to nothing
         if "{model_id}" not in value:
             raise ValueError(f"must contain the placeholder {{model_id}}, got {value!r}")
+        try:
+            value.format(model_id="m")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"does not format with str.format(model_id=...) ({exc!r}): write literal braces "
+                             "as '{{' and '}}' and the placeholder as '{model_id}'") from None
         return value
 
     @field_validator("agent_url_template")

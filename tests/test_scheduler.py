@@ -95,7 +95,8 @@ def test_ingest_job_pulls_prometheus_and_advances_its_watermark(engine, settings
     settings = settings.model_copy(update={"prometheus_url": prom_server.url, "prometheus_lag_s": 120,
                                            "prometheus_backfill_minutes": 30})
     first = scheduler_module.ingest_job(engine, settings, now)
-    assert first == {"models": 1, "rows_written": 30, "invocations": 120, "skipped": 1}
+    assert first == {"models": 1, "rows_written": 30, "invocations": 120, "skipped": 1, "burst_factors_updated": 0,
+                     "burst_errors": {}}
     later = now + timedelta(minutes=5)
     second = scheduler_module.ingest_job(engine, settings, later)
     assert second["rows_written"] == 5 and second["invocations"] == 20

@@ -53,3 +53,21 @@ def test_prometheus_template_must_name_the_model(monkeypatch):
     monkeypatch.setenv("PREWARM_PROMETHEUS_QUERY_TEMPLATE", "sum(rate(x[1m]))")
     with pytest.raises(SettingsError, match="PREWARM_PROMETHEUS_QUERY_TEMPLATE"):
         load_settings()
+
+
+@pytest.mark.parametrize(("value", "problem"), [
+    ("max_over_time(x[1m:10s])", "placeholder"),
+    ('max_over_time(x{model_name="{model_id}"}[1m:10s])', "literal braces"),  # braces not doubled
+])
+def test_prometheus_burst_template_must_name_the_model_and_format(monkeypatch, value, problem):
+    monkeypatch.setenv("PREWARM_PROMETHEUS_BURST_QUERY_TEMPLATE", value)
+    with pytest.raises(SettingsError, match=f"PREWARM_PROMETHEUS_BURST_QUERY_TEMPLATE(.|\n)*{problem}"):
+        load_settings()
+
+
+def test_prometheus_burst_template_is_optional(monkeypatch):
+    monkeypatch.setenv("PREWARM_PROMETHEUS_BURST_QUERY_TEMPLATE", " ")
+    assert load_settings().prometheus_burst_query_template is None
+    monkeypatch.setenv("PREWARM_PROMETHEUS_BURST_QUERY_TEMPLATE",
+                       'max_over_time(sum(increase(c{{model_name="{model_id}"}}[10s]))[1m:10s])')
+    assert load_settings().prometheus_burst_query_template.startswith("max_over_time")

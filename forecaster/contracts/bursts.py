@@ -16,6 +16,9 @@ Three places share this one definition:
   (:mod:`forecaster.simulation.engine`);
 * the per-request trace readers, which measure it from the timestamps (:func:`burst_factors`) and store it in
   the catalogue (``serving_models.burst_factor``);
+* the Prometheus ingest, which reads each minute's busiest 10-second count with a second query
+  (``PREWARM_PROMETHEUS_BURST_QUERY_TEMPLATE``) and moves the stored factor by those minutes
+  (:func:`smooth_burst_factors`);
 * the catalogue's bound on a declared value (``PUT /v1/models/{id}``, ``prewarm models register
   --burst-factor``).
 
@@ -41,8 +44,27 @@ def update_burst_factor(burst: np.ndarray, minute_requests: np.ndarray, minute_p
     """The factors after one more minute with ``minute_requests`` requests, ``minute_peak_bucket`` of them in its
     busiest 10-second bucket (arrays per model)."""
     busy = minute_requests >= BURST_MIN_REQUESTS
-    ratio = minute_peak_bucket * (60.0 / BURST_BUCKET_S) / np.maximum(minute_requests, 1.0)
+    # a measured peak can only lie between the mean and the whole minute; a sampled one (Prometheus'
+    # increase() extrapolates) may fall outside, and is read as the nearer bound
+    ratio = np.clip(minute_peak_bucket * (60.0 / BURST_BUCKET_S) / np.maximum(minute_requests, 1.0),
+                    1.0, MAX_BURST_FACTOR)
     return np.where(busy, (1 - BURST_ALPHA) * burst + BURST_ALPHA * ratio, burst)
+
+
+def smooth_burst_factors(prior: np.ndarray, minute_requests: np.ndarray, minute_peak_bucket: np.ndarray
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """Factors after minutes of counts and peaks, oldest first: ``minute_requests`` and ``minute_peak_bucket``
+    are (models, minutes), ``prior`` the factors before them (NaN: never measured, read as 1).
+
+    Returns the factors and, per model, whether any of the minutes was busy enough to move its factor (a model
+    without one keeps its prior, NaN included)."""
+    requests = np.asarray(minute_requests, dtype="float64")
+    peaks = np.asarray(minute_peak_bucket, dtype="float64")
+    burst = np.where(np.isnan(prior), 1.0, np.asarray(prior, dtype="float64"))
+    for minute in range(requests.shape[1]):
+        burst = update_burst_factor(burst, requests[:, minute], peaks[:, minute])
+    moved = (requests >= BURST_MIN_REQUESTS).any(axis=1)
+    return np.where(moved, burst, prior), moved
 
 
 def burst_factors(model_ids: np.ndarray, times_s: np.ndarray) -> dict[str, float]:

@@ -60,6 +60,13 @@ __all__ = [
 #: filled with :meth:`str.format`; ``{model_id}`` is the placeholder.
 DEFAULT_QUERY_TEMPLATE = 'sum(increase(vllm:request_success_total{{model_name="{model_id}"}}[1m]))'
 
+#: An example for ``PREWARM_PROMETHEUS_BURST_QUERY_TEMPLATE``: at ``t``, the most requests of any 10-second
+#: bucket of the minute before ``t`` (the burst factor's peak, :mod:`forecaster.contracts.bursts`). It needs a
+#: scrape interval of 5 s or less, so that ``increase()`` over 10 s has two samples.
+EXAMPLE_BURST_QUERY_TEMPLATE = (
+    'max_over_time(sum(increase(vllm:request_success_total{{model_name="{model_id}"}}[10s]))[1m:10s])'
+)
+
 #: Prometheus refuses range queries of more than 11,000 points per series.
 PROMETHEUS_MAX_POINTS = 11_000
 

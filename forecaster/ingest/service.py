@@ -7,13 +7,13 @@ HTTP API call. Each takes the engine, the settings and ``now`` explicitly.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pandas as pd
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 from forecaster.contracts.batches import CountBatch, IngestError
 from forecaster.ingest.coldstarts import validate_cold_starts
@@ -42,11 +42,12 @@ UNIQUE_VIOLATION = "23505"
 
 
 def write_with_retry(engine: Engine, settings: Settings, batch: CountBatch, *, register: bool,
-                     report_zeroed: bool = False, lock_timeout_s: float | None = None) -> WriteResult:
+                     report_zeroed: bool = False, lock_timeout_s: float | None = None,
+                     then: Callable[[Connection], int] | None = None) -> WriteResult:
     """Write a batch, retrying the whole transaction when the database drops out or a concurrent writer won."""
     return run_with_retry(
         lambda: write_count_batch(engine, batch, register_models=register, report_zeroed=report_zeroed,
-                                  lock_timeout_s=lock_timeout_s),
+                                  lock_timeout_s=lock_timeout_s, then=then),
         attempts=settings.db_retry_attempts,
         base_delay_s=settings.db_retry_base_delay_s,
         what=f"ingest {batch.source}",
@@ -66,13 +67,15 @@ def ingest_frame(
     register: bool | None = None,
     report_zeroed: bool = False,
     lock_timeout_s: float | None = None,
+    then: Callable[[Connection], int] | None = None,
 ) -> WriteResult:
     """Validate a raw long frame (``unique_id, ds, y``) and write it.
 
     ``report_zeroed`` makes the result say which stored non-zero minutes the
     batch turned into zeros (pushes: the sender sees a warning);
     ``lock_timeout_s`` bounds the wait for another writer of the same models
-    (pushes; then SQLSTATE 55P03, answered 503 busy).
+    (pushes; then SQLSTATE 55P03, answered 503 busy); ``then`` writes more in
+    the batch's transaction (:func:`~forecaster.store.invocations.write_count_batch`).
     """
     register_models = _register(settings, register)
     known = None if register_models else known_model_ids(engine)
@@ -87,7 +90,7 @@ def ingest_frame(
         max_span_days=settings.max_batch_span_days,
     )
     return write_with_retry(engine, settings, batch, register=register_models, report_zeroed=report_zeroed,
-                            lock_timeout_s=lock_timeout_s)
+                            lock_timeout_s=lock_timeout_s, then=then)
 
 
 def ingest_trace_file(
@@ -234,18 +237,28 @@ def _prometheus_watermarks(engine: Engine, model_ids: list[str]) -> dict[str, da
     return coverage_ends(engine, model_ids, source=PROMETHEUS_SOURCE, step_seconds=60)
 
 
-def ingest_prometheus(engine: Engine, settings: Settings, *, now: datetime, source=None) -> dict:
+def ingest_prometheus(engine: Engine, settings: Settings, *, now: datetime, source=None, burst_source=None
+                      ) -> dict:
     """Pull the minutes since each model's watermark from Prometheus and write them.
 
     Minutes newer than ``now - prometheus_lag_s`` are left for the next run, so
     late scrapes are not frozen in as zeros; a model never ingested starts
     ``prometheus_backfill_minutes`` back.
 
+    Models with a burst query (``PREWARM_PROMETHEUS_BURST_QUERY_TEMPLATE``, or the label
+    ``prometheus_burst_query``) also have each minute's busiest 10-second count read, and their stored burst
+    factor moves by the new minutes (:mod:`forecaster.contracts.bursts`) in the transaction that stores the
+    counts. Both queries are asked before anything is written: Prometheus going away leaves the minutes for the
+    next run. A burst query Prometheus rejects leaves that model's factor as it was and is reported in
+    ``burst_errors``; its counts are written.
+
     Args:
         source: a ``PrometheusSource``; built from the settings when omitted.
+        burst_source: the ``PrometheusSource`` of the burst queries; built from the settings when omitted.
 
     Returns:
-        Summary with ``models``, ``rows_written``, ``invocations``, ``skipped``.
+        Summary with ``models``, ``rows_written``, ``invocations``, ``skipped``, ``burst_factors_updated`` and
+        ``burst_errors`` (model id -> Prometheus' message).
     """
     from forecaster.ingest.prometheus import PrometheusSource
     from forecaster.store.catalog import list_models
@@ -255,28 +268,75 @@ def ingest_prometheus(engine: Engine, settings: Settings, *, now: datetime, sour
             raise ValueError("PREWARM_PROMETHEUS_URL is not set")
         source = PrometheusSource(settings.prometheus_url, settings.prometheus_query_template,
                                   timeout_s=settings.prometheus_timeout_s)
+    summary: dict = {"models": 0, "rows_written": 0, "invocations": 0, "skipped": 0, "burst_factors_updated": 0,
+                     "burst_errors": {}}
     models = list_models(engine)
     if not models:
-        return {"models": 0, "rows_written": 0, "invocations": 0, "skipped": 0}
+        return summary
     end = (now - timedelta(seconds=settings.prometheus_lag_s)).replace(second=0, microsecond=0)
     backfill_start = end - timedelta(minutes=settings.prometheus_backfill_minutes)
     marks = _prometheus_watermarks(engine, [m.id for m in models])
     overrides = {m.id: m.labels["prometheus_query"] for m in models if m.labels.get("prometheus_query")}
+    burst_overrides = {m.id: m.labels["prometheus_burst_query"] for m in models
+                       if m.labels.get("prometheus_burst_query")}
+    template = settings.prometheus_burst_query_template
+    with_bursts = {m.id for m in models} if template else set(burst_overrides)
+    if with_bursts and burst_source is None:
+        burst_source = PrometheusSource(source.base_url, template or source.query_template,
+                                        timeout_s=settings.prometheus_timeout_s)
     # Group models by start minute so that one fetch serves many models.
     by_start: dict[datetime, list[str]] = {}
     for m in models:
         start = max(marks.get(m.id, backfill_start), backfill_start).astimezone(timezone.utc)
         if start < end:
             by_start.setdefault(start, []).append(m.id)
-    summary = {"models": 0, "rows_written": 0, "invocations": 0, "skipped": len(models)}
+    summary["skipped"] = len(models)
     for start, ids in sorted(by_start.items()):
         raw, windows = source.fetch(ids, start, end, query_overrides=overrides)
         if windows.empty:
             continue
+        peaks = _fetch_peaks(burst_source, [i for i in windows["unique_id"] if i in with_bursts], start, end,
+                             burst_overrides, summary["burst_errors"])
         result = ingest_frame(engine, settings, raw, source=PROMETHEUS_SOURCE, step_seconds=60, now=now,
-                              windows=windows, register=False)
+                              windows=windows, register=False, then=_burst_writer(raw, peaks))
         summary["models"] += result.models
         summary["rows_written"] += result.rows_written
         summary["invocations"] += result.invocations
         summary["skipped"] -= result.models
+        summary["burst_factors_updated"] += result.burst_factors_stored
     return summary
+
+
+def _fetch_peaks(burst_source, model_ids: list[str], start: datetime, end: datetime, overrides: dict[str, str],
+                 errors: dict[str, str]) -> pd.DataFrame:
+    """Each minute's busiest 10-second count of ``model_ids`` (``unique_id, ds, y``), asked one model at a time
+    so that a burst query Prometheus rejects costs that model's factor only (``errors`` names it)."""
+    from forecaster.ingest.prometheus import PrometheusQueryError
+
+    parts = []
+    for model_id in model_ids:
+        try:
+            peaks, _ = burst_source.fetch([model_id], start, end, query_overrides=overrides)
+        except PrometheusQueryError as exc:
+            log.warning("burst query of model %r failed, its burst factor stays as it was: %s", model_id, exc)
+            errors[model_id] = str(exc)
+            continue
+        parts.append(peaks[["unique_id", "ds", "y"]])
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=["unique_id", "ds", "y"])
+
+
+def _burst_writer(raw: pd.DataFrame, peaks: pd.DataFrame) -> Callable[[Connection], int] | None:
+    """The write that moves the burst factors by the minutes that have both a count and a peak, oldest first."""
+    from forecaster.store.catalog import advance_burst_factors
+
+    if peaks.empty:
+        return None
+    both = raw[["unique_id", "ds", "y"]].merge(peaks.rename(columns={"y": "peak"}), on=["unique_id", "ds"])
+    if both.empty:
+        return None
+    requests = both.pivot(index="unique_id", columns="ds", values="y").sort_index(axis=1)
+    peak = both.pivot(index="unique_id", columns="ds", values="peak").reindex_like(requests)
+    ids = [str(i) for i in requests.index]
+    # a minute without a count or a peak is left out (zero requests never move a factor)
+    req, top = requests.fillna(0).to_numpy(dtype="float64"), peak.fillna(0).to_numpy(dtype="float64")
+    return lambda conn: advance_burst_factors(conn, ids, req, top)

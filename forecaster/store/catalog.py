@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 from sqlalchemy import Connection, Engine, select, text
 from sqlalchemy.dialects.postgresql import insert
 
 from forecaster.contracts.batches import IngestError
-from forecaster.contracts.bursts import MAX_BURST_FACTOR
+from forecaster.contracts.bursts import MAX_BURST_FACTOR, smooth_burst_factors
 from forecaster.store.tables import ServingModel
 
 
@@ -79,6 +80,24 @@ def set_burst_factors(conn: Connection, factors: dict[str, float]) -> int:
         "UPDATE serving_models m SET burst_factor = v.b, updated_at = now() "
         "FROM unnest(CAST(:ids AS text[]), CAST(:values AS double precision[])) AS v(id, b) WHERE m.id = v.id"),
         {"ids": ids, "values": values}).rowcount
+
+
+def advance_burst_factors(conn: Connection, model_ids: list[str], minute_requests: np.ndarray,
+                          minute_peak_bucket: np.ndarray) -> int:
+    """Move the stored burst factors of ``model_ids`` by minutes of counts and 10-second peaks, oldest first
+    ((models, minutes) arrays; :func:`forecaster.contracts.bursts.smooth_burst_factors`); returns how many moved.
+
+    The rows are locked while read, so two writers never both start from the same factor. Call it in the
+    transaction that stores those minutes' counts: then a batch stored once moves the factor once."""
+    if not len(model_ids):
+        return 0
+    stored = dict(conn.execute(text(
+        "SELECT id, burst_factor FROM serving_models WHERE id = ANY(CAST(:ids AS text[])) ORDER BY id FOR UPDATE"),
+        {"ids": list(model_ids)}).all())
+    prior = np.array([np.nan if stored.get(i) is None else float(stored[i]) for i in model_ids])
+    factors, moved = smooth_burst_factors(prior, minute_requests, minute_peak_bucket)
+    keep = moved & np.array([i in stored for i in model_ids], dtype=bool)
+    return set_burst_factors(conn, {i: float(f) for i, f, k in zip(model_ids, factors, keep) if k})
 
 
 def register_missing(conn: Connection, model_ids: Iterable[str], *, labels: dict | None = None) -> list[str]:

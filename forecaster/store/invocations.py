@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import date, datetime
 
@@ -43,7 +44,8 @@ class WriteResult:
     zeroed_steps: int = 0
     zeroed_invocations: int = 0
     warnings: tuple[str, ...] = ()
-    #: Models whose burst factor a per-request trace measured and the catalogue now holds.
+    #: Models whose burst factor the catalogue now holds as measured by this batch's source (a per-request trace,
+    #: or Prometheus' 10-second peaks).
     burst_factors_stored: int = 0
 
     def as_dict(self) -> dict[str, object]:
@@ -158,7 +160,8 @@ def _zeroed_warning(zeroed: list[tuple[str, int, int, datetime, datetime]]) -> s
 
 
 def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: bool = False,
-                      report_zeroed: bool = False, lock_timeout_s: float | None = None) -> WriteResult:
+                      report_zeroed: bool = False, lock_timeout_s: float | None = None,
+                      then: Callable[[Connection], int] | None = None) -> WriteResult:
     """Write one validated batch atomically; a batch seen before is a no-op.
 
     Args:
@@ -173,6 +176,8 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
         lock_timeout_s: give up (SQLSTATE 55P03, lock_not_available) when
             another writer of the same days or models holds them longer than
             this; None waits as long as it takes.
+        then: more writes that belong to the batch (Prometheus' burst factors), run in its transaction after
+            the counts; it returns how many burst factors it stored. A batch seen before runs nothing.
 
     Raises:
         IngestError: ``unknown_model`` when a model is not registered and
@@ -263,10 +268,11 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
                 "hi": max(arrays["ends"]),
             },
         ).scalar_one()
+        stored = int(then(conn)) if then is not None else 0
     return WriteResult(batch_id, False, len(arrays["ids"]), len(batch.counts), batch.total_invocations,
                        batch.covered_steps, zeroed_steps=int(sum(r[1] for r in zeroed)),
                        zeroed_invocations=int(sum(r[2] for r in zeroed)),
-                       warnings=(_zeroed_warning(zeroed),) if zeroed else ())
+                       warnings=(_zeroed_warning(zeroed),) if zeroed else (), burst_factors_stored=stored)
 
 
 #: Up to this many models, :func:`_count_cells` fetches rows instead of blocks of text.
