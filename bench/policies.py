@@ -111,7 +111,7 @@ BUDGETS_PCT = (100.0,)  # budget mode: % of the 10-minute keep-alive's waste
 MINUTE_GRID = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 FLEET_GRID = (4.0, 16.0, 64.0)
 FLEET_KEEPALIVE_QUICK = (5, 10, 30, 120)  # --quick: a shorter keep-alive curve on the fleet day
-LLM_GRID = (0.0625, 0.25, 1.0, 2.0, 4.0, 8.0, 16.0)  # reaches down towards the oracle's GPU-seconds
+LLM_GRID = (0.0625, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)  # every factor of 2 from 1/16 to 16
 FIELDS = ("cold_pct_p75", "cold_pct_overall", "wasted_norm_pct", "wait_p99_s", "slo_attainment", "gpu_seconds")
 
 
