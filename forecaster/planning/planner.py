@@ -18,6 +18,11 @@ of the horizon it decides, with costs in GPU-seconds:
    of one request's worth of capacity (``C_idle / capacity``). A level above the
    forecast's top one is read from an exponential tail through the quantiles at
    ``settings.quantile_for_shape`` and the top level, not clamped to the top.
+   A model whose requests come in bursts (a ``burst_factor`` above 1,
+   :mod:`forecaster.contracts.bursts`) is sized per minute between the
+   even-arrival size and the size that serves the burst's peak rate: the size
+   that minimises the idle cost plus the expected wait of the queue the burst
+   builds (:func:`_burst_queue_sizes`).
 3. **Which cheaper tier** (when ``settings.tiers``): for the replicas the
    forecast may need beyond those warm, pre-pull the image and pre-load the
    weights to disk or host memory on the nodes where they would start, when
@@ -393,6 +398,9 @@ def plan(
     # requests per minute a replica can take when the minute's requests come at the burst's peak rate
     cap = np.maximum(models["replica_rpm"].to_numpy(dtype="float64") * settings.replica_utilisation
                      / np.maximum(np.nan_to_num(burst, nan=1.0), 1.0), 1e-9)
+    burst_f = np.maximum(np.nan_to_num(burst, nan=1.0), 1.0)
+    bursty = burst_f > 1.0 + 1e-6
+    cap_even = np.maximum(models["replica_rpm"].to_numpy(dtype="float64") * settings.replica_utilisation, 1e-9)
     cold_cost = models["cold_cost"].to_numpy(dtype="float64")
     slo = models["slo_s"].to_numpy(dtype="float64")
     current = models["replicas"].to_numpy(dtype="float64").astype(np.int64)
@@ -425,6 +433,15 @@ def plan(
         level = c_u / (c_u + c_o)
         size = np.ceil(np.maximum(fa.quantile(level, tail_from=settings.quantile_for_shape), 0.0) / cap[:, None]
                        - 1e-9)
+        if bursty.any():
+            # a bursty model's minute is sized for the queue its burst builds, not for the burst's peak rate
+            c_o_even = c_idle / cap_even
+            level_even = c_u / (c_u + c_o_even)
+            size_even = np.ceil(np.maximum(fa.quantile(level_even, tail_from=settings.quantile_for_shape), 0.0)
+                                / cap_even[:, None] - 1e-9)
+            size = size.copy()
+            size[bursty] = _burst_queue_sizes(fa, bursty, size_even[bursty], size[bursty], burst_f[bursty],
+                                              cap_even[bursty] / 60.0, cost[bursty], d[bursty], c_idle[bursty])
         desired = np.where(warm & fa.known[:, None], np.maximum(size, 1.0), 0.0).astype(np.int64)
         return desired, c_cold, d
 
@@ -542,6 +559,62 @@ def plan(
                               settings.release_hold_min)), need, gpus)
             for m in np.asarray(spend_curve_multipliers, dtype="float64")]
     return Plan(planned_at=now, actions=tuple(actions), summary=summary)
+
+
+#: Quantile levels sampled per model, evenly over the mass above zero, for a bursty model's expected queue.
+_BURST_SAMPLES = 16
+
+
+def _burst_queue_wait(replicas: np.ndarray, n: np.ndarray, burst: np.ndarray, rps: np.ndarray, d: np.ndarray
+                      ) -> np.ndarray:
+    """Request-seconds of wait in a minute of ``n`` requests whose busiest 10 seconds come at ``burst`` times the
+    minute's mean rate (:mod:`forecaster.contracts.bursts`) and the other 50 at the rate that leaves, served by
+    ``replicas`` of ``rps`` requests a second each.
+
+    A fluid queue: it grows through the burst, then drains at the spare rate. Requests still queued at the
+    minute's end wait for a new replica as well, ``d / 2`` seconds each (the planner's price of a request beyond
+    capacity). Convex and decreasing in ``replicas``, so :func:`_burst_queue_sizes` can bisect."""
+    mu = replicas * rps
+    peak_rate = n * burst / 60.0
+    rest_rate = n * np.maximum(1.0 - burst / 6.0, 0.0) / 50.0
+    queued = np.maximum(10.0 * (peak_rate - mu), 0.0)  # at the burst's end
+    net = rest_rate - mu
+    drain_s = np.where(net < 0, queued / np.maximum(-net, 1e-12), np.inf)
+    drains = drain_s <= 50.0
+    left = np.where(drains, 0.0, np.maximum(queued + 50.0 * net, 0.0))
+    after = np.where(drains, queued * np.minimum(drain_s, 50.0) / 2.0, 25.0 * (queued + left))
+    return queued * 5.0 + after + left * d / 2.0
+
+
+def _burst_queue_sizes(fa: ForecastArrays, rows: np.ndarray, size_even: np.ndarray, size_peak: np.ndarray,
+                       burst: np.ndarray, rps: np.ndarray, cost: np.ndarray, d: np.ndarray, c_idle: np.ndarray
+                       ) -> np.ndarray:
+    """(B, H) replicas of the bursty models ``rows`` that minimise a minute's idle cost plus the expected wait
+    of its burst's queue (:func:`_burst_queue_wait`), between the even-arrival and the peak-rate sizes.
+
+    Sizing every busy minute for its burst's peak holds capacity that a queue of a few seconds would have made
+    unnecessary: on the Azure LLM code trace, cold cost 1, it held 25,177 GPU-seconds for a request wait p99 of
+    13.1 s, and the even-arrival sizes 12,751 for 18.4 s. The minute's count is read at :data:`_BURST_SAMPLES`
+    quantiles evenly spread over the mass above zero; the best size is bisected on the convex cost."""
+    given = fa.coherent()
+    p_any = fa.p_any[rows]
+    sub = ForecastArrays(levels=fa.levels, values=given.values[rows], p_any=p_any, known=fa.known[rows])
+    counts = np.stack([sub.quantile(1.0 - p_any * (j + 0.5) / _BURST_SAMPLES) for j in range(_BURST_SAMPLES)],
+                      axis=2)  # (B, H, S)
+
+    def total(replicas: np.ndarray) -> np.ndarray:
+        wait = _burst_queue_wait(replicas[..., None], counts, burst[:, None, None], rps[:, None, None],
+                                 d[:, None, None]).mean(axis=2)
+        return replicas * c_idle[:, None] + cost[:, None] * p_any * wait
+
+    lo = np.minimum(size_even, size_peak)
+    hi = size_peak.astype("float64").copy()
+    while (lo < hi).any():  # the smallest size whose next replica saves less than it costs
+        active = lo < hi
+        mid = np.floor((lo + hi) / 2.0)
+        gains = total(mid) - total(mid + 1.0) > 1e-9
+        lo, hi = np.where(active & gains, mid + 1.0, lo), np.where(active & ~gains, mid, hi)
+    return lo
 
 
 def _keep_minutes(lead_s: np.ndarray, bridge_ratio: np.ndarray, h_count: int, release_hold_min: int) -> np.ndarray:
