@@ -69,3 +69,38 @@ def test_database_down_for_good_gives_a_clear_error_and_nothing_written(crashabl
         assert conn.execute(text("SELECT count(*) FROM invocations")).scalar() == 0
         assert conn.execute(text("SELECT count(*) FROM ingest_batches")).scalar() == 0
     engine.dispose()
+
+
+def test_crash_after_the_burst_update_moves_the_factor_once(crashable, monkeypatch, now):
+    """The counts' batch and the burst factors it moves (Prometheus ingest) are one transaction: the server dies
+    after the factor's UPDATE and before the commit, the retry writes both again, and the factor moves once."""
+    import numpy as np
+
+    from forecaster.contracts.bursts import BURST_ALPHA
+    from forecaster.store.catalog import advance_burst_factors
+
+    engine = make_engine(crashable.url)
+    upgrade(engine)
+    crashes = []
+
+    def move_then_crash(conn) -> int:
+        # 30 minutes of 120 requests, 60 of them in the busiest 10 s: a ratio of 3 each
+        moved = advance_burst_factors(conn, ["llama"], np.full((1, 30), 120.0), np.full((1, 30), 60.0))
+        if not crashes:
+            crashes.append(crashable.pid())
+            crashable.crash()
+        return moved
+
+    def restart_instead_of_sleeping(delay_s: float) -> None:
+        crashable.start()
+
+    result = run_with_retry(lambda: write_count_batch(engine, _batch(now), register_models=True,
+                                                      then=move_then_crash),
+                            attempts=3, base_delay_s=0.01, what="test", sleep=restart_instead_of_sleeping)
+    assert len(crashes) == 1 and result.rows_written == 30 and result.burst_factors_stored == 1
+    keep = (1.0 - BURST_ALPHA) ** 30
+    with engine.connect() as conn:
+        factor = conn.execute(text("SELECT burst_factor FROM serving_models WHERE id = 'llama'")).scalar()
+        assert conn.execute(text("SELECT count(*) FROM ingest_batches")).scalar() == 1
+    assert factor == pytest.approx(keep + 3.0 * (1.0 - keep))
+    engine.dispose()

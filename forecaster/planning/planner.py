@@ -49,6 +49,7 @@ import numpy as np
 import pandas as pd
 
 from forecaster.contracts.actions import Action, ActionKind, Plan, Reason, Tier
+from forecaster.contracts.bursts import BURST_BUCKET_S, MAX_BURST_FACTOR
 from forecaster.contracts.fleet import FleetState, registry_of
 from forecaster.contracts.forecast import float_columns, p_any_from_quantiles, validate_forecast
 from forecaster.contracts.phases import START_STATES, STATE_RANK
@@ -395,12 +396,11 @@ def plan(
     n = len(ids)
     gpus = models["gpus"].to_numpy(dtype="float64")
     burst = models["burst_factor"].to_numpy(dtype="float64") if "burst_factor" in models.columns else np.ones(n)
-    # requests per minute a replica can take when the minute's requests come at the burst's peak rate
-    cap = np.maximum(models["replica_rpm"].to_numpy(dtype="float64") * settings.replica_utilisation
-                     / np.maximum(np.nan_to_num(burst, nan=1.0), 1.0), 1e-9)
-    burst_f = np.maximum(np.nan_to_num(burst, nan=1.0), 1.0)
-    bursty = burst_f > 1.0 + 1e-6
+    burst = np.maximum(np.nan_to_num(burst, nan=1.0), 1.0)
+    bursty = burst > 1.0 + 1e-6
+    # requests per minute a replica can take when they come at the minute's mean rate, and at the burst's peak rate
     cap_even = np.maximum(models["replica_rpm"].to_numpy(dtype="float64") * settings.replica_utilisation, 1e-9)
+    cap = np.maximum(cap_even / burst, 1e-9)
     cold_cost = models["cold_cost"].to_numpy(dtype="float64")
     slo = models["slo_s"].to_numpy(dtype="float64")
     current = models["replicas"].to_numpy(dtype="float64").astype(np.int64)
@@ -440,7 +440,7 @@ def plan(
             size_even = np.ceil(np.maximum(fa.quantile(level_even, tail_from=settings.quantile_for_shape), 0.0)
                                 / cap_even[:, None] - 1e-9)
             size = size.copy()
-            size[bursty] = _burst_queue_sizes(fa, bursty, size_even[bursty], size[bursty], burst_f[bursty],
+            size[bursty] = _burst_queue_sizes(fa, bursty, size_even[bursty], size[bursty], burst[bursty],
                                               cap_even[bursty] / 60.0, cost[bursty], d[bursty], c_idle[bursty])
         desired = np.where(warm & fa.known[:, None], np.maximum(size, 1.0), 0.0).astype(np.int64)
         return desired, c_cold, d
@@ -574,16 +574,17 @@ def _burst_queue_wait(replicas: np.ndarray, n: np.ndarray, burst: np.ndarray, rp
     A fluid queue: it grows through the burst, then drains at the spare rate. Requests still queued at the
     minute's end wait for a new replica as well, ``d / 2`` seconds each (the planner's price of a request beyond
     capacity). Convex and decreasing in ``replicas``, so :func:`_burst_queue_sizes` can bisect."""
+    rest_s = 60.0 - BURST_BUCKET_S
     mu = replicas * rps
     peak_rate = n * burst / 60.0
-    rest_rate = n * np.maximum(1.0 - burst / 6.0, 0.0) / 50.0
-    queued = np.maximum(10.0 * (peak_rate - mu), 0.0)  # at the burst's end
+    rest_rate = n * np.maximum(1.0 - burst / MAX_BURST_FACTOR, 0.0) / rest_s
+    queued = np.maximum(BURST_BUCKET_S * (peak_rate - mu), 0.0)  # at the burst's end
     net = rest_rate - mu
     drain_s = np.where(net < 0, queued / np.maximum(-net, 1e-12), np.inf)
-    drains = drain_s <= 50.0
-    left = np.where(drains, 0.0, np.maximum(queued + 50.0 * net, 0.0))
-    after = np.where(drains, queued * np.minimum(drain_s, 50.0) / 2.0, 25.0 * (queued + left))
-    return queued * 5.0 + after + left * d / 2.0
+    drains = drain_s <= rest_s
+    left = np.where(drains, 0.0, np.maximum(queued + rest_s * net, 0.0))
+    after = np.where(drains, queued * np.minimum(drain_s, rest_s) / 2.0, rest_s * (queued + left) / 2.0)
+    return queued * BURST_BUCKET_S / 2.0 + after + left * d / 2.0
 
 
 def _burst_queue_sizes(fa: ForecastArrays, rows: np.ndarray, size_even: np.ndarray, size_peak: np.ndarray,
@@ -593,9 +594,9 @@ def _burst_queue_sizes(fa: ForecastArrays, rows: np.ndarray, size_even: np.ndarr
     of its burst's queue (:func:`_burst_queue_wait`), between the even-arrival and the peak-rate sizes.
 
     Sizing every busy minute for its burst's peak holds capacity that a queue of a few seconds would have made
-    unnecessary: on the Azure LLM code trace, cold cost 1, it held 25,177 GPU-seconds for a request wait p99 of
-    13.1 s, and the even-arrival sizes 12,751 for 18.4 s. The minute's count is read at :data:`_BURST_SAMPLES`
-    quantiles evenly spread over the mass above zero; the best size is bisected on the convex cost."""
+    unnecessary (``docs/results.md``, "Sizing for a burst's queue"). The minute's count is read at
+    :data:`_BURST_SAMPLES` quantiles evenly spread over the mass above zero; the best size is bisected on the convex
+    cost."""
     given = fa.coherent()
     p_any = fa.p_any[rows]
     sub = ForecastArrays(levels=fa.levels, values=given.values[rows], p_any=p_any, known=fa.known[rows])

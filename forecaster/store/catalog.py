@@ -144,8 +144,9 @@ def read_catalogue_sizes(conn: Connection) -> list[tuple]:
     """``(id, replica_rps, image_size_bytes, weights_size_bytes)`` of every model, for the API's snapshot.
 
     ``replica_rps`` is what one replica serves when requests come at the model's burst factor
-    (:mod:`forecaster.contracts.bursts`): the catalogue's rate divided by the factor, as the planner divides a
-    replica's capacity, so that a recommendation sizes for the same sub-minute peaks as the plan job."""
+    (:mod:`forecaster.contracts.bursts`): the catalogue's rate divided by the factor, so that a recommendation
+    serves its quantile at the burst's peak rate. (The plan job sizes a bursty minute between that and the
+    even-arrival size, by the queue the burst builds: :func:`forecaster.planning.planner._burst_queue_sizes`.)"""
     return conn.execute(text("SELECT id, replica_rps / coalesce(burst_factor, 1.0), image_size_bytes, "
                              "weights_size_bytes FROM serving_models ORDER BY id")).all()
 
