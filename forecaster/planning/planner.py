@@ -600,22 +600,28 @@ def _burst_queue_sizes(fa: ForecastArrays, rows: np.ndarray, size_even: np.ndarr
     given = fa.coherent()
     p_any = fa.p_any[rows]
     sub = ForecastArrays(levels=fa.levels, values=given.values[rows], p_any=p_any, known=fa.known[rows])
+    shape = p_any.shape
     counts = np.stack([sub.quantile(1.0 - p_any * (j + 0.5) / _BURST_SAMPLES) for j in range(_BURST_SAMPLES)],
-                      axis=2)  # (B, H, S)
+                      axis=2).reshape(-1, _BURST_SAMPLES)  # (B x H, S)
+    per_minute = [np.broadcast_to(np.asarray(v, dtype="float64")[:, None], shape).ravel()
+                  for v in (burst, rps, d, c_idle, cost)]
+    weight = p_any.ravel()
 
-    def total(replicas: np.ndarray) -> np.ndarray:
-        wait = _burst_queue_wait(replicas[..., None], counts, burst[:, None, None], rps[:, None, None],
-                                 d[:, None, None]).mean(axis=2)
-        return replicas * c_idle[:, None] + cost[:, None] * p_any * wait
+    def total(at: np.ndarray, replicas: np.ndarray) -> np.ndarray:
+        b, r, dd, idle, c = (v[at] for v in per_minute)
+        wait = _burst_queue_wait(replicas[:, None], counts[at], b[:, None], r[:, None], dd[:, None]).mean(axis=1)
+        return replicas * idle + c * weight[at] * wait
 
-    lo = np.minimum(size_even, size_peak)
-    hi = size_peak.astype("float64").copy()
-    while (lo < hi).any():  # the smallest size whose next replica saves less than it costs
-        active = lo < hi
-        mid = np.floor((lo + hi) / 2.0)
-        gains = total(mid) - total(mid + 1.0) > 1e-9
-        lo, hi = np.where(active & gains, mid + 1.0, lo), np.where(active & ~gains, mid, hi)
-    return lo
+    lo = np.minimum(size_even, size_peak).astype("float64").ravel()
+    hi = np.asarray(size_peak, dtype="float64").ravel().copy()
+    active = np.flatnonzero(lo < hi)
+    while len(active):  # the smallest size whose next replica saves less than it costs
+        mid = np.floor((lo[active] + hi[active]) / 2.0)
+        gains = total(active, mid) - total(active, mid + 1.0) > 1e-9
+        lo[active] = np.where(gains, mid + 1.0, lo[active])
+        hi[active] = np.where(gains, hi[active], mid)
+        active = active[lo[active] < hi[active]]
+    return lo.reshape(shape)
 
 
 def _keep_minutes(lead_s: np.ndarray, bridge_ratio: np.ndarray, h_count: int, release_hold_min: int) -> np.ndarray:
