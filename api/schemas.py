@@ -179,7 +179,11 @@ class InvocationBatch(BaseModel):
 
     source: str = Field(default="push", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
     rows: list[dict] = Field(min_length=1, max_length=200_000,
-                             description="Objects with exactly model_id, minute (ISO 8601; no zone = UTC), count.")
+                             description="Objects with exactly model_id, minute (ISO 8601; no zone = UTC), count, "
+                                         "and optionally peak_10s: the most requests of any 10-second bucket of "
+                                         "the minute, which moves the model's burst factor (the only row of its "
+                                         "minute; each minute moves it once, and a minute older than one already "
+                                         "counted does not).")
 
 
 class ColdStartBatch(BaseModel):
@@ -199,6 +203,7 @@ class IngestResultPublic(BaseModel):
     zeroed_steps: int = Field(default=0, description="Stored non-zero minutes this batch turned into zeros.")
     zeroed_invocations: int = Field(default=0, description="Invocations those minutes held.")
     warnings: list[str] = Field(default_factory=list, description="What the sender should know, e.g. zeroed minutes.")
+    burst_factors_stored: int = Field(default=0, description="Models whose burst factor this batch's peak_10s moved.")
 
 
 class ColdStartResultPublic(BaseModel):

@@ -216,3 +216,67 @@ def test_kill_switch_pause_and_resume(client, engine, tokens):
     assert is_paused(engine)
     assert client.post("/v1/actuator/resume", headers=auth(tokens["admin"])).json()["paused"] is False
     assert not is_paused(engine)
+
+
+def test_pushed_peaks_move_the_burst_factor_once_per_minute(client, tokens, engine):
+    """``peak_10s`` on pushed rows: each minute moves the factor once; the same counts sent again with peaks move
+    it (a duplicate batch still carries its peaks), a correction of counted minutes does not, later minutes do."""
+    from forecaster.contracts.bursts import BURST_ALPHA
+
+    put_model(client, tokens)
+    start = datetime(2026, 11, 29, 11, 0, tzinfo=timezone.utc)
+
+    def push(minutes, count, peak=None):
+        rows = [{"model_id": "llama", "minute": (start + timedelta(minutes=m)).isoformat(), "count": count,
+                 **({"peak_10s": peak} if peak is not None else {})} for m in minutes]
+        response = client.post("/v1/invocations", json={"rows": rows}, headers=auth(tokens["ingest"]))
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def factor():
+        with engine.connect() as conn:
+            return conn.execute(text("SELECT burst_factor FROM serving_models WHERE id = 'llama'")).scalar()
+
+    def after(k, ratio, prior=1.0):
+        keep = (1.0 - BURST_ALPHA) ** k
+        return keep * prior + (1.0 - keep) * ratio
+
+    assert push(range(5), 120)["burst_factors_stored"] == 0 and factor() is None
+    again = push(range(5), 120, peak=60)  # the same counts: a duplicate batch, whose peaks still count
+    assert again["duplicate"] and again["burst_factors_stored"] == 1
+    assert factor() == pytest.approx(after(5, 3.0))
+    assert push(range(5), 120, peak=60)["burst_factors_stored"] == 0  # sent a third time: nothing moves
+    assert push(range(3, 5), 90, peak=90)["burst_factors_stored"] == 0  # a correction of counted minutes
+    assert factor() == pytest.approx(after(5, 3.0))
+    assert push(range(5, 7), 120, peak=20)["burst_factors_stored"] == 1  # ratio 1
+    assert factor() == pytest.approx(after(2, 1.0, prior=after(5, 3.0)))
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT sum(count) FROM invocations")).scalar() == 3 * 120 + 2 * 90 + 2 * 120
+        assert conn.execute(text("SELECT burst_through FROM serving_models")).scalar() == start + timedelta(minutes=7)
+
+
+@pytest.mark.parametrize(("rows", "reason", "row", "field"), [
+    ([{"peak_10s": -1}], "negative_count", 1, "peak_10s"),
+    ([{"peak_10s": 2.5}], "non_integer_count", 1, "peak_10s"),
+    ([{"peak_10s": True}], "not_a_number", 1, "peak_10s"),
+    ([{"peak_10s": "lots"}], "not_a_number", 1, "peak_10s"),
+    ([{"peak_10s": None}], "nan", 1, "peak_10s"),
+    ([{}, {"peak_10s": 50}], "peak_above_count", 2, "peak_10s"),
+    ([{"peak_10s": 5}, {"minute": "2026-11-29T11:00:30Z"}], "peak_in_shared_minute", 1, "peak_10s"),
+    ([{"peak_10s": 5, "minute": "yesterday"}], "bad_timestamp", 1, "minute"),
+    ([{"peak": 5}], "unknown_field", 1, "peak"),
+])
+def test_a_bad_pushed_peak_is_a_422_naming_row_and_field_and_nothing_is_written(client, tokens, engine, rows,
+                                                                                  reason, row, field):
+    put_model(client, tokens)
+    base = {"model_id": "llama", "minute": "2026-11-29T11:00:00Z", "count": 40}
+    batch = [{**base, "minute": f"2026-11-29T11:0{k}:00Z", **r} for k, r in enumerate(rows)]
+    response = client.post("/v1/invocations", json={"rows": batch}, headers=auth(tokens["ingest"]))
+    assert response.status_code == 422, response.text
+    body = response.json()
+    assert (body["reason"], body["row"], body["field"]) == (reason, row, field)
+    if field == "peak_10s" and reason not in ("peak_above_count", "peak_in_shared_minute"):
+        assert "peak_10s" in body["detail"] and "count" not in body["detail"].split(": ", 1)[-1]
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM invocations")).scalar() == 0
+        assert conn.execute(text("SELECT burst_factor FROM serving_models WHERE id = 'llama'")).scalar() is None

@@ -62,6 +62,10 @@ def test_each_new_minute_moves_the_factor_once(engine, settings, prom_server, pa
     assert stored["bursty"] == pytest.approx(_after(30, 3.0))
     assert stored["even"] is None  # no burst query: planned as before
     assert stored["quiet"] is None  # 4 requests a minute cannot show a rate
+    with engine.connect() as conn:  # the watermark: the end of the newest minute read (now less the lag)
+        through = dict(conn.execute(text("SELECT id, burst_through FROM serving_models")).all())
+    end = past_now - timedelta(minutes=2)
+    assert through == {"bursty": end, "even": None, "quiet": end}
 
     later = past_now + timedelta(minutes=5)
     second = ingest_prometheus(engine, settings, now=later)

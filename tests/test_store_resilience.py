@@ -85,7 +85,8 @@ def test_crash_after_the_burst_update_moves_the_factor_once(crashable, monkeypat
 
     def move_then_crash(conn) -> int:
         # 30 minutes of 120 requests, 60 of them in the busiest 10 s: a ratio of 3 each
-        moved = advance_burst_factors(conn, ["llama"], np.full((1, 30), 120.0), np.full((1, 30), 60.0))
+        minutes = pd.date_range(T0, periods=30, freq="min")
+        moved = advance_burst_factors(conn, ["llama"], minutes, np.full((1, 30), 120.0), np.full((1, 30), 60.0))
         if not crashes:
             crashes.append(crashable.pid())
             crashable.crash()

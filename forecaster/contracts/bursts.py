@@ -17,8 +17,8 @@ Three places share this one definition:
 * the per-request trace readers, which measure it from the timestamps (:func:`burst_factors`) and store it in
   the catalogue (``serving_models.burst_factor``);
 * the Prometheus ingest, which reads each minute's busiest 10-second count with a second query
-  (``PREWARM_PROMETHEUS_BURST_QUERY_TEMPLATE``) and moves the stored factor by those minutes
-  (:func:`smooth_burst_factors`);
+  (``PREWARM_PROMETHEUS_BURST_QUERY_TEMPLATE``), and pushed rows that carry it (``peak_10s``): each such minute
+  moves the stored factor once (:func:`smooth_burst_factors`, ``serving_models.burst_through``);
 * the catalogue's bound on a declared value (``PUT /v1/models/{id}``, ``prewarm models register
   --burst-factor``).
 

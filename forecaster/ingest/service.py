@@ -12,6 +12,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 from sqlalchemy import Connection, Engine
 
@@ -36,6 +37,9 @@ def _register(settings: Settings, register: bool | None) -> bool:
 
 #: Fields of one pushed count row; anything else is refused (``unknown_field``), never silently ignored.
 PUSH_ROW_FIELDS = ("model_id", "minute", "count")
+#: An optional field of a pushed row: the most requests of any 10-second bucket of the row's minute, which moves
+#: the model's burst factor (:mod:`forecaster.contracts.bursts`).
+PUSH_PEAK_FIELD = "peak_10s"
 #: SQLSTATE 23505 (unique_violation): two writers copied the same (model, minute) at once; the whole
 #: transaction is rerun and then sees the other's committed rows (last writer wins, never a 500).
 UNIQUE_VIOLATION = "23505"
@@ -150,10 +154,11 @@ def push_counts(
     for position, row in enumerate(rows, start=1):
         if not isinstance(row, Mapping):
             raise IngestError("bad_row", f"expected an object, got {type(row).__name__}", row=position)
-        unknown = sorted((str(k) for k in row if k not in PUSH_ROW_FIELDS), key=str)
+        unknown = sorted((str(k) for k in row if k not in PUSH_ROW_FIELDS and k != PUSH_PEAK_FIELD), key=str)
         if unknown:
             raise IngestError("unknown_field", f"unknown field {safe_repr(unknown[0])}; a row has exactly "
-                              f"{list(PUSH_ROW_FIELDS)}", row=position, field=safe_repr(unknown[0]).strip("'"))
+                              f"{list(PUSH_ROW_FIELDS)}, and optionally {PUSH_PEAK_FIELD!r}", row=position,
+                              field=safe_repr(unknown[0]).strip("'"))
         for name in PUSH_ROW_FIELDS:
             if name not in row:
                 raise IngestError("missing_field", "field is required", row=position, field=name)
@@ -181,9 +186,11 @@ def push_counts(
     )
     # Field names of the push schema in error messages.
     try:
+        peaks = _pushed_peaks(raw, rows)
         return ingest_frame(engine, settings, raw, source=source, step_seconds=60, now=now, windows=windows,
                             register=register, report_zeroed=True,
-                            lock_timeout_s=settings.push_lock_timeout_s or None)
+                            lock_timeout_s=settings.push_lock_timeout_s or None,
+                            then=_burst_writer(*peaks) if peaks is not None else None)
     except IngestError as exc:
         renamed = {"unique_id": "model_id", "ds": "minute", "y": "count"}.get(exc.field or "", exc.field)
         if renamed != exc.field:
@@ -191,6 +198,43 @@ def push_counts(
             err = IngestError(exc.reason, message.split(": ", 1)[-1], row=exc.row, field=renamed, value=exc.value)
             raise err from None
         raise
+
+
+def _pushed_peaks(raw: pd.DataFrame, rows: list[Mapping[str, object]]) -> tuple[pd.DataFrame, pd.DataFrame] | None:
+    """The counts and 10-second peaks (``unique_id, ds, y`` frames, ``ds`` the minute) of the pushed rows that carry
+    ``peak_10s``, checked: a whole number from 0 to the row's count, and the only row of its minute (rows inside
+    one minute are summed, and their peaks cannot be). None when no row carries one."""
+    from forecaster.ingest.validate import _parse_counts, _parse_timestamps
+
+    carry = np.array([PUSH_PEAK_FIELD in r for r in rows], dtype=bool)
+    if not carry.any():
+        return None
+    positions = np.flatnonzero(carry)
+    peak_raw = pd.DataFrame({"y": pd.Series([rows[i][PUSH_PEAK_FIELD] for i in positions], dtype=object),
+                             "row": positions + 1, "field": PUSH_PEAK_FIELD})
+    try:
+        peaks = _parse_counts(peak_raw)
+    except IngestError as exc:  # the count's checks, said of the peak
+        message = str(exc).split(": ", 1)[-1].replace("count", PUSH_PEAK_FIELD, 1)
+        raise IngestError(exc.reason, message, row=exc.row, field=exc.field, value=exc.value) from None
+    counts = pd.to_numeric(raw["y"].iloc[positions], errors="coerce").to_numpy(dtype="float64")
+    with np.errstate(invalid="ignore"):
+        over = np.flatnonzero(peaks > counts)
+    if len(over):
+        k = int(over[0])
+        raise IngestError("peak_above_count", f"peak_10s {int(peaks[k])} is more than the minute's count "
+                          f"{safe_repr(rows[positions[k]]['count'])}", row=int(positions[k]) + 1,
+                          field=PUSH_PEAK_FIELD, value=int(peaks[k]))
+    minutes = _parse_timestamps(raw).dt.floor("min")
+    cell = pd.DataFrame({"unique_id": raw["unique_id"].astype(str).to_numpy(), "ds": minutes.to_numpy()})
+    shared = cell.duplicated(keep=False).to_numpy() & carry
+    if shared.any():
+        k = int(np.flatnonzero(shared)[0])
+        raise IngestError("peak_in_shared_minute", f"a row with {PUSH_PEAK_FIELD} must be the only row of its "
+                          "minute: the counts of rows inside one minute are summed, their peaks cannot be",
+                          row=k + 1, field=PUSH_PEAK_FIELD, value=safe_value(rows[k][PUSH_PEAK_FIELD]))
+    picked = cell.iloc[positions].reset_index(drop=True)
+    return picked.assign(y=counts), picked.assign(y=peaks.astype("float64"))
 
 
 def _push_events(engine: Engine, settings: Settings, events: Iterable[Mapping[str, object]], *, now: datetime,
@@ -325,18 +369,19 @@ def _fetch_peaks(burst_source, model_ids: list[str], start: datetime, end: datet
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=["unique_id", "ds", "y"])
 
 
-def _burst_writer(raw: pd.DataFrame, peaks: pd.DataFrame) -> Callable[[Connection], int] | None:
-    """The write that moves the burst factors by the minutes that have both a count and a peak, oldest first."""
+def _burst_writer(counts: pd.DataFrame, peaks: pd.DataFrame) -> Callable[[Connection], int] | None:
+    """The write that moves the burst factors by the minutes that have both a count and a peak (``unique_id, ds,
+    y`` frames), oldest first (:func:`~forecaster.store.catalog.advance_burst_factors`)."""
     from forecaster.store.catalog import advance_burst_factors
 
     if peaks.empty:
         return None
-    both = raw[["unique_id", "ds", "y"]].merge(peaks.rename(columns={"y": "peak"}), on=["unique_id", "ds"])
+    both = counts[["unique_id", "ds", "y"]].merge(peaks.rename(columns={"y": "peak"}), on=["unique_id", "ds"])
     if both.empty:
         return None
     requests = both.pivot(index="unique_id", columns="ds", values="y").sort_index(axis=1)
     peak = both.pivot(index="unique_id", columns="ds", values="peak").reindex_like(requests)
     ids = [str(i) for i in requests.index]
-    # a minute without a count or a peak is left out (zero requests never move a factor)
-    req, top = requests.fillna(0).to_numpy(dtype="float64"), peak.fillna(0).to_numpy(dtype="float64")
-    return lambda conn: advance_burst_factors(conn, ids, req, top)
+    minutes = pd.DatetimeIndex(requests.columns)
+    req, top = requests.to_numpy(dtype="float64"), peak.to_numpy(dtype="float64")  # NaN: not given
+    return lambda conn: advance_burst_factors(conn, ids, minutes, req, top)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 
 import numpy as np
+import pandas as pd
 from sqlalchemy import Connection, Engine, select, text
 from sqlalchemy.dialects.postgresql import insert
 
@@ -82,22 +84,42 @@ def set_burst_factors(conn: Connection, factors: dict[str, float]) -> int:
         {"ids": ids, "values": values}).rowcount
 
 
-def advance_burst_factors(conn: Connection, model_ids: list[str], minute_requests: np.ndarray,
-                          minute_peak_bucket: np.ndarray) -> int:
-    """Move the stored burst factors of ``model_ids`` by minutes of counts and 10-second peaks, oldest first
-    ((models, minutes) arrays; :func:`forecaster.contracts.bursts.smooth_burst_factors`); returns how many moved.
+def advance_burst_factors(conn: Connection, model_ids: list[str], minute_starts: pd.DatetimeIndex,
+                          minute_requests: np.ndarray, minute_peak_bucket: np.ndarray) -> int:
+    """Move the stored burst factors of ``model_ids`` by minutes of counts and 10-second peaks
+    ((models, minutes) arrays, NaN where a model has no count or no peak; the minutes ``minute_starts`` in
+    ascending order; :func:`forecaster.contracts.bursts.smooth_burst_factors`); returns how many factors moved.
 
-    The rows are locked while read, so two writers never both start from the same factor. Call it in the
-    transaction that stores those minutes' counts: then a batch stored once moves the factor once."""
+    Each minute moves a factor once: a minute that starts before the model's ``burst_through`` (a re-sent or
+    corrected minute, or one that comes late) is left out, and ``burst_through`` advances to the end of the model's
+    newest minute given. The rows are locked while read, so two writers never both start from the same factor.
+    Call it in the transaction that stores those minutes' counts."""
     if not len(model_ids):
         return 0
-    stored = dict(conn.execute(text(
-        "SELECT id, burst_factor FROM serving_models WHERE id = ANY(CAST(:ids AS text[])) ORDER BY id FOR UPDATE"),
-        {"ids": list(model_ids)}).all())
-    prior = np.array([np.nan if stored.get(i) is None else float(stored[i]) for i in model_ids])
-    factors, moved = smooth_burst_factors(prior, minute_requests, minute_peak_bucket)
-    keep = moved & np.array([i in stored for i in model_ids], dtype=bool)
-    return set_burst_factors(conn, {i: float(f) for i, f, k in zip(model_ids, factors, keep) if k})
+    rows = {r[0]: (r[1], r[2]) for r in conn.execute(text(
+        "SELECT id, burst_factor, burst_through FROM serving_models WHERE id = ANY(CAST(:ids AS text[])) "
+        "ORDER BY id FOR UPDATE"), {"ids": list(model_ids)})}
+    ids = [i for i in model_ids if i in rows]
+    keep_rows = np.array([i in rows for i in model_ids], dtype=bool)
+    starts = pd.DatetimeIndex(minute_starts)
+    start_ns = (starts.tz_localize("UTC") if starts.tz is None else starts.tz_convert("UTC")).as_unit("ns").asi8
+    requests = np.asarray(minute_requests, dtype="float64")[keep_rows]
+    peaks = np.asarray(minute_peak_bucket, dtype="float64")[keep_rows]
+    given = ~np.isnan(requests) & ~np.isnan(peaks)
+    through_ns = np.array([pd.Timestamp(rows[i][1]).value if rows[i][1] is not None else np.iinfo(np.int64).min
+                           for i in ids], dtype=np.int64)
+    fresh = given & (start_ns[None, :] >= through_ns[:, None])
+    prior = np.array([np.nan if rows[i][0] is None else float(rows[i][0]) for i in ids])
+    factors, moved = smooth_burst_factors(prior, np.where(fresh, requests, 0.0), np.where(fresh, peaks, 0.0))
+    has = given.any(axis=1)
+    if has.any():
+        newest = np.where(given, start_ns[None, :], np.iinfo(np.int64).min).max(axis=1)
+        ends = [pd.Timestamp(int(ns), tz="UTC").to_pydatetime() + timedelta(minutes=1) for ns in newest[has]]
+        conn.execute(text(
+            "UPDATE serving_models m SET burst_through = greatest(m.burst_through, v.e) "
+            "FROM unnest(CAST(:ids AS text[]), CAST(:ends AS timestamptz[])) AS v(id, e) WHERE m.id = v.id"),
+            {"ids": [i for i, h in zip(ids, has) if h], "ends": ends})
+    return set_burst_factors(conn, {i: float(f) for i, f, m in zip(ids, factors, moved) if m})
 
 
 def register_missing(conn: Connection, model_ids: Iterable[str], *, labels: dict | None = None) -> list[str]:

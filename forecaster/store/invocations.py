@@ -45,7 +45,7 @@ class WriteResult:
     zeroed_invocations: int = 0
     warnings: tuple[str, ...] = ()
     #: Models whose burst factor the catalogue now holds as measured by this batch's source (a per-request trace,
-    #: or Prometheus' 10-second peaks).
+    #: or 10-second peaks from Prometheus or a push).
     burst_factors_stored: int = 0
 
     def as_dict(self) -> dict[str, object]:
@@ -176,8 +176,10 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
         lock_timeout_s: give up (SQLSTATE 55P03, lock_not_available) when
             another writer of the same days or models holds them longer than
             this; None waits as long as it takes.
-        then: more writes that belong to the batch (Prometheus' burst factors), run in its transaction after
-            the counts; it returns how many burst factors it stored. A batch seen before runs nothing.
+        then: more writes that belong to the batch (burst factors from Prometheus' or pushed peaks), run in its
+            transaction after the counts; it returns how many burst factors it stored. A batch seen before runs it
+            too (the same counts may come again with peaks), so it must be idempotent, as the burst watermark
+            makes it (:func:`forecaster.store.catalog.advance_burst_factors`).
 
     Raises:
         IngestError: ``unknown_model`` when a model is not registered and
@@ -202,7 +204,9 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
             text("SELECT id FROM ingest_batches WHERE content_sha256 = :fp"), {"fp": fingerprint}
         ).scalar()
         if previous is not None:
-            return WriteResult(previous, True, len(arrays["ids"]), 0, batch.total_invocations, batch.covered_steps)
+            stored = int(then(conn)) if then is not None else 0
+            return WriteResult(previous, True, len(arrays["ids"]), 0, batch.total_invocations, batch.covered_steps,
+                               burst_factors_stored=stored)
 
         _reject_finer_than_rollups(conn, batch)
         _lock_models(conn, arrays["ids"])

@@ -51,6 +51,8 @@ class ServingModel(Base):
     cold_start_slo_s: Mapped[float | None] = mapped_column(Float)
     burst_factor: Mapped[float | None] = mapped_column(
         Float, doc="Peak 10-second request rate over the minute's mean (forecaster.contracts.bursts); 1 to 6.")
+    burst_through: Mapped[datetime | None] = mapped_column(
+        TZ, doc="End of the newest minute that moved burst_factor (Prometheus' burst query, pushed peak_10s).")
     labels: Mapped[dict] = mapped_column(JSONB, default=dict)
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
