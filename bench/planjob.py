@@ -26,8 +26,12 @@ prefetch threads' log lines and which minutes ran beside one are reported).
 one that ran over), as the scheduler's minute does, so a prefetch has the idle
 rest of each minute; without it the minutes run back to back.
 
+``--bursty-share 1`` gives every model a burst factor, so that the plan stage shows the cost of the planner's
+burst-queue sizing beside a run without (``forecaster.planning.planner._burst_queue_sizes``).
+
 Usage:
-    python bench/planjob.py [--models 10000] [--minutes 5] [--start-minute 0] [--paced] [--json PATH]
+    python bench/planjob.py [--models 10000] [--minutes 5] [--start-minute 0] [--paced] [--bursty-share S]
+                            [--json PATH]
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ REGISTRIES = ("nvcr.io/nvidia", "ghcr.io/vllm", "registry.example.com/ml", "dock
 
 
 def seed(url: str, *, n_models: int, n_nodes: int, n_cold_starts: int, settings: Settings, seed: int = 0,
-         forecast_from: datetime = NOW) -> dict:
+         forecast_from: datetime = NOW, bursty_share: float = 0.0) -> dict:
     """Fill a migrated database; returns counts of what was written (the forecast run starts at ``forecast_from``)."""
     engine = make_engine(url)
     rng = np.random.default_rng(seed)
@@ -74,13 +78,18 @@ def seed(url: str, *, n_models: int, n_nodes: int, n_cold_starts: int, settings:
     image_of = rng.integers(0, len(images), n_models)
     image_bytes = rng.uniform(4e9, 15e9, len(images))
     weights_bytes = np.exp(rng.uniform(np.log(1e9), np.log(150e9), n_models))
+    # --bursty-share: that share of the models has a burst factor (uniform 1.2-4), which sends the planner through
+    # its burst-queue sizing; only then is the field passed, so that checkouts without it still run
+    bursty = np.random.default_rng(seed + 1).random(n_models) < bursty_share
+    factors = np.random.default_rng(seed + 2).uniform(1.2, 4.0, n_models)
+    burst = [{"burst_factor": float(factors[i])} if bursty[i] else {} for i in range(n_models)]
     with engine.begin() as conn:
         for start in range(0, n_models, 2000):
             upsert_models(conn, [ServingModelSpec(
                 id=ids[i], image_ref=images[image_of[i]], image_size_bytes=int(image_bytes[image_of[i]]),
                 weights_uri=f"s3://weights/{ids[i]}", weights_size_bytes=int(weights_bytes[i]),
                 gpus_per_replica=int(rng.choice([1, 1, 1, 2, 4, 8])), replica_rps=float(rng.uniform(0.5, 20)),
-                cold_start_slo_s=None) for i in range(start, min(n_models, start + 2000))])
+                cold_start_slo_s=None, **burst[i]) for i in range(start, min(n_models, start + 2000))])
         nodes = [f"node-{k:03d}" for k in range(n_nodes)]
         conn.execute(text("INSERT INTO nodes (id, gpus_total, gpus_free, disk_free_bytes, host_memory_free_bytes, "
                           "network_bytes_per_s) VALUES (:id, 8, :free, 4000000000000, 1000000000000, 3125000000)"),
@@ -157,7 +166,7 @@ def run(admin_url: str, args) -> dict:
     started = time.perf_counter()
     first_minute = NOW + timedelta(minutes=args.start_minute)
     seeded = seed(url, n_models=args.models, n_nodes=args.nodes, n_cold_starts=args.cold_starts, settings=settings,
-                  forecast_from=first_minute)
+                  forecast_from=first_minute, bursty_share=args.bursty_share)
     seeded["seed_s"] = round(time.perf_counter() - started, 2)
     print(f"seeded {seeded} ", flush=True)
     out: dict = {"seeded": seeded, "minutes": args.minutes}
@@ -254,6 +263,8 @@ def main() -> None:
                         help="minute past 12:00 of the first plan (55: minutes 12:55, 12:56, ... cross the hour)")
     parser.add_argument("--paced", action="store_true",
                         help="start a plan every 60 s as the scheduler does (default: back to back)")
+    parser.add_argument("--bursty-share", type=float, default=0.0,
+                        help="share of the models with a burst factor (1.2-4): the planner's burst-queue sizing")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     admin_url = os.environ.get("PREWARM_BENCH_ADMIN_URL")
