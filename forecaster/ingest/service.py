@@ -204,7 +204,7 @@ def _pushed_peaks(raw: pd.DataFrame, rows: list[Mapping[str, object]]) -> tuple[
     """The counts and 10-second peaks (``unique_id, ds, y`` frames, ``ds`` the minute) of the pushed rows that carry
     ``peak_10s``, checked: a whole number from 0 to the row's count, and the only row of its minute (rows inside
     one minute are summed, and their peaks cannot be). None when no row carries one."""
-    from forecaster.ingest.validate import _parse_counts, _parse_timestamps
+    from forecaster.ingest.validate import parse_counts, parse_timestamps
 
     carry = np.array([PUSH_PEAK_FIELD in r for r in rows], dtype=bool)
     if not carry.any():
@@ -213,7 +213,7 @@ def _pushed_peaks(raw: pd.DataFrame, rows: list[Mapping[str, object]]) -> tuple[
     peak_raw = pd.DataFrame({"y": pd.Series([rows[i][PUSH_PEAK_FIELD] for i in positions], dtype=object),
                              "row": positions + 1, "field": PUSH_PEAK_FIELD})
     try:
-        peaks = _parse_counts(peak_raw)
+        peaks = parse_counts(peak_raw)
     except IngestError as exc:  # the count's checks, said of the peak
         message = str(exc).split(": ", 1)[-1].replace("count", PUSH_PEAK_FIELD, 1)
         raise IngestError(exc.reason, message, row=exc.row, field=exc.field, value=exc.value) from None
@@ -225,7 +225,7 @@ def _pushed_peaks(raw: pd.DataFrame, rows: list[Mapping[str, object]]) -> tuple[
         raise IngestError("peak_above_count", f"peak_10s {int(peaks[k])} is more than the minute's count "
                           f"{safe_repr(rows[positions[k]]['count'])}", row=int(positions[k]) + 1,
                           field=PUSH_PEAK_FIELD, value=int(peaks[k]))
-    minutes = _parse_timestamps(raw).dt.floor("min")
+    minutes = parse_timestamps(raw).dt.floor("min")
     cell = pd.DataFrame({"unique_id": raw["unique_id"].astype(str).to_numpy(), "ds": minutes.to_numpy()})
     shared = cell.duplicated(keep=False).to_numpy() & carry
     if shared.any():

@@ -82,7 +82,9 @@ def _numeric_mask(values: pd.Series) -> np.ndarray:
     return np.zeros(len(values), dtype=bool)
 
 
-def _parse_timestamps(raw: pd.DataFrame) -> pd.Series:
+def parse_timestamps(raw: pd.DataFrame) -> pd.Series:
+    """``raw["ds"]`` as UTC timestamps (ISO 8601 text or datetimes; no zone = UTC), or an IngestError naming the
+    first bad row (``raw["row"]`` when present)."""
     ds = raw["ds"]
     bad = _first_bad(_numeric_mask(ds))
     if bad is not None:
@@ -153,7 +155,9 @@ def _plain(value: object) -> object:
     return value.item() if isinstance(value, np.generic) else value
 
 
-def _parse_counts(raw: pd.DataFrame) -> np.ndarray:
+def parse_counts(raw: pd.DataFrame) -> np.ndarray:
+    """``raw["y"]`` as int64 counts, or an IngestError naming the first bad row and field (``raw["row"]`` and
+    ``raw["field"]`` when present): not a number, NaN, infinite, negative, fractional or too large."""
     y = raw["y"]
     if pd.api.types.is_bool_dtype(y):
         is_bool = np.ones(len(y), dtype=bool)
@@ -384,8 +388,8 @@ def build_count_batch(
         raise IngestError("missing_column", f"input lacks columns {missing}; expected {list(COUNT_COLUMNS)}")
     raw = raw.reset_index(drop=True)
     codes, uniques = _parse_model_ids(raw)
-    ds = _parse_timestamps(raw)
-    y = _parse_counts(raw)
+    ds = parse_timestamps(raw)
+    y = parse_counts(raw)
     # Work on integer codes and int64 nanoseconds: tz-aware objects are slow at 2M rows.
     ds_ns = _utc_ns(ds)
     _check_duplicates(raw, codes, ds_ns, uniques, ds)
