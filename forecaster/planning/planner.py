@@ -435,13 +435,15 @@ def plan(
                        - 1e-9)
         if bursty.any():
             # a bursty model's minute is sized for the queue its burst builds, not for the burst's peak rate
-            c_o_even = c_idle / cap_even
-            level_even = c_u / (c_u + c_o_even)
-            size_even = np.ceil(np.maximum(fa.quantile(level_even, tail_from=settings.quantile_for_shape), 0.0)
-                                / cap_even[:, None] - 1e-9)
-            size = size.copy()
-            size[bursty] = _burst_queue_sizes(fa, bursty, size_even[bursty], size[bursty], burst[bursty],
-                                              cap_even[bursty] / 60.0, cost[bursty], d[bursty], c_idle[bursty])
+            # (the even-arrival size of the bursty models only: most of a fleet never comes here)
+            b_fa = ForecastArrays(levels=fa.levels, values=fa.values[bursty], p_any=fa.p_any[bursty],
+                                  known=fa.known[bursty])
+            b_cu, b_cap = c_u[bursty], cap_even[bursty]
+            level_even = b_cu / (b_cu + c_idle[bursty] / b_cap)
+            size_even = np.ceil(np.maximum(b_fa.quantile(level_even, tail_from=settings.quantile_for_shape), 0.0)
+                                / b_cap[:, None] - 1e-9)
+            size[bursty] = _burst_queue_sizes(fa, bursty, size_even, size[bursty], burst[bursty], b_cap / 60.0,
+                                              cost[bursty], d[bursty], c_idle[bursty])
         desired = np.where(warm & fa.known[:, None], np.maximum(size, 1.0), 0.0).astype(np.int64)
         return desired, c_cold, d
 
