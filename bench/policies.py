@@ -31,8 +31,10 @@ top-level ``curves``, ``at_equal_cost``, ``oracle_gap_closed``, ``budget``):
   extrapolated (``None`` = out of the curve's range,
   :mod:`forecaster.simulation.curves`): p75 cold % and p99 wait at the hybrid's
   waste, waste at the hybrid's p75 cold % (minute protocol and fleet day); p99
-  at the oracle's GPU-seconds and at 0.6x reactive's, tiered vs scale-only at
-  each GPU-seconds level (LLM traces);
+  at the oracle's GPU-seconds and at 0.6x reactive's, the best p99 at or below
+  0.6x reactive's (what the issue's "at <= 0.6x" target reads: a curve that
+  ends below that cost is read at its end), tiered vs scale-only at each
+  GPU-seconds level (LLM traces);
 * ``oracle_gap_closed``: (hybrid - policy) / (hybrid - oracle) on p75 cold % at
   the hybrid's waste;
 * each curve point of the fleet and LLM replays also carries ``wait_p99_top_minute_share`` and
@@ -98,7 +100,7 @@ from forecaster.simulation.runner import (FORECASTERS, ForecastSources, LatencyI
                                           format_table, models_for, run_policies, summary_table)
 from forecaster.simulation.workload import load_workload  # noqa: E402
 from forecaster.planning.step import waste_budget  # noqa: E402
-from forecaster.simulation.curves import cost_at, gap_closed, value_at  # noqa: E402
+from forecaster.simulation.curves import best_within, cost_at, gap_closed, value_at  # noqa: E402
 
 AZURE_DAY = "azure_functions_2019_sample1350/invocations_per_function_1day_1350fn.csv.gz"
 AZURE_MEMORY = "azure_functions_2019_sample1350/app_memory_1350fn.csv.gz"
@@ -111,7 +113,10 @@ BUDGETS_PCT = (100.0,)  # budget mode: % of the 10-minute keep-alive's waste
 MINUTE_GRID = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 FLEET_GRID = (4.0, 16.0, 64.0)
 FLEET_KEEPALIVE_QUICK = (5, 10, 30, 120)  # --quick: a shorter keep-alive curve on the fleet day
-LLM_GRID = (0.0625, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)  # every factor of 2 from 1/16 to 16
+#: every factor of 2 from 1/16 to 1024: far enough that every LLM curve reaches the planner's saturation (peak
+#: sizing every busy minute; on Azure conversation only cost 1024 gets there, at 15,000 GPU-s), so that the
+#: comparisons at the oracle's and 0.6x reactive's GPU-seconds have a curve to read
+LLM_GRID = tuple(2.0 ** k for k in range(-4, 11))
 FIELDS = ("cold_pct_p75", "cold_pct_overall", "wasted_norm_pct", "wait_p99_s", "slo_attainment", "gpu_seconds")
 
 
@@ -311,7 +316,8 @@ def at_equal_cost(table: dict, curve_set: dict[str, list[dict]], llm: bool) -> d
             continue
         xy = _xy(curve, "gpu_seconds", "wait_p99_s")
         out[name] = {"wait_p99_s_at_oracle_gpu_seconds": value_at(xy, o["gpu_seconds"]),
-                     "wait_p99_s_at_0.6x_reactive_gpu_seconds": value_at(xy, 0.6 * r["gpu_seconds"])}
+                     "wait_p99_s_at_0.6x_reactive_gpu_seconds": value_at(xy, 0.6 * r["gpu_seconds"]),
+                     "best_wait_p99_s_within_0.6x_reactive_gpu_seconds": best_within(xy, 0.6 * r["gpu_seconds"])}
     tiered, scale = curve_set.get("prewarm"), curve_set.get("prewarm_scale_only")
     if tiered and scale:
         t_xy, s_xy = _xy(tiered, "gpu_seconds", "wait_p99_s"), _xy(scale, "gpu_seconds", "wait_p99_s")
@@ -385,8 +391,8 @@ def targets_v2(report: dict) -> dict:
         out[name] = {
             "p99 at the oracle's GPU-seconds <= 2x oracle's": _check(e.get("wait_p99_s_at_oracle_gpu_seconds"),
                                                                      lambda v: v <= 2.0 * o99),
-            "p99 at 0.6x reactive GPU-seconds <= reactive's / 10": _check(
-                e.get("wait_p99_s_at_0.6x_reactive_gpu_seconds"), lambda v: v <= r99 / 10.0),
+            "p99 at <= 0.6x reactive GPU-seconds <= reactive's / 10": _check(
+                e.get("best_wait_p99_s_within_0.6x_reactive_gpu_seconds"), lambda v: v <= r99 / 10.0),
             "tiered <= scale-only at every GPU-seconds level": {
                 "levels": len(rows), "met": bool(rows) and all(r["tiered"] <= r["scale_only"] + 1e-9 for r in rows)
                 if rows else None}}

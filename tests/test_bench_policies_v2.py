@@ -43,6 +43,32 @@ def test_llm_analysis_compares_tiers_with_scale_only_at_equal_gpu_seconds():
     equal = report["v2"]["azure_llm_code"]["at_equal_cost"]
     assert equal["prewarm"]["wait_p99_s_at_oracle_gpu_seconds"] is None  # below the curve's least GPU-seconds
     assert equal["prewarm"]["wait_p99_s_at_0.6x_reactive_gpu_seconds"] == pytest.approx(3.0 - 2.0 * 100 / 900)
+    assert equal["prewarm"]["best_wait_p99_s_within_0.6x_reactive_gpu_seconds"] == pytest.approx(3.0 - 2.0 * 100 / 900)
+    # the reactive target reads the best wait at or below 0.6x reactive's GPU-seconds: 2.78 s <= 40 / 10
+    assert report["targets_v2"]["azure_llm_code"]["p99 at <= 0.6x reactive GPU-seconds <= reactive's / 10"]["met"] is True
     rows = equal["tiered_vs_scale_only"]
     assert [r["gpu_seconds"] for r in rows] == [1200, 2000]
     assert report["targets_v2"]["azure_llm_code"]["tiered <= scale-only at every GPU-seconds level"]["met"] is True
+
+
+def test_llm_reactive_target_reads_a_curve_that_ends_below_its_cost():
+    """A curve that reaches its least wait below 0.6x reactive's GPU-seconds and holds nothing more at any cost
+    is read at its end for "p99 at <= 0.6x reactive's GPU-seconds", not left out of range."""
+    table = {"keepalive_10": _row(100, 5, 30, 3000), "hybrid_histogram": _row(50, 10, 40, 1000),
+             "reactive": _row(20, 50, 0.5, 2000), "oracle": _row(0, 1, 0.0, 1000),
+             "prewarm_k1": _row(0, 0, 0.7, 900), "prewarm_k4": _row(0, 0, 0.0, 1000),
+             "prewarm_scale_only_k1": _row(0, 0, 0.8, 900), "prewarm_scale_only_k4": _row(0, 0, 0.0, 1000)}
+    report = {"traces": {"azure_llm_conv": table}, "grids": {"azure_llm_conv": (1.0, 4.0)}}
+    policies.add_v2(report)
+    equal = report["v2"]["azure_llm_conv"]["at_equal_cost"]["prewarm"]
+    assert equal["wait_p99_s_at_0.6x_reactive_gpu_seconds"] is None  # 1,200 GPU-s: beyond the curve
+    assert equal["best_wait_p99_s_within_0.6x_reactive_gpu_seconds"] == 0.0
+    targets = report["targets_v2"]["azure_llm_conv"]
+    assert targets["p99 at <= 0.6x reactive GPU-seconds <= reactive's / 10"]["met"] is True
+    assert targets["p99 at the oracle's GPU-seconds <= 2x oracle's"]["met"] is True
+    # at k1 only (900 GPU-s, 0.7 s) the same target is missed: 0.7 > 0.05
+    report = {"traces": {"azure_llm_conv": {k: v for k, v in table.items() if not k.endswith("k4")}},
+              "grids": {"azure_llm_conv": (1.0,)}}
+    policies.add_v2(report)
+    assert report["targets_v2"]["azure_llm_conv"]["p99 at <= 0.6x reactive GPU-seconds <= reactive's / 10"][
+        "met"] is False

@@ -11,7 +11,7 @@ from forecaster.planning.budget import (BudgetState, WasteBudget, budget_history
                                         keepalive_idle_gpu_seconds, spend_curve_log_factors, update_budget)
 from forecaster.planning.step import waste_budget
 from forecaster.settings import Settings, SettingsError, load_settings
-from forecaster.simulation.curves import cost_at, gap_closed, value_at
+from forecaster.simulation.curves import best_within, cost_at, gap_closed, value_at
 from forecaster.simulation.minute import keepalive_loaded
 
 
@@ -182,6 +182,16 @@ def test_value_at_interpolates_along_the_curve_and_never_extrapolates():
 def test_a_non_monotone_curve_reads_its_best_crossing():
     curve = [(10.0, 50.0), (30.0, 10.0), (20.0, 20.0)]  # waste falls back between the last grid points
     assert value_at(curve, 25.0) == pytest.approx(15.0)  # crossings at 20 (seg 1) and 15 (seg 2): the lower
+
+
+def test_best_within_reads_the_lowest_wait_at_or_below_a_cost():
+    curve = [(10.0, 50.0), (20.0, 30.0), (40.0, 10.0)]
+    assert best_within(curve, 30.0) == pytest.approx(20.0)  # inside the range: the reading there
+    assert best_within(curve, 100.0) == pytest.approx(10.0)  # beyond the curve's end: its best point
+    assert best_within(curve, 9.0) is None  # no point costs that little
+    assert best_within(curve, None) is None and best_within([], 5.0) is None
+    # a curve that falls below its reading at the limit before reaching it
+    assert best_within([(10.0, 5.0), (20.0, 8.0), (40.0, 1.0)], 20.0) == pytest.approx(5.0)
 
 
 def test_gap_closed():

@@ -55,6 +55,24 @@ def cost_at(points: Iterable[Sequence[float | None]], y: float | None) -> float 
     return _read(_clean(points), float(y), 1)
 
 
+def best_within(points: Iterable[Sequence[float | None]], x_max: float | None) -> float | None:
+    """Lowest ``y`` the curve attains at a cost of at most ``x_max``: over its points at ``x <= x_max`` and its
+    reading at ``x_max`` itself; None when no point costs that little.
+
+    "p99 at <= 0.6x reactive's GPU-seconds" asks this, not :func:`value_at`: a curve that reaches its lowest
+    wait below that cost and ends there (the planner holds nothing more at any cold cost) meets it at its end,
+    where reading at exactly ``0.6x`` would be an extrapolation.
+    """
+    if x_max is None or not math.isfinite(float(x_max)):
+        return None
+    clean = _clean(points)
+    hits = [y for x, y in clean if x <= x_max]
+    at = _read(clean, float(x_max), 0)
+    if at is not None:
+        hits.append(at)
+    return min(hits) if hits else None
+
+
 def gap_closed(reference: float | None, policy: float | None, anchor: float | None) -> float | None:
     """Share of the ``reference``-to-``anchor`` gap a policy closes: (reference - policy) / (reference - anchor).
 
