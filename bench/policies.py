@@ -26,7 +26,9 @@ top-level ``curves``, ``at_equal_cost``, ``oracle_gap_closed``, ``budget``):
   K in 5..240 minutes (on the fleet day with ``--quick``: 5, 10, 30, 120), the
   hybrid histogram over its range (60..480 minutes; 240 is the paper's point),
   prewarm and prewarm_empirical (and scale-only on the fleet) over the
-  cold-cost grid; oracle and reactive as points;
+  cold-cost grid; oracle and reactive as points (the anchors); on the LLM
+  traces also ``oracle_curve``, the oracle over the same grid: with perfect
+  minute counts, what the planner reaches at each GPU-seconds level;
 * ``at_equal_cost``: each curve read by linear interpolation, never
   extrapolated (``None`` = out of the curve's range,
   :mod:`forecaster.simulation.curves`): p75 cold % and p99 wait at the hybrid's
@@ -198,9 +200,13 @@ def azure_minute(traces: Path, quick: bool, forecaster: str, retrain_every_min: 
 
 def fleet(workload, models, config: FleetConfig, grid, *, baselines=("keepalive_10", "hybrid_histogram", "reactive"),
           learn_latency: bool = True, forecaster: str = "ensemble", retrain_every_min: int = 360,
-          keepalive_grid=(), budgets=(), even_arrivals: bool = False) -> tuple[dict, dict]:
+          keepalive_grid=(), budgets=(), even_arrivals: bool = False, oracle_curve: bool = False
+          ) -> tuple[dict, dict]:
     """Baselines (and the keep-alive curve), then the planner rows with the latency model trained on the first
-    baseline's warm-up, their cold-cost curves and budget-mode runs (``prewarm_budget<pct>``)."""
+    baseline's warm-up, their cold-cost curves and budget-mode runs (``prewarm_budget<pct>``).
+
+    ``oracle_curve`` also runs the oracle over the grid (``oracle_k<cost>``): what the same planner reaches with
+    perfect minute counts at each cost, so that a miss can be told apart as the forecast's or the planner's."""
     product = Settings()
     sources = ForecastSources(workload.panel, train_until_min=int(config.score_from_s // 60),
                               retrain_every_min=retrain_every_min, settings=product,
@@ -226,7 +232,7 @@ def fleet(workload, models, config: FleetConfig, grid, *, baselines=("keepalive_
         log(f"fleet: {name} (default cold cost {product.planner_cold_cost:g})")
         results.update(run_policies(workload, models, config, [name], **common))
     for k in grid:
-        for name in planners:
+        for name in planners + (("oracle",) if oracle_curve else ()):
             log(f"fleet: {name} cold_cost={k:g}")
             run = run_policies(workload, models, config, [name], cold_cost=k, **common)
             results[f"{name}_k{k:g}"] = run[name]
@@ -273,10 +279,10 @@ def curves(table: dict, cost_grid) -> dict[str, list[dict]]:
                     + ([(240, "hybrid_histogram")] if "hybrid_histogram" in table else []))
     if ranges:
         out["hybrid_histogram"] = [_point(table[n], r) for r, n in ranges]
-    for prefix in ("prewarm", "prewarm_empirical", "prewarm_scale_only"):
+    for prefix in ("prewarm", "prewarm_empirical", "prewarm_scale_only", "oracle"):
         names = [(k, f"{prefix}_k{k:g}") for k in cost_grid if f"{prefix}_k{k:g}" in table]
         if names:
-            out[prefix] = [_point(table[n], k) for k, n in names]
+            out["oracle_curve" if prefix == "oracle" else prefix] = [_point(table[n], k) for k, n in names]
     for name in ("oracle", "reactive"):
         if name in table:
             out[name] = [_point(table[name], None)]
@@ -538,7 +544,8 @@ def plot(report: dict, path: Path) -> str | None:
         groups = {"keep-alive (5..240 min)": ([n for n in rows if n.startswith("keepalive_")], "tab:gray"),
                   "prewarm, tiered (cold-cost grid)": ([n for n in rows if n.startswith("prewarm_k")], "tab:red"),
                   "prewarm, scale-only (grid)": ([n for n in rows if n.startswith("prewarm_scale_only_k")],
-                                                 "tab:blue")}
+                                                 "tab:blue"),
+                  "oracle (grid)": ([n for n in rows if n.startswith("oracle_k")], "black")}
         for label, (names, color) in groups.items():
             pts = sorted((rows[n][xkey], rows[n][ykey]) for n in names if rows[n].get(ykey) is not None)
             if pts:
@@ -645,7 +652,7 @@ def main() -> None:
             cfg = FleetConfig(n_nodes=16, score_from_s=600.0)
             grid = LLM_GRID if args.grid else ()
             table, info = fleet(wl, models_for(wl), cfg, grid, budgets=budgets, even_arrivals=args.even_arrivals,
-                                **loop)
+                                oracle_curve=True, **loop)
             report["traces"][name] = table
             report["grids"][name] = grid
             report["info"][name] = info | {"nodes": cfg.n_nodes, "model": str(models_for(wl)["catalog_name"].iat[0]),

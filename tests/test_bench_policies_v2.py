@@ -72,3 +72,20 @@ def test_llm_reactive_target_reads_a_curve_that_ends_below_its_cost():
     policies.add_v2(report)
     assert report["targets_v2"]["azure_llm_conv"]["p99 at <= 0.6x reactive GPU-seconds <= reactive's / 10"][
         "met"] is False
+
+
+def test_llm_oracle_grid_rows_form_a_curve_read_at_equal_cost_beside_the_anchor():
+    """``oracle_k<cost>`` rows are the oracle's curve; the anchor stays the oracle's default point."""
+    table = {"keepalive_10": _row(100, 5, 30, 3000), "hybrid_histogram": _row(50, 10, 40, 1000),
+             "reactive": _row(20, 50, 40.0, 2000), "oracle": _row(0, 1, 2.0, 1000),
+             "oracle_k1": _row(0, 1, 2.0, 1000), "oracle_k4": _row(0, 0, 0.5, 1500),
+             "prewarm_k1": _row(0, 0, 3.0, 1100), "prewarm_k4": _row(0, 0, 1.0, 2000)}
+    report = {"traces": {"azure_llm_code": table}, "grids": {"azure_llm_code": (1.0, 4.0)}}
+    policies.add_v2(report)
+    v2 = report["v2"]["azure_llm_code"]
+    assert [p["param"] for p in v2["curves"]["oracle_curve"]] == [1.0, 4.0]
+    assert v2["curves"]["oracle"] == [policies._point(table["oracle"], None)]
+    equal = v2["at_equal_cost"]
+    assert equal["anchors"]["oracle"]["gpu_seconds"] == 1000
+    assert equal["oracle_curve"]["best_wait_p99_s_within_0.6x_reactive_gpu_seconds"] == pytest.approx(
+        2.0 - 1.5 * 200 / 500)  # 1,200 GPU-s: a fifth of the way from 1,000 (2.0 s) to 1,500 (0.5 s)
