@@ -33,13 +33,20 @@ def test_minute_protocol_analysis():
     assert report["budget"]["azure2019_minute"]["prewarm_budget100"]["spend_reached_pct"] == 103
 
 
-def test_llm_analysis_compares_tiers_with_scale_only_at_equal_gpu_seconds():
+def _llm_report(name: str, grid: tuple, *, reactive_p99: float = 40.0, oracle_p99: float = 2.0, **rows) -> dict:
+    """A one-trace LLM report: the baselines and anchors (reactive at 2,000 GPU-s, the oracle at 1,000), plus
+    ``rows``, analysed by ``add_v2``."""
     table = {"keepalive_10": _row(100, 5, 30, 3000), "hybrid_histogram": _row(50, 10, 40, 1000),
-             "reactive": _row(20, 50, 40.0, 2000), "oracle": _row(0, 1, 2.0, 1000),
-             "prewarm_k1": _row(0, 0, 3.0, 1100), "prewarm_k4": _row(0, 0, 1.0, 2000),
-             "prewarm_scale_only_k1": _row(0, 0, 5.0, 1200), "prewarm_scale_only_k4": _row(0, 0, 2.0, 2100)}
-    report = {"traces": {"azure_llm_code": table}, "grids": {"azure_llm_code": (1.0, 4.0)}}
+             "reactive": _row(20, 50, reactive_p99, 2000), "oracle": _row(0, 1, oracle_p99, 1000), **rows}
+    report = {"traces": {name: table}, "grids": {name: grid}}
     policies.add_v2(report)
+    return report
+
+
+def test_llm_analysis_compares_tiers_with_scale_only_at_equal_gpu_seconds():
+    table = {"prewarm_k1": _row(0, 0, 3.0, 1100), "prewarm_k4": _row(0, 0, 1.0, 2000),
+             "prewarm_scale_only_k1": _row(0, 0, 5.0, 1200), "prewarm_scale_only_k4": _row(0, 0, 2.0, 2100)}
+    report = _llm_report("azure_llm_code", (1.0, 4.0), **table)
     equal = report["v2"]["azure_llm_code"]["at_equal_cost"]
     assert equal["prewarm"]["wait_p99_s_at_oracle_gpu_seconds"] is None  # below the curve's least GPU-seconds
     assert equal["prewarm"]["wait_p99_s_at_0.6x_reactive_gpu_seconds"] == pytest.approx(3.0 - 2.0 * 100 / 900)
@@ -54,12 +61,9 @@ def test_llm_analysis_compares_tiers_with_scale_only_at_equal_gpu_seconds():
 def test_llm_reactive_target_reads_a_curve_that_ends_below_its_cost():
     """A curve that reaches its least wait below 0.6x reactive's GPU-seconds and holds nothing more at any cost
     is read at its end for "p99 at <= 0.6x reactive's GPU-seconds", not left out of range."""
-    table = {"keepalive_10": _row(100, 5, 30, 3000), "hybrid_histogram": _row(50, 10, 40, 1000),
-             "reactive": _row(20, 50, 0.5, 2000), "oracle": _row(0, 1, 0.0, 1000),
-             "prewarm_k1": _row(0, 0, 0.7, 900), "prewarm_k4": _row(0, 0, 0.0, 1000),
+    table = {"prewarm_k1": _row(0, 0, 0.7, 900), "prewarm_k4": _row(0, 0, 0.0, 1000),
              "prewarm_scale_only_k1": _row(0, 0, 0.8, 900), "prewarm_scale_only_k4": _row(0, 0, 0.0, 1000)}
-    report = {"traces": {"azure_llm_conv": table}, "grids": {"azure_llm_conv": (1.0, 4.0)}}
-    policies.add_v2(report)
+    report = _llm_report("azure_llm_conv", (1.0, 4.0), reactive_p99=0.5, oracle_p99=0.0, **table)
     equal = report["v2"]["azure_llm_conv"]["at_equal_cost"]["prewarm"]
     assert equal["wait_p99_s_at_0.6x_reactive_gpu_seconds"] is None  # 1,200 GPU-s: beyond the curve
     assert equal["best_wait_p99_s_within_0.6x_reactive_gpu_seconds"] == 0.0
@@ -67,24 +71,20 @@ def test_llm_reactive_target_reads_a_curve_that_ends_below_its_cost():
     assert targets["p99 at <= 0.6x reactive GPU-seconds <= reactive's / 10"]["met"] is True
     assert targets["p99 at the oracle's GPU-seconds <= 2x oracle's"]["met"] is True
     # at k1 only (900 GPU-s, 0.7 s) the same target is missed: 0.7 > 0.05
-    report = {"traces": {"azure_llm_conv": {k: v for k, v in table.items() if not k.endswith("k4")}},
-              "grids": {"azure_llm_conv": (1.0,)}}
-    policies.add_v2(report)
+    report = _llm_report("azure_llm_conv", (1.0,), reactive_p99=0.5, oracle_p99=0.0,
+                         **{k: v for k, v in table.items() if not k.endswith("k4")})
     assert report["targets_v2"]["azure_llm_conv"]["p99 at <= 0.6x reactive GPU-seconds <= reactive's / 10"][
         "met"] is False
 
 
 def test_llm_oracle_grid_rows_form_a_curve_read_at_equal_cost_beside_the_anchor():
     """``oracle_k<cost>`` rows are the oracle's curve; the anchor stays the oracle's default point."""
-    table = {"keepalive_10": _row(100, 5, 30, 3000), "hybrid_histogram": _row(50, 10, 40, 1000),
-             "reactive": _row(20, 50, 40.0, 2000), "oracle": _row(0, 1, 2.0, 1000),
-             "oracle_k1": _row(0, 1, 2.0, 1000), "oracle_k4": _row(0, 0, 0.5, 1500),
-             "prewarm_k1": _row(0, 0, 3.0, 1100), "prewarm_k4": _row(0, 0, 1.0, 2000)}
-    report = {"traces": {"azure_llm_code": table}, "grids": {"azure_llm_code": (1.0, 4.0)}}
-    policies.add_v2(report)
+    report = _llm_report("azure_llm_code", (1.0, 4.0), oracle_k1=_row(0, 1, 2.0, 1000),
+                         oracle_k4=_row(0, 0, 0.5, 1500), prewarm_k1=_row(0, 0, 3.0, 1100),
+                         prewarm_k4=_row(0, 0, 1.0, 2000))
     v2 = report["v2"]["azure_llm_code"]
     assert [p["param"] for p in v2["curves"]["oracle_curve"]] == [1.0, 4.0]
-    assert v2["curves"]["oracle"] == [policies._point(table["oracle"], None)]
+    assert v2["curves"]["oracle"] == [policies._point(report["traces"]["azure_llm_code"]["oracle"], None)]
     equal = v2["at_equal_cost"]
     assert equal["anchors"]["oracle"]["gpu_seconds"] == 1000
     assert equal["oracle_curve"]["best_wait_p99_s_within_0.6x_reactive_gpu_seconds"] == pytest.approx(
