@@ -207,6 +207,28 @@ def test_gpu_tier_loads_into_gpu_memory_or_says_clearly_that_it_cannot(tmp_path,
         agent.close()
 
 
+def test_dropping_gpu_tier_weights_hands_the_memory_back(tmp_path, monkeypatch):
+    """PyTorch keeps freed GPU blocks for its own reuse, so an evicted GPU-tier copy would still read as used in
+    nvidia-smi (the node's free memory for the planner, and for a replica starting there): dropping one asks
+    torch to hand it back, on evict and on close. (On a GPU, ``bench/agent_gpu_tier.py`` measures that the
+    memory comes back: docs/scale.md.)"""
+    from forecaster.agent import service
+
+    calls = []
+    monkeypatch.setattr(service, "_return_gpu_memory", lambda: calls.append(1))
+    agent = _agent(tmp_path, None)
+    key = "s3://weights/x.bin"
+    try:
+        assert agent.evict(key, tier="gpu")["evicted_tiers"] == [] and calls == []  # nothing held: nothing asked
+        agent._gpu[service.entry_key(key)] = (object(), "cuda:0", 1)
+        assert agent.evict(key, tier="host")["evicted_tiers"] == [] and calls == []
+        assert agent.evict(key, tier="gpu")["evicted_tiers"] == ["gpu"] and calls == [1]
+        agent._gpu[service.entry_key(key)] = (object(), "cuda:0", 1)
+    finally:
+        agent.close()
+    assert calls == [1, 1] and agent._gpu == {}
+
+
 def test_preload_failures_have_fixed_reasons_and_leave_nothing_cached(tmp_path, s3_server, weights):
     agent = _agent(tmp_path, s3_server)
     wrong = NodeAgent(node_name="node-a", cache=WeightsCache(tmp_path / "c2"), cri=None,

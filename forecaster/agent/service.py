@@ -25,8 +25,10 @@ import mmap
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -194,7 +196,9 @@ class NodeAgent:
         for pin in self._host.values():
             pin.release()
         self._host.clear()
-        self._gpu.clear()
+        if self._gpu:
+            self._gpu.clear()
+            _return_gpu_memory()
         if self._cri is not None:
             self._cri.close()
 
@@ -232,6 +236,8 @@ class NodeAgent:
                 dropped.append("host")
             if key not in self._host and key not in self._gpu:
                 self.cache.protected.discard(key)
+        if "gpu" in dropped:
+            _return_gpu_memory()
         in_use: list[int] = []
         if tier in (None, Tier.DISK):
             removed, in_use = self.cache.evict(uri, force=force)
@@ -540,25 +546,60 @@ class NodeAgent:
                              f"memory {free_bytes} bytes (cuda:{index})", temporary=False)
         device = f"cuda:{index}"
         tensor = torch.empty(entry.size_bytes, dtype=torch.uint8, device=device)
-        chunk = min(64 << 20, max(entry.size_bytes, 1))
-        staging = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
-        view = staging.numpy()
-        with open(entry.path, "rb", buffering=0) as handle:
-            pos = 0
-            while pos < entry.size_bytes:
-                if time.monotonic() > unit.deadline:
-                    raise AgentError(FailureReason.TIMEOUT, f"GPU load of {entry.uri} passed its deadline")
-                n = handle.readinto(memoryview(view)[: min(chunk, entry.size_bytes - pos)])
-                if not n:
-                    raise AgentError(FailureReason.INTERNAL, f"{entry.path}: short read at {pos}")
-                tensor[pos:pos + n].copy_(staging[:n])
-                pos += n
-                unit.bytes_done = pos
-        torch.cuda.synchronize(index)
+        try:
+            _copy_file_to_gpu(torch, entry.path, tensor, index, unit, entry.uri)
+        except BaseException as exc:
+            # a failed load holds no GPU memory: the traceback's finished frames would keep the tensor alive
+            traceback.clear_frames(exc.__traceback__)
+            del tensor
+            _return_gpu_memory()
+            raise
         with self._lock:
             self._gpu[entry.key] = (tensor, device, entry.size_bytes)
             self.cache.protected.add(entry.key)
         return device
+
+
+#: bytes per pinned staging buffer of a GPU load; two alternate, so reading one chunk overlaps copying the last
+GPU_STAGING_BYTES = 64 << 20
+
+
+def _copy_file_to_gpu(torch, path: Path, tensor, index: int, unit: _Unit, uri: str) -> None:
+    """Fill ``tensor`` (uint8 on ``cuda:index``) with the file's bytes: the file is read into two pinned buffers in
+    turn, each copied to the GPU without waiting, so the disk read of one chunk overlaps the copy of the one before
+    (a buffer is refilled only after its last copy finished). Checks ``unit``'s deadline per chunk."""
+    size = tensor.numel()
+    chunk = min(GPU_STAGING_BYTES, max(size, 1))
+    staging = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    views = [memoryview(b.numpy()) for b in staging]
+    copied: list = [None, None]
+    with torch.cuda.device(index), open(path, "rb", buffering=0) as handle:
+        pos, k = 0, 0
+        while pos < size:
+            if time.monotonic() > unit.deadline:
+                raise AgentError(FailureReason.TIMEOUT, f"GPU load of {uri} passed its deadline")
+            slot = k % 2
+            if copied[slot] is not None:
+                copied[slot].synchronize()
+            n = handle.readinto(views[slot][: min(chunk, size - pos)])
+            if not n:
+                raise AgentError(FailureReason.INTERNAL, f"{path}: short read at {pos}")
+            tensor[pos:pos + n].copy_(staging[slot][:n], non_blocking=True)
+            copied[slot] = torch.cuda.Event()
+            copied[slot].record()
+            pos += n
+            k += 1
+            unit.bytes_done = pos
+        torch.cuda.synchronize(index)
+
+
+def _return_gpu_memory() -> None:
+    """Hand GPU memory this process no longer uses back to the device. PyTorch keeps freed blocks for reuse, so
+    without this an evicted GPU-tier copy still reads as used in ``nvidia-smi``: for the planner (the node's free
+    memory, :func:`gpus`) and for a replica starting on that GPU."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def gpus() -> list[dict]:
