@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -270,7 +271,11 @@ def _point(row: dict, param) -> dict:
 
 
 def curves(table: dict, cost_grid) -> dict[str, list[dict]]:
-    """Each tunable policy as its curve over the grid fixed before the run (grid order), the rest as points."""
+    """Each tunable policy as its curve over the grid fixed before the run (in cost order), the rest as points.
+
+    A planner's default row (``prewarm``, run at the product's default cold cost, which its ``cold_cost`` field
+    names) is a point of its curve too when the grid leaves that cost out (the fleet day's grid does, to save the
+    run): without it a curve starting at the grid's least cost can miss an anchor by a fraction of a percent."""
     out: dict[str, list[dict]] = {}
     keep = [(int(n.split("_")[1]), n) for n in table if n.startswith("keepalive_") and n.split("_")[1].isdigit()]
     if len(keep) > 1:
@@ -281,6 +286,9 @@ def curves(table: dict, cost_grid) -> dict[str, list[dict]]:
         out["hybrid_histogram"] = [_point(table[n], r) for r, n in ranges]
     for prefix in ("prewarm", "prewarm_empirical", "prewarm_scale_only", "oracle"):
         names = [(k, f"{prefix}_k{k:g}") for k in cost_grid if f"{prefix}_k{k:g}" in table]
+        default_cost = table.get(prefix, {}).get("cold_cost")
+        if names and default_cost is not None and not any(math.isclose(k, default_cost) for k, _ in names):
+            names = sorted(names + [(float(default_cost), prefix)])
         if names:
             out["oracle_curve" if prefix == "oracle" else prefix] = [_point(table[n], k) for k, n in names]
     for name in ("oracle", "reactive"):

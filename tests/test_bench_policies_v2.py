@@ -89,3 +89,24 @@ def test_llm_oracle_grid_rows_form_a_curve_read_at_equal_cost_beside_the_anchor(
     assert equal["anchors"]["oracle"]["gpu_seconds"] == 1000
     assert equal["oracle_curve"]["best_wait_p99_s_within_0.6x_reactive_gpu_seconds"] == pytest.approx(
         2.0 - 1.5 * 200 / 500)  # 1,200 GPU-s: a fifth of the way from 1,000 (2.0 s) to 1,500 (0.5 s)
+
+
+def test_the_default_row_is_a_point_of_its_curve_when_the_grid_leaves_its_cost_out():
+    """The fleet day's grid (4, 16, 64) leaves out the default cold cost (1): the default row is the curve's
+    first point, so an anchor just below the grid's least cost is read between the two, not out of range."""
+    table = {"keepalive_10": _row(100, 60, 29.0, 5000), "hybrid_histogram": _row(148.1, 25.0, 16.0, 9000),
+             "reactive": _row(60, 100, 170.0, 4000), "oracle": _row(66, 0, 0.0, 4500),
+             "prewarm": _row(101.7, 33.3, 14.0, 6000, cold_cost=1.0),
+             "prewarm_k4": _row(148.2, 15.4, 5.6, 9100), "prewarm_k16": _row(172.5, 9.1, 3.8, 10000)}
+    report = {"traces": {"azure2019_fleet": table}, "grids": {"azure2019_fleet": (4.0, 16.0)}}
+    policies.add_v2(report)
+    v2 = report["v2"]["azure2019_fleet"]
+    assert [p["param"] for p in v2["curves"]["prewarm"]] == [1.0, 4.0, 16.0]
+    share = (148.1 - 101.7) / (148.2 - 101.7)
+    assert v2["at_equal_cost"]["prewarm"]["p75_cold_pct_at_hybrid_waste"] == pytest.approx(
+        33.3 + share * (15.4 - 33.3))
+    # without the default row the same anchor lies below the curve's least waste
+    del table["prewarm"]
+    report = {"traces": {"azure2019_fleet": table}, "grids": {"azure2019_fleet": (4.0, 16.0)}}
+    policies.add_v2(report)
+    assert report["v2"]["azure2019_fleet"]["at_equal_cost"]["prewarm"]["p75_cold_pct_at_hybrid_waste"] is None
