@@ -26,7 +26,8 @@ top-level ``curves``, ``at_equal_cost``, ``oracle_gap_closed``, ``budget``):
   K in 5..240 minutes (on the fleet day with ``--quick``: 5, 10, 30, 120), the
   hybrid histogram over its range (60..480 minutes; 240 is the paper's point),
   prewarm and prewarm_empirical (and scale-only on the fleet) over the
-  cold-cost grid; oracle and reactive as points (the anchors); on the LLM
+  cold-cost grid, each with its default row as the point at the default
+  cost where the grid leaves it out; oracle and reactive as points (the anchors); on the LLM
   traces also ``oracle_curve``, the oracle over the same grid: with perfect
   minute counts, what the planner reaches at each GPU-seconds level;
 * ``at_equal_cost``: each curve read by linear interpolation, never
