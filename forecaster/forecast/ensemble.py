@@ -580,6 +580,10 @@ class Ensemble:
                 warnings.simplefilter("ignore", RuntimeWarning)
                 eps = 1e-3 * np.nan_to_num(np.nanmean(typical, axis=1), nan=0.0) + 1e-9
             weights = np.where(available, 1.0 / (safe + eps[:, None]) ** self.power, 0.0)
+            # a member far worse than the series' best keeps no weight at all: with a high power its weight is
+            # ~1e-24 and would still lift an exact forecast of 0 (a timer's idle steps) to ~1e-27, which reads as
+            # "above zero" wherever a quantile is compared with an observed 0
+            weights[weights < MIN_RELATIVE_WEIGHT * weights.max(axis=1, keepdims=True)] = 0.0
         known_steps = (~np.isnan(panel.values)).sum(axis=1)
         too_new = known_steps < self.min_history
         weights[too_new] = 0.0
@@ -825,6 +829,9 @@ def _combine(stacked: np.ndarray, weights: np.ndarray) -> np.ndarray:
 
 
 WEIGHTINGS = ("best", "inverse_error", "shrunk")
+#: Inverse-error weights below this share of a series' largest are set to 0 (with power 8: members whose
+#: validation MAE is more than 5.6 times the best's).
+MIN_RELATIVE_WEIGHT = 1e-6
 #: Values (points x quantiles) per block of :func:`residual_p_any`: 1 MB buffers.
 RESIDUAL_BLOCK_VALUES = 131_072
 
