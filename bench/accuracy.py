@@ -430,14 +430,18 @@ def ablation(panel: Panel, protocol: Protocol, ensemble: Ensemble, forecasts: di
     ensemble's validation MAE of the members it keeps; its test forecasts
     combine those members' test forecasts (``run_backtest(members=True)``)
     with those weights, and its q0.1 / q0.9 combine each member's own conformal
-    bounds from the same validation tail. With ``weighting="best"`` (the
-    default) a series' point is one member's forecast, so these bounds are
-    exactly the residual quantiles such an ensemble would learn; what the
-    rows leave out is the quantile heads, the pooled q0.99 and ``p_any``
+    bounds from the same validation tail. With ``weighting="best"`` a
+    series' point is one member's forecast, so these bounds are exactly the
+    residual quantiles such an ensemble would learn; with the default
+    inverse-error weights they are the weighted mix of the members' bounds
+    (nearly one member's where one member's weight dominates, as power 8
+    makes it on most series). What the rows leave out is the quantile heads,
+    the pooled q0.99 and ``p_any``
     (``brier_any`` uses the quantile-derived p_any, as for any method without
     one). Compare rows with ``all members``, not with the full ensemble.
 
-    Returns ``{"rows": {subset: {row: figures}}, "chosen_share": {subset: {member: share}}}``.
+    Returns ``{"rows": {subset: {row: figures}}, "chosen_share": {subset: {member: share}}, "mean_weight": ...}``;
+    a member's ``chosen_share`` is the share of series where its weight is the largest.
     """
     names = list(ensemble.member_names_)
     mae = ensemble.validation_mae_
@@ -640,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"quantile bounds: {ensemble.quantile_method_} on {ensemble.head_series_.mean():.1%} of the series, "
               f"residual quantiles on the rest (chosen per series on the validation tail; cross-fitted pinball loss "
               f"q0.1 + q0.9 per point: {scores or 'no heads'})")
-        print("share of series per chosen member: " + ", ".join(
+        print("mean weight per member over the series: " + ", ".join(
             f"{k} {v:.3f}" for k, v in figures["members"][name]["mean_weight"].items()))
         if args.ablation:
             started = time.perf_counter()

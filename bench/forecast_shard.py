@@ -92,8 +92,9 @@ def train(model_path: Path, series: int, seed: int) -> None:
         f"[{time.perf_counter() - started:7.1f} s] {line}", flush=True))
     ensemble.fit_panel(panel.head(DAY_MIN - HOLDOUT_MIN))
     ensemble.progress = None
-    share = {m.name: round(float((ensemble.weights_[:, j] > 0).mean()), 4) for j, m in enumerate(ensemble.members_)}
-    print(f"fitted in {time.perf_counter() - started:.0f} s; series share per member {share}; "
+    share = {m.name: round(float((ensemble.weights_.argmax(axis=1) == j).mean()), 4)
+             for j, m in enumerate(ensemble.members_)}
+    print(f"fitted in {time.perf_counter() - started:.0f} s; share of series where each member weighs most {share}; "
           f"heads on {ensemble.head_series_.mean():.3f} of the series; failures {ensemble.failures_}", flush=True)
     model_path.parent.mkdir(parents=True, exist_ok=True)
     with open(model_path, "wb") as handle:

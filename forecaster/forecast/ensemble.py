@@ -6,20 +6,22 @@ Fitting (``Ensemble.fit``), on a fit window of ``T`` steps:
 2. each forecasts the tail from rolling origins (every ``stride`` steps,
    horizons ``1..horizon``), conditioning on the data before each origin with
    its parameters fixed, as in the backtest;
-3. per series, all weight goes to the member with the lowest MAE on that tail
-   (``weighting="best"``, the default), or member ``m`` gets weight
-   ``1 / MAE_m^power`` (``weighting="inverse_error"``), or the best by
-   :func:`shrunk_scores` (``weighting="shrunk"``). The inner-validation
-   comparison of these is ``bench/accuracy.py --select`` (issue 13's note). The
-   figures that follow are *test-origin* figures from before protocol v2, kept
-   for the record, not the basis of a choice: Azure day (members fitted on 864
-   steps, median MASE all / busy over the 24 test origins): inverse error with power 1: 0.0140 / 0.747, power 2: 0.0103 /
-   0.721, power 8: 0.0099 / 0.690, equal weights on the best two: 0.0109 /
-   0.697, best: 0.0089 / 0.669 (the per-series oracle choice on test data:
-   0.0056 / 0.668). Averaging pulls the sharp, often exact forecasts of timer
-   series towards the smoother members, and per-series medians are not
-   improved by averaging medians of differently biased members. On a tie
-   (common: an all-zero tail) the fallback wins;
+3. per series, member ``m`` gets weight ``1 / MAE_m^power`` on that tail
+   (``weighting="inverse_error"``, the default, with ``power=8``; weights under
+   :data:`MIN_RELATIVE_WEIGHT` of the series' largest are 0), or all weight goes
+   to the member with the lowest MAE (``weighting="best"``, the default before
+   2026-12-04), or to the best by :func:`shrunk_scores` (``weighting="shrunk"``).
+   The choice was made by nested validation inside the fit window
+   (``bench/accuracy.py --select``: inner fit on steps 0..863 of the 1,080-step fit
+   window, 14 inner origins; the rule, lowest inner wQL over all series, fixed
+   before the run), on all 1,350 Azure series and on Huawei DC4 alike: inner wQL
+   Azure 0.3072 (power 8) against 0.3092 (power 2), 0.3086 (shrunk, k = 20) and
+   0.3213 (best); Huawei 0.1680 against 0.1709 for best. It costs median MASE
+   over active series on the Azure tail (0.6225 against best's 0.6164; busy
+   0.7104 against 0.6837) and gains it on Huawei (0.8285 against 0.8303). A high
+   power is nearly a per-series choice that still blends members whose errors
+   are close; on a tie (an all-zero tail) the members tied at the lowest error
+   share the weight;
 4. the weighted forecasts' residuals on the tail give, per series and horizon,
    an empirical residual distribution (split conformal): ``q_tau = point +
    Q_tau(residuals)`` clipped at 0; ``P(point + residual >= 0.5)`` is the
@@ -222,14 +224,14 @@ class Ensemble:
             q0.95 <= q0.99 always holds).
         validation_steps: the tail ``V``; ``None`` = ``min(max(4 * horizon, T // 5), T // 2)``.
         stride: steps between validation origins; ``None`` = ``max(1, horizon // 5)``.
-        weighting: ``"inverse_error"``, ``"best"`` or ``"shrunk"`` (the best member
+        weighting: ``"inverse_error"`` (default), ``"best"`` or ``"shrunk"`` (the best member
             per series by :func:`shrunk_scores`: its own relative validation
             error shrunk towards its activity segment's, so that a series with
             little evidence on the tail takes the member that does best on
             series like it).
         shrinkage: pseudo-observations (invoked validation steps) of the
             segment's errors in ``"shrunk"``.
-        power: exponent of the inverse error.
+        power: exponent of the inverse error (default 8, the ``--select`` winner; step 3 above).
         refit: refit members on the whole window after validation.
         min_history: series with fewer known steps in the fit window use the fallback alone.
         min_residuals: series with fewer validation residuals per horizon get Poisson quantiles.
@@ -241,11 +243,10 @@ class Ensemble:
             before taking their quantiles and multiplies back at forecast time
             (normalised conformal scores: intervals widen when the forecast
             level is high, as Poisson-like counts do); ``"none"`` (default) uses
-            plain residuals. Measured on the Azure day's test origins with the
-            fallback alone, before protocol v2 (not yet re-made on validation;
-            ``--select`` holds a sqrt candidate) (all / busy): plain wQL 0.364 / 0.332, spike recall 0.571 / 0.657;
-            sqrt wQL 0.374 / 0.343, recall 0.599 / 0.689. The naive peer's busy
-            wQL is 0.333, so sqrt would trade the wQL target for recall.
+            plain residuals. On the ``--select`` inner validation (with
+            ``weighting="best"``) sqrt read wQL 0.3201 against 0.3213 on
+            the Azure day and 0.1718 against 0.1709 on Huawei DC4, both well
+            short of the inverse-error weights' gain, so it stays off.
         quantile_heads: ``None`` (default): fit quantile heads when a
             :class:`~forecaster.forecast.trees.LightGBMMember` is among the
             members, with its settings; ``True``: always (default LightGBM
