@@ -114,8 +114,9 @@ MAX_FIT_STEPS = 7 * 1440
 LONG_TRACE_PEER_FIT_STEPS = {"autoarima": 1440, "autoets": 1440, "lightgbm_global": 3 * 1440}
 #: ``--select`` candidates: keyword arguments of :class:`Ensemble` on top of the benchmark's members and horizon.
 #: Extend freely; the winner rule (:data:`SELECT_RULE`) is fixed before any candidate is scored. On all series of
-#: both datasets (2026-12-04, c12cd2b) the rule chose the third, inverse-error weights with power 8, which became
-#: the default; the three variants with ``"weighting": "best"`` were measured on what was then the default.
+#: both datasets (2026-12-04, c12cd2b) the rule chose ``shrunk`` with k = 20 on the Azure day; on Huawei DC4 it is
+#: the same as ``best`` (which wins the tie as the first listed), so it became the default. The variants with
+#: ``"weighting": "best"`` were measured on what was the default before.
 SELECT_CANDIDATES: list[dict] = [
     {"weighting": "best"},
     {"weighting": "inverse_error", "power": 2.0},
@@ -126,8 +127,13 @@ SELECT_CANDIDATES: list[dict] = [
     {"weighting": "shrunk", "shrinkage": 20.0},
     {"weighting": "best", "p_any": "residuals"},
 ]
-#: lowest inner-validation wQL on all series, ties (within 1e-9) broken by the lower mase_median_active
+#: lowest inner-validation wQL on all series, ties (within 1e-9) broken by the lower mase_median_active, among the
+#: candidates that meet issue 13's calibration targets on the inner validation (:func:`calibrated_on_validation`)
 SELECT_RULE = ("wql", "mase_median_active")
+#: the calibration a candidate must show on the inner validation's busy series to win: q0.99 coverage at least this,
+#: and a coverage bracket [P(y < q0.9), P(y <= q0.9)] that holds 0.9 within the tolerance (issue 13's targets)
+SELECT_MIN_COVERAGE_Q99 = 0.98
+SELECT_BRACKET_TOLERANCE = 0.03
 
 
 def load_panel(path: Path, fmt: str | None) -> Panel:
@@ -530,12 +536,29 @@ def select(name: str, panel: Panel, protocol: Protocol, candidates: list[dict] |
                 row[f"{subset}:{col}"] = float(r[col])
         rows.append(row)
     primary, tiebreak = (f"all:{c}" for c in SELECT_RULE)
-    best = min(r[primary] for r in rows)
-    tied = [r for r in rows if r[primary] <= best + 1e-9]
+    for row in rows:
+        row["calibrated"] = calibrated_on_validation(row)
+    # a dataset where no candidate meets the targets still gets a winner: the rule without the constraint
+    eligible = [r for r in rows if r["calibrated"]] or rows
+    best = min(r[primary] for r in eligible)
+    tied = [r for r in eligible if r[primary] <= best + 1e-9]
     winner = min(tied, key=lambda r: np.nan_to_num(r[tiebreak], nan=np.inf))["candidate"]
     return {"inner_fit_steps": inner.fit_steps, "inner_origins": len(inner.origins), "outer_fit_steps":
-            protocol.fit_steps, "rule": f"lowest {primary}, ties by {tiebreak}", "winner": winner,
+            protocol.fit_steps, "rule": f"lowest {primary}, ties by {tiebreak}, among the calibrated", "winner": winner,
             "winner_config": candidates[winner], "candidates": rows}
+
+
+def calibrated_on_validation(row: dict) -> bool:
+    """Whether a ``--select`` row meets issue 13's calibration targets on the busy series of the inner validation.
+
+    Added after the first full run (c12cd2b), whose rule (lowest wQL alone) chose inverse-error weights with power 8:
+    their inner busy q0.99 coverage was 0.977 on the Azure day and their Huawei bracket [0.865, 0.865], and on the test
+    origins the busy q0.99 coverage fell to 0.962, a target met before. The table had shown it; the rule did not read
+    it. The thresholds are the issue's, not fitted.
+    """
+    strict, inclusive = row["busy:coverage_q90_strict"], row["busy:coverage_q90"]
+    return bool(row["busy:coverage_q99"] >= SELECT_MIN_COVERAGE_Q99
+                and strict - SELECT_BRACKET_TOLERANCE <= 0.9 <= inclusive + SELECT_BRACKET_TOLERANCE)
 
 
 def print_select(name: str, table: dict) -> None:

@@ -43,9 +43,20 @@ def test_select_never_sees_the_test_window_and_applies_the_fixed_rule(monkeypatc
     dirty = accuracy.select("small", Panel(panel.ids, panel.start, panel.step, tampered), protocol, candidates,
                             max_fit_steps=None)
     assert [r["all:wql"] for r in clean["candidates"]] == [r["all:wql"] for r in dirty["candidates"]]
-    wql = [r["all:wql"] for r in clean["candidates"]]
+    calibrated = [r["calibrated"] for r in clean["candidates"]]
+    wql = [r["all:wql"] if ok or not any(calibrated) else np.inf for r, ok in zip(clean["candidates"], calibrated)]
     assert clean["winner"] == int(np.argmin(wql)) and clean["winner_config"] == candidates[clean["winner"]]
     assert clean["inner_fit_steps"] == protocol.fit_steps - int(np.ceil(0.2 * protocol.fit_steps))
+
+
+def test_select_passes_over_a_lower_wql_that_misses_the_calibration_targets() -> None:
+    def row(q99: float, strict: float, inclusive: float) -> dict:
+        return {"busy:coverage_q99": q99, "busy:coverage_q90_strict": strict, "busy:coverage_q90": inclusive}
+
+    assert accuracy.calibrated_on_validation(row(0.9856, 0.517, 0.949))  # shrunk k = 20 on the Azure day
+    assert not accuracy.calibrated_on_validation(row(0.9772, 0.775, 0.923))  # inverse error, power 8: q0.99 short
+    assert not accuracy.calibrated_on_validation(row(0.9859, 0.8652, 0.8652))  # its Huawei bracket: 0.9 outside
+    assert accuracy.calibrated_on_validation(row(0.98, 0.92, 0.95))  # q0.99 at the limit is enough
 
 
 def test_ablation_reference_row_is_the_ensemble_without_heads() -> None:

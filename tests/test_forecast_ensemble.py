@@ -386,10 +386,7 @@ def tree_ensemble() -> tuple[Ensemble, Panel]:
     members = [LightGBMMember(horizon=15, params={"n_estimators": 40}),
                XGBoostMember(horizon=15, params={"n_estimators": 40, "max_depth": 4}),
                RandomForestMember(horizon=15, params={"n_estimators": 5}), MovingAverage(60)]
-    # one member per series (not the default's inverse-error mix): its point is exactly 0 on many idle cells,
-    # the cells the lower head's skip is about
-    ensemble = Ensemble(members, horizon=15, refit=False, p_any="residuals", weighting="best").fit_panel(
-        panel.head(540))
+    ensemble = Ensemble(members, horizon=15, refit=False, p_any="residuals").fit_panel(panel.head(540))
     return ensemble, panel
 
 
