@@ -462,7 +462,7 @@ def ablation(panel: Panel, protocol: Protocol, ensemble: Ensemble, forecasts: di
     built: dict[str, MethodForecasts] = {}
     for label, keep in configs.items():
         cols = [names.index(x) for x in keep]
-        weights = ensemble._weights(mae[:, cols], ensemble.panel_)
+        weights = rule_weights(ensemble, cols)
         parts = [forecasts[x] for x in keep]
         combine = lambda attr: _combine(np.stack([getattr(f, attr) for f in parts]), weights)  # noqa: B023, E731
         built[label] = MethodForecasts(combine("point"), combine("q10"), combine("q90"))
@@ -480,6 +480,15 @@ def ablation(panel: Panel, protocol: Protocol, ensemble: Ensemble, forecasts: di
     out["note"] = ("from one fitted ensemble: weights by the ensemble's rule on its validation MAE, members' own "
                    "conformal q0.1 / q0.9; no quantile heads, no q0.99, p_any from quantiles")
     return out
+
+
+def rule_weights(ensemble: Ensemble, cols: list[int]) -> np.ndarray:
+    """The ensemble's own weighting rule applied to the validation MAE of the members ``cols`` only.
+
+    The validation tail's actuals go in as the fit had them: the shrunk rule weighs a series' own ranking of the
+    members by its invoked steps there."""
+    tail = actuals(ensemble.panel_.values, ensemble.validation_origins_, ensemble.horizon)
+    return ensemble._weights(ensemble.validation_mae_[:, cols], ensemble.panel_, tail)
 
 
 def print_ablation(name: str, table: dict) -> None:

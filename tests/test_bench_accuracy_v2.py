@@ -79,6 +79,22 @@ def test_ablation_reference_row_is_the_ensemble_without_heads() -> None:
                      for j, m in enumerate(ensemble.member_names_)}
 
 
+def test_ablation_rows_weigh_members_with_the_validation_evidence_as_the_fit_did() -> None:
+    """The shrunk rule ranks members per series by its invoked validation steps: without them every series of a
+    segment would take the segment's member, and the ablation's rows would not be the ensemble's rule."""
+    rng = np.random.default_rng(0)
+    walks = np.maximum(0, 50 + np.cumsum(rng.normal(0, 3, (6, 600)), axis=1)).round()  # naive's kind of series
+    noise = rng.poisson(20, (6, 600)).astype(float)  # the moving average's
+    panel = Panel.from_wide([f"s{i}" for i in range(12)], np.vstack([walks, noise]),
+                            start=pd.Timestamp("2024-01-01", tz="UTC"), step="1min")
+    protocol = generic_protocol(panel.n_steps, 1.0)
+    ensemble = Ensemble([MovingAverage(30), Naive()], horizon=protocol.horizon, weighting="shrunk")
+    run_backtest(ensemble, panel, protocol, members=True)
+    weights = accuracy.rule_weights(ensemble, [0, 1, 2])
+    np.testing.assert_array_equal(weights, ensemble.weights_)
+    assert len(set(weights.argmax(axis=1).tolist())) > 1  # series of one segment, more than one member chosen
+
+
 def test_v2_targets_against_the_best_peer() -> None:
     rows = pd.DataFrame({
         "mase_median_active": [0.8, 1.0, 0.95], "wql": [0.3, 0.32, 0.31], "coverage_q90_strict": [0.85, 0.8, 0.8],
