@@ -452,7 +452,6 @@ def ablation(panel: Panel, protocol: Protocol, ensemble: Ensemble, forecasts: di
     a member's ``chosen_share`` is the share of series where its weight is the largest.
     """
     names = list(ensemble.member_names_)
-    mae = ensemble.validation_mae_
     last = names[-1]  # the member of last resort (the fallback)
     configs = {"all members": names}
     for m in names[:-1]:
