@@ -438,12 +438,11 @@ def ablation(panel: Panel, protocol: Protocol, ensemble: Ensemble, forecasts: di
     ensemble's validation MAE of the members it keeps; its test forecasts
     combine those members' test forecasts (``run_backtest(members=True)``)
     with those weights, and its q0.1 / q0.9 combine each member's own conformal
-    bounds from the same validation tail. With ``weighting="best"`` a
-    series' point is one member's forecast, so these bounds are exactly the
-    residual quantiles such an ensemble would learn; with the default
-    inverse-error weights they are the weighted mix of the members' bounds
-    (nearly one member's where one member's weight dominates, as power 8
-    makes it on most series). What the rows leave out is the quantile heads,
+    bounds from the same validation tail. Under a rule that gives each series
+    one member (``"shrunk"``, the default, or ``"best"``) a series' point is that
+    member's forecast, so these bounds are exactly the residual quantiles such
+    an ensemble would learn; under inverse-error weights they are the weighted
+    mix of the members' bounds. What the rows leave out is the quantile heads,
     the pooled q0.99 and ``p_any``
     (``brier_any`` uses the quantile-derived p_any, as for any method without
     one). Compare rows with ``all members``, not with the full ensemble.

@@ -251,7 +251,7 @@ class Ensemble:
             plain residuals. On the ``--select`` inner validation (with
             ``weighting="best"``) sqrt read wQL 0.3201 against 0.3213 on
             the Azure day and 0.1718 against 0.1709 on Huawei DC4, so it
-            stays off.
+            stays off (not measured on top of ``"shrunk"``).
         quantile_heads: ``None`` (default): fit quantile heads when a
             :class:`~forecaster.forecast.trees.LightGBMMember` is among the
             members, with its settings; ``True``: always (default LightGBM
