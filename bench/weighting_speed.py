@@ -9,8 +9,8 @@ their ratio and the share of series per member.
 
     .venv/bin/python bench/weighting_speed.py [--traces DIR] [--rounds 3]
 
-Measured (2026-12-04, 6c48f34, beside one other benchmark): ``shrunk`` 7.46 s, ``best`` 4.44 s, ratio 1.68;
-LightGBM's part 3.9 s against 0.36 s (it forecasts 66 % of the series under ``shrunk``, 8 % under ``best``).
+Measured (2026-12-04, on 2354d7b, alone on 2 cores, 5.4 min): ``shrunk`` 6.88 s, ``best`` 4.21 s, ratio 1.63;
+LightGBM's part 3.4-4.2 s against 0.38-0.39 s (it forecasts 66 % of the series under ``shrunk``, 8 % under ``best``).
 """
 from __future__ import annotations
 
