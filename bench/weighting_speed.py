@@ -24,9 +24,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.accuracy import DATASETS, load_panel, protocol_for, speed  # noqa: E402
+from bench.accuracy import DATASETS, load_panel, protocol_for, rule_weights, speed  # noqa: E402
 from forecaster.forecast.ensemble import Ensemble, default_members  # noqa: E402
-from forecaster.forecast.members import actuals  # noqa: E402
 
 
 def main() -> None:
@@ -41,12 +40,12 @@ def main() -> None:
     ensemble = Ensemble(default_members(protocol.horizon), horizon=protocol.horizon)
     ensemble.fit_panel(panel.head(protocol.fit_steps))
     print(f"fit {time.perf_counter() - started:.0f} s, default weighting {ensemble.weighting!r}", flush=True)
-    tail = actuals(ensemble.panel_.values, ensemble.validation_origins_, ensemble.horizon)
+    every = list(range(len(ensemble.member_names_)))
     rules = {ensemble.weighting: ensemble.weights_.copy()}
     for rule in ("shrunk", "best"):
         if rule not in rules:
             ensemble.weighting = rule
-            rules[rule] = ensemble._weights(ensemble.validation_mae_, ensemble.panel_, tail)
+            rules[rule] = rule_weights(ensemble, every)
     seconds: dict[str, list[float]] = {rule: [] for rule in rules}
     for k in range(args.rounds):
         for rule, weights in rules.items():
