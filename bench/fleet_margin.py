@@ -69,11 +69,44 @@ def gaps_before_cold_minutes(cold_by_minute: np.ndarray, invoked: np.ndarray, ro
     return np.asarray(gaps, dtype=np.int64)
 
 
+def p99_tail(result: SimResult, requests: np.ndarray, top: int = 8) -> dict:
+    """The requests at or above a run's p99 wait: by band of the model's scored requests, and the top models.
+
+    The fleet's p99 wait is a percentile over every request, so the busiest models' scale-ups can hold the whole
+    tail; this says whose requests it holds. ``requests`` is per model (the same under every policy).
+    """
+    waits, model = result.waits, result.wait_model
+    cut = float(np.percentile(waits, 99)) if len(waits) else 0.0
+    tail = (waits >= cut) & (waits > 0)
+    per_model = np.bincount(model[tail], minlength=len(requests))
+    bands = []
+    for lo, hi in zip((0,) + REQUEST_BANDS[:-1], REQUEST_BANDS):
+        band = (requests >= lo) & (requests < hi)
+        if per_model[band].sum():
+            bands.append({"requests": [lo, hi], "models": int(np.sum(band & (per_model > 0))),
+                          "tail_requests": int(per_model[band].sum())})
+    rows = []
+    for i in np.argsort(-per_model, kind="stable")[:top]:
+        if not per_model[i]:
+            break
+        mine = tail & (model == i)
+        minutes = result.wait_minute[mine] if result.wait_minute is not None else np.zeros(0)
+        rows.append({"model_id": str(result.model_ids[i]), "requests": int(requests[i]),
+                     "tail_requests": int(per_model[i]), "max_wait_s": float(waits[mine].max()),
+                     "tail_minutes": int(len(np.unique(minutes))),
+                     "first_tail_minutes": [int(m) for m in np.unique(minutes)[:6]]})
+    return {"wait_p99_s": cut, "requests": int(len(waits)), "tail_requests": int(tail.sum()),
+            "gpu_unavailable": int(result.gpu_unavailable),
+            "replica_starts": int(result.replica_starts), "bands": bands, "top_models": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--traces", type=Path, default=None)
     parser.add_argument("--cold-cost", type=float, default=4.0)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--members", choices=("default", "fallback"), default="default",
+                        help="ensemble members: the product's, or the fallback alone (a quick check of this script)")
     args = parser.parse_args()
     traces = args.traces or load_settings().traces_dir
     workload = load_workload(traces / AZURE_DAY)
@@ -89,7 +122,9 @@ def main() -> None:
     events = runs["keepalive_10"].events
     latency = LatencyInput(config, model=ColdStartModel(config=config).fit(events[events["started_s"]
                                                                                   < config.score_from_s]))
+    log(f"ensemble weighting: {product.forecast_weighting} (PREWARM_FORECAST_WEIGHTING)")
     sources = ForecastSources(workload.panel, train_until_min=WARMUP_MIN, settings=product,
+                              members=[] if args.members == "fallback" else None,
                               progress=lambda line: log(f"  ensemble: {line}"))
     name = f"prewarm_k{args.cold_cost:g}"
     policy = make_policy("prewarm", workload, config, latency=latency, cold_cost=args.cold_cost, sources=sources,
@@ -139,6 +174,19 @@ def main() -> None:
     first_calls = int(np.sum(gaps == np.iinfo(np.int64).max))
     report["gaps_above_line"]["no call before"] = first_calls
     print(f"  no call before: {first_calls}")
+    report["p99_tail"] = {}
+    for policy_name in ("hybrid_histogram", name):
+        report["p99_tail"][policy_name] = tail = p99_tail(runs[policy_name], requests)
+        print(f"\n{policy_name}: p99 wait {tail['wait_p99_s']:.2f} s over {tail['requests']} requests; "
+              f"{tail['tail_requests']} at or above it; "
+              f"GPU unavailable {tail['gpu_unavailable']} times, {tail['replica_starts']} replica starts")
+        for band in tail["bands"]:
+            print(f"  models with [{band['requests'][0]}, {band['requests'][1]}) scored requests: "
+                  f"{band['tail_requests']} tail requests from {band['models']} models")
+        for row in tail["top_models"]:
+            print(f"  {row['model_id']}: {row['tail_requests']} tail requests of {row['requests']} "
+                  f"(max wait {row['max_wait_s']:.1f} s), in {row['tail_minutes']} minutes "
+                  f"(first: {row['first_tail_minutes']})")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))

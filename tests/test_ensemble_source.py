@@ -122,6 +122,8 @@ def test_default_model_is_the_production_factory():
     assert isinstance(model, ShardedEnsemble) and model.shard_max_series == 5000
     assert isinstance(shard, Ensemble) and shard.members is None  # None = default_members() at fit
     assert shard.horizon == 60 and shard.quantiles == FORECAST_LEVELS
+    assert shard.weighting == "shrunk"
+    assert production_model(Settings.model_construct(forecast_weighting="best")).factory().weighting == "best"
     replay = EnsembleForecast(replay_panel(), train_until_min=240)
     assert replay.members is None and replay.levels == FORECAST_LEVELS and replay.min_train_min == 240
 

@@ -71,3 +71,11 @@ def test_prometheus_burst_template_is_optional(monkeypatch):
     monkeypatch.setenv("PREWARM_PROMETHEUS_BURST_QUERY_TEMPLATE",
                        'max_over_time(sum(increase(c{{model_name="{model_id}"}}[10s]))[1m:10s])')
     assert load_settings().prometheus_burst_query_template.startswith("max_over_time")
+
+
+def test_forecast_weighting_is_one_of_the_ensembles_rules(monkeypatch):
+    monkeypatch.setenv("PREWARM_FORECAST_WEIGHTING", "best")
+    assert load_settings().forecast_weighting == "best"
+    monkeypatch.setenv("PREWARM_FORECAST_WEIGHTING", "stacking")
+    with pytest.raises(SettingsError, match="PREWARM_FORECAST_WEIGHTING(.|\n)*stacking"):
+        load_settings()

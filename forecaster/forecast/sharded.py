@@ -297,6 +297,7 @@ def production_model(settings, *, members: Sequence[Member] | None = None, quant
 
     factory = functools.partial(Ensemble, members=None if members is None else list(members),
                                 horizon=settings.forecast_horizon_min, quantiles=tuple(quantiles),
-                                fit_threads=settings.forecast_fit_threads)
+                                fit_threads=settings.forecast_fit_threads,
+                                weighting=settings.forecast_weighting)
     return ShardedEnsemble(factory, shard_max_series=settings.shard_max_series, executor=executor_for(settings),
                            progress=progress)
