@@ -179,3 +179,44 @@ def test_the_kill_switch_stops_every_action_in_a_replay():
     assert set(report["by_status"]) == {"dropped"}
     assert report["guardrail_refusals"] == {"kill_switch": report["by_status"]["dropped"]}
     assert max(floors) == 0  # nothing the planner asked reached the cluster
+
+
+
+def test_a_latency_input_shared_by_runs_gives_each_run_its_own_tables():
+    """The benchmarks replay every policy with one latency input: a run must not inherit the table the previous run
+    cached at its end (its clock starts at 0 again, so a cache keyed on time alone served that table all day)."""
+    counts = bursty_counts()
+    ids = np.array([f"model-{i}" for i in range(len(counts))], dtype=object)
+    workload = Workload.from_counts(CountPanel(ids=ids, start=START, counts=counts))
+    models = assign_models(workload.ids, order_by=counts.sum(axis=1))
+    product = Settings(forecast_horizon_min=15)
+
+    class HourlyLatency(LatencyInput):
+        """Physics latency, recording the simulated second of every table it makes."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.made: list[float] = []
+
+        def __call__(self, view):
+            before = self._cached
+            table = super().__call__(view)
+            if table is not before:
+                self.made.append(view.now_s)
+            return table
+
+    def run(latency: LatencyInput):
+        source = ForecastSources(workload.panel, train_until_min=60, settings=product).get("empirical")
+        policy = PlannerPolicy(source, latency, planner_settings(product), cold_cost=4.0, product=product,
+                               record_plans=True)
+        FleetSimulator(workload, models, policy, CONFIG).run()
+        return decisions(policy, START + timedelta(minutes=MINUTES))
+
+    shared = HourlyLatency(CONFIG, refresh_s=600.0)
+    first = run(shared)
+    made_first = list(shared.made)
+    shared.made.clear()
+    second = run(shared)
+    # every run refreshes on its own clock: at its start and every 10 simulated minutes
+    assert made_first == shared.made and made_first[0] == 0.0 and len(made_first) >= MINUTES // 10
+    assert first == second == run(LatencyInput(CONFIG))

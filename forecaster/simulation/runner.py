@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -64,6 +65,11 @@ class LatencyInput:
     else the bandwidth arithmetic of :mod:`forecaster.coldstart.physics`, at the
     current hour and the fleet's current concurrency (transfers per node,
     rounded).
+
+    One input may serve several runs in turn (the benchmarks replay every policy and grid point with the same
+    one): the cached table belongs to the run that made it. A table cached at the end of one run is never served
+    to the next, whose clock starts again at 0: before that rule, every run after the first was planned with the
+    first run's last table for its whole day.
     """
 
     def __init__(self, config: FleetConfig, model: ColdStartModel | None = None, refresh_s: float = 600.0):
@@ -72,9 +78,11 @@ class LatencyInput:
         self.refresh_s = refresh_s
         self._cached: pd.DataFrame | None = None
         self._at = -np.inf
+        self._view: weakref.ref | None = None
 
     def __call__(self, view: SimView) -> pd.DataFrame:
-        if self._cached is not None and view.now_s - self._at < self.refresh_s:
+        same_run = self._view is not None and self._view() is view
+        if self._cached is not None and same_run and 0.0 <= view.now_s - self._at < self.refresh_s:
             return self._cached
         hour = int((view.start + pd.Timedelta(seconds=view.now_s)).hour)
         transfers = view.fleet_frames()["transfers"]
@@ -85,7 +93,7 @@ class LatencyInput:
             table = self.model.latency_table(models, hour=hour, concurrent=concurrent)
         else:
             table = physics_latency_table(models, concurrent=concurrent, hour=hour, config=self.config)
-        self._cached, self._at = table, view.now_s
+        self._cached, self._at, self._view = table, view.now_s, weakref.ref(view)
         return table
 
 
