@@ -62,7 +62,10 @@ DEFAULT_QUERY_TEMPLATE = 'sum(increase(vllm:request_success_total{{model_name="{
 
 #: An example for ``PREWARM_PROMETHEUS_BURST_QUERY_TEMPLATE``: at ``t``, the most requests of any 10-second
 #: bucket of the minute before ``t`` (the burst factor's peak, :mod:`forecaster.contracts.bursts`). It needs a
-#: scrape interval of 5 s or less, so that ``increase()`` over 10 s has two samples.
+#: scrape interval of 5 s or less, so that ``increase()`` over 10 s has two samples. The 10-second windows do not
+#: overlap, so requests counted between the last scrape of one window and the first of the next fall in neither:
+#: with a scrape interval ``s``, a burst counted in one scrape is missed with probability about ``s / 10`` (the
+#: minute's count, from the default query, still has it; the burst factor is smoothed over many minutes).
 EXAMPLE_BURST_QUERY_TEMPLATE = (
     'max_over_time(sum(increase(vllm:request_success_total{{model_name="{model_id}"}}[10s]))[1m:10s])'
 )
