@@ -400,19 +400,3 @@ def test_ledger_places_latest_first_for_scale_and_earliest_first_for_tiers():
     assert ledger.place(["node:a"], 20.0, 0.0, 100.0, prefer_late=True) == 100.0
     assert ledger.place(["node:a"], 20.0, 0.0, 100.0, prefer_late=False) == 50.0
     assert ledger.place(["node:a"], 60.0, 0.0, 30.0, prefer_late=False) is None
-
-
-@pytest.mark.parametrize("gpus, free, expect_nodes", [
-    (1.0, (8, 3, 8, 1, 2), ["node-3", "node-4"]),  # the fullest nodes that fit: whole nodes stay whole
-    (4.0, (8, 5, 7, 3, 8), ["node-1", "node-2"]),  # node-3 has no room for 4 GPUs
-    (4.0, (8, 8, 8, 8, 8), ["node-0", "node-1"]),  # a tie keeps the node order
-])
-def test_a_tier_goes_to_the_tightest_node_that_fits(gpus, free, expect_nodes):
-    """A tier decides where the model's next replica starts: best fit, so small models do not fragment the nodes
-    that a 4-GPU replica needs (on the fleet day, emptiest-first left hundreds of free GPUs and no 4 on one node)."""
-    fleet = FleetState.build([model("a", gpus=gpus)],
-                             [{**node, "gpus_free": g} for node, g in zip(nodes(len(free)), free)])
-    demand = {"a": [(0, 0.3)] * 3 + [(200, 0.9)] * 2}  # tiers for several replicas, in the order tried
-    result = plan(forecast(T0, demand), latency(["a"]), fleet, PlannerSettings(horizon_min=5), T0)
-    pulls = [a.node_id for a in result.actions if a.kind is ActionKind.PREPULL]
-    assert pulls[:2] == expect_nodes

@@ -699,18 +699,6 @@ def _share_budget(fa: ForecastArrays, target: np.ndarray, cap: np.ndarray, c_col
     return granted
 
 
-def _fit_order(free_gpus: np.ndarray, tiers_planned: np.ndarray, warmth: np.ndarray) -> np.ndarray:
-    """The order in which a model's tier tries candidate nodes: warmest first, then the fewest tiers already
-    planned on the node in this plan, then the fewest free GPUs (best fit).
-
-    A tier decides where the model's next replica starts (the scheduler prefers the node holding its image and
-    weights), so a small model's tier on an empty node fragments it: on the Azure fleet day, where replicas take
-    1, 2 or 4 GPUs of 8-GPU nodes, emptiest-first tiers left the cluster with hundreds of free GPUs and no node
-    with 4 of them, and 4-GPU scale-ups waited for a node (``bench/fleet_margin.py``). Best fit keeps whole
-    nodes for the models that need them."""
-    return np.lexsort((free_gpus, tiers_planned, -warmth))
-
-
 def _plan_tiers(fa, fleet, settings, now, desired, cap, gpus, cold_cost, rate, d_by_state, lat, best_state,
                 cache_index, ledger) -> tuple[list[Action], np.ndarray, np.ndarray, int]:
     """Prepull/preload actions for replicas the forecast may need beyond the warm ones.
@@ -782,14 +770,13 @@ def _plan_tiers(fa, fleet, settings, now, desired, cap, gpus, cold_cost, rate, d
         weights_uri = weights_uris[i]
         first_need = int(np.argmax(p_first[i] > 0))
         deadline_s = first_need * 60.0
-        # candidate nodes: room for a replica, the model's own warm nodes first, then images, then the tightest
-        # fit (:func:`_fit_order`)
+        # candidate nodes: room for a replica, the model's own warm nodes first, then images, then emptiest
         room = np.flatnonzero(free_gpus >= gpus[i])
         if not len(room):
             continue
         image_mask = image_nodes.setdefault(image_ref, np.zeros(len(node_ids), dtype=bool))
         state_on = np.maximum(cache_index.warmth(i), image_mask.astype(np.int64))
-        order = room[_fit_order(free_gpus[room], node_load[room], state_on[room])]
+        order = room[np.lexsort((-free_gpus[room], node_load[room], -state_on[room]))]
         chosen = 0
         for k in order:
             if chosen >= extra[i]:
