@@ -11,7 +11,12 @@ the hybrid histogram, and the product's planner on the ensemble at one cold cost
 * per band of scored requests per model: models, GPU-seconds allocated (the busy part is the same under every
   policy, so the difference is where the waste went), cold-start requests, and models at or under 12.5 %;
 * the cold minutes of the models just above the line (12.5-40 %) by the idle gap before them: minutes since the
-  model's previous invoked minute.
+  model's previous invoked minute;
+* whose requests hold the p99 wait (the requests at or above it, by band of the model's scored requests, and the
+  models with the most of them), and how often a replica found no node with room (``GPU unavailable``, counted
+  per attempt).
+
+``PREWARM_FORECAST_WEIGHTING=best`` replays the ensemble's previous combination rule.
 
     python bench/fleet_margin.py [--cold-cost 4] [--json PATH]
 
@@ -24,6 +29,17 @@ busiest models). The 217 models just above the line (12.5-40 %) had 563 cold min
 call of the day, 158 after 3 hours or more idle, 125 after 1-3 hours, 54 within 10 minutes of a call. Most are
 first calls of a session that no forecast of the idle gap foresees; the hybrid catches some of them where its
 keep-alive (the 99th percentile of the idle times, up to hours) spans the gap, and pays for it elsewhere.
+
+Measured again (2026-12-04, e1305c6, cost 4, 24 min, two runs side by side), the p99 wait: `shrunk` (the default)
+150.1 % / p75 14.7 % / p99 7.14 s, `best` 148.7 % / 15.4 % / 5.57 s; the hybrid 16.0 s. Of the 7,933 requests at or
+above the p99, about 97 % are of 1-GPU models; under both rules the most come from models with 300-1,000 scored
+requests (2,971 and 2,459) and from the 18 busiest (1,455 and 2,202): scale-ups and bursts. The first-call bursts
+of two models (800 requests in minute 240, 457 in minute 262, no call before) hold 1,300 of them under every
+policy. A 4-GPU replica found no node with room 12,483 times under `shrunk` and 4,010 under `best` (the hybrid:
+5,211), with a median of 143 GPUs free in the fleet but at most 3 on any node: fragmentation. Best-fit tier
+placement cut those attempts to 1,531 but made the fleet's readings worse (p99 at the hybrid's waste 8.03 s against
+7.43 s, p75 15.76 % against 15.50 %, `bench/policies.py`), since 97 % of the p99 tail is 1-GPU models; reverted.
+These runs had one planner run each, so the latency-table bug fixed in 42b831b did not touch them.
 """
 
 from __future__ import annotations
