@@ -36,7 +36,8 @@ above the p99, about 97 % are of 1-GPU models; under both rules the most come fr
 requests (2,971 and 2,459) and from the 18 busiest (1,455 and 2,202): scale-ups and bursts. The first-call bursts
 of two models (800 requests in minute 240, 457 in minute 262, no call before) hold 1,300 of them under every
 policy. A 4-GPU replica found no node with room 12,483 times under `shrunk` and 4,010 under `best` (the hybrid:
-5,211), with a median of 143 GPUs free in the fleet but at most 3 on any node: fragmentation. Best-fit tier
+5,211), with a median of 143 GPUs free in the fleet but at most 3 on any node (read with a simulator instrumented
+to record free GPUs at each failed start, not kept): fragmentation. Best-fit tier
 placement cut those attempts to 1,531 but made the fleet's readings worse (p99 at the hybrid's waste 8.03 s against
 7.43 s, p75 15.76 % against 15.50 %, `bench/policies.py`), since 97 % of the p99 tail is 1-GPU models; reverted.
 These runs had one planner run each, so the latency-table bug fixed in 42b831b did not touch them.
@@ -85,11 +86,12 @@ def gaps_before_cold_minutes(cold_by_minute: np.ndarray, invoked: np.ndarray, ro
     return np.asarray(gaps, dtype=np.int64)
 
 
-def p99_tail(result: SimResult, requests: np.ndarray, top: int = 8) -> dict:
+def p99_tail(result: SimResult, requests: np.ndarray, gpus: np.ndarray, top: int = 8) -> dict:
     """The requests at or above a run's p99 wait: by band of the model's scored requests, and the top models.
 
     The fleet's p99 wait is a percentile over every request, so the busiest models' scale-ups can hold the whole
-    tail; this says whose requests it holds. ``requests`` is per model (the same under every policy).
+    tail; this says whose requests it holds. ``requests`` (scored requests) and ``gpus`` (per replica) are per
+    model.
     """
     waits, model = result.waits, result.wait_model
     cut = float(np.percentile(waits, 99)) if len(waits) else 0.0
@@ -111,7 +113,8 @@ def p99_tail(result: SimResult, requests: np.ndarray, top: int = 8) -> dict:
                      "tail_requests": int(per_model[i]), "max_wait_s": float(waits[mine].max()),
                      "tail_minutes": int(len(np.unique(minutes))),
                      "first_tail_minutes": [int(m) for m in np.unique(minutes)[:6]]})
-    return {"wait_p99_s": cut, "requests": int(len(waits)), "tail_requests": int(tail.sum()),
+    by_gpus = {f"{g:g}": int(per_model[gpus == g].sum()) for g in np.unique(gpus)}
+    return {"wait_p99_s": cut, "requests": int(len(waits)), "tail_requests": int(tail.sum()), "by_gpus": by_gpus,
             "gpu_unavailable": int(result.gpu_unavailable),
             "replica_starts": int(result.replica_starts), "bands": bands, "top_models": rows}
 
@@ -192,10 +195,12 @@ def main() -> None:
     print(f"  no call before: {first_calls}")
     report["p99_tail"] = {}
     for policy_name in ("hybrid_histogram", name):
-        report["p99_tail"][policy_name] = tail = p99_tail(runs[policy_name], requests)
+        report["p99_tail"][policy_name] = tail = p99_tail(runs[policy_name], requests,
+                                                          models["gpus"].to_numpy(dtype="float64"))
         print(f"\n{policy_name}: p99 wait {tail['wait_p99_s']:.2f} s over {tail['requests']} requests; "
               f"{tail['tail_requests']} at or above it; "
-              f"GPU unavailable {tail['gpu_unavailable']} times, {tail['replica_starts']} replica starts")
+              f"GPU unavailable {tail['gpu_unavailable']} times, {tail['replica_starts']} replica starts; "
+              f"tail requests by GPUs per replica {tail['by_gpus']}")
         for band in tail["bands"]:
             print(f"  models with [{band['requests'][0]}, {band['requests'][1]}) scored requests: "
                   f"{band['tail_requests']} tail requests from {band['models']} models")
