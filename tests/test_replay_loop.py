@@ -181,7 +181,6 @@ def test_the_kill_switch_stops_every_action_in_a_replay():
     assert max(floors) == 0  # nothing the planner asked reached the cluster
 
 
-
 def test_a_latency_input_shared_by_runs_gives_each_run_its_own_tables():
     """The benchmarks replay every policy with one latency input: a run must not inherit the table the previous run
     cached at its end (its clock starts at 0 again, so a cache keyed on time alone served that table all day)."""
@@ -191,7 +190,7 @@ def test_a_latency_input_shared_by_runs_gives_each_run_its_own_tables():
     models = assign_models(workload.ids, order_by=counts.sum(axis=1))
     product = Settings(forecast_horizon_min=15)
 
-    class HourlyLatency(LatencyInput):
+    class RecordingLatency(LatencyInput):
         """Physics latency, recording the simulated second of every table it makes."""
 
         def __init__(self, *args, **kwargs):
@@ -212,7 +211,7 @@ def test_a_latency_input_shared_by_runs_gives_each_run_its_own_tables():
         FleetSimulator(workload, models, policy, CONFIG).run()
         return decisions(policy, START + timedelta(minutes=MINUTES))
 
-    shared = HourlyLatency(CONFIG, refresh_s=600.0)
+    shared = RecordingLatency(CONFIG, refresh_s=600.0)
     first = run(shared)
     made_first = list(shared.made)
     shared.made.clear()
