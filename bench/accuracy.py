@@ -88,6 +88,7 @@ from forecaster.forecast.members import MovingAverage, Naive, SeasonalNaive, act
 from forecaster.forecast.panel import Panel  # noqa: E402
 from forecaster.ingest.traces import read_trace  # noqa: E402
 from forecaster.ingest.validate import build_count_batch  # noqa: E402
+from forecaster.settings import MEMBER_FAMILIES  # noqa: E402
 
 from bench.peers import missing_libraries, run_peers  # noqa: E402
 
@@ -126,6 +127,9 @@ SELECT_CANDIDATES: list[dict] = [
     {"weighting": "shrunk", "shrinkage": 5.0},
     {"weighting": "shrunk", "shrinkage": 20.0},
     {"weighting": "best", "p_any": "residuals"},
+    # member sets (added 2026-12-06): the default rule without each family in turn, every family alike
+    *({"weighting": "shrunk", "shrinkage": 20.0, "families": [f for f in MEMBER_FAMILIES if f != left_out]}
+      for left_out in MEMBER_FAMILIES),
 ]
 #: lowest inner-validation wQL on all series, ties (within 1e-9) broken by the lower mase_median_active, among the
 #: candidates that meet issue 13's calibration targets on the inner validation (:func:`calibrated_on_validation`)
@@ -515,8 +519,9 @@ def select(name: str, panel: Panel, protocol: Protocol, candidates: list[dict] |
            max_fit_steps: int | None = MAX_FIT_STEPS) -> dict:
     """Score :data:`SELECT_CANDIDATES` by nested validation on the fit window only; the winner by :data:`SELECT_RULE`.
 
-    Each candidate is ``Ensemble(default_members(H), horizon=H, refit=False,
-    **candidate)``, fitted on the inner fit part (:func:`inner_protocol`) and
+    Each candidate is ``Ensemble(default_members(H, families=F), horizon=H,
+    refit=False, **candidate)`` (``F``: the candidate's ``families``, all five
+    when it names none), fitted on the inner fit part (:func:`inner_protocol`) and
     scored on the inner validation origins with the v2 metrics. ``refit=False``
     for all candidates: the refit re-estimates the members only, the same for
     every candidate, and would double the cost. The test window is cut off
@@ -529,8 +534,9 @@ def select(name: str, panel: Panel, protocol: Protocol, candidates: list[dict] |
     rows = []
     for k, config in enumerate(candidates):
         started = time.perf_counter()
-        ensemble = Ensemble(default_members(inner.horizon), horizon=inner.horizon, refit=False, **config,
-                            progress=lambda m: None)
+        options = {k: v for k, v in config.items() if k != "families"}
+        members = default_members(inner.horizon, families=config.get("families", MEMBER_FAMILIES))
+        ensemble = Ensemble(members, horizon=inner.horizon, refit=False, **options, progress=lambda m: None)
         fc = run_backtest(ensemble, window, inner, max_fit_steps=bound)
         summary = evaluate(window, inner, fc).summary.set_index(["method", "subset"])
         seconds = time.perf_counter() - started
@@ -633,8 +639,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ablation", action="store_true", help="member ablation table (no refits)")
     parser.add_argument("--select", action="store_true",
                         help="nested validation of SELECT_CANDIDATES inside the fit window (one fit each)")
+    parser.add_argument("--select-candidates", help="with --select: only these SELECT_CANDIDATES (comma-separated "
+                        "indices, 0-based; the rows keep their config, the candidate numbers count the chosen ones)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    candidates = SELECT_CANDIDATES
+    if args.select_candidates:
+        try:
+            candidates = [SELECT_CANDIDATES[int(i)] for i in args.select_candidates.split(",") if i.strip()]
+        except (ValueError, IndexError):
+            parser.error(f"--select-candidates: comma-separated indices 0..{len(SELECT_CANDIDATES) - 1}")
 
     jobs = [(args.trace.name.split(".")[0], args.trace, args.fmt)] if args.trace else [
         (name, args.traces / DATASETS[name][0], DATASETS[name][1]) for name in args.datasets.split(",")
@@ -685,7 +699,8 @@ def main(argv: list[str] | None = None) -> int:
             print_ablation(name, figures["ablation"][name])
             print(f"ablation: {figures['ablation'][name]['seconds']:.1f} s (no refits)")
         if args.select:
-            figures["select"][name] = select(name, panel, extra["protocol"], max_fit_steps=args.max_fit_steps or None)
+            figures["select"][name] = select(name, panel, extra["protocol"], candidates,
+                                             max_fit_steps=args.max_fit_steps or None)
             print_select(name, figures["select"][name])
         if args.speed_series and panel.step_minutes <= 1:
             figures["speed"][name] = speed(panel, ensemble, args.speed_series)

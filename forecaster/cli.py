@@ -424,7 +424,8 @@ def backtest_cmd(
     end: Annotated[Optional[datetime], typer.Option(help="End (UTC, exclusive); default: end of the data.")] = None,
     step_seconds: Annotated[int, typer.Option(help="Step of the data: 60, or 300 for 5-minute traces.")] = 60,
     members: Annotated[Optional[str], typer.Option(
-        help="Comma-separated ensemble members (lightgbm, xgboost, random_forest, arima, lstm); default all. "
+        help="Comma-separated ensemble members (lightgbm, xgboost, random_forest, arima, lstm); default "
+             "PREWARM_FORECAST_MEMBERS (all five). "
              "The fallback member is always in.")] = None,
 ) -> None:
     """Rolling-origin backtest (EVALUATION.md protocol) of the ensemble and naive peers on the ingested data."""
@@ -631,7 +632,8 @@ def demo(
     speed: Annotated[float, typer.Option(help="Simulated seconds per wall second; 0 = as fast as possible.")] = 60.0,
     replay_minutes: Annotated[Optional[int], typer.Option(help="Minutes to replay (default: the rest of the day).")]
     = None,
-    members: Annotated[str, typer.Option(help="Ensemble members to train (comma-separated, or 'all').")]
+    members: Annotated[str, typer.Option(help="Ensemble members to train (comma-separated, or 'all': those "
+                                              "PREWARM_FORECAST_MEMBERS names).")]
     = "lightgbm",
     serve: Annotated[bool, typer.Option("--serve/--no-serve", help="Serve the API and dashboard meanwhile.")] = True,
     port: Annotated[Optional[int], typer.Option(help="API port (default: PREWARM_API_PORT).")] = None,

@@ -477,11 +477,12 @@ def run_loop(
         echo(f"forecasting with the champion {held.id}, trained by this checkout on an earlier run")
     if held is None:
         echo("training the forecasting ensemble on the history (members: "
-             f"{', '.join(members) if members else 'all'} + fallback) ...")
+             f"{', '.join(members) if members else settings.forecast_members.replace(',', ', ')} + fallback) ...")
         began = wall.perf_counter()
         trained = retrain_job(engine, settings, split.to_pydatetime(), cache=cache,
-                              ensemble_factory=lambda: Ensemble(members=select_members(members, 60), horizon=60,
-                                                                progress=lambda line: echo(f"  {line}")))
+                              ensemble_factory=lambda: Ensemble(
+                                  members=select_members(members, 60, settings), horizon=60,
+                                  weighting=settings.forecast_weighting, progress=lambda line: echo(f"  {line}")))
         echo(f"trained {trained['version']} in {wall.perf_counter() - began:.0f} s; holdout wQL "
              f"{trained['scores']['challenger']['wql']:.3f}; champion: {trained['promoted']}")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Literal
 
 import platformdirs
@@ -35,6 +36,25 @@ BACKEND_ACTIONS: dict[str, frozenset[str]] = {
     "kubernetes": frozenset({"prepull", "scale", "release"}),
 }
 ACTION_KINDS = ("prepull", "preload", "scale", "release")
+#: The forecast ensemble's member families (issue 3's five), in the order the ensemble fits them: what
+#: ``PREWARM_FORECAST_MEMBERS`` is checked against and ``bench/accuracy.py --select`` draws member sets from.
+MEMBER_FAMILIES = ("lightgbm", "xgboost", "random_forest", "arima", "lstm")
+
+
+def member_families(value: str | Sequence[str]) -> tuple[str, ...]:
+    """Member family names (a comma list or a sequence) in :data:`MEMBER_FAMILIES` order.
+
+    Raises ``ValueError`` naming what is wrong: an unknown family, one named twice, or none at all."""
+    parts = value.split(",") if isinstance(value, str) else list(value)
+    names = [str(p).strip() for p in parts if str(p).strip()]
+    unknown = sorted({n for n in names if n not in MEMBER_FAMILIES})
+    if unknown:
+        raise ValueError(f"unknown member families {unknown}; expected some of {', '.join(MEMBER_FAMILIES)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"a member family is named twice: {', '.join(names)}")
+    if not names:
+        raise ValueError(f"at least one member family is needed, of {', '.join(MEMBER_FAMILIES)}")
+    return tuple(f for f in MEMBER_FAMILIES if f in names)
 
 
 def parse_actuator_routes(value: str | None) -> dict[str, str]:
@@ -247,6 +267,11 @@ class Settings(BaseSettings):
         description="How the ensemble combines its members per series (forecaster.forecast.ensemble): 'shrunk' "
                     "(default, chosen by nested validation) or 'best', its predecessor, about 1.6x faster to "
                     "forecast on the Azure day; 'inverse_error' is slower still and missed the calibration.")
+    forecast_members: str = Field(
+        default=",".join(MEMBER_FAMILIES),
+        description="The ensemble's member families, a comma list of: " + ", ".join(MEMBER_FAMILIES) + " (default "
+                    "all five; the fallback is always added). bench/accuracy.py --select scores member sets by "
+                    "nested validation.")
 
     # --- actuator (forecaster.actuation) ---------------------------------
     actuator_backend: Literal["dry-run", "agent", "kubernetes", "composite"] = "dry-run"
@@ -393,6 +418,11 @@ class Settings(BaseSettings):
         if "{node}" not in value and "{" in value:
             raise ValueError(f"may only use the placeholder {{node}}, got {value!r}")
         return value
+
+    @field_validator("forecast_members")
+    @classmethod
+    def _members_known(cls, value: str) -> str:
+        return ",".join(member_families(value))
 
     @field_validator("actuator_routes")
     @classmethod

@@ -32,7 +32,7 @@ def test_inner_protocol_stays_inside_the_fit_window() -> None:
 
 
 def test_select_never_sees_the_test_window_and_applies_the_fixed_rule(monkeypatch) -> None:
-    monkeypatch.setattr(accuracy, "default_members", lambda h: [MovingAverage(30), Naive()])
+    monkeypatch.setattr(accuracy, "default_members", lambda h, families: [MovingAverage(30), Naive()])
     panel = small_panel()
     protocol = generic_protocol(panel.n_steps, 1.0)
     candidates = [{"weighting": "best"}, {"weighting": "inverse_error", "power": 1.0},

@@ -124,6 +124,9 @@ def test_default_model_is_the_production_factory():
     assert shard.horizon == 60 and shard.quantiles == FORECAST_LEVELS
     assert shard.weighting == "shrunk"
     assert production_model(Settings.model_construct(forecast_weighting="best")).factory().weighting == "best"
+    assert shard.families == ("lightgbm", "xgboost", "random_forest", "arima", "lstm")
+    assert production_model(Settings.model_construct(forecast_members="arima,xgboost")).factory().families == (
+        "xgboost", "arima")
     replay = EnsembleForecast(replay_panel(), train_until_min=240)
     assert replay.members is None and replay.levels == FORECAST_LEVELS and replay.min_train_min == 240
 

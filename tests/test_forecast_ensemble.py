@@ -327,6 +327,15 @@ def test_quantile_heads_are_on_only_with_a_lightgbm_member() -> None:
     assert {"lightgbm_q0.1", "lightgbm_q0.9"} <= set(ensemble.fit_seconds_)
 
 
+def test_families_choose_which_default_members_the_ensemble_builds() -> None:
+    """``families`` (``PREWARM_FORECAST_MEMBERS``) builds only those members, plus the fallback; an unknown name
+    is refused when the ensemble is made, not after an hour of fitting."""
+    ensemble = Ensemble(families=("arima",), horizon=10, refit=False).fit_panel(mixed_panel())
+    assert ensemble.member_names_ == ["arima", "fallback"] and ensemble.heads_ == {}  # no LightGBM: no heads
+    with pytest.raises(ValueError, match=r"unknown member families \['prophet'\]"):
+        Ensemble(families=("arima", "prophet"))
+
+
 def test_heads_are_chosen_per_series_and_exact_series_keep_residual_bounds() -> None:
     bursts, _ = burst_panel(n=12, n_steps=600)
     t = np.arange(600)

@@ -79,3 +79,20 @@ def test_forecast_weighting_is_one_of_the_ensembles_rules(monkeypatch):
     monkeypatch.setenv("PREWARM_FORECAST_WEIGHTING", "stacking")
     with pytest.raises(SettingsError, match="PREWARM_FORECAST_WEIGHTING(.|\n)*stacking"):
         load_settings()
+
+
+def test_forecast_members_are_known_families_in_the_ensembles_order(monkeypatch):
+    assert load_settings().forecast_members == "lightgbm,xgboost,random_forest,arima,lstm"
+    monkeypatch.setenv("PREWARM_FORECAST_MEMBERS", " lstm, lightgbm ")
+    assert load_settings().forecast_members == "lightgbm,lstm"
+
+
+@pytest.mark.parametrize(("value", "problem"), [
+    ("lightgbm,prophet", r"unknown member families \['prophet'\]"),
+    ("arima,arima", "named twice"),
+    (" , ", "at least one member family"),
+])
+def test_forecast_members_refuse_what_the_ensemble_cannot_build(monkeypatch, value, problem):
+    monkeypatch.setenv("PREWARM_FORECAST_MEMBERS", value)
+    with pytest.raises(SettingsError, match=f"PREWARM_FORECAST_MEMBERS(.|\n)*{problem}"):
+        load_settings()

@@ -93,6 +93,7 @@ import pandas as pd
 from forecaster.contracts.forecast import FORECAST_LEVELS, quantile_column
 from forecaster.forecast.members import Fallback, Member, actuals
 from forecaster.forecast.panel import Panel, forecast_frame
+from forecaster.settings import MEMBER_FAMILIES, member_families
 
 T = TypeVar("T")
 
@@ -103,19 +104,24 @@ log = logging.getLogger(__name__)
 GRID = (np.arange(20) + 0.5) / 20
 
 
-def default_members(horizon: int = 60, *, n_jobs: int = 1, device: str | None = None) -> list[Member]:
-    """The five model families of issue 3 with their measured defaults (fallback added by the ensemble)."""
+def default_members(horizon: int = 60, *, n_jobs: int = 1, device: str | None = None,
+                    families: Sequence[str] = MEMBER_FAMILIES) -> list[Member]:
+    """Members of the model families of issue 3 with their measured defaults (fallback added by the ensemble).
+
+    ``families`` keeps only those (:data:`MEMBER_FAMILIES`: all five by default; ``PREWARM_FORECAST_MEMBERS``),
+    in that order."""
     from forecaster.forecast.arima import ARIMAMember
     from forecaster.forecast.lstm import LSTMMember
     from forecaster.forecast.trees import LightGBMMember, RandomForestMember, XGBoostMember
 
-    return [
-        LightGBMMember(horizon=horizon, n_jobs=n_jobs),
-        XGBoostMember(horizon=horizon, n_jobs=n_jobs),
-        RandomForestMember(horizon=horizon, n_jobs=n_jobs),
-        ARIMAMember(),
-        LSTMMember(horizon=horizon, n_jobs=n_jobs, device=device),
-    ]
+    make = {
+        "lightgbm": lambda: LightGBMMember(horizon=horizon, n_jobs=n_jobs),
+        "xgboost": lambda: XGBoostMember(horizon=horizon, n_jobs=n_jobs),
+        "random_forest": lambda: RandomForestMember(horizon=horizon, n_jobs=n_jobs),
+        "arima": lambda: ARIMAMember(),
+        "lstm": lambda: LSTMMember(horizon=horizon, n_jobs=n_jobs, device=device),
+    }
+    return [make[f]() for f in member_families(families)]
 
 
 def conformal_rank(tau: float, n: int) -> int:
@@ -214,7 +220,9 @@ class Ensemble:
 
     Args:
         members: the members to combine (unfitted; deep-copied). ``None`` uses
-            :func:`default_members`. The fallback is always added.
+            :func:`default_members` of ``families``. The fallback is always added.
+        families: with ``members=None``, the member families to build (default all of
+            :data:`~forecaster.settings.MEMBER_FAMILIES`; ``PREWARM_FORECAST_MEMBERS``).
         horizon: horizons ``1..horizon`` the weights and quantiles are learned for;
             longer requests reuse the last horizon's quantiles.
         quantiles: levels of the quantile columns; default
@@ -308,6 +316,7 @@ class Ensemble:
         self,
         members: Sequence[Member] | None = None,
         *,
+        families: Sequence[str] = MEMBER_FAMILIES,
         horizon: int = 60,
         quantiles: Sequence[float] = FORECAST_LEVELS,
         validation_steps: int | None = None,
@@ -328,6 +337,7 @@ class Ensemble:
         progress: Callable[[str], None] | None = None,
     ):
         self.members = members
+        self.families = member_families(families)
         self.horizon = horizon
         self.quantiles = tuple(quantiles)
         self.validation_steps = validation_steps
@@ -362,7 +372,10 @@ class Ensemble:
         first = panel.n_steps - tail
         origins = list(range(first, panel.n_steps - h + 1, stride)) or [first]
         train = panel.head(first)
-        candidates = [copy.deepcopy(m) for m in (default_members(h) if self.members is None else self.members)]
+        if self.members is None:  # (a model pickled before ``families`` existed had all five)
+            candidates = default_members(h, families=getattr(self, "families", MEMBER_FAMILIES))
+        else:
+            candidates = [copy.deepcopy(m) for m in self.members]
         if self.fallback:
             candidates.append(Fallback(horizon=h))
         if not candidates:

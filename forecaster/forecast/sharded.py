@@ -42,6 +42,7 @@ from forecaster.contracts.forecast import FORECAST_LEVELS
 from forecaster.forecast.ensemble import Ensemble
 from forecaster.forecast.members import Member
 from forecaster.forecast.panel import Panel, forecast_frame
+from forecaster.settings import member_families
 
 log = logging.getLogger(__name__)
 
@@ -280,14 +281,14 @@ def production_model(settings, *, members: Sequence[Member] | None = None, quant
     """The product's forecaster, unfitted: what the nightly retrain trains and the replays' ensemble source uses.
 
     The default ensemble (:func:`~forecaster.forecast.ensemble.default_members`
-    plus the fallback, ``settings.forecast_horizon_min`` horizons, the
+    of ``settings.forecast_members`` plus the fallback, ``settings.forecast_horizon_min`` horizons, the
     :data:`~forecaster.contracts.forecast.FORECAST_LEVELS`) on shards of at most
     ``settings.shard_max_series`` similar series, run on the executor of
     ``settings`` (Dask, a local pool, or in this process).
 
     Args:
         settings: a :class:`forecaster.settings.Settings`.
-        members: unfitted members instead of the default five (tests, quick replays); the fallback is added.
+        members: unfitted members instead of the default ones (tests, quick replays); the fallback is added.
         quantiles: quantile levels of the output.
         progress: called with one line per stage.
     """
@@ -296,6 +297,7 @@ def production_model(settings, *, members: Sequence[Member] | None = None, quant
     from forecaster.distributed.executor import executor_for
 
     factory = functools.partial(Ensemble, members=None if members is None else list(members),
+                                families=member_families(settings.forecast_members),
                                 horizon=settings.forecast_horizon_min, quantiles=tuple(quantiles),
                                 fit_threads=settings.forecast_fit_threads,
                                 weighting=settings.forecast_weighting)

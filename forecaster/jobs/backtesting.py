@@ -10,7 +10,6 @@ naive peers, and writes the per-series, per-horizon table to the store
 from __future__ import annotations
 
 import functools
-
 import json
 import logging
 from dataclasses import asdict
@@ -24,6 +23,7 @@ from forecaster.forecast.backtest import BacktestResult, evaluate, generic_proto
 from forecaster.forecast.ensemble import Ensemble
 from forecaster.forecast.members import MovingAverage, Naive
 from forecaster.forecast.panel import Panel
+from forecaster.settings import MEMBER_FAMILIES, member_families
 from forecaster.store.backtests import RESULT_COLUMNS, ingested_window, store_result
 from forecaster.store.catalog import known_model_ids
 from forecaster.store.invocations import read_counts
@@ -32,13 +32,17 @@ log = logging.getLogger(__name__)
 
 
 
-def select_members(names: list[str] | None, horizon: int) -> list:
-    """The default members whose names are listed (None = all); the fallback is always added."""
+def select_members(names: list[str] | None, horizon: int, settings=None) -> list:
+    """The default members whose names are listed; the fallback is always added.
+
+    ``None``: the families ``settings.forecast_members`` names (``PREWARM_FORECAST_MEMBERS``), all five without
+    settings."""
     from forecaster.forecast.ensemble import default_members
 
-    members = default_members(horizon)
     if names is None:
-        return members
+        return default_members(horizon, families=MEMBER_FAMILIES if settings is None
+                               else member_families(settings.forecast_members))
+    members = default_members(horizon)
     known = {m.name for m in members}
     unknown = sorted(set(names) - known - {"fallback"})
     if unknown:
@@ -82,7 +86,8 @@ def run_store_backtest(
         from forecaster.forecast.sharded import ShardedEnsemble
 
         model = ShardedEnsemble(
-            functools.partial(Ensemble, members=select_members(members, protocol.horizon), horizon=protocol.horizon),
+            functools.partial(Ensemble, members=select_members(members, protocol.horizon, settings),
+                              horizon=protocol.horizon, weighting=settings.forecast_weighting),
             shard_max_series=settings.shard_max_series, executor=executor_for(settings), progress=progress)
     forecasts = run_backtest(model, panel, protocol)
     for peer in (Naive(), MovingAverage(int(60 / (step_seconds / 60)) or 1)):
