@@ -536,7 +536,7 @@ def select(name: str, panel: Panel, protocol: Protocol, candidates: list[dict] |
     rows = []
     for k, config in enumerate(candidates):
         started = time.perf_counter()
-        options = {k: v for k, v in config.items() if k != "families"}
+        options = {key: value for key, value in config.items() if key != "families"}
         members = default_members(inner.horizon, families=config.get("families", MEMBER_FAMILIES))
         ensemble = Ensemble(members, horizon=inner.horizon, refit=False, **options, progress=lambda m: None)
         fc = run_backtest(ensemble, window, inner, max_fit_steps=bound)
