@@ -6,7 +6,9 @@ fitted at minute 240 on minutes 0..239; one-minute-ahead ``p_any`` for minutes 2
 Three views:
 
 1. calibration, per subset (sparse: under 20 % active minutes before minute 240): mean p_any on minutes with and
-   without an invocation, the share of invoked minutes given p_any < 0.01, the Brier score;
+   without an invocation, the share of invoked minutes given p_any < 0.01, the Brier score; then how the fit chose
+   its ``p_any`` on its validation tail (:class:`~forecaster.forecast.p_any.PAnyModel`) and the Brier score per
+   block of ``BLOCK_MIN`` minutes after the fit;
 2. the planner's use: the minute protocol holds a function in minute t when ``p * kappa / rate >= 1 - p``
    (its cold cost weighted by the inverse of its invocation rate so far, as ``planner_loaded`` does); for a
    fixed grid of ``kappa``, the 75th percentile over functions of their cold % and the idle minutes held.
@@ -21,6 +23,14 @@ Three views:
    (0.0015), but the planner's curves got worse with it (minute protocol, 2026-12-03: p75 at the hybrid's waste
    13.6 % against 7.7 %, gap closed 0.39 against 0.75), so the formula is left as it is; ``bench/long_idle.py``
    compares the two tails on the empirical source and shows where the held minutes go.
+
+Measured (2026-12-06, main 89af707 + this table, the ``shrunk`` default, 5 min): Brier sparse 0.0219 (ensemble)
+against 0.0206 (empirical), **a loss**; busy 0.0500 against 0.0575. The fit took the stack everywhere (tail Brier
+0.0244 against 0.0249 for the per-cell choice and 0.0362 for the hazard), and the sparse loss grows with the time
+since the fit: 0.0139 / 0.0134, 0.0216 / 0.0204, 0.0303 / 0.0279 over minutes 240-359, 360-479, 480-599 (+4 %, +6 %,
++9 %). On the validation tail the stack had beaten the hazard in the sparse segments too (activity 0.02-0.1, one step
+ahead: 0.0513 against 0.0756). A script run to minute 959 (not kept) read the fit at minute 600 within about 1 % of
+the hazard on the sparse segments: the stack's edge there is not reliably out of sample.
 
 Takes about 5 minutes on 2 cores at 1,350 functions.
 
@@ -41,6 +51,8 @@ from forecaster.settings import Settings  # noqa: E402
 
 FIT_MIN, END_MIN = 240, 600
 KAPPAS = (1, 3, 10, 30, 100, 300)
+#: Minutes per block of the Brier-by-time-since-the-fit table.
+BLOCK_MIN = 120
 #: The reliability table's second horizon (minutes ahead; a cold start's lead time on the fleet is a few minutes).
 RELIABILITY_H = 5
 #: Reliability bands: invoked minutes before the fit (of FIT_MIN) and minutes since the last invocation.
@@ -78,6 +90,21 @@ for name, p in p_any.items():
         pi, yi = p[rows], invoked[rows]
         print(f"{name:10s} {subset:6s} mean p_any | invoked {pi[yi].mean():.3f} | idle {pi[~yi].mean():.4f}"
               f" | share p_any<0.01 on invoked {(pi[yi] < 0.01).mean():.3f} | Brier {((pi - yi) ** 2).mean():.4f}")
+# how the fit chose its p_any (PAnyModel.method_: one estimate everywhere, or per activity segment and horizon band),
+# and the Brier score by block of minutes since the fit: the choice is made on the fit's validation tail
+fitted = sources["ensemble"]._model(FIT_MIN)  # the fit that served minutes FIT_MIN.. (cached: no refit)
+for key, shard in (getattr(fitted, "shards_", None) or {"all": fitted}).items():
+    chosen = getattr(shard, "p_any_model_", None)
+    if chosen is not None:
+        print(f"ensemble fit at minute {FIT_MIN}, shard {key}: p_any {chosen.method_}; validation tail Brier "
+              + ", ".join(f"{k} {v:.4f}" for k, v in chosen.scores_.items())
+              + (f"; cells {chosen.segment_methods_}" if chosen.segment_methods_ else ""))
+for lo in range(0, END_MIN - FIT_MIN, BLOCK_MIN):
+    block = slice(lo, min(lo + BLOCK_MIN, END_MIN - FIT_MIN))
+    print(f"minutes {FIT_MIN + lo}-{FIT_MIN + block.stop - 1} Brier | " + " | ".join(
+        f"{subset} " + " ".join(f"{name} {((p[rows, block] - invoked[rows, block]) ** 2).mean():.4f}"
+                                 for name, p in p_any.items())
+        for subset, rows in (("sparse", sparse), ("busy", ~sparse))))
 for name, p in p_any.items():
     line = []
     for kappa in KAPPAS:
