@@ -28,11 +28,14 @@ def minute(hh_mm: str) -> datetime:
     return datetime(2026, 11, 29, hours, minutes, tzinfo=timezone.utc)
 
 
-def store_run(engine, model_id: str, issued_at: datetime, points: list[float], band: float | None = 100.0) -> None:
+def store_run(engine, model_id: str, issued_at: datetime, points: list[float], band: float | None = 100.0,
+              p_any: list[float] | None = None) -> None:
     """One forecast run: target minutes from the issuing minute on, ``points[k]`` at horizon k + 1."""
     first = pd.Timestamp(issued_at).floor("min")
     frame = pd.DataFrame({"unique_id": model_id, "ds": pd.date_range(first, periods=len(points), freq="min"),
                           "point": points})
+    if p_any is not None:
+        frame["p_any"] = p_any
     if band is not None:
         frame["q0.1"] = frame["point"] - band
         frame["q0.9"] = frame["point"] + band
@@ -110,7 +113,9 @@ def test_series_shows_each_forecast_at_its_own_horizon(client, fleet_data):
     assert h5["quantiles"]["0.1"][7] == 5.0 and h5["quantiles"]["0.9"][8] == 305.0
     # 11:55: |105 - 30| = 75 (inside 5..205); 11:56: |205 - 25| = 180 (outside 105..305)
     assert h5["error"] == {"scored_minutes": 2, "mae": 127.5, "wmape": pytest.approx(255 / 55),
-                           "band_coverage": 0.5}
+                           "band_coverage": 0.5, "p_any_minutes": 0, "brier_any": None, "p_any_mean": None,
+                           "invoked_share": None}  # these runs stored no p_any
+    assert set(h5["p_any"]) == {None}
 
     h5 = client.get("/v1/models/llama/series", params={**window, "horizon": 5}).json()
     assert h5["forecast"][7] == 204.0  # 11:55 at horizon 5 comes from the 11:51 run, not the 11:50 run's 105
@@ -134,12 +139,31 @@ def test_series_rerun_in_the_same_minute_wins_and_default_window_runs_past_now(c
     assert body["band"] == ["0.1", "0.9"] and body["quantiles"]["0.1"][9] is None  # the re-run has no band
 
 
+def test_series_scores_p_any_against_the_minutes_with_an_invocation(client, engine, fleet_data):
+    # one run a minute, later in the minute than fleet_data's (the later run wins); horizon 1 is its own minute
+    p_any = [0.9, 0.8, 0.5, float("nan"), 1.0, 0.25, 0.7, 0.1, 0.6, 0.95]
+    for i, p in enumerate(p_any):
+        store_run(engine, "llama", T0 + timedelta(minutes=i, seconds=50), [10.0], p_any=[p])
+    window = {"start": "2026-11-29T11:50:00Z", "end": "2026-11-29T12:00:00Z", "horizon": 1}
+    body = client.get("/v1/models/llama/series", params=window).json()
+    assert body["forecast"] == [10.0] * 10
+    assert body["p_any"] == pytest.approx([0.9, 0.8, 0.5, None, 1.0, 0.25, 0.7, 0.1, 0.6, 0.95])  # 11:53: NaN
+    # counts 10, 12, 0, 8, 20, 30, 25, 0, 5, 10 (11:52 a known zero); 11:53 has a point but no p_any
+    scored = [(p, float(c > 0)) for p, c in zip(p_any, LLAMA_COUNTS) if p == p]
+    error = body["error"]
+    assert error["scored_minutes"] == 10 and error["p_any_minutes"] == 9
+    assert error["brier_any"] == pytest.approx(sum((p - y) ** 2 for p, y in scored) / 9, rel=1e-6)
+    assert error["p_any_mean"] == pytest.approx(sum(p for p, _ in scored) / 9, rel=1e-6)
+    assert error["invoked_share"] == pytest.approx(7 / 9)
+
+
 def test_series_of_a_model_without_data_is_all_unknown(client, fleet_data):
     body = client.get("/v1/models/phi/series", params={"start": "2026-11-29T11:00:00Z", "end": "2026-11-29T12:00Z",
                                                        "horizon": 5}).json()
     assert len(body["t"]) == 60 and set(body["actual"]) == {None} and set(body["forecast"]) == {None}
-    assert body["quantiles"] == {} and body["band"] is None
-    assert body["error"] == {"scored_minutes": 0, "mae": None, "wmape": None, "band_coverage": None}
+    assert body["quantiles"] == {} and body["band"] is None and set(body["p_any"]) == {None}
+    assert body["error"] == {"scored_minutes": 0, "mae": None, "wmape": None, "band_coverage": None,
+                             "p_any_minutes": 0, "brier_any": None, "p_any_mean": None, "invoked_share": None}
 
 
 # --- cold starts and actions -------------------------------------------------------

@@ -232,6 +232,8 @@ def test_dashboard_shows_forecast_actual_and_actions(served, tmp_path):
             assert points["x"] == 1440  # a day of minutes, ending 5 minutes (the horizon) past now's minute
             assert points["actual"] == 1440 - 5 and points["forecast (h=5 min)"] == 1440
             assert points["q0.9"] == points["q0.1"] == points["forecast (h=5 min)"]
+            # the seeded runs store p_any 1 everywhere: the error line says how it scored
+            assert "mean p(any) 100.0% against" in page.inner_text("#model-error")
 
             # Another horizon: the chart is redrawn from the forecasts made 15 minutes ahead.
             page.select_option("#model-horizon", "15")

@@ -87,6 +87,24 @@ class ErrorPublic(BaseModel):
                    band_coverage=error.band_coverage)
 
 
+class SeriesErrorPublic(ErrorPublic):
+    """A model's series adds how its ``p_any`` scored (the fleet's hourly rollup does not hold ``p_any``)."""
+
+    p_any_minutes: int = Field(default=0, description="Scored minutes whose forecast also stored p_any, the "
+                                                      "probability of any invocation; the next three are over them.")
+    brier_any: float | None = Field(default=None, description="Brier score of p_any against any invocation in "
+                                    "the minute (0 is perfect; invoked_share x (1 - invoked_share) is the score of "
+                                    "a constant that knew the share in advance).")
+    p_any_mean: float | None = Field(default=None, description="Mean p_any (against invoked_share: runs high or "
+                                                               "low).")
+    invoked_share: float | None = Field(default=None, description="Share of those minutes with an invocation.")
+
+    @classmethod
+    def of(cls, error: ForecastError) -> "SeriesErrorPublic":
+        return cls(**ErrorPublic.of(error).model_dump(), p_any_minutes=error.p_any_minutes,
+                   brier_any=error.brier_any, p_any_mean=error.p_any_mean, invoked_share=error.invoked_share)
+
+
 class SeriesPublic(BaseModel):
     """Columnar series: ``t[i]`` is the minute (Unix seconds, UTC) of ``actual[i]``, ``forecast[i]`` and so on."""
 
@@ -99,8 +117,10 @@ class SeriesPublic(BaseModel):
     actual: list[float | None] = Field(description="Invocations per minute; null = not known (outside coverage).")
     forecast: list[float | None] = Field(description="Point forecast; null = no forecast at this horizon.")
     quantiles: dict[str, list[float | None]] = Field(description="Level (\"0.9\") -> values, aligned on t.")
+    p_any: list[float | None] = Field(default_factory=list, description="Probability of any invocation in the "
+                                      "minute, as forecast at this horizon; null = not stored.")
     band: list[str] | None = Field(description="The widest band's [low, high] levels, or null.")
-    error: ErrorPublic
+    error: SeriesErrorPublic
     end_source: str = Field(description="request (end given), now, or newest_data (nothing recent stored).")
 
 
@@ -321,7 +341,8 @@ def get_series(model_id: str, engine: EngineDep, settings: SettingsDep, clock: C
         model_id=model_id, start=start, end=end, horizon_min=horizon, t=series.minutes.tolist(),
         actual=finite_or_none(series.actual), forecast=finite_or_none(series.point),
         quantiles={level: finite_or_none(values) for level, values in series.quantiles.items()},
-        band=list(band) if band else None, error=ErrorPublic.of(series.error()), end_source=source,
+        p_any=finite_or_none(series.p_any), band=list(band) if band else None,
+        error=SeriesErrorPublic.of(series.error()), end_source=source,
     )
     # Encoded by pydantic-core directly: a week is ~50,000 numbers, which FastAPI's default path (validate
     # again, jsonable dict, json.dumps) takes ~60 ms to encode, model_dump_json ~2 ms (bench/dashboard.py).

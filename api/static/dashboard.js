@@ -563,7 +563,11 @@
       const e = series.error;
       $("model-error").textContent = e.scored_minutes
         ? `over ${e.scored_minutes} scored minutes: MAE ${fmt.num(e.mae)}, wMAPE ${fmt.pct(e.wmape)}, ` +
-          `inside band ${fmt.pct(e.band_coverage)}`
+          `inside band ${fmt.pct(e.band_coverage)}` +
+          (e.p_any_minutes
+            ? `; p(any) Brier ${fmt.num(e.brier_any, 4)}, mean p(any) ${fmt.pct(e.p_any_mean)} against ` +
+              `${fmt.pct(e.invoked_share)} of minutes invoked`
+            : "")
         : "no minute with both a forecast at this horizon and a known count";
       document.body.dataset.modelLoaded = m.id;
     });

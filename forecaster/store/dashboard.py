@@ -50,8 +50,9 @@ def _at_horizon_sql(where: str, param: Callable[[str], str]) -> str:
 
     Columns: ``model_id``, ``target_minute`` (the issuing minute plus ``h - 1``
     minutes; ``target_s`` the same in Unix seconds), ``issued_at``, ``k``
-    (1-based element), ``point_at`` (``point[k]`` as double precision), and
-    the run's ``quantile_levels`` and ``quantiles``. Runs that do not reach
+    (1-based element), ``point_at`` (``point[k]`` as double precision),
+    ``p_any_at`` (``p_any[k]``, NULL where the run stored none), and the run's
+    ``quantile_levels`` and ``quantiles``. Runs that do not reach
     that far are left out. With ``lo``/``hi`` from :func:`_issued_bounds`,
     exactly the runs whose target minute falls in the window qualify, so the
     planner estimates the rows from ``issued_at`` alone. ``param`` spells a
@@ -64,8 +65,10 @@ def _at_horizon_sql(where: str, param: Callable[[str], str]) -> str:
     offset_s = f"({target_s} - CAST(date_part('epoch', f.first_target) AS bigint))"
     return f"""
         SELECT r.model_id, to_timestamp(r.target_s) AS target_minute, r.target_s, r.issued_at, r.k,
-               CAST(r.point[r.k] AS double precision) AS point_at, r.quantile_levels, r.quantiles
-        FROM (SELECT f.model_id, f.issued_at, f.point, f.quantile_levels, f.quantiles, {target_s} AS target_s,
+               CAST(r.point[r.k] AS double precision) AS point_at,
+               CAST(r.p_any[r.k] AS double precision) AS p_any_at, r.quantile_levels, r.quantiles
+        FROM (SELECT f.model_id, f.issued_at, f.point, f.p_any, f.quantile_levels, f.quantiles,
+                     {target_s} AS target_s,
                      CASE WHEN mod({offset_s}, f.step_seconds) = 0
                           THEN CAST({offset_s} / f.step_seconds AS integer) + 1 END AS k
               FROM forecasts f
@@ -88,7 +91,7 @@ def _issued_bounds(start: datetime, end: datetime, horizon_min: int) -> dict:
 #: Per target minute: the forecast made ``h`` minutes ahead (the later run of a minute wins).
 #: psycopg placeholders: it is run on a binary cursor, which parses the arrays twice as fast as text.
 _SERIES_SQL = f"""
-SELECT DISTINCT ON (target_s) target_s, point_at, CAST(quantile_levels AS text[]), quantiles[:][k:k]
+SELECT DISTINCT ON (target_s) target_s, point_at, CAST(quantile_levels AS text[]), quantiles[:][k:k], p_any_at
 FROM ({_at_horizon_sql("f.model_id = %(m)s AND", lambda name: f"%({name})s")}) x
 ORDER BY target_s, issued_at DESC
 """
@@ -103,17 +106,30 @@ class ForecastError:
         mae: mean absolute error (invocations per minute); None with no scored minute.
         wmape: sum of absolute errors over sum of actuals; None when the actuals sum to zero.
         band_coverage: share of scored minutes whose actual lies inside the widest stored quantile band.
+        p_any_minutes: scored minutes whose run also stored ``p_any`` (the probability of any invocation);
+            the three figures below are over these minutes, None with none.
+        brier_any: Brier score of ``p_any`` against "any invocation in the minute": the mean of
+            ``(p_any - [actual > 0])^2``. For a sparse model the planner's warm/cold decision rests on ``p_any``
+            more than on the point forecast; ``invoked_share * (1 - invoked_share)`` is the score of a constant
+            forecast that knew the window's share in advance.
+        p_any_mean: mean ``p_any``; against ``invoked_share``, the share of those minutes with an invocation,
+            it says whether ``p_any`` runs high or low.
     """
 
     scored_minutes: int
     mae: float | None
     wmape: float | None
     band_coverage: float | None = None
+    p_any_minutes: int = 0
+    brier_any: float | None = None
+    p_any_mean: float | None = None
+    invoked_share: float | None = None
 
 
 def forecast_error(actual: np.ndarray, point: np.ndarray, lo: np.ndarray | None = None,
-                   hi: np.ndarray | None = None) -> ForecastError:
-    """MAE, wMAPE and band coverage over the positions where ``actual`` and ``point`` are both known."""
+                   hi: np.ndarray | None = None, p_any: np.ndarray | None = None) -> ForecastError:
+    """MAE, wMAPE and band coverage over the positions where ``actual`` and ``point`` are both known; with
+    ``p_any``, its Brier score, mean and the invoked share over those of them where ``p_any`` is known too."""
     known = ~np.isnan(actual) & ~np.isnan(point)
     n = int(known.sum())
     if n == 0:
@@ -124,7 +140,14 @@ def forecast_error(actual: np.ndarray, point: np.ndarray, lo: np.ndarray | None 
     if lo is not None and hi is not None:
         inside = (actual[known] >= lo[known]) & (actual[known] <= hi[known])
         coverage = float(inside.mean())
-    return ForecastError(n, float(abs_err.mean()), float(abs_err.sum()) / total if total > 0 else None, coverage)
+    any_figures = {}
+    scored = known & ~np.isnan(p_any) if p_any is not None else np.zeros_like(known)
+    if scored.any():
+        p, invoked = p_any[scored], (actual[scored] > 0).astype(np.float64)
+        any_figures = {"p_any_minutes": int(scored.sum()), "brier_any": float(np.mean((p - invoked) ** 2)),
+                       "p_any_mean": float(p.mean()), "invoked_share": float(invoked.mean())}
+    return ForecastError(n, float(abs_err.mean()), float(abs_err.sum()) / total if total > 0 else None, coverage,
+                         **any_figures)
 
 
 def _is_level(key: str) -> bool:
@@ -150,6 +173,7 @@ class ForecastSeries:
     actual: np.ndarray
     point: np.ndarray
     quantiles: dict[str, np.ndarray] = field(default_factory=dict)  # level ("0.9") -> values
+    p_any: np.ndarray | None = None  # probability of any invocation, NaN where the run stored none
 
     @property
     def band(self) -> tuple[str, str] | None:
@@ -170,8 +194,9 @@ class ForecastSeries:
     def error(self) -> ForecastError:
         band = self.band
         if band is None:
-            return forecast_error(self.actual, self.point)
-        return forecast_error(self.actual, self.point, self.quantiles[band[0]], self.quantiles[band[1]])
+            return forecast_error(self.actual, self.point, p_any=self.p_any)
+        return forecast_error(self.actual, self.point, self.quantiles[band[0]], self.quantiles[band[1]],
+                              p_any=self.p_any)
 
 
 def read_forecast_series(conn: Connection, *, model_id: str, start: datetime, end: datetime,
@@ -196,11 +221,13 @@ def read_forecast_series(conn: Connection, *, model_id: str, start: datetime, en
         cur.execute(_SERIES_SQL, {"m": model_id, "h": horizon_min, **_issued_bounds(start, end, horizon_min)})
         rows = cur.fetchall()
     point = np.full(n, np.nan)
+    p_any = np.full(n, np.nan)
     quantiles: dict[str, np.ndarray] = {}
     if rows:
         index = np.rint((np.array([r[0] for r in rows], dtype=np.float64) - origin) / 60.0).astype(np.int64)
         inside = (index >= 0) & (index < n)  # defensive: the query keeps targets inside the window
         point[index[inside]] = np.array([r[1] for r in rows], dtype=np.float64)[inside]
+        p_any[index[inside]] = np.array([np.nan if r[4] is None else r[4] for r in rows], dtype=np.float64)[inside]
         by_levels: dict[tuple[str, ...], list[int]] = {}
         for j, row in enumerate(rows):  # runs share their levels, as a rule: one group
             by_levels.setdefault(tuple(row[2] or ()), []).append(j)
@@ -216,7 +243,7 @@ def read_forecast_series(conn: Connection, *, model_id: str, start: datetime, en
                 quantiles.setdefault(level, np.full(n, np.nan))[index[members]] = values[:, column]
     return ForecastSeries(model_id=model_id, start=start, end=end, horizon_min=horizon_min,
                           minutes=minutes.astype(np.int64), actual=actual, point=point,
-                          quantiles=dict(sorted(quantiles.items(), key=lambda kv: float(kv[0]))))
+                          quantiles=dict(sorted(quantiles.items(), key=lambda kv: float(kv[0]))), p_any=p_any)
 
 
 @dataclass(frozen=True)
