@@ -21,6 +21,8 @@ from forecaster.store.tokens import create_token
 NOW = datetime(2026, 11, 29, 12, 0, 30, tzinfo=timezone.utc)
 T0 = datetime(2026, 11, 29, 11, 50, tzinfo=timezone.utc)  # first minute with a known count
 LLAMA_COUNTS = [10, 12, 0, 8, 20, 30, 25, 0, 5, 10]  # 11:50 .. 11:59
+#: The error figures of p_any where no scored minute's run stored one.
+NO_P_ANY = {"p_any_minutes": 0, "brier_any": None, "p_any_mean": None, "invoked_share": None}
 
 
 def minute(hh_mm: str) -> datetime:
@@ -113,8 +115,7 @@ def test_series_shows_each_forecast_at_its_own_horizon(client, fleet_data):
     assert h5["quantiles"]["0.1"][7] == 5.0 and h5["quantiles"]["0.9"][8] == 305.0
     # 11:55: |105 - 30| = 75 (inside 5..205); 11:56: |205 - 25| = 180 (outside 105..305)
     assert h5["error"] == {"scored_minutes": 2, "mae": 127.5, "wmape": pytest.approx(255 / 55),
-                           "band_coverage": 0.5, "p_any_minutes": 0, "brier_any": None, "p_any_mean": None,
-                           "invoked_share": None}  # these runs stored no p_any
+                           "band_coverage": 0.5, **NO_P_ANY}  # these runs stored no p_any
     assert set(h5["p_any"]) == {None}
 
     h5 = client.get("/v1/models/llama/series", params={**window, "horizon": 5}).json()
@@ -162,8 +163,7 @@ def test_series_of_a_model_without_data_is_all_unknown(client, fleet_data):
                                                        "horizon": 5}).json()
     assert len(body["t"]) == 60 and set(body["actual"]) == {None} and set(body["forecast"]) == {None}
     assert body["quantiles"] == {} and body["band"] is None and set(body["p_any"]) == {None}
-    assert body["error"] == {"scored_minutes": 0, "mae": None, "wmape": None, "band_coverage": None,
-                             "p_any_minutes": 0, "brier_any": None, "p_any_mean": None, "invoked_share": None}
+    assert body["error"] == {"scored_minutes": 0, "mae": None, "wmape": None, "band_coverage": None, **NO_P_ANY}
 
 
 # --- cold starts and actions -------------------------------------------------------
@@ -214,14 +214,15 @@ def test_fleet_ranks_every_model_by_forecast_error(client, fleet_data):
     assert [r["rank"] for r in body["data"]] == [1, 2, 3]
     llama = by_id["llama"]
     assert llama["error"] == {"scored_minutes": 2, "mae": 127.5, "wmape": pytest.approx(255 / 55),
-                              "band_coverage": None}
+                              "band_coverage": None, **NO_P_ANY}
     assert (llama["actual_total"], llama["forecast_total"], llama["cold_starts"]) == (55.0, 310.0, 2)
     assert llama["replay"] is None  # no replay stored
     # planned in the window: 11:53 succeeded (40 s expected), 11:57 failed, 11:59 running; 11:45 and 11:20 not
     assert (llama["actions_total"], llama["actions_succeeded"], llama["actions_failed"],
             llama["expected_wait_avoided_s"]) == (3, 1, 1, 40.0)
     assert llama["last_forecast_at"] == "2026-11-29T11:51:10Z"
-    assert by_id["mistral"]["error"] == {"scored_minutes": 1, "mae": 0.0, "wmape": 0.0, "band_coverage": None}
+    assert by_id["mistral"]["error"] == {"scored_minutes": 1, "mae": 0.0, "wmape": 0.0, "band_coverage": None,
+                                         **NO_P_ANY}
     assert by_id["phi"]["error"]["scored_minutes"] == 0 and by_id["phi"]["last_forecast_at"] is None
 
     h5 = client.get("/v1/fleet", params={**params, "horizon": 5}).json()["data"][0]

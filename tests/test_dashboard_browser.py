@@ -207,6 +207,14 @@ def test_dashboard_shows_forecast_actual_and_actions(served, tmp_path):
             assert "GPU-seconds held 5,000 vs 4,000" in summary  # what the avoided cold starts cost
             llama = page.locator("#fleet-table tbody tr[data-model='llama-7b']")
             assert llama.locator("td.replay-cold").inner_text() == "12 / 150"
+            # p(any) stored as 1 everywhere: its Brier score is the share of scored minutes without an invocation
+            # (the API tests hold exact figures with minutes on both sides)
+            phi = next(r for r in page.evaluate("window.prewarm.fleet.data") if r["model_id"] == "phi-3")["error"]
+            assert phi["p_any_mean"] == 1.0 and phi["p_any_minutes"] == phi["scored_minutes"] > 0
+            assert phi["brier_any"] == pytest.approx(1 - phi["invoked_share"])
+            phi_cell = page.locator("#fleet-table tbody tr[data-model='phi-3'] td.p-any")
+            assert phi_cell.inner_text() == f"{phi['brier_any']:.3f}"
+            assert "mean p(any) 100.0% against" in phi_cell.get_attribute("title")
             assert llama.locator("td.replay-avoided").inner_text() == "+138"
             assert llama.locator("td.replay-wait").inner_text() == "+3,900"
             mistral = page.locator("#fleet-table tbody tr[data-model='mistral-7b']")

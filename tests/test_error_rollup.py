@@ -15,7 +15,7 @@ from api.main import create_app
 from forecaster.ingest.service import push_counts
 from forecaster.jobs.error_scoring import score_errors_job
 from forecaster.store.catalog import ServingModelSpec, upsert_models
-from forecaster.store.dashboard import read_fleet_page
+from forecaster.store.dashboard import read_fleet_page, read_forecast_series
 from forecaster.store.forecast_errors import hours_due, score_hour
 from forecaster.store.forecasts import write_forecasts
 from forecaster.store.tokens import create_token
@@ -29,14 +29,22 @@ HORIZONS = [1, 5, 10, 15, 30, 60]
 MIN = timedelta(minutes=1)
 
 
-def run_frame(models: list[str], issued_at: datetime, points: np.ndarray, first_offset_min: int = 0) -> pd.DataFrame:
-    """Runs of ``models`` issued at ``issued_at``: row i's elements from the issuing minute (+ offset) on."""
+def run_frame(models: list[str], issued_at: datetime, points: np.ndarray, first_offset_min: int = 0,
+              with_p_any: bool = True) -> pd.DataFrame:
+    """Runs of ``models`` issued at ``issued_at``: row i's elements from the issuing minute (+ offset) on.
+
+    ``p_any`` (with ``with_p_any``) is a quarter from 0 to 1 made from the point, NaN (unknown) for every
+    seventh quarter-step of it: exact as real, so the rollup's sums equal the direct ones exactly.
+    """
     first = pd.Timestamp(issued_at).floor("min") + pd.Timedelta(minutes=first_offset_min)
     steps = points.shape[1]
     frame = pd.DataFrame({"unique_id": np.repeat(models, steps),
                           "ds": np.tile(pd.date_range(first, periods=steps, freq="min"), len(models)),
                           "point": points.reshape(-1)})
     frame["q0.1"], frame["q0.9"] = frame["point"] - 5, frame["point"] + 5
+    if with_p_any:
+        quarters = np.rint(frame["point"].to_numpy() * 4).astype(np.int64)
+        frame["p_any"] = np.where(quarters % 7 == 0, np.nan, (quarters % 5) / 4)
     return frame
 
 
@@ -70,7 +78,8 @@ def store(engine, settings):
                                                                   if j not in offset_rows]]),
                         issued_at=issued, model_version_id=None)
         if offset_rows:
-            write_forecasts(engine, run_frame(["m1"], issued + timedelta(seconds=1), points[offset_rows], 1),
+            write_forecasts(engine, run_frame(["m1"], issued + timedelta(seconds=1), points[offset_rows], 1,
+                                              with_p_any=False),
                             issued_at=issued + timedelta(seconds=1), model_version_id=None)
         issued += MIN
     later = HOURS[1] + 30 * MIN + timedelta(seconds=40)  # a second m0 run at 11:30, later in the minute
@@ -86,7 +95,8 @@ def page(conn, *, horizon: int, window_min: int, end: datetime, sort: str = "wma
 
 def figures(result) -> list[tuple]:
     return [(r.model_id, r.rank, r.error.scored_minutes, r.error.mae, r.error.wmape, r.actual_total,
-             r.forecast_total) for r in result.rows]
+             r.forecast_total, r.error.p_any_minutes, r.error.brier_any, r.error.p_any_mean, r.error.invoked_share)
+            for r in result.rows]
 
 
 def test_rollup_ranking_equals_the_direct_computation(engine, store):
@@ -111,6 +121,17 @@ def test_rollup_ranking_equals_the_direct_computation(engine, store):
     assert 0 < by_id["m3"].error.scored_minutes <= 40  # covered until 11:40 at most
     order = [r.model_id for r in sample.rows]  # no wMAPE (zero actuals, nothing scored): last, by MAE, then id
     assert set(order[-4:-2]) == {"m0", "m3"} and order[-2:] == ["m6", "m7"]
+    # p_any: unknown elements and m1's runs without it are left out of its figures only
+    assert 0 < by_id["m1"].error.p_any_minutes < by_id["m1"].error.scored_minutes
+    assert by_id["m0"].error.invoked_share == 0.0 and by_id["m7"].error.brier_any is None
+    # the model page's series (numpy over the same minutes) reads the fleet's figures for one model and hour
+    fleet = {r.model_id: r for r in direct[(5, 60, HOURS[2], "wmape")].rows}["m5"].error
+    with engine.connect() as conn:
+        series = read_forecast_series(conn, model_id="m5", start=HOURS[1], end=HOURS[2], horizon_min=5).error()
+    assert 0 < fleet.p_any_minutes < fleet.scored_minutes == series.scored_minutes
+    assert (series.p_any_minutes, series.mae) == (fleet.p_any_minutes, pytest.approx(fleet.mae))
+    assert (series.brier_any, series.p_any_mean, series.invoked_share) == pytest.approx(
+        (fleet.brier_any, fleet.p_any_mean, fleet.invoked_share))
 
 
 def test_scoring_an_hour_again_replaces_it(engine, store):

@@ -80,16 +80,6 @@ class ErrorPublic(BaseModel):
     wmape: float | None = Field(description="Sum of absolute errors over sum of actuals (0.25 = 25%).")
     band_coverage: float | None = Field(default=None,
                                         description="Share of scored minutes inside the widest quantile band.")
-
-    @classmethod
-    def of(cls, error: ForecastError) -> "ErrorPublic":
-        return cls(scored_minutes=error.scored_minutes, mae=error.mae, wmape=error.wmape,
-                   band_coverage=error.band_coverage)
-
-
-class SeriesErrorPublic(ErrorPublic):
-    """A model's series adds how its ``p_any`` scored (the fleet's hourly rollup does not hold ``p_any``)."""
-
     p_any_minutes: int = Field(default=0, description="Scored minutes whose forecast also stored p_any, the "
                                                       "probability of any invocation; the next three are over them.")
     brier_any: float | None = Field(default=None, description="Brier score of p_any against any invocation in "
@@ -100,8 +90,9 @@ class SeriesErrorPublic(ErrorPublic):
     invoked_share: float | None = Field(default=None, description="Share of those minutes with an invocation.")
 
     @classmethod
-    def of(cls, error: ForecastError) -> "SeriesErrorPublic":
-        return cls(**ErrorPublic.of(error).model_dump(), p_any_minutes=error.p_any_minutes,
+    def of(cls, error: ForecastError) -> "ErrorPublic":
+        return cls(scored_minutes=error.scored_minutes, mae=error.mae, wmape=error.wmape,
+                   band_coverage=error.band_coverage, p_any_minutes=error.p_any_minutes,
                    brier_any=error.brier_any, p_any_mean=error.p_any_mean, invoked_share=error.invoked_share)
 
 
@@ -120,7 +111,7 @@ class SeriesPublic(BaseModel):
     p_any: list[float | None] = Field(default_factory=list, description="Probability of any invocation in the "
                                       "minute, as forecast at this horizon; null = not stored.")
     band: list[str] | None = Field(description="The widest band's [low, high] levels, or null.")
-    error: SeriesErrorPublic
+    error: ErrorPublic
     end_source: str = Field(description="request (end given), now, or newest_data (nothing recent stored).")
 
 
@@ -342,7 +333,7 @@ def get_series(model_id: str, engine: EngineDep, settings: SettingsDep, clock: C
         actual=finite_or_none(series.actual), forecast=finite_or_none(series.point),
         quantiles={level: finite_or_none(values) for level, values in series.quantiles.items()},
         p_any=finite_or_none(series.p_any), band=list(band) if band else None,
-        error=SeriesErrorPublic.of(series.error()), end_source=source,
+        error=ErrorPublic.of(series.error()), end_source=source,
     )
     # Encoded by pydantic-core directly: a week is ~50,000 numbers, which FastAPI's default path (validate
     # again, jsonable dict, json.dumps) takes ~60 ms to encode, model_dump_json ~2 ms (bench/dashboard.py).

@@ -268,6 +268,10 @@
       cell(tr, "", "model").appendChild(link);
       cell(tr, fmt.pct(r.error.wmape), "num");
       cell(tr, fmt.num(r.error.mae), "num");
+      cell(tr, fmt.num(r.error.brier_any, 3), "num p-any").title = r.error.p_any_minutes
+        ? `mean p(any) ${fmt.pct(r.error.p_any_mean)} against ${fmt.pct(r.error.invoked_share)} of ` +
+          `${r.error.p_any_minutes} minutes invoked`
+        : "no scored minute's forecast stored p(any)";
       cell(tr, fmt.int(r.error.scored_minutes), "num");
       cell(tr, fmt.int(r.actual_total), "num");
       cell(tr, fmt.int(r.cold_starts), "num");

@@ -51,7 +51,7 @@ def _at_horizon_sql(where: str, param: Callable[[str], str]) -> str:
     Columns: ``model_id``, ``target_minute`` (the issuing minute plus ``h - 1``
     minutes; ``target_s`` the same in Unix seconds), ``issued_at``, ``k``
     (1-based element), ``point_at`` (``point[k]`` as double precision),
-    ``p_any_at`` (``p_any[k]``, NULL where the run stored none), and the run's
+    ``p_any_at`` (``p_any[k]``, NULL where the run stored none or NaN), and the run's
     ``quantile_levels`` and ``quantiles``. Runs that do not reach
     that far are left out. With ``lo``/``hi`` from :func:`_issued_bounds`,
     exactly the runs whose target minute falls in the window qualify, so the
@@ -66,7 +66,7 @@ def _at_horizon_sql(where: str, param: Callable[[str], str]) -> str:
     return f"""
         SELECT r.model_id, to_timestamp(r.target_s) AS target_minute, r.target_s, r.issued_at, r.k,
                CAST(r.point[r.k] AS double precision) AS point_at,
-               CAST(r.p_any[r.k] AS double precision) AS p_any_at, r.quantile_levels, r.quantiles
+               nullif(CAST(r.p_any[r.k] AS double precision), 'NaN') AS p_any_at, r.quantile_levels, r.quantiles
         FROM (SELECT f.model_id, f.issued_at, f.point, f.p_any, f.quantile_levels, f.quantiles,
                      {target_s} AS target_s,
                      CASE WHEN mod({offset_s}, f.step_seconds) = 0
@@ -322,7 +322,9 @@ _REPLAY_SQL = "SELECT id, policies->>0 AS subject, policies->>1 AS baseline FROM
 
 
 def _err_sql(only_page: bool) -> str:
-    """Per model: scored minutes, sum |error|, sum actual, sum forecast at ``:h`` over ``[:es, :ee)``, from the runs.
+    """Per model: scored minutes, sum |error|, sum actual, sum forecast at ``:h`` over ``[:es, :ee)``, and over
+    those minutes whose run stored ``p_any`` how many, the sum of ``(p_any - [actual > 0])^2``, the sum of
+    ``p_any`` and how many had an invocation; from the runs.
 
     The forecasts at the horizon are read for the whole fleet at once (``only_page`` False): the window's runs
     lie together in the newest pages, which one scan reads once. With ``only_page`` only the models of
@@ -342,12 +344,14 @@ cov AS (
     SELECT model_id, range_agg(ranges) AS ranges FROM coverage
     WHERE {ids} 60 % step_seconds = 0 AND ranges && tstzrange(:es, :ee, '[)') GROUP BY model_id
 ), f AS MATERIALIZED (
-    SELECT DISTINCT ON (model_id, target_minute) model_id, target_minute, point_at AS point
+    SELECT DISTINCT ON (model_id, target_minute) model_id, target_minute, point_at AS point, p_any_at AS p_any
     FROM ({_at_horizon_sql("f.model_id = ANY(:ids) AND" if only_page else "", lambda name: f":{name}")}) x
     ORDER BY model_id, target_minute, issued_at DESC
 ), err AS (
     SELECT f.model_id, count(*) AS n, sum(abs(f.point - coalesce(i.count, 0))) AS abs_err,
-           sum(coalesce(i.count, 0)) AS actual, sum(f.point) AS forecast
+           sum(coalesce(i.count, 0)) AS actual, sum(f.point) AS forecast, count(f.p_any) AS p_n,
+           sum((f.p_any - CASE WHEN coalesce(i.count, 0) > 0 THEN 1 ELSE 0 END) ^ 2) AS p_sq,
+           sum(f.p_any) AS p_sum, count(f.p_any) FILTER (WHERE coalesce(i.count, 0) > 0) AS p_invoked
     FROM f JOIN cov ON cov.model_id = f.model_id
     {counts}
     WHERE cov.ranges @> tstzrange(f.target_minute, f.target_minute + interval '1 minute', '[)')
@@ -362,7 +366,8 @@ def _rollup_err_sql(only_page: bool) -> str:
     """
     ids = " AND model_id = ANY(:ids)" if only_page else ""
     return ("err AS (SELECT model_id, sum(scored_minutes) AS n, sum(abs_error) AS abs_err, sum(actual) AS actual, "
-            "sum(forecast) AS forecast FROM forecast_errors "
+            "sum(forecast) AS forecast, sum(p_any_minutes) AS p_n, sum(p_any_sq_error) AS p_sq, "
+            "sum(p_any_sum) AS p_sum, sum(invoked_minutes) AS p_invoked FROM forecast_errors "
             f"WHERE horizon_min = :h AND hour >= :es AND hour < :ee{ids} GROUP BY model_id)")
 
 
@@ -463,7 +468,8 @@ def _page_sql(source: str) -> str:
     """The figures of the page's models (``:ids``): error, cold starts, actions, newest forecast."""
     return f"""
 WITH {_rollup_err_sql(True) if source == "rollup" else _err_sql(True)}
-SELECT m.id, err.n, err.abs_err, err.actual, err.forecast, cs.n AS cold_starts,
+SELECT m.id, err.n, err.abs_err, err.actual, err.forecast, err.p_n, err.p_sq, err.p_sum, err.p_invoked,
+       cs.n AS cold_starts,
        ac.total, ac.succeeded, ac.failed, ac.benefit, lf.issued_at
 FROM serving_models m
 LEFT JOIN err ON err.model_id = m.id
@@ -499,7 +505,7 @@ class FleetRow:
     Attributes:
         model_id: the serving model.
         rank: position in the whole fleet by the page's sort key (1 = first), before any search.
-        error: forecast error at the window's horizon (MAE, wMAPE; band coverage not computed here).
+        error: forecast error at the window's horizon (MAE, wMAPE, p_any's figures; band coverage not computed here).
         actual_total: invocations in the scored minutes.
         forecast_total: forecast invocations in the scored minutes.
         cold_starts: observed cold starts that began in the window.
@@ -605,11 +611,15 @@ def read_fleet_page(conn: Connection, *, end: datetime, window_min: int, horizon
         role = "prewarm" if r["is_subject"] else "reactive"
         replays.setdefault(r["model_id"], {})[role] = {c: r[c] for c in OUTCOME_COLUMNS}
     for model_id, rank in ranked:
-        (_, n, abs_err, actual, forecast, cold, total, succeeded, failed, benefit, last) = figures[model_id]
-        n = int(n or 0)
+        (_, n, abs_err, actual, forecast, p_n, p_sq, p_sum, p_invoked, cold, total, succeeded, failed, benefit,
+         last) = figures[model_id]
+        n, p_n = int(n or 0), int(p_n or 0)
         actual = float(actual or 0.0)
         error = ForecastError(scored_minutes=n, mae=float(abs_err) / n if n else None,
-                              wmape=float(abs_err) / actual if n and actual > 0 else None)
+                              wmape=float(abs_err) / actual if n and actual > 0 else None, p_any_minutes=p_n,
+                              brier_any=float(p_sq) / p_n if p_n else None,
+                              p_any_mean=float(p_sum) / p_n if p_n else None,
+                              invoked_share=float(p_invoked) / p_n if p_n else None)
         page.rows.append(FleetRow(model_id=model_id, rank=rank, error=error, actual_total=actual,
                                   forecast_total=float(forecast or 0.0), cold_starts=int(cold),
                                   actions_total=int(total), actions_succeeded=int(succeeded),

@@ -9,15 +9,17 @@ the window (6,000,000 runs per hour at 100,000 models), on every request.
 
 :func:`score_hour` computes the same figures once per target hour, for every horizon the dashboard offers,
 and stores per (horizon, hour, model) the scored minutes and the sums of |error|, actuals and forecasts
-(``forecast_errors``, migration 0010). The sums are additive, so a window of whole hours is the sum of its
-hours: wMAPE = sum |error| / sum actual, MAE = sum |error| / minutes, exactly the direct definitions.
+(``forecast_errors``, migration 0010), and over those of the minutes whose run stored ``p_any`` the sums behind
+its Brier score (migration 0014). The sums are additive, so a window of whole hours is the sum of its hours:
+wMAPE = sum |error| / sum actual, MAE = sum |error| / minutes, exactly the direct definitions.
 Re-scoring an hour replaces it in one transaction (never double counts), and ``forecast_error_hours``
 records which hours were scored, for which horizons, and the newest ingest batch whose counts the scoring
 saw: :func:`hours_due` re-scores an hour when a later count batch's window overlaps it.
 
 How it reads: counts through :func:`forecaster.store.invocations.read_grid` (the same known/zero/unknown
 rules), and the runs as one binary ``COPY`` of fixed-width records (the run's model position, issuing
-minute, issue time, and per horizon the element it forecast, NULL marked by a bit), parsed by numpy
+minute, issue time, and per horizon the element it forecast, NULL marked by a bit, and its ``p_any`` element,
+NaN where unknown), parsed by numpy
 without a Python loop per run; models are read in chunks so that memory stays bounded at any fleet size.
 """
 
@@ -77,13 +79,15 @@ def _runs_sql(horizons_min: Sequence[int]) -> str:
     For each horizon ``h`` the element is the one whose target minute is the issuing minute plus ``h - 1``
     minutes, as :func:`forecaster.store.dashboard._at_horizon_sql` defines it (``k`` from ``first_target``
     and ``step_seconds``); a NULL element (or none that far) is NaN with bit ``j`` of ``missing`` set, so that
-    every record has the same width. ``horizons_min`` are validated integers, spelled as literals.
+    every record has the same width; after each element, the run's ``p_any`` at that horizon (NaN where the
+    run stored none). ``horizons_min`` are validated integers, spelled as literals.
     """
     elements, missing = [], []
     for j, h in enumerate(horizons_min):
         offset = f"(r.minute_s + {60 * (int(h) - 1)} - r.first_s)"
-        element = (f"r.point[CASE WHEN mod({offset}, r.step) = 0 THEN CAST({offset} / r.step AS integer) + 1 END]")
-        elements.append(f"coalesce({element}, CAST('NaN' AS real))")
+        k = f"CASE WHEN mod({offset}, r.step) = 0 THEN CAST({offset} / r.step AS integer) + 1 END"
+        element = f"r.point[{k}]"
+        elements.append(f"coalesce({element}, CAST('NaN' AS real)), coalesce(r.p_any[{k}], CAST('NaN' AS real))")
         missing.append(f"CASE WHEN {element} IS NULL THEN {1 << j} ELSE 0 END")
     return f"""
 COPY (
@@ -91,7 +95,7 @@ COPY (
            {", ".join(elements)}
     FROM (SELECT w.i, CAST(floor(date_part('epoch', f.issued_at) / 60) AS bigint) * 60 AS minute_s,
                  CAST(date_part('epoch', f.first_target) AS bigint) AS first_s, f.step_seconds AS step,
-                 f.issued_at, f.point
+                 f.issued_at, f.point, f.p_any
           FROM forecasts f JOIN unnest(CAST(%(ids)s AS text[])) WITH ORDINALITY AS w(id, i) ON f.model_id = w.id
           WHERE f.issued_at >= %(lo)s AND f.issued_at < %(hi)s) r
 ) TO STDOUT (FORMAT binary)"""
@@ -101,7 +105,7 @@ def _record_dtype(horizons: int) -> np.dtype:
     fields = [("fields", ">i2"), ("row_len", ">i4"), ("row", ">i4"), ("minute_len", ">i4"), ("minute_s", ">i8"),
               ("issued_len", ">i4"), ("issued_us", ">i8"), ("missing_len", ">i4"), ("missing", ">i4")]
     for j in range(horizons):
-        fields += [(f"v{j}_len", ">i4"), (f"v{j}", ">f4")]
+        fields += [(f"v{j}_len", ">i4"), (f"v{j}", ">f4"), (f"a{j}_len", ">i4"), (f"a{j}", ">f4")]
     return np.dtype(fields)
 
 
@@ -132,6 +136,11 @@ class ErrorSums:
     abs_error: np.ndarray  # (models, horizons) float64
     actual: np.ndarray
     forecast: np.ndarray
+    #: over the scored minutes whose run stored p_any: how many, sum (p_any - [actual > 0])^2, sum p_any, invoked
+    p_any_minutes: np.ndarray
+    p_any_sq_error: np.ndarray
+    p_any_sum: np.ndarray
+    invoked_minutes: np.ndarray
     runs_read: int = 0
 
 
@@ -144,15 +153,13 @@ def hour_error_sums(conn: Connection, ids: list[str], *, hour: datetime, horizon
     ids, _, actual = read_grid(conn, ids, hour, hour + HOUR)  # (models, 60): NaN unknown, 0 covered zero
     horizons = tuple(int(h) for h in horizons_min)
     shape = (len(ids), len(horizons))
-    sums = ErrorSums(ids, horizons, np.zeros(shape, dtype=np.int64), np.zeros(shape), np.zeros(shape),
-                     np.zeros(shape))
-    if not ids:
-        return sums
     lo, hi = hour - (max(horizons) - 1) * MINUTE, hour + HOUR
-    runs = _read_runs(conn, ids, lo, hi, horizons)
+    runs = _read_runs(conn, ids, lo, hi, horizons) if ids else np.empty(0, dtype=_record_dtype(len(horizons)))
+    sums = ErrorSums(ids, horizons, np.zeros(shape, dtype=np.int64), *(np.zeros(shape) for _ in range(3)),
+                     np.zeros(shape, dtype=np.int64), np.zeros(shape), np.zeros(shape),
+                     np.zeros(shape, dtype=np.int64), runs_read=len(runs))
     if not len(runs):
         return sums
-    sums = ErrorSums(ids, horizons, sums.scored_minutes, sums.abs_error, sums.actual, sums.forecast, len(runs))
     row = runs["row"].astype(np.int64)
     minute_s = runs["minute_s"].astype(np.int64)
     # run order within a (model, issuing minute): the later issue time last, so it wins below
@@ -177,6 +184,13 @@ def hour_error_sums(conn: Connection, ids: list[str], *, hour: datetime, horizon
         sums.abs_error[:, j] = np.bincount(rows, weights=np.abs(point - seen), minlength=n)
         sums.actual[:, j] = np.bincount(rows, weights=seen, minlength=n)
         sums.forecast[:, j] = np.bincount(rows, weights=point, minlength=n)
+        p_any = runs[f"a{j}"][latest][known].astype(np.float64)
+        stored = ~np.isnan(p_any)
+        rows, p_any, invoked = rows[stored], p_any[stored], (seen[stored] > 0).astype(np.float64)
+        sums.p_any_minutes[:, j] = np.bincount(rows, minlength=n)
+        sums.p_any_sq_error[:, j] = np.bincount(rows, weights=(p_any - invoked) ** 2, minlength=n)
+        sums.p_any_sum[:, j] = np.bincount(rows, weights=p_any, minlength=n)
+        sums.invoked_minutes[:, j] = np.bincount(rows, weights=invoked, minlength=n).astype(np.int64)
     return sums
 
 
@@ -234,7 +248,8 @@ def _write_sums(conn: Connection, hour: datetime, parts: list[ErrorSums]) -> tup
     rows = models = 0
     raw = conn.connection.driver_connection
     with raw.cursor() as cur, cur.copy("COPY forecast_errors (horizon_min, hour, model_id, scored_minutes, "
-                                       "abs_error, actual, forecast) FROM STDIN") as copy:
+                                       "abs_error, actual, forecast, p_any_minutes, p_any_sq_error, p_any_sum, "
+                                       "invoked_minutes) FROM STDIN") as copy:
         for part in parts:
             scored = part.scored_minutes > 0
             models += int(scored.any(axis=1).sum())
@@ -242,7 +257,9 @@ def _write_sums(conn: Connection, hour: datetime, parts: list[ErrorSums]) -> tup
                 for i in np.flatnonzero(scored[:, j]):
                     copy.write_row((h, hour, part.ids[i], int(part.scored_minutes[i, j]),
                                     float(part.abs_error[i, j]), float(part.actual[i, j]),
-                                    float(part.forecast[i, j])))
+                                    float(part.forecast[i, j]), int(part.p_any_minutes[i, j]),
+                                    float(part.p_any_sq_error[i, j]), float(part.p_any_sum[i, j]),
+                                    int(part.invoked_minutes[i, j])))
                     rows += 1
     return rows, models
 

@@ -405,7 +405,8 @@ class ForecastErrorSum(Base):
     """Per horizon, target hour and model: minutes scored and the sums of |error|, actuals and forecasts.
 
     Written by :func:`forecaster.store.forecast_errors.score_hour` (migration 0010); the fleet ranking sums
-    a window's hours (wMAPE = abs_error / actual, MAE = abs_error / scored_minutes).
+    a window's hours (wMAPE = abs_error / actual, MAE = abs_error / scored_minutes, p_any's Brier score =
+    p_any_sq_error / p_any_minutes).
     """
 
     __tablename__ = "forecast_errors"
@@ -417,6 +418,13 @@ class ForecastErrorSum(Base):
     abs_error: Mapped[float] = mapped_column(Float, doc="Sum of |forecast - actual| (invocations).")
     actual: Mapped[float] = mapped_column(Float, doc="Sum of actual counts over the scored minutes.")
     forecast: Mapped[float] = mapped_column(Float, doc="Sum of point forecasts over the scored minutes.")
+    p_any_minutes: Mapped[int] = mapped_column(SmallInteger, server_default="0",
+                                               doc="Scored minutes whose run stored p_any (migration 0014).")
+    p_any_sq_error: Mapped[float] = mapped_column(Float, server_default="0",
+                                                  doc="Sum of (p_any - [actual > 0])^2 over those minutes.")
+    p_any_sum: Mapped[float] = mapped_column(Float, server_default="0", doc="Sum of p_any over those minutes.")
+    invoked_minutes: Mapped[int] = mapped_column(SmallInteger, server_default="0",
+                                                 doc="Those minutes with an invocation.")
 
 
 class ForecastErrorHour(Base):
