@@ -111,3 +111,23 @@ def test_agent_observations_stored_as_cold_starts_move_to_transfers(empty_db_url
     with engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM cold_starts")).scalar() == 3
     engine.dispose()
+
+
+def test_hours_scored_before_p_any_sums_existed_are_scored_again(empty_db_url):
+    engine = make_engine(empty_db_url)
+    upgrade(engine, "0013")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO forecast_errors (horizon_min, hour, model_id, scored_minutes, abs_error, "
+                          "actual, forecast) VALUES (5, '2026-11-29T10:00Z', 'm', 60, 12.0, 300.0, 310.0)"))
+        conn.execute(text("INSERT INTO forecast_error_hours (hour, horizons_min, batch_watermark, models, seconds) "
+                          "VALUES ('2026-11-29T10:00Z', '{5}', 7, 1, 0.5)"))
+    upgrade(engine)
+    with engine.connect() as conn:
+        # the old row reads "no p_any scored" until the hour is scored again, which forgetting it asks for
+        assert conn.execute(text("SELECT scored_minutes, p_any_minutes, p_any_sq_error, p_any_sum, invoked_minutes "
+                                 "FROM forecast_errors")).all() == [(60, 0, 0.0, 0.0, 0)]
+        assert conn.execute(text("SELECT count(*) FROM forecast_error_hours")).scalar() == 0
+    downgrade(engine, "0013")
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT scored_minutes FROM forecast_errors")).all() == [(60,)]
+    engine.dispose()
