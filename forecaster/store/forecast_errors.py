@@ -155,9 +155,10 @@ def hour_error_sums(conn: Connection, ids: list[str], *, hour: datetime, horizon
     shape = (len(ids), len(horizons))
     lo, hi = hour - (max(horizons) - 1) * MINUTE, hour + HOUR
     runs = _read_runs(conn, ids, lo, hi, horizons) if ids else np.empty(0, dtype=_record_dtype(len(horizons)))
-    sums = ErrorSums(ids, horizons, np.zeros(shape, dtype=np.int64), *(np.zeros(shape) for _ in range(3)),
-                     np.zeros(shape, dtype=np.int64), np.zeros(shape), np.zeros(shape),
-                     np.zeros(shape, dtype=np.int64), runs_read=len(runs))
+    minutes, total = (lambda: np.zeros(shape, dtype=np.int64)), (lambda: np.zeros(shape))
+    sums = ErrorSums(ids, horizons, scored_minutes=minutes(), abs_error=total(), actual=total(), forecast=total(),
+                     p_any_minutes=minutes(), p_any_sq_error=total(), p_any_sum=total(),
+                     invoked_minutes=minutes(), runs_read=len(runs))
     if not len(runs):
         return sums
     row = runs["row"].astype(np.int64)
