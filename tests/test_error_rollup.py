@@ -101,7 +101,7 @@ def figures(result) -> list[tuple]:
 
 def test_rollup_ranking_equals_the_direct_computation(engine, store):
     cases = [(h, window, end, sort) for h in HORIZONS for window, end in ((60, HOURS[2]), (120, NOW), (180, NOW))
-             for sort in ("wmape", "mae")]
+             for sort in ("wmape", "mae", "brier_any")]
     with engine.connect() as conn:
         direct = {case: page(conn, horizon=case[0], window_min=case[1], end=case[2], sort=case[3]) for case in cases}
     assert {p.error_source for p in direct.values()} == {"runs"}  # nothing scored yet
@@ -121,6 +121,10 @@ def test_rollup_ranking_equals_the_direct_computation(engine, store):
     assert 0 < by_id["m3"].error.scored_minutes <= 40  # covered until 11:40 at most
     order = [r.model_id for r in sample.rows]  # no wMAPE (zero actuals, nothing scored): last, by MAE, then id
     assert set(order[-4:-2]) == {"m0", "m3"} and order[-2:] == ["m6", "m7"]
+    # ranked by p_any's Brier score: worst first, models without a scored p_any last
+    brier = [r.error.brier_any for r in direct[(5, 120, NOW, "brier_any")].rows]
+    known = [b for b in brier if b is not None]
+    assert len(known) == 6 and known == sorted(known, reverse=True) and brier[6:] == [None, None]
     # p_any: unknown elements and m1's runs without it are left out of its figures only
     assert 0 < by_id["m1"].error.p_any_minutes < by_id["m1"].error.scored_minutes
     assert by_id["m0"].error.invoked_share == 0.0 and by_id["m7"].error.brier_any is None

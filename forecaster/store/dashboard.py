@@ -314,8 +314,8 @@ def read_action_timeline(conn: Connection, *, model_id: str, start: datetime, en
 
 
 #: Sort keys of the fleet ranking (largest first; ``model_id`` ascending by code point).
-FLEET_SORTS = ("wmape", "mae", "cold_starts", "actions_succeeded", "cold_requests_avoided", "wait_saved_s",
-               "model_id")
+FLEET_SORTS = ("wmape", "mae", "brier_any", "cold_starts", "actions_succeeded", "cold_requests_avoided",
+               "wait_saved_s", "model_id")
 #: The newest replay (``replays``), its subject and baseline policy.
 _REPLAY_SQL = "SELECT id, policies->>0 AS subject, policies->>1 AS baseline FROM replays " \
               "ORDER BY created_at DESC, id DESC LIMIT 1"
@@ -385,6 +385,7 @@ def _replay_gain_sql(column: str) -> str:
 
 _WMAPE = "CASE WHEN err.n > 0 AND err.actual > 0 THEN err.abs_err / err.actual END"
 _MAE = "CASE WHEN err.n > 0 THEN err.abs_err / err.n END"
+_BRIER = "CASE WHEN err.p_n > 0 THEN err.p_sq / err.p_n END"
 
 def _rank(sort: str, source: str) -> tuple[str, str, str]:
     """Per sort key: the CTEs it needs (after WITH), the join onto ``serving_models m``, and the ORDER BY.
@@ -396,6 +397,8 @@ def _rank(sort: str, source: str) -> tuple[str, str, str]:
         "wmape": (err, "LEFT JOIN err ON err.model_id = m.id",
                   f"({_WMAPE}) IS NULL, ({_WMAPE}) DESC, coalesce({_MAE}, 0) DESC"),
         "mae": (err, "LEFT JOIN err ON err.model_id = m.id", f"({_MAE}) IS NULL, ({_MAE}) DESC"),
+        "brier_any": (err, "LEFT JOIN err ON err.model_id = m.id",
+                      f"({_BRIER}) IS NULL, ({_BRIER}) DESC, coalesce({_MAE}, 0) DESC"),
         "cold_starts": (("cs AS (SELECT model_id, count(*) AS n FROM cold_starts "
                          "WHERE started_at >= :s AND started_at < :e GROUP BY model_id)"),
                         "LEFT JOIN cs ON cs.model_id = m.id", "coalesce(cs.n, 0) DESC"),
