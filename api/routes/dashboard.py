@@ -23,6 +23,7 @@ are. Times are UTC; naive times in queries are read as UTC.
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import datetime, timedelta, timezone
 from enum import StrEnum
 from pathlib import Path
@@ -91,9 +92,7 @@ class ErrorPublic(BaseModel):
 
     @classmethod
     def of(cls, error: ForecastError) -> "ErrorPublic":
-        return cls(scored_minutes=error.scored_minutes, mae=error.mae, wmape=error.wmape,
-                   band_coverage=error.band_coverage, p_any_minutes=error.p_any_minutes,
-                   brier_any=error.brier_any, p_any_mean=error.p_any_mean, invoked_share=error.invoked_share)
+        return cls(**dataclasses.asdict(error))  # the same fields, by name
 
 
 class SeriesPublic(BaseModel):
