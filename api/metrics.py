@@ -1,4 +1,4 @@
-"""Prometheus metrics of the service: API latency, forecast age, job durations, actions taken."""
+"""Prometheus metrics of the service: API latency, forecast age and error, job durations, actions taken."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.exc import OperationalError
 
 from forecaster.planning.budget import BUDGET_STATUSES, BudgetState
+from forecaster.store.dashboard import FleetHourError, fleet_hour_errors, newest_scored_hour
 
 
 class StoreCollector:
@@ -20,6 +21,15 @@ class StoreCollector:
     def __init__(self, engine: Engine, clock: Callable[[], datetime]) -> None:
         self._engine = engine
         self._clock = clock
+        #: the newest scored hour's fleet errors, keyed on (hour, scored_at): read again only when the scoring
+        #: job has scored a newer hour or re-scored this one
+        self._errors: tuple[tuple[datetime, datetime] | None, list[FleetHourError]] = (None, [])
+
+    def _fleet_errors(self, conn) -> list[FleetHourError]:
+        key = newest_scored_hour(conn)
+        if key is not None and key != self._errors[0]:
+            self._errors = (key, fleet_hour_errors(conn, hour=key[0]))
+        return self._errors[1] if key is not None else []
 
     def collect(self):
         up = GaugeMetricFamily("prewarm_database_up", "1 when the database answered this scrape")
@@ -33,6 +43,7 @@ class StoreCollector:
                 actions = conn.execute(text("SELECT kind, status, count(*) FROM actions GROUP BY 1, 2")).all()
                 newest_plan = conn.execute(text("SELECT (summary->>'skipped')::int, summary->'budget' FROM plans "
                                                 "ORDER BY planned_at DESC, id DESC LIMIT 1")).first()
+                errors = self._fleet_errors(conn)
         except OperationalError:
             up.add_metric([], 0)
             yield up
@@ -62,6 +73,45 @@ class StoreCollector:
         yield left_out
         # the newest plan's state only: with budget mode switched off the metrics go, as the plan's state does
         yield from budget_metrics(None if budget is None else BudgetState.from_dict(budget))
+        yield from forecast_error_metrics(errors)
+
+
+def forecast_error_metrics(errors: list[FleetHourError]):
+    """The fleet's forecast error over the newest hour the error rollup scored, per horizon: what the alerts
+    ``PrewarmForecastErrorRising`` and ``PrewarmPAnyMiscalibrated`` (deploy/prometheus-rules.yml) watch.
+
+    Each scrape repeats the same hour's figures until the next hour is scored, so an ``avg_over_time`` over a
+    few hours averages those hours (each weighed by the scrapes it was newest for, about an hour each)."""
+    hour = GaugeMetricFamily("prewarm_forecast_error_hour_timestamp_seconds",
+                             "Start of the newest hour the forecast-error rollup scored (Unix seconds)")
+    families = {
+        "models": GaugeMetricFamily("prewarm_forecast_error_models",
+                                    "Models scored in that hour", labels=["horizon_min"]),
+        "wmape": GaugeMetricFamily("prewarm_forecast_wmape",
+                                   "Fleet wMAPE of the point forecast made horizon_min minutes ahead, over that "
+                                   "hour: sum of |forecast - count| over the sum of counts, every model pooled",
+                                   labels=["horizon_min"]),
+        "brier_any": GaugeMetricFamily("prewarm_forecast_p_any_brier",
+                                       "Brier score of p_any (the probability of any request in a minute) "
+                                       "against whether one came, over every scored model-minute of that hour",
+                                       labels=["horizon_min"]),
+        "p_any_mean": GaugeMetricFamily("prewarm_forecast_p_any_mean",
+                                        "Mean p_any over those model-minutes", labels=["horizon_min"]),
+        "invoked_share": GaugeMetricFamily("prewarm_forecast_invoked_share",
+                                           "Share of those model-minutes with a request (what a calibrated "
+                                           "p_any averages to)", labels=["horizon_min"]),
+    }
+    for row in errors:
+        label = [str(row.horizon_min)]
+        families["models"].add_metric(label, row.models)
+        for name in ("wmape", "brier_any", "p_any_mean", "invoked_share"):
+            value = getattr(row.error, name)
+            if value is not None:  # no counts or no p_any scored in the hour: the series is absent, not 0
+                families[name].add_metric(label, value)
+    if errors:
+        hour.add_metric([], errors[0].hour.timestamp())
+    yield hour
+    yield from families.values()
 
 
 def budget_metrics(state: BudgetState | None):

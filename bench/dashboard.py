@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from forecaster.jobs.error_scoring import score_errors_job  # noqa: E402
 from forecaster.settings import Settings  # noqa: E402
-from forecaster.store.dashboard import FLEET_SORTS  # noqa: E402
+from forecaster.store.dashboard import FLEET_SORTS, fleet_hour_errors, newest_scored_hour  # noqa: E402
 from forecaster.store.db import embedded_server, make_engine, upgrade  # noqa: E402
 from forecaster.store.forecasts import ensure_forecast_partitions  # noqa: E402
 from forecaster.store.partitions import ensure_partitions  # noqa: E402
@@ -202,6 +202,22 @@ def run(admin_url: str, args) -> dict:
                 results["series_week"] = figure
                 print(f"GET /v1/models/model-000001/series (10,080 minutes): p50 {figure['p50_ms']} ms, "
                       f"p95 {figure['p95_ms']} ms, max {figure['max_ms']} ms, {figure['bytes']} bytes", flush=True)
+                # the fleet's error over the newest scored hour, as /metrics reads it once per scored hour
+                with engine.connect() as conn:
+                    reads = []
+                    for _ in range(max(3, args.repeat // 2)):
+                        begun = time.perf_counter()
+                        rows = fleet_hour_errors(conn, hour=newest_scored_hour(conn)[0])
+                        reads.append(1000 * (time.perf_counter() - begun))
+                results["fleet_hour_errors"] = {"p50_ms": round(statistics.median(reads), 1),
+                                                "max_ms": round(max(reads), 1), "horizons": len(rows)}
+                print(f"fleet_hour_errors ({args.models} models, {len(rows)} horizons): p50 "
+                      f"{results['fleet_hour_errors']['p50_ms']} ms, max {results['fleet_hour_errors']['max_ms']} ms",
+                      flush=True)
+                figure = timed(client, "/metrics", args.repeat)  # the hour's errors cached after the first scrape
+                results["metrics"] = figure
+                print(f"GET /metrics: p50 {figure['p50_ms']} ms, p95 {figure['p95_ms']} ms, max {figure['max_ms']} ms, "
+                      f"{figure['bytes']} bytes", flush=True)
                 results["load_after"] = load_average()
                 print(f"load before {results['load_before']}, after {results['load_after']} (1/5/15 min)",
                       flush=True)

@@ -227,3 +227,48 @@ def test_the_fleet_endpoint_ranks_errors_from_the_rollup(engine, settings, store
             "2026-11-29T13:00:00Z", "2026-11-29T11:00:00Z", "2026-11-29T12:00:00Z", "rollup")
         asked = client.get("/v1/fleet", params={"horizon": 5, "end": "2026-11-29T13:00:00Z"}).json()
         assert (asked["error_start"], asked["error_source"]) == ("2026-11-29T12:00:00Z", "runs")
+
+
+def _gauges(client) -> dict[tuple[str, str | None], float]:
+    """/metrics' forecast-error samples: (name, horizon_min label) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, s.labels.get("horizon_min")): s.value
+            for family in text_string_to_metric_families(client.get("/metrics").text)
+            if family.name.startswith(("prewarm_forecast_error", "prewarm_forecast_wmape", "prewarm_forecast_p_any",
+                                       "prewarm_forecast_invoked"))
+            for s in family.samples}
+
+
+def test_metrics_export_the_fleets_error_over_the_newest_scored_hour(engine, settings, store):
+    """The gauges the forecast alerts read pool every model of the newest scored hour, as the runs give them."""
+    with engine.connect() as conn:  # the direct computation from the runs, per model, 12:00-13:00
+        direct = {h: page(conn, horizon=h, window_min=60, end=NOW).rows for h in HORIZONS}
+    with TestClient(create_app(settings, engine, clock=lambda: NOW)) as client:
+        assert _gauges(client) == {}  # nothing scored: no figure, not a 0
+        for hour in HOURS:
+            score_hour(engine, hour=hour, horizons_min=HORIZONS)
+        gauges = _gauges(client)
+        assert gauges[("prewarm_forecast_error_hour_timestamp_seconds", None)] == HOURS[2].timestamp()
+        for h, rows in direct.items():
+            scored = [r.error for r in rows if r.error.scored_minutes]
+            with_p = [e for e in scored if e.p_any_minutes]
+            abs_error = sum(e.mae * e.scored_minutes for e in scored)
+            p_minutes = sum(e.p_any_minutes for e in with_p)
+            assert gauges[("prewarm_forecast_error_models", str(h))] == len(scored) == 5  # m3's counts end at 11:40
+            assert gauges[("prewarm_forecast_wmape", str(h))] == pytest.approx(
+                abs_error / sum(r.actual_total for r in rows))
+            for name, field in (("prewarm_forecast_p_any_brier", "brier_any"), ("prewarm_forecast_p_any_mean",
+                                                                                "p_any_mean"),
+                                ("prewarm_forecast_invoked_share", "invoked_share")):
+                assert gauges[(name, str(h))] == pytest.approx(
+                    sum(getattr(e, field) * e.p_any_minutes for e in with_p) / p_minutes), (name, h)
+        # read once per scored hour: a changed row shows only once the hour is scored again
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE forecast_errors SET abs_error = abs_error + 1e6 WHERE hour = :h"),
+                         {"h": HOURS[2]})
+        assert _gauges(client) == gauges
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE forecast_error_hours SET scored_at = scored_at + interval '1 second' "
+                              "WHERE hour = :h"), {"h": HOURS[2]})
+        assert _gauges(client)[("prewarm_forecast_wmape", "5")] > 100 > gauges[("prewarm_forecast_wmape", "5")]

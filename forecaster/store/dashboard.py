@@ -125,6 +125,19 @@ class ForecastError:
     p_any_mean: float | None = None
     invoked_share: float | None = None
 
+    @classmethod
+    def from_sums(cls, scored_minutes, abs_error, actual, p_any_minutes=0, p_any_sq_error=0.0, p_any_sum=0.0,
+                  invoked_minutes=0) -> "ForecastError":
+        """The figures from the rollup's sums (:class:`~forecaster.store.forecast_errors.ErrorSums`'s columns;
+        SQL sums may be NULL, read as 0)."""
+        n, p_n = int(scored_minutes or 0), int(p_any_minutes or 0)
+        abs_error, actual = float(abs_error or 0.0), float(actual or 0.0)
+        return cls(scored_minutes=n, mae=abs_error / n if n else None,
+                   wmape=abs_error / actual if n and actual > 0 else None, p_any_minutes=p_n,
+                   brier_any=float(p_any_sq_error or 0.0) / p_n if p_n else None,
+                   p_any_mean=float(p_any_sum or 0.0) / p_n if p_n else None,
+                   invoked_share=float(invoked_minutes or 0) / p_n if p_n else None)
+
 
 def forecast_error(actual: np.ndarray, point: np.ndarray, lo: np.ndarray | None = None,
                    hi: np.ndarray | None = None, p_any: np.ndarray | None = None) -> ForecastError:
@@ -567,6 +580,43 @@ def error_window(end: datetime, window_min: int) -> tuple[datetime, datetime]:
     return error_end - max(1, math.ceil(window_min / 60)) * HOUR, error_end
 
 
+@dataclass(frozen=True)
+class FleetHourError:
+    """The whole fleet's forecast error over one scored hour at one horizon (the rollup's sums over models).
+
+    ``error`` pools every model's minutes: its wMAPE is the fleet's sum of absolute errors over the fleet's
+    sum of counts (busy models weigh most), its Brier score the mean over every scored model-minute with a
+    ``p_any`` (sparse models weigh as much a minute as busy ones), and ``p_any_mean`` against
+    ``invoked_share`` says whether the fleet's ``p_any`` runs high or low in that hour.
+    """
+
+    hour: datetime
+    scored_at: datetime
+    horizon_min: int
+    models: int  # models with a scored minute in the hour
+    error: ForecastError
+
+
+def newest_scored_hour(conn: Connection) -> tuple[datetime, datetime] | None:
+    """(hour, when it was scored) of the newest hour in the error rollup, or None before the first."""
+    row = conn.execute(text("SELECT hour, scored_at FROM forecast_error_hours ORDER BY hour DESC LIMIT 1")).first()
+    return None if row is None else (row[0], row[1])
+
+
+def fleet_hour_errors(conn: Connection, *, hour: datetime) -> list[FleetHourError]:
+    """The fleet's error at each horizon the rollup scored ``hour`` at (in horizon order; none for a horizon no
+    model was scored at). One index range of the rollup per horizon: about 10^5 rows at 100,000 models."""
+    rows = conn.execute(text("""
+        SELECT h.hour, h.scored_at, e.horizon_min, count(*) FILTER (WHERE e.scored_minutes > 0),
+               sum(e.scored_minutes), sum(e.abs_error),
+               sum(e.actual), sum(e.p_any_minutes), sum(e.p_any_sq_error), sum(e.p_any_sum), sum(e.invoked_minutes)
+        FROM forecast_error_hours h JOIN forecast_errors e ON e.hour = h.hour AND e.horizon_min = ANY(h.horizons_min)
+        WHERE h.hour = :hour GROUP BY h.hour, h.scored_at, e.horizon_min ORDER BY e.horizon_min"""),
+        {"hour": hour}).all()
+    return [FleetHourError(hour=r[0], scored_at=r[1], horizon_min=int(r[2]), models=int(r[3]),
+                           error=ForecastError.from_sums(*r[4:])) for r in rows]
+
+
 def read_fleet_page(conn: Connection, *, end: datetime, window_min: int, horizon_min: int, sort: str = "wmape",
                     search: str | None = None, limit: int = 50, offset: int = 0,
                     follow_scored: bool = False) -> FleetPage:
@@ -616,14 +666,8 @@ def read_fleet_page(conn: Connection, *, end: datetime, window_min: int, horizon
     for model_id, rank in ranked:
         (_, n, abs_err, actual, forecast, p_n, p_sq, p_sum, p_invoked, cold, total, succeeded, failed, benefit,
          last) = figures[model_id]
-        n, p_n = int(n or 0), int(p_n or 0)
-        actual = float(actual or 0.0)
-        error = ForecastError(scored_minutes=n, mae=float(abs_err) / n if n else None,
-                              wmape=float(abs_err) / actual if n and actual > 0 else None, p_any_minutes=p_n,
-                              brier_any=float(p_sq) / p_n if p_n else None,
-                              p_any_mean=float(p_sum) / p_n if p_n else None,
-                              invoked_share=float(p_invoked) / p_n if p_n else None)
-        page.rows.append(FleetRow(model_id=model_id, rank=rank, error=error, actual_total=actual,
+        error = ForecastError.from_sums(n, abs_err, actual, p_n, p_sq, p_sum, p_invoked)
+        page.rows.append(FleetRow(model_id=model_id, rank=rank, error=error, actual_total=float(actual or 0.0),
                                   forecast_total=float(forecast or 0.0), cold_starts=int(cold),
                                   actions_total=int(total), actions_succeeded=int(succeeded),
                                   actions_failed=int(failed), expected_wait_avoided_s=float(benefit),
