@@ -14,8 +14,9 @@ the real scoring step) scores the seeded hour into the error rollup, as it
 would an hour after that hour ended; its time is reported per hour of data.
 The fleet figures are one page (50 rows, as the page asks) for every sort key
 (the error sorts read the rollup: ``error_source`` is printed with each), the
-wMAPE page at horizon 30, the page at offset N/2 and a search. ``uptime``'s load
-is printed before and after, since the machine may be shared.
+wMAPE page at horizon 30, the page at offset N/2 and a search. Then the fleet's error over the newest scored
+hour (``fleet_hour_errors``, what ``/metrics`` reads once per scored hour) and ``GET /metrics`` itself. ``uptime``'s
+load is printed before and after, since the machine may be shared.
 Like ``bench/scale.py`` the fleet is generated, but here in SQL (the forecast
 rows as the forecast job stores them), since only the reads are measured.
 """
