@@ -50,6 +50,7 @@ from forecaster.planning.ensemble_source import EnsembleForecast  # noqa: E402
 from forecaster.planning.forecasts import CountPanel, EmpiricalForecast  # noqa: E402
 from forecaster.settings import Settings  # noqa: E402
 
+#: Default fit minute and end of the scored minutes (``--fit-min``, ``--end-min``).
 FIT_MIN, END_MIN = 240, 600
 KAPPAS = (1, 3, 10, 30, 100, 300)
 #: Minutes per block of the Brier-by-time-since-the-fit table.
@@ -61,10 +62,17 @@ ACTIVITY_EDGES = (0, 1, 5, 20, 60, 240)
 AGE_EDGES = (1, 10, 60, 180, 10**6)
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--functions", type=int, default=1350, help="The first N functions of the day (default all).")
-N_FUNCTIONS = parser.parse_args().functions
+parser.add_argument("--fit-min", type=int, default=FIT_MIN,
+                    help="Minute of the ensemble's fit: it sees minutes before it (default 240; 1080 is the fit window "
+                         "of bench/accuracy.py's Azure protocol).")
+parser.add_argument("--end-min", type=int, default=END_MIN, help="End of the scored minutes (exclusive; at most 1440).")
+args = parser.parse_args()
+N_FUNCTIONS, FIT_MIN, END_MIN = args.functions, args.fit_min, min(args.end_min, 1440)
+if not 0 < FIT_MIN < END_MIN:
+    parser.error("--fit-min must be above 0 and below --end-min")
 
 inv = pd.read_csv(Settings().traces_dir / "azure_functions_2019_sample1350" / "invocations_per_function_1day_1350fn.csv.gz")
-counts = inv[[c for c in inv.columns if c.startswith("minute_")]].to_numpy(dtype="float64")[:N_FUNCTIONS, :720]
+counts = inv[[c for c in inv.columns if c.startswith("minute_")]].to_numpy(dtype="float64")[:N_FUNCTIONS, :END_MIN]
 ids = np.array([f"f{i}" for i in range(len(counts))], dtype=object)
 start = pd.Timestamp("2019-07-15", tz="UTC")
 panel = CountPanel(ids=ids, start=start, counts=counts)
