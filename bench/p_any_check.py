@@ -9,6 +9,8 @@ Three views:
    without an invocation, the share of invoked minutes given p_any < 0.01, the Brier score; then how the fit chose
    its ``p_any`` on its validation tail (:class:`~forecaster.forecast.p_any.PAnyModel`) and the Brier score per
    block of ``BLOCK_MIN`` minutes after the fit;
+   and what the alert ``PrewarmPAnyMiscalibrated`` reads: the mean ``p_any`` over the invoked share, per hour
+   and over the last 3 hours;
 2. the planner's use: the minute protocol holds a function in minute t when ``p * kappa / rate >= 1 - p``
    (its cold cost weighted by the inverse of its invocation rate so far, as ``planner_loaded`` does); for a
    fixed grid of ``kappa``, the 75th percentile over functions of their cold % and the idle minutes held.
@@ -132,6 +134,15 @@ for lo in range(0, END_MIN - FIT_MIN, BLOCK_MIN):
         f"{subset} " + " ".join(f"{name} {((p[rows, block] - invoked[rows, block]) ** 2).mean():.4f}"
                                  for name, p in p_any.items())
         for subset, rows in (("sparse", sparse), ("busy", ~sparse))))
+# what the alert PrewarmPAnyMiscalibrated reads (deploy/prometheus-rules.yml): the fleet's mean p_any over its
+# invoked share of function-minutes, per hour and over the last 3 hours (it fires outside [0.67, 1.5] for an hour)
+hours = (END_MIN - FIT_MIN) // 60
+for name, p in p_any.items():
+    mean_p = [p[:, 60 * k:60 * (k + 1)].mean() for k in range(hours)]
+    share = [invoked[:, 60 * k:60 * (k + 1)].mean() for k in range(hours)]
+    three = [np.mean(mean_p[max(0, k - 2):k + 1]) / np.mean(share[max(0, k - 2):k + 1]) for k in range(hours)]
+    print(f"{name:10s} mean p_any / invoked share per hour: " + " ".join(f"{m / v:.2f}" for m, v in zip(mean_p, share))
+          + " | over the last 3 hours: " + " ".join(f"{r:.2f}" for r in three))
 for name, p in p_any.items():
     line = []
     for kappa in KAPPAS:
