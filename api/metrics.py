@@ -6,11 +6,12 @@ import time
 from collections.abc import Callable
 from datetime import datetime
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import OperationalError
 
+from api.recommendation_gauges import RecommendationGauges
 from forecaster.planning.budget import BUDGET_STATUSES, BudgetState
 from forecaster.store.dashboard import FleetHourError, fleet_hour_errors, newest_scored_hour
 
@@ -141,31 +142,6 @@ def budget_metrics(state: BudgetState | None):
     yield idle
 
 
-class RecommendationCollector:
-    """Per-model recommended replicas, for HPA through an external-metrics adapter (prometheus-adapter)."""
-
-    def __init__(self, snapshot, settings, clock: Callable[[], datetime]) -> None:
-        self._snapshot = snapshot
-        self._settings = settings
-        self._clock = clock
-
-    def collect(self):
-        from forecaster.planning.recommendation import recommend
-
-        gauge = GaugeMetricFamily("prewarm_recommended_replicas",
-                                  "Replicas to have ready, now and at the cold-start lead time",
-                                  labels=["model_id", "at"])
-        now = self._clock()
-        for model_id, view in list(self._snapshot.models.items()):
-            result = recommend(view.forecast, model_id=model_id, now=now,
-                               lead_time_s=float(view.lead_time_s or self._settings.default_cold_start_s),
-                               replica_rps=view.replica_rps, quantile=self._settings.recommendation_quantile)
-            if result.replicas_at_lead_time is not None:
-                gauge.add_metric([model_id, "now"], result.replicas_now)
-                gauge.add_metric([model_id, "lead_time"], result.replicas_at_lead_time)
-        yield gauge
-
-
 class ColdStartHorizonCollector:
     """Per model: the latency model's predicted cold-start seconds per tier, the lead time prewarm acts on, and the
     observed rolling p90 (:mod:`api.coldstart_horizon`, the numbers of ``GET /v1/models/{id}/cold-start``).
@@ -230,9 +206,16 @@ class ServiceMetrics:
             "prewarm_api_request_seconds", "API request latency", ["method", "route", "status"],
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=self.registry)
         self.registry.register(StoreCollector(engine, clock))
+        #: prewarm_recommended_replicas, two samples per model: written from arrays, not through the registry
+        #: (api/recommendation_gauges.py); None without a snapshot
+        self.recommendations = RecommendationGauges(snapshot, settings, clock) if snapshot is not None else None
         if snapshot is not None:
-            self.registry.register(RecommendationCollector(snapshot, settings, clock))
             self.registry.register(ColdStartHorizonCollector(engine, snapshot, settings, clock))
+
+    def exposition(self) -> bytes:
+        """The whole ``/metrics`` body (text format 0.0.4)."""
+        body = generate_latest(self.registry)
+        return body if self.recommendations is None else body + self.recommendations.exposition()
 
 
 class LatencyMiddleware:

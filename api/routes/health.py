@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
@@ -45,4 +45,4 @@ def readyz(engine: EngineDep, settings: SettingsDep, clock: ClockDep) -> JSONRes
 
 @router.get("/metrics", include_in_schema=False)
 def metrics(request: Request) -> Response:
-    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(request.app.state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
