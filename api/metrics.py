@@ -13,7 +13,7 @@ from sqlalchemy.exc import OperationalError
 
 from api.recommendation_gauges import RecommendationGauges
 from forecaster.planning.budget import BUDGET_STATUSES, BudgetState
-from forecaster.store.dashboard import FleetHourError, fleet_hour_errors, newest_scored_hour
+from forecaster.store.dashboard import FleetHourError, PAnyBand, fleet_hour_errors, newest_scored_hour, p_any_bands
 
 
 class StoreCollector:
@@ -22,15 +22,17 @@ class StoreCollector:
     def __init__(self, engine: Engine, clock: Callable[[], datetime]) -> None:
         self._engine = engine
         self._clock = clock
-        #: the newest scored hour's fleet errors, keyed on (hour, scored_at): read again only when the scoring
-        #: job has scored a newer hour or re-scored this one
-        self._errors: tuple[tuple[datetime, datetime] | None, list[FleetHourError]] = (None, [])
+        #: the newest scored hour's fleet errors and p_any bands, keyed on (hour, scored_at): read again only when
+        #: the scoring job has scored a newer hour or re-scored this one
+        self._errors: tuple[tuple[datetime, datetime] | None, list[FleetHourError], list[PAnyBand]] = (None, [], [])
 
-    def _fleet_errors(self, conn) -> list[FleetHourError]:
+    def _fleet_errors(self, conn) -> tuple[list[FleetHourError], list[PAnyBand]]:
         key = newest_scored_hour(conn)
-        if key is not None and key != self._errors[0]:
-            self._errors = (key, fleet_hour_errors(conn, hour=key[0]))
-        return self._errors[1] if key is not None else []
+        if key is None:
+            return [], []
+        if key != self._errors[0]:
+            self._errors = (key, fleet_hour_errors(conn, hour=key[0]), p_any_bands(conn, hour=key[0]))
+        return self._errors[1], self._errors[2]
 
     def collect(self):
         up = GaugeMetricFamily("prewarm_database_up", "1 when the database answered this scrape")
@@ -44,7 +46,7 @@ class StoreCollector:
                 actions = conn.execute(text("SELECT kind, status, count(*) FROM actions GROUP BY 1, 2")).all()
                 newest_plan = conn.execute(text("SELECT (summary->>'skipped')::int, summary->'budget' FROM plans "
                                                 "ORDER BY planned_at DESC, id DESC LIMIT 1")).first()
-                errors = self._fleet_errors(conn)
+                errors, bands = self._fleet_errors(conn)
         except OperationalError:
             up.add_metric([], 0)
             yield up
@@ -74,12 +76,13 @@ class StoreCollector:
         yield left_out
         # the newest plan's state only: with budget mode switched off the metrics go, as the plan's state does
         yield from budget_metrics(None if budget is None else BudgetState.from_dict(budget))
-        yield from forecast_error_metrics(errors)
+        yield from forecast_error_metrics(errors, bands)
 
 
-def forecast_error_metrics(errors: list[FleetHourError]):
-    """The fleet's forecast error over the newest hour the error rollup scored, per horizon: what the alerts
-    ``PrewarmForecastErrorRising`` and ``PrewarmPAnyMiscalibrated`` (deploy/prometheus-rules.yml) watch.
+def forecast_error_metrics(errors: list[FleetHourError], bands: list[PAnyBand]):
+    """The fleet's forecast error over the newest hour the error rollup scored, per horizon, and ``p_any``'s
+    reliability per band of the model-hours' mean ``p_any``: what the alerts ``PrewarmForecastErrorRising`` and
+    ``PrewarmPAnyMiscalibrated`` (deploy/prometheus-rules.yml) watch.
 
     Each scrape repeats the same hour's figures until the next hour is scored, so an ``avg_over_time`` over a
     few hours averages those hours (each weighed by the scrapes it was newest for, about an hour each)."""
@@ -113,6 +116,20 @@ def forecast_error_metrics(errors: list[FleetHourError]):
         hour.add_metric([], errors[0].hour.timestamp())
     yield hour
     yield from families.values()
+    labels = ["horizon_min", "p_any_band"]
+    band_families = {
+        "p_any_minutes": GaugeMetricFamily("prewarm_forecast_p_any_band_minutes",
+                                           "Model-minutes with a p_any in that hour, of the models whose mean p_any "
+                                           "over the hour falls in the band", labels=labels),
+        "p_any_mean": GaugeMetricFamily("prewarm_forecast_p_any_band_mean", "Mean p_any over those model-minutes",
+                                        labels=labels),
+        "invoked_share": GaugeMetricFamily("prewarm_forecast_p_any_band_invoked_share",
+                                           "Share of those model-minutes with a request", labels=labels),
+    }
+    for band in bands:
+        for name, family in band_families.items():
+            family.add_metric([str(band.horizon_min), band.band], getattr(band, name))
+    yield from band_families.values()
 
 
 def budget_metrics(state: BudgetState | None):

@@ -9,8 +9,8 @@ Three views:
    without an invocation, the share of invoked minutes given p_any < 0.01, the Brier score; then how the fit chose
    its ``p_any`` on its validation tail (:class:`~forecaster.forecast.p_any.PAnyModel`) and the Brier score per
    block of ``BLOCK_MIN`` minutes after the fit;
-   and what the alert ``PrewarmPAnyMiscalibrated`` reads: the mean ``p_any`` over the invoked share, per hour
-   and over the last 3 hours;
+   and what the alert ``PrewarmPAnyMiscalibrated`` reads: per band of a function-hour's mean ``p_any``, the mean
+   ``p_any`` over the invoked share over the last 3 hours, hour by hour;
 2. the planner's use: the minute protocol holds a function in minute t when ``p * kappa / rate >= 1 - p``
    (its cold cost weighted by the inverse of its invocation rate so far, as ``planner_loaded`` does); for a
    fixed grid of ``kappa``, the 75th percentile over functions of their cold % and the idle minutes held.
@@ -68,6 +68,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from forecaster.planning.ensemble_source import EnsembleForecast  # noqa: E402
 from forecaster.planning.forecasts import CountPanel, EmpiricalForecast  # noqa: E402
+from forecaster.store.dashboard import P_ANY_BAND_EDGES, p_any_band_names  # noqa: E402
 from forecaster.settings import Settings  # noqa: E402
 
 #: Default fit minute and end of the scored minutes (``--fit-min``, ``--end-min``).
@@ -134,15 +135,35 @@ for lo in range(0, END_MIN - FIT_MIN, BLOCK_MIN):
         f"{subset} " + " ".join(f"{name} {((p[rows, block] - invoked[rows, block]) ** 2).mean():.4f}"
                                  for name, p in p_any.items())
         for subset, rows in (("sparse", sparse), ("busy", ~sparse))))
-# what the alert PrewarmPAnyMiscalibrated reads (deploy/prometheus-rules.yml): the fleet's mean p_any over its
-# invoked share of function-minutes, per hour and over the last 3 hours (it fires outside [0.67, 1.5] for an hour)
+# what the alert PrewarmPAnyMiscalibrated reads (deploy/prometheus-rules.yml): per band of a function-hour's mean
+# p_any (forecaster.store.dashboard.P_ANY_BAND_EDGES), the mean p_any over the invoked share of those function-minutes,
+# averaged over the last 3 hours as avg_over_time does; "!" where it would hold (outside [0.67, 1.5] with at least 50
+# requests expected or seen in the 3 hours; it fires after an hour of that)
 hours = (END_MIN - FIT_MIN) // 60
+band_edges = (0.0, *P_ANY_BAND_EDGES, np.inf)
 for name, p in p_any.items():
-    mean_p = [p[:, 60 * k:60 * (k + 1)].mean() for k in range(hours)]
-    share = [invoked[:, 60 * k:60 * (k + 1)].mean() for k in range(hours)]
-    three = [np.mean(mean_p[max(0, k - 2):k + 1]) / np.mean(share[max(0, k - 2):k + 1]) for k in range(hours)]
-    print(f"{name:10s} mean p_any / invoked share per hour: " + " ".join(f"{m / v:.2f}" for m, v in zip(mean_p, share))
-          + " | over the last 3 hours: " + " ".join(f"{r:.2f}" for r in three))
+    hourly = p[:, :60 * hours].reshape(len(ids), hours, 60)
+    hit = invoked[:, :60 * hours].reshape(len(ids), hours, 60)
+    band_of = np.digitize(hourly.mean(axis=2), band_edges[1:-1])  # (functions, hours)
+    cells = []
+    for b, band in enumerate(p_any_band_names()):
+        mean_p, share, minutes = (np.full(hours, np.nan) for _ in range(3))
+        for k in range(hours):
+            rows = band_of[:, k] == b
+            if rows.any():
+                mean_p[k], share[k], minutes[k] = hourly[rows, k].mean(), hit[rows, k].mean(), 60 * rows.sum()
+        reads = []
+        for k in range(hours):
+            window = slice(max(0, k - 2), k + 1)
+            if np.isnan(mean_p[window]).all():
+                reads.append("-")
+                continue
+            m, v, n = (np.nanmean(x[window]) for x in (mean_p, share, minutes))
+            ratio = m / v if v > 0 else np.inf
+            holds = (ratio > 1.5 or ratio < 0.67) and 3 * n * max(m, v) >= 50
+            reads.append(f"{ratio:.2f}{'!' if holds else ''}")
+        cells.append(f"{band}: " + " ".join(reads))
+    print(f"{name:10s} mean p_any / invoked share over 3 hours, per hour, by p_any band | " + " | ".join(cells))
 for name, p in p_any.items():
     line = []
     for kappa in KAPPAS:

@@ -15,7 +15,7 @@ from api.main import create_app
 from forecaster.ingest.service import push_counts
 from forecaster.jobs.error_scoring import score_errors_job
 from forecaster.store.catalog import ServingModelSpec, upsert_models
-from forecaster.store.dashboard import read_fleet_page, read_forecast_series
+from forecaster.store.dashboard import P_ANY_BAND_EDGES, p_any_band_names, read_fleet_page, read_forecast_series
 from forecaster.store.forecast_errors import hours_due, score_hour
 from forecaster.store.forecasts import write_forecasts
 from forecaster.store.tokens import create_token
@@ -229,11 +229,13 @@ def test_the_fleet_endpoint_ranks_errors_from_the_rollup(engine, settings, store
         assert (asked["error_start"], asked["error_source"]) == ("2026-11-29T12:00:00Z", "runs")
 
 
-def _gauges(client) -> dict[tuple[str, str | None], float]:
-    """/metrics' forecast-error samples: (name, horizon_min label) -> value."""
+def _gauges(client) -> dict[tuple, float]:
+    """/metrics' forecast-error samples: (name, horizon_min label) -> value; (name, horizon_min, p_any_band) for
+    the bands."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {(s.name, s.labels.get("horizon_min")): s.value
+    return {(s.name, s.labels.get("horizon_min"), *([s.labels["p_any_band"]] if "p_any_band" in s.labels else [])):
+            s.value
             for family in text_string_to_metric_families(client.get("/metrics").text)
             if family.name.startswith(("prewarm_forecast_error", "prewarm_forecast_wmape", "prewarm_forecast_p_any",
                                        "prewarm_forecast_invoked"))
@@ -242,6 +244,11 @@ def _gauges(client) -> dict[tuple[str, str | None], float]:
 
 def test_metrics_export_the_fleets_error_over_the_newest_scored_hour(engine, settings, store):
     """The gauges the forecast alerts read pool every model of the newest scored hour, as the runs give them."""
+    with engine.begin() as conn:  # m1's p_any a 64th and m2's an 8th of the fixture's (exact): other p_any bands
+        for model, divisor in (("m1", 64), ("m2", 8)):
+            conn.execute(text("UPDATE forecasts SET p_any = (SELECT array_agg(x / :d ORDER BY k) "
+                              "FROM unnest(p_any) WITH ORDINALITY AS u(x, k)) WHERE model_id = :m AND p_any IS NOT NULL"),
+                         {"m": model, "d": divisor})
     with engine.connect() as conn:  # the direct computation from the runs, per model, 12:00-13:00
         direct = {h: page(conn, horizon=h, window_min=60, end=NOW).rows for h in HORIZONS}
     with TestClient(create_app(settings, engine, clock=lambda: NOW)) as client:
@@ -263,6 +270,22 @@ def test_metrics_export_the_fleets_error_over_the_newest_scored_hour(engine, set
                                 ("prewarm_forecast_invoked_share", "invoked_share")):
                 assert gauges[(name, str(h))] == pytest.approx(
                     sum(getattr(e, field) * e.p_any_minutes for e in with_p) / p_minutes), (name, h)
+            # p_any's reliability per band of each model's mean p_any over the hour
+            edges = (0.0, *P_ANY_BAND_EDGES, float("inf"))
+            for band, lo, hi in zip(p_any_band_names(), edges[:-1], edges[1:]):
+                mine = [e for e in with_p if lo <= e.p_any_mean < hi]
+                key = ("prewarm_forecast_p_any_band_minutes", str(h), band)
+                if not mine:
+                    assert key not in gauges
+                    continue
+                minutes = sum(e.p_any_minutes for e in mine)
+                assert gauges[key] == minutes
+                for name, field in (("prewarm_forecast_p_any_band_mean", "p_any_mean"),
+                                    ("prewarm_forecast_p_any_band_invoked_share", "invoked_share")):
+                    assert gauges[(name, str(h), band)] == pytest.approx(
+                        sum(getattr(e, field) * e.p_any_minutes for e in mine) / minutes), (name, h, band)
+            assert {k[2] for k in gauges if len(k) == 3 and k[1] == str(h)} <= set(p_any_band_names())
+        assert len({k[2] for k in gauges if len(k) == 3}) >= 3  # m1, m2 and the rest in three bands
         # read once per scored hour: a changed row shows only once the hour is scored again
         with engine.begin() as conn:
             conn.execute(text("UPDATE forecast_errors SET abs_error = abs_error + 1e6 WHERE hour = :h"),

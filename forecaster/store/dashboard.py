@@ -617,6 +617,47 @@ def fleet_hour_errors(conn: Connection, *, hour: datetime) -> list[FleetHourErro
                            error=ForecastError.from_sums(*r[4:])) for r in rows]
 
 
+#: Upper edges of the bands of a model-hour's mean ``p_any`` that :func:`p_any_bands` pools by (the last band ends
+#: at 1): a reliability table read off the forecast, not the outcome, so that sparse models are checked apart from
+#: the busy ones that dominate any fleet-wide mean.
+P_ANY_BAND_EDGES = (0.02, 0.1, 0.3)
+
+
+def p_any_band_names() -> list[str]:
+    """``"0-0.02"``, ``"0.02-0.1"``, ``"0.1-0.3"``, ``"0.3-1"``: the bands' labels, in order."""
+    edges = (0, *P_ANY_BAND_EDGES, 1)
+    return [f"{lo:g}-{hi:g}" for lo, hi in zip(edges[:-1], edges[1:])]
+
+
+@dataclass(frozen=True)
+class PAnyBand:
+    """The model-hours of one scored hour and horizon whose mean ``p_any`` falls in one band, pooled: their minutes
+    with a ``p_any``, its mean over them and the share of them with a request (calibrated: the two agree)."""
+
+    horizon_min: int
+    band: str
+    model_hours: int
+    p_any_minutes: int
+    p_any_mean: float
+    invoked_share: float
+
+
+def p_any_bands(conn: Connection, *, hour: datetime) -> list[PAnyBand]:
+    """The reliability of ``p_any`` over ``hour``, per horizon and band of each model's mean ``p_any`` in the hour
+    (:data:`P_ANY_BAND_EDGES`); bands with no model left out."""
+    bands = " ".join(f"WHEN m < {edge} THEN {i}" for i, edge in enumerate(P_ANY_BAND_EDGES))
+    rows = conn.execute(text(f"""
+        SELECT horizon_min, CASE {bands} ELSE {len(P_ANY_BAND_EDGES)} END AS band, count(*), sum(p_any_minutes),
+               sum(p_any_sum), sum(invoked_minutes)
+        FROM (SELECT horizon_min, p_any_minutes, p_any_sum, invoked_minutes, p_any_sum / p_any_minutes AS m
+              FROM forecast_errors WHERE hour = :hour AND p_any_minutes > 0) e
+        GROUP BY 1, 2 ORDER BY 1, 2"""), {"hour": hour}).all()
+    names = p_any_band_names()
+    return [PAnyBand(horizon_min=int(h), band=names[int(b)], model_hours=int(n), p_any_minutes=int(minutes),
+                     p_any_mean=float(p_sum) / int(minutes), invoked_share=float(invoked) / int(minutes))
+            for h, b, n, minutes, p_sum, invoked in rows]
+
+
 def read_fleet_page(conn: Connection, *, end: datetime, window_min: int, horizon_min: int, sort: str = "wmape",
                     search: str | None = None, limit: int = 50, offset: int = 0,
                     follow_scored: bool = False) -> FleetPage:
