@@ -15,8 +15,8 @@ would an hour after that hour ended; its time is reported per hour of data.
 The fleet figures are one page (50 rows, as the page asks) for every sort key
 (the error sorts read the rollup: ``error_source`` is printed with each), the
 wMAPE page at horizon 30, the page at offset N/2 and a search. Then the fleet's error over the newest scored
-hour (``fleet_hour_errors``, what ``/metrics`` reads once per scored hour) and ``GET /metrics`` itself. ``uptime``'s
-load is printed before and after, since the machine may be shared.
+hour (``fleet_hour_errors`` and ``p_any_bands``, what ``/metrics`` reads once per scored hour) and ``GET
+/metrics`` itself. ``uptime``'s load is printed before and after, since the machine may be shared.
 Like ``bench/scale.py`` the fleet is generated, but here in SQL (the forecast
 rows as the forecast job stores them), since only the reads are measured.
 """
@@ -44,7 +44,8 @@ sys.path.insert(0, str(REPO))
 
 from forecaster.jobs.error_scoring import score_errors_job  # noqa: E402
 from forecaster.settings import Settings  # noqa: E402
-from forecaster.store.dashboard import FLEET_SORTS, fleet_hour_errors, newest_scored_hour  # noqa: E402
+from forecaster.store.dashboard import (  # noqa: E402
+    FLEET_SORTS, fleet_hour_errors, newest_scored_hour, p_any_bands)
 from forecaster.store.db import embedded_server, make_engine, upgrade  # noqa: E402
 from forecaster.store.forecasts import ensure_forecast_partitions  # noqa: E402
 from forecaster.store.partitions import ensure_partitions  # noqa: E402
@@ -208,11 +209,14 @@ def run(admin_url: str, args) -> dict:
                     reads = []
                     for _ in range(max(3, args.repeat // 2)):
                         begun = time.perf_counter()
-                        rows = fleet_hour_errors(conn, hour=newest_scored_hour(conn)[0])
+                        hour_start = newest_scored_hour(conn)[0]
+                        rows = fleet_hour_errors(conn, hour=hour_start)
+                        bands = p_any_bands(conn, hour=hour_start)
                         reads.append(1000 * (time.perf_counter() - begun))
                 results["fleet_hour_errors"] = {"p50_ms": round(statistics.median(reads), 1),
-                                                "max_ms": round(max(reads), 1), "horizons": len(rows)}
-                print(f"fleet_hour_errors ({args.models} models, {len(rows)} horizons): p50 "
+                                                "max_ms": round(max(reads), 1), "horizons": len(rows),
+                                                "p_any_band_rows": len(bands)}
+                print(f"fleet_hour_errors + p_any_bands ({args.models} models, {len(rows)} horizons): p50 "
                       f"{results['fleet_hour_errors']['p50_ms']} ms, max {results['fleet_hour_errors']['max_ms']} ms",
                       flush=True)
                 figure = timed(client, "/metrics", args.repeat)  # the hour's errors cached after the first scrape
