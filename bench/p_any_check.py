@@ -78,6 +78,9 @@ KAPPAS = (1, 3, 10, 30, 100, 300)
 BLOCK_MIN = 120
 #: The reliability table's second horizon (minutes ahead; a cold start's lead time on the fleet is a few minutes).
 RELIABILITY_H = 5
+#: PrewarmPAnyMiscalibrated's thresholds (deploy/prometheus-rules.yml): the factor p_any may be off by, and the
+#: requests expected or seen in 3 hours below which a band is not judged.
+ALERT_RATIO, ALERT_MIN_REQUESTS = 2.0, 50
 #: Reliability bands: invoked minutes before the fit (of FIT_MIN) and minutes since the last invocation.
 ACTIVITY_EDGES = (0, 1, 5, 20, 60, 240)
 AGE_EDGES = (1, 10, 60, 180, 10**6)
@@ -137,8 +140,8 @@ for lo in range(0, END_MIN - FIT_MIN, BLOCK_MIN):
         for subset, rows in (("sparse", sparse), ("busy", ~sparse))))
 # what the alert PrewarmPAnyMiscalibrated reads (deploy/prometheus-rules.yml): per band of a function-hour's mean
 # p_any (forecaster.store.dashboard.P_ANY_BAND_EDGES), the mean p_any over the invoked share of those function-minutes,
-# averaged over the last 3 hours as avg_over_time does; "!" where it would hold (outside [0.67, 1.5] with at least 50
-# requests expected or seen in the 3 hours; it fires after an hour of that)
+# averaged over the last 3 hours as avg_over_time does; "!" where it would hold (off by more than ALERT_RATIO with at
+# least ALERT_MIN_REQUESTS requests expected or seen in the 3 hours; it fires after an hour of that)
 hours = (END_MIN - FIT_MIN) // 60
 band_edges = (0.0, *P_ANY_BAND_EDGES, np.inf)
 for name, p in p_any.items():
@@ -160,7 +163,7 @@ for name, p in p_any.items():
                 continue
             m, v, n = (np.nanmean(x[window]) for x in (mean_p, share, minutes))
             ratio = m / v if v > 0 else np.inf
-            holds = (ratio > 1.5 or ratio < 0.67) and 3 * n * max(m, v) >= 50
+            holds = (ratio > ALERT_RATIO or ratio < 1 / ALERT_RATIO) and 3 * n * max(m, v) >= ALERT_MIN_REQUESTS
             reads.append(f"{ratio:.2f}{'!' if holds else ''}")
         cells.append(f"{band}: " + " ".join(reads))
     print(f"{name:10s} mean p_any / invoked share over 3 hours, per hour, by p_any band | " + " | ".join(cells))
