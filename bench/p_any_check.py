@@ -53,6 +53,10 @@ at 1080: at kappa 3 the ensemble's hold rule has 14.3 % p75 cold at 77.7 k idle 
 source's 24.6 % at 91.2 k (at kappa 1, 35.7 % at 39.7 k against 33.3 % at 48.2 k). Production retrains nightly on
 days of history; the replays of ``bench/policies.py`` fit first at minute 240, where the sparse loss is.
 
+What ``PrewarmPAnyMiscalibrated`` reads (3e78492): in the lowest band (a function-hour's mean ``p_any`` under 0.02) the
+ensemble's ``p_any`` runs 1.2-5 times the invoked share after the 18-hour fit and 1.3-3 times after the 4-hour one;
+the other bands stay within 0.65-1.17. The rule's factor of two fires on the 4-hour fit's first hours only.
+
 Takes about 5 minutes on 2 cores at 1,350 functions (7 with ``--fit-min 1080``).
 
     .venv/bin/python bench/p_any_check.py [--functions N] [--fit-min 240] [--end-min 600]
