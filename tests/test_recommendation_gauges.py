@@ -4,7 +4,7 @@ id, prepared bodies and full-path models alike, and it follows the snapshot when
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from types import SimpleNamespace
 
 import numpy as np
