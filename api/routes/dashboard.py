@@ -404,29 +404,18 @@ async def get_cold_starts(model_id: str, request: Request, engine: EngineDep, se
 
 
 def _node_lead_time(engine, settings, now: datetime, model_id: str, node: str) -> tuple[float, str] | None:
-    """(lead seconds, start state) of a start of ``model_id`` on ``node``; None when the fleet has no such node."""
-    import pandas as pd
+    """(lead seconds, start state) of a start of ``model_id`` on ``node``; None when the fleet has no such node.
 
-    from api.snapshot import planner_settings_for
-    from forecaster.coldstart.service import latency_table
-    from forecaster.jobs.planning import fleet_from_store
-    from forecaster.contracts.phases import START_STATES
-    from forecaster.planning.fleet import node_state_ranks
-    from forecaster.planning.lead_time import lead_time_s
+    The numbers of ``GET /v1/models/{id}/cold-start?node=`` (:func:`api.coldstart_horizon.predict_horizon`): the
+    model's own rows and the node, not the fleet, and the latency model called directly, so a per-model view never
+    evicts the fleet's table from the service's cache.
+    """
+    from api.coldstart_horizon import predict_horizon
 
-    fleet = fleet_from_store(engine, now=now, default_cold_cost=settings.planner_cold_cost)
-    if node not in set(fleet.nodes.index.astype(str)):
+    horizon = predict_horizon(engine, settings, now, [model_id], node=node)
+    if horizon is None:
         return None
-    if model_id in set(fleet.models.index.astype(str)):
-        held = node_state_ranks(fleet, pd.Index([model_id]), pd.Index([node]))
-        state = START_STATES[int(held[0, 0])]
-        sizes = fleet.models.loc[[model_id], ["image_bytes", "weights_bytes"]]
-    else:  # in the catalogue but not plannable (e.g. no usable sizes): nothing cached, sizes unknown
-        state, sizes = "none", pd.DataFrame({"image_bytes": [0.0], "weights_bytes": [0.0]}, index=[model_id])
-    table = latency_table(engine, settings, sizes, hour=now.astimezone(timezone.utc).hour, nodes=[node])
-    lead = lead_time_s(table.for_node(node), {model_id: state}, planner_settings_for(settings),
-                       model_ids=[model_id])
-    return float(lead[model_id]), state
+    return float(horizon.lead_time_s[model_id]), str(horizon.start_state[model_id])
 
 
 @router.get("/models/{model_id}/actions", response_model=TimelinePublic, responses=_UNKNOWN_MODEL)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
 
 import numpy as np
@@ -71,13 +72,16 @@ def stored_forecast(engine: Engine, *, now: datetime, horizon_min: int) -> pd.Da
     return frame
 
 
-def fleet_from_store(engine: Engine, *, now: datetime, default_cold_cost: float = 1.0) -> FleetState:
+def fleet_from_store(engine: Engine, *, now: datetime, default_cold_cost: float = 1.0,
+                     model_ids: Sequence[str] | None = None) -> FleetState:
     """Catalogue, nodes and caches from the store, through the one fleet builder the simulator uses too.
 
     A model without a numeric ``cold_cost`` label gets ``default_cold_cost`` (``PREWARM_PLANNER_COLD_COST``).
+    ``model_ids``: only those models (and every node), each as it is in the whole fleet's state
+    (:func:`~forecaster.store.fleet.read_fleet_inputs`).
     """
     with engine.connect() as conn:
-        models, nodes, artefacts = read_fleet_inputs(conn, now=now)
+        models, nodes, artefacts = read_fleet_inputs(conn, now=now, model_ids=model_ids)
     models["cold_cost"] = models["cold_cost"].fillna(default_cold_cost)
     return build_fleet(models, nodes, artefacts)
 

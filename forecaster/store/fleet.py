@@ -8,6 +8,7 @@ before an agent's next state report) nothing else says so and the planner would 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 import numpy as np
@@ -15,8 +16,14 @@ import pandas as pd
 from sqlalchemy import Connection, text
 
 
-def read_fleet_inputs(conn: Connection, *, now: datetime) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+def read_fleet_inputs(conn: Connection, *, now: datetime, model_ids: Sequence[str] | None = None
+                      ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(models, nodes, artefacts) frames as :func:`~forecaster.contracts.fleet.build_fleet` takes them.
+
+    ``model_ids`` reads only those models, and only the artefacts their images and weights are (every node, as
+    before): what :func:`~forecaster.contracts.fleet.build_fleet` makes of a model depends on that model's row,
+    the nodes and the artefacts with its references alone, so each model comes out as in the whole fleet's state.
+    A per-model answer (``GET /v1/models/{id}/cold-start``) then reads one catalogue row, not the fleet.
 
     ``models`` carries the raw catalogue values (the builder fills defaults and refuses unusable ones);
     ``cold_cost`` comes from the model's label of that name when it is a number; ``burst_factor`` from the
@@ -28,7 +35,8 @@ def read_fleet_inputs(conn: Connection, *, now: datetime) -> tuple[pd.DataFrame,
         "(SELECT a.replicas FROM (SELECT (spec->>'replicas')::int AS replicas, updated_at FROM actions "
         "   WHERE model_id = m.id AND kind IN ('scale', 'release') AND status = 'succeeded' "
         "   ORDER BY updated_at DESC, id DESC LIMIT 1) a) AS replicas "
-        "FROM serving_models m ORDER BY m.id")).all()
+        "FROM serving_models m" + (" WHERE m.id = ANY(:ids)" if model_ids is not None else "") + " ORDER BY m.id"),
+        {"ids": list(model_ids or ())}).all()
     # plain tuples: pandas probes each SQLAlchemy Row for attributes (1.2 s at 100,000 models, 0.05 s as tuples)
     models = pd.DataFrame([tuple(row) for row in rows], columns=["model_id", "image_ref", "image_bytes", "weights_uri", "weights_bytes",
                                          "gpus", "replica_rps", "slo_s", "cold_cost", "burst_factor", "replicas"]).set_index("model_id")
@@ -39,11 +47,16 @@ def read_fleet_inputs(conn: Connection, *, now: datetime) -> tuple[pd.DataFrame,
     nodes = pd.DataFrame(conn.execute(text(
         "SELECT id, gpus_free, host_memory_free_bytes, disk_free_bytes FROM nodes ORDER BY id")).all(),
         columns=["node_id", "gpus_free", "host_free_bytes", "disk_free_bytes"]).set_index("node_id")
-    held = conn.execute(text("SELECT node_id, artefact_kind, ref, tier FROM node_cache")).all()
+    of_refs, refs = "", []
+    if model_ids is not None:  # only the artefacts of the models read: an image counts for every model using it
+        of_refs = " AND {} = ANY(:refs)"
+        refs = sorted({r for r in (*models["image_ref"], *models["weights_uri"]) if isinstance(r, str)})
+    held = conn.execute(text("SELECT node_id, artefact_kind, ref, tier FROM node_cache WHERE true"
+                             + of_refs.format("ref")), {"refs": refs}).all()
     held += conn.execute(text(
         "SELECT DISTINCT node_id, CASE kind WHEN 'prepull' THEN 'image' ELSE 'weights' END, target, "
         "CASE kind WHEN 'prepull' THEN 'image' ELSE spec->>'tier' END FROM actions "
         "WHERE kind IN ('prepull', 'preload') AND status = 'succeeded' AND node_id IS NOT NULL "
-        "AND updated_at >= :since"), {"since": now - timedelta(days=1)}).all()
+        "AND updated_at >= :since" + of_refs.format("target")), {"since": now - timedelta(days=1), "refs": refs}).all()
     artefacts = pd.DataFrame(held, columns=["node_id", "kind", "ref", "tier"])
     return models, nodes, artefacts
