@@ -217,6 +217,23 @@ def test_the_fast_table_is_the_row_by_row_prediction(fitted):
     assert long["node_id"].iloc[0] == "fast" and long["model_id"].iloc[len(START_STATES)] == models.index[1]
 
 
+def test_the_kept_node_side_follows_the_nodes(fitted):
+    """The grid keeps the node side of recent tables (the columns of every question about a few models): two node
+    sets of the same shape, asked in turn, each get their own row-by-row answer."""
+    models = catalogue(2)
+    base = fitted._base_rows(models, hour=9, concurrent=0.0, registry_pulls=0.0)
+    index = pd.Index(["fast", "slow", "thin", "wide"], name="node_id")
+    tables = {}
+    for name, wide in (("a", 6.25e9), ("b", 4e7), ("a", 6.25e9), ("b", 4e7)):
+        nodes = pd.DataFrame({"node_bytes_per_s": [np.nan, np.nan, np.nan, wide]}, index=index)
+        table = fitted.node_latency_table(models, hour=9, nodes=nodes).total_s
+        ids, bandwidth = fitted._node_inputs(nodes)
+        np.testing.assert_allclose(table, fitted._node_totals_by_row(base, ids, bandwidth), rtol=1e-6)
+        tables.setdefault(name, []).append(table)
+    assert np.array_equal(tables["a"][0], tables["a"][1]) and np.array_equal(tables["b"][0], tables["b"][1])
+    assert not np.allclose(tables["a"][0][:, 3], tables["b"][0][:, 3])  # the wide node's bandwidth tells
+
+
 def test_the_prior_alone_per_node(fitted):
     """With too few events the prior answers, per node at that node's bandwidth."""
     prior = ColdStartModel(tree_params=SMALL_TREES).fit(events(10))

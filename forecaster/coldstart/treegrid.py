@@ -38,6 +38,10 @@ import numpy as np
 ZERO_THRESHOLD = float(np.float32(1e-35))
 
 
+#: Column sides :class:`TreeGrid` keeps (a table asks one per start state and node bandwidth).
+COLUMN_SIDES_KEPT = 16
+
+
 class UnsupportedBooster(ValueError):
     """The booster has a tree :class:`TreeGrid` cannot evaluate on a grid (the caller falls back to row by row)."""
 
@@ -86,6 +90,7 @@ class TreeGrid:
             raise UnsupportedBooster(f"{dump['num_tree_per_iteration']} trees per iteration: only regression "
                                      "boosters (one tree per iteration) have a grid form")
         self.n_features = int(dump["max_feature_idx"]) + 1
+        self._kept_column_sides: dict[tuple, tuple] = {}  # :meth:`_column_side`'s answers, by its columns
         self.trees = []
         for info in dump["tree_info"]:
             splits: list[_Split] = []
@@ -115,6 +120,40 @@ class TreeGrid:
             stack.append((right, ~go if rows is None else rows & ~go))
         return reach
 
+    def _column_side(self, columns: np.ndarray, on_column: np.ndarray) -> tuple[list, list, np.ndarray]:
+        """Each leaf's reach pattern over the columns, equal patterns merged: (patterns, per tree the pattern id of
+        each leaf (-1: no column lands there), the (patterns x columns) matrix ``C``).
+
+        Answers are kept (the :data:`COLUMN_SIDES_KEPT` newest columns): the columns are the fleet's nodes per
+        start state, the same for every question until the node statistics change, and for a question about one
+        model they are half the work.
+        """
+        key = (columns.shape, columns.tobytes(), on_column.tobytes())
+        kept = self._kept_column_sides.get(key)
+        if kept is not None:
+            return kept
+        pattern_of: dict[bytes, int] = {}
+        patterns: list[np.ndarray] = []
+        leaf_patterns = []
+        for tree in self.trees:
+            ids = []
+            for reach in self._reach(tree, columns, on_column):
+                mask = np.ones(len(columns), dtype=bool) if reach is None else reach
+                if not mask.any():
+                    ids.append(-1)  # no column lands here: the leaf adds nothing
+                    continue
+                mask_key = mask.tobytes()
+                if mask_key not in pattern_of:
+                    pattern_of[mask_key] = len(patterns)
+                    patterns.append(mask)
+                ids.append(pattern_of[mask_key])
+            leaf_patterns.append(ids)
+        c = np.stack(patterns).astype("float64") if patterns else np.zeros((0, len(columns)))
+        if len(self._kept_column_sides) >= COLUMN_SIDES_KEPT:
+            self._kept_column_sides.clear()
+        self._kept_column_sides[key] = (patterns, leaf_patterns, c)
+        return patterns, leaf_patterns, c
+
     def grid(self, rows: np.ndarray, columns: np.ndarray, column_features, *, chunk_cells: int = 1 << 22
              ) -> np.ndarray:
         """(R, C) float64 raw scores: row ``r`` and column ``c`` combined into one feature vector.
@@ -129,24 +168,7 @@ class TreeGrid:
         columns = np.asarray(columns, dtype="float64")
         on_column = np.zeros(self.n_features, dtype=bool)
         on_column[list(column_features)] = True
-        # columns: each leaf's reach pattern over the columns; equal patterns share one column of A
-        pattern_of: dict[bytes, int] = {}
-        patterns: list[np.ndarray] = []
-        leaf_patterns = []
-        for tree in self.trees:
-            ids = []
-            for reach in self._reach(tree, columns, on_column):
-                mask = np.ones(len(columns), dtype=bool) if reach is None else reach
-                if not mask.any():
-                    ids.append(-1)  # no column lands here: the leaf adds nothing
-                    continue
-                key = mask.tobytes()
-                if key not in pattern_of:
-                    pattern_of[key] = len(patterns)
-                    patterns.append(mask)
-                ids.append(pattern_of[key])
-            leaf_patterns.append(ids)
-        c = np.stack(patterns).astype("float64") if patterns else np.zeros((0, len(columns)))
+        patterns, leaf_patterns, c = self._column_side(columns, on_column)
         out = np.empty((len(rows), len(columns)), dtype="float64")
         step = max(256, chunk_cells // max(len(patterns), 1))
         on_row = ~on_column
