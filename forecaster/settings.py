@@ -179,6 +179,10 @@ class Settings(BaseSettings):
     coldstart_metrics_max_models: int = Field(
         default=1000, ge=0, le=100_000,
         description="/metrics cold-start gauges cover at most this many models (those with a forecast, by id).")
+    coldstart_metrics_max_age_s: float = Field(
+        default=30.0, ge=0, le=3600,
+        description="/metrics cold-start gauges are computed at most this often and served from the last "
+                    "computation in between (sooner when the models or the UTC hour change); 0 = every scrape.")
     api_workers: int | Literal["auto"] = Field(
         default=1,
         description="Worker processes of `prewarm serve` (1 to 64), each with its own forecast snapshot; 'auto' = "

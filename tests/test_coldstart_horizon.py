@@ -4,6 +4,8 @@ PostgreSQL: a latency model trained from stored cold starts, two nodes with cach
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
@@ -15,6 +17,7 @@ from forecaster.contracts.phases import START_STATES
 from forecaster.jobs.planning import fleet_from_store, predicted_latency
 from forecaster.planning.fleet import PlannerSettings
 from forecaster.planning.lead_time import start_seconds_by_state, warmest_states
+from forecaster.ingest.service import push_cold_starts
 from forecaster.store.catalog import ServingModelSpec, upsert_models
 from forecaster.store.tokens import create_token
 from tests.test_lead_time import NOW, SIZES, fleet  # noqa: F401 - the fixture: models, nodes, caches, latency model
@@ -117,3 +120,68 @@ def test_metrics_cardinality_is_capped(engine, settings, fleet):  # noqa: F811
         gauges = scrape(client)
     assert {dict(k)["model_id"] for k in gauges["prewarm_cold_start_lead_time_seconds"]} == {"a", "b"}
     assert gauges["prewarm_cold_start_metrics_models_left_out"] == {(): 1.0}
+
+
+class _Models:
+    """The part of the API's snapshot the gauges read: which models have a forecast."""
+
+    def __init__(self, ids) -> None:
+        self.newest_issued_at = NOW
+        self.models = {m: type("View", (), {"forecast": object()})() for m in ids}
+
+
+def gauge_values(collector) -> dict[str, dict[tuple, float]]:
+    return {f.name: {tuple(s.labels.values()): s.value for s in f.samples} for f in collector.collect()}
+
+
+def test_metrics_are_kept_for_their_max_age_and_follow_the_models_and_the_hour(engine, settings, fleet):  # noqa: F811
+    from api.metrics import ColdStartHorizonCollector
+
+    clock, timer = [NOW], [1000.0]
+    collector = ColdStartHorizonCollector(engine, _Models(SIZES), settings, lambda: clock[0], lambda: timer[0])
+    first = gauge_values(collector)
+    p90 = first["prewarm_cold_start_observed_p90_seconds"]
+    assert first["prewarm_cold_start_metrics_age_seconds"] == {(): 0.0} and set(p90) == {("a",), ("b",), ("c",)}
+    slow = [{"model_id": "a", "node_id": "n1", "started_at": (NOW - timedelta(minutes=k)).isoformat(),
+             "total_seconds": 900.0, "cache_state": "none"} for k in range(1, 4)]
+    push_cold_starts(engine, settings, slow, now=NOW)
+    fresh = newest_totals(engine, "a")
+    assert float(np.percentile(fresh, 90)) != pytest.approx(p90[("a",)])
+
+    timer[0] += 29.0  # younger than the max age: the kept figures, with their age
+    kept = gauge_values(collector)
+    assert kept["prewarm_cold_start_observed_p90_seconds"] == p90
+    assert kept["prewarm_cold_start_metrics_age_seconds"] == {(): 29.0}
+    timer[0] += 1.0  # 30 s: computed again
+    again = gauge_values(collector)
+    assert again["prewarm_cold_start_metrics_age_seconds"] == {(): 0.0}
+    assert again["prewarm_cold_start_observed_p90_seconds"][("a",)] == pytest.approx(float(np.percentile(fresh, 90)))
+
+    collector._snapshot = _Models(["a", "b"])  # another set of models: at once
+    assert set(gauge_values(collector)["prewarm_cold_start_lead_time_seconds"]) == {("a",), ("b",)}
+    timer[0] += 1.0
+    clock[0] = NOW + timedelta(minutes=59)  # the same hour: kept
+    assert gauge_values(collector)["prewarm_cold_start_metrics_age_seconds"] == {(): 1.0}
+    clock[0] = NOW + timedelta(hours=1)  # the latency model predicts per hour: at once
+    assert gauge_values(collector)["prewarm_cold_start_metrics_age_seconds"] == {(): 0.0}
+
+    every = ColdStartHorizonCollector(engine, _Models(SIZES), settings.model_copy(
+        update={"coldstart_metrics_max_age_s": 0.0}), lambda: NOW, lambda: timer[0])
+    gauge_values(every)
+    push_cold_starts(engine, settings, [{**slow[0], "started_at": NOW.isoformat(), "total_seconds": 5.0}], now=NOW)
+    assert gauge_values(every)["prewarm_cold_start_observed_p90_seconds"][("a",)] == pytest.approx(
+        float(np.percentile(newest_totals(engine, "a"), 90)))
+
+
+def test_a_failed_computation_is_not_kept(engine, settings, fleet):  # noqa: F811
+    from api.metrics import ColdStartHorizonCollector
+    from forecaster.store.db import make_engine
+
+    gone = make_engine("postgresql+psycopg://nobody@127.0.0.1:9/none?connect_timeout=1")
+    collector = ColdStartHorizonCollector(gone, _Models(SIZES), settings, lambda: NOW, lambda: 0.0)
+    assert set(gauge_values(collector)) == {"prewarm_cold_start_metrics_models_left_out"}  # database_up says why
+    collector._engine = engine  # the database is back: computed on the next scrape, not an empty kept answer
+    values = gauge_values(collector)
+    assert values["prewarm_cold_start_metrics_age_seconds"] == {(): 0.0}
+    assert set(values["prewarm_cold_start_lead_time_seconds"]) == {("a",), ("b",), ("c",)}
+    gone.dispose()
