@@ -271,8 +271,9 @@ class ServiceMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=self.registry)
         self.registry.register(StoreCollector(engine, clock))
         #: prewarm_recommended_replicas, two samples per model: written from arrays, not through the registry
-        #: (api/recommendation_gauges.py); None without a snapshot
-        self.recommendations = RecommendationGauges(snapshot, settings, clock) if snapshot is not None else None
+        #: (api/recommendation_gauges.py); None without a snapshot or with PREWARM_RECOMMENDATION_METRICS=false
+        wanted = snapshot is not None and (settings is None or settings.recommendation_metrics)
+        self.recommendations = RecommendationGauges(snapshot, settings, clock) if wanted else None
         if snapshot is not None:
             self.registry.register(ColdStartHorizonCollector(engine, snapshot, settings, clock))
 

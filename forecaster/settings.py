@@ -179,6 +179,10 @@ class Settings(BaseSettings):
     coldstart_metrics_max_models: int = Field(
         default=1000, ge=0, le=100_000,
         description="/metrics cold-start gauges cover at most this many models (those with a forecast, by id).")
+    recommendation_metrics: bool = Field(
+        default=True,
+        description="/metrics carries prewarm_recommended_replicas (two samples per model, for HPA through "
+                    "prometheus-adapter); false leaves it out (KEDA or REST only: 14 MB a scrape at 100,000 models).")
     coldstart_metrics_max_age_s: float = Field(
         default=30.0, ge=0, le=3600,
         description="/metrics cold-start gauges are computed at most this often and served from the last "

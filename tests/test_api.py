@@ -202,6 +202,18 @@ def test_health_readiness_and_metrics(client, engine, tokens):
     assert 'prewarm_api_request_seconds_count{method="GET",route="/v1/models",status="200"} 1.0' in text_metrics
 
 
+def test_the_per_model_gauge_can_be_left_out(engine, settings, tokens):
+    quiet = settings.model_copy(update={"recommendation_metrics": False})
+    with TestClient(create_app(quiet, engine, clock=lambda: NOW)) as client:
+        put_model(client, tokens)
+        store_forecast(engine)
+        recommendation = client.get("/v1/models/llama/recommendation", headers=auth(tokens["read"]))
+        assert recommendation.json()["replicas_at_lead_time"] == 2  # the REST answer stays
+        text_metrics = client.get("/metrics").text
+    assert "prewarm_recommended_replicas" not in text_metrics
+    assert "prewarm_forecast_age_seconds 30.0" in text_metrics  # the rest of /metrics stays
+
+
 def test_openapi_is_served_and_versioned(client):
     spec = client.get("/openapi.json").json()
     assert {"/v1/models", "/v1/models/{model_id}/recommendation", "/v1/invocations"} <= set(spec["paths"])
