@@ -55,6 +55,7 @@ class _Snapshot:
         self.newest_issued_at = NOW
         view = type("View", (), {"forecast": object()})()
         self.models = {m: view for m in ids}
+        self.prepared: dict = {}  # the real snapshot replaces it when a forecast lands; unchanged here
 
     def refresh_if_due(self) -> None:
         pass

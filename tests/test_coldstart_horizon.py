@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import numpy as np
+import pandas as pd
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
@@ -19,6 +20,7 @@ from forecaster.planning.fleet import PlannerSettings
 from forecaster.planning.lead_time import start_seconds_by_state, warmest_states
 from forecaster.ingest.service import push_cold_starts
 from forecaster.store.catalog import ServingModelSpec, upsert_models
+from forecaster.store.forecasts import write_forecasts
 from forecaster.store.tokens import create_token
 from tests.test_lead_time import NOW, SIZES, fleet  # noqa: F401 - the fixture: models, nodes, caches, latency model
 
@@ -114,6 +116,20 @@ def test_metrics_carry_the_same_figures_for_models_with_a_forecast(client):
     assert gauges["prewarm_cold_start_metrics_models_left_out"] == {(): 0.0}
 
 
+def test_metrics_follow_a_model_that_gains_a_forecast(client, engine):
+    def lead_models() -> set[str]:
+        return {dict(k)["model_id"] for k in scrape(client)["prewarm_cold_start_lead_time_seconds"]}
+
+    assert lead_models() == set(SIZES)
+    assert lead_models() == set(SIZES)  # the snapshot unchanged: the same models, kept
+    minutes = pd.date_range(pd.Timestamp(NOW), periods=60, freq="min")
+    write_forecasts(engine, pd.DataFrame({"unique_id": "d", "ds": minutes, "point": 2.0, "p_any": 0.5, "q0.1": 0.0,
+                                          "q0.5": 2.0, "q0.9": 4.0}),
+                    issued_at=NOW + timedelta(seconds=1), model_version_id=None)
+    assert client.app.state.snapshot.refresh()
+    assert lead_models() == set(SIZES) | {"d"}  # d's run landed: on /metrics at the next scrape
+
+
 def test_metrics_cardinality_is_capped(engine, settings, fleet):  # noqa: F811
     capped = settings.model_copy(update={"coldstart_metrics_max_models": 2})
     with TestClient(create_app(capped, engine, clock=lambda: NOW)) as client:
@@ -128,6 +144,7 @@ class _Models:
     def __init__(self, ids) -> None:
         self.newest_issued_at = NOW
         self.models = {m: type("View", (), {"forecast": object()})() for m in ids}
+        self.prepared = {}  # replaced by the real snapshot whenever a forecast lands or the catalogue is read
 
 
 def gauge_values(collector) -> dict[str, dict[tuple, float]]:
