@@ -14,6 +14,11 @@
   job and the API's lead time. :func:`prefetch_next_hour` builds the next
   hour's table in a background thread in the last minutes of an hour, so the
   first plan of the hour does not pay the build (70 s at 100,000 models).
+  Per-node tables of a saved champion are also written as files beside the
+  models (:mod:`forecaster.coldstart.table_files`,
+  ``PREWARM_LATENCY_TABLE_FILES_KEPT``): a process that misses its own cache
+  (just started, another API worker, the API beside the plan job) reads the
+  table instead of computing it again.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from pathlib import Path
 import pandas as pd
 from sqlalchemy import Engine
 
+from forecaster.coldstart import table_files
 from forecaster.coldstart.model import ColdStartModel, load_cold_starts
 from forecaster.contracts.fleetconfig import FleetConfig
 from forecaster.contracts.latency import NodeLatencyTable
@@ -49,7 +55,8 @@ _models: dict[str, tuple[str | None, ColdStartModel]] = {}  # database#models_di
 _tables: "OrderedDict[tuple, pd.DataFrame | NodeLatencyTable]" = OrderedDict()
 _building: dict[tuple, "_Build"] = {}  # key -> its build in flight (single-flight: callers wait on it)
 _prefetches: list[threading.Thread] = []  # prefetch threads started and not yet seen finished
-_stats = {"builds": 0, "hits": 0, "waits": 0, "prefetches_started": 0, "prefetch_failures": 0}
+_stats = {"builds": 0, "hits": 0, "waits": 0, "prefetches_started": 0, "prefetch_failures": 0, "files_read": 0,
+          "files_written": 0}
 _TABLES_KEPT = 8
 #: bytes of arrays the per-hour cache may hold beyond its two most recently used tables (a 100,000 x 64 node
 #: table is about 110 MB: this hour's and the next hour's of the plan job and of the API's snapshot fit)
@@ -179,7 +186,9 @@ def latency_table(engine: Engine, settings: Settings, models: pd.DataFrame, *, h
         once an hour, not every minute, and not even that when :func:`prefetch_next_hour` built the hour's table
         before it began. Single-flight per key: a caller whose table is being built (by a prefetch or another
         caller) waits for that build instead of starting a second one; the build holds no lock while it
-        computes. The cache holds at most ``_TABLES_KEPT`` tables and, beyond the two most recently used (the
+        computes. A per-node table of a saved champion is read from its file when another process (or this one
+        before a restart) computed it, and written there when computed here
+        (:mod:`~forecaster.coldstart.table_files`). The cache holds at most ``_TABLES_KEPT`` tables and, beyond the two most recently used (the
         table in use and the one just built, so a prefetch never evicts the table of the hour being planned),
         ``_TABLE_BYTES_KEPT`` bytes of them (least recently used dropped first).
     """
@@ -257,7 +266,9 @@ def latency_table_stats() -> dict[str, int]:
     """Counters of the table cache since the process started (observability; tests compare before and after).
 
     ``builds``: tables computed (by a caller or a prefetch); ``hits``: answered from the cache; ``waits``:
-    callers that waited for a build in flight for their key; ``prefetches_started``; ``prefetch_failures``.
+    callers that waited for a build in flight for their key; ``prefetches_started``; ``prefetch_failures``;
+    ``files_read``: tables read from the file another process (or this one) wrote instead of computed;
+    ``files_written``.
     """
     with _lock:
         return dict(_stats)
@@ -272,6 +283,10 @@ class _TableRequest:
     sizes: pd.DataFrame
     hour: int
     node_ids: tuple[str, ...] | None
+    #: where the table is shared with other processes (:mod:`forecaster.coldstart.table_files`), or None
+    models_dir: Path | None = None
+    file_key: dict | None = None
+    files_kept: int = 0
 
     def build(self) -> "pd.DataFrame | NodeLatencyTable":
         """The table itself (seconds to a minute at 100,000 models; pure computation, no database)."""
@@ -297,7 +312,12 @@ def _request(engine: Engine, settings: Settings, models: pd.DataFrame, *, hour: 
     if node_ids is not None and not all(node_ids):
         raise ValueError("node ids must be non-empty strings")
     key = (_key(engine, settings), version, int(hour), len(sizes), digest, node_ids)
-    return _TableRequest(key=key, model=model, sizes=sizes, hour=int(hour), node_ids=node_ids)
+    shared = version is not None and node_ids is not None and settings.latency_table_files_kept > 0
+    file_key = table_files.table_key(version=version, hour=hour, n_models=len(sizes), sizes_digest=digest,
+                                     node_ids=node_ids, code_version=_code_version()) if shared else None
+    return _TableRequest(key=key, model=model, sizes=sizes, hour=int(hour), node_ids=node_ids,
+                         models_dir=Path(settings.models_dir) if shared else None, file_key=file_key,
+                         files_kept=settings.latency_table_files_kept)
 
 
 def _cached_or_built(request: _TableRequest) -> "pd.DataFrame | NodeLatencyTable":
@@ -324,12 +344,16 @@ def _cached_or_built(request: _TableRequest) -> "pd.DataFrame | NodeLatencyTable
 
 
 def _finish(request: _TableRequest, build: _Build, builder=None) -> "pd.DataFrame | NodeLatencyTable":
-    """Compute the claimed ``build`` outside the lock (here, or with ``builder(request)``), then cache it (or, on
-    failure, release the claim)."""
+    """Read the claimed ``build``'s table from its file where another process (or this one before a restart)
+    wrote it, else compute it outside the lock (here, or with ``builder(request)``) and write its file; then cache
+    it (or, on failure, release the claim)."""
     try:
-        with _lock:
-            _stats["builds"] += 1
-        table = request.build() if builder is None else builder(request)
+        table = _read_file(request)
+        if table is None:
+            with _lock:
+                _stats["builds"] += 1
+            table = request.build() if builder is None else builder(request)
+            _write_file(request, table)
     except BaseException:
         with _lock:
             _building.pop(request.key, None)
@@ -343,6 +367,38 @@ def _finish(request: _TableRequest, build: _Build, builder=None) -> "pd.DataFram
         build.table = table
     build.done.set()
     return table
+
+
+def _read_file(request: _TableRequest) -> "NodeLatencyTable | None":
+    """The table's file, where the request is shared and one was written (else None: compute it)."""
+    if request.file_key is None:
+        return None
+    started = time.perf_counter()
+    try:
+        table = table_files.read_table(request.models_dir, request.file_key)
+    except Exception:  # noqa: BLE001 - a shared file is an optimisation: whatever is wrong with it, compute
+        log.exception("latency table file for hour %02d unreadable; computing the table", request.hour)
+        return None
+    if table is not None:
+        with _lock:
+            _stats["files_read"] += 1
+        log.info("latency table for hour %02d read from its file in %.2f s (%d models)", request.hour,
+                 time.perf_counter() - started, len(request.sizes))
+    return table
+
+
+def _write_file(request: _TableRequest, table: "pd.DataFrame | NodeLatencyTable") -> None:
+    """Share a computed table through its file (where the request is shared; a failure is logged only)."""
+    if request.file_key is None or not isinstance(table, NodeLatencyTable):
+        return
+    try:
+        written = table_files.write_table(request.models_dir, request.file_key, table, kept=request.files_kept)
+    except Exception:  # noqa: BLE001 - the table is computed and cached here; only its sharing failed
+        log.exception("latency table for hour %02d not written to a file", request.hour)
+        return
+    if written is not None:
+        with _lock:
+            _stats["files_written"] += 1
 
 
 def _run_prefetch(request: _TableRequest, build: _Build) -> None:

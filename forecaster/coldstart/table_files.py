@@ -1,0 +1,148 @@
+"""Per-node latency tables kept as files beside the saved models, so that a table is computed once per hour for
+the fleet rather than once per process.
+
+The plan job, each API worker and each restarted process used to compute the same
+:class:`~forecaster.contracts.latency.NodeLatencyTable` for the same latency champion, hour, catalogue and nodes:
+about 33 s at 100,000 models x 64 nodes on an idle 2-core machine, 70-92 s under load (docs/scale.md), which put
+the first plan after every start over its minute. Every process that computes one now writes it under
+``<models_dir>/latency-tables/`` (the directory every process already shares for the champion's own files), and a
+process that misses its in-memory cache reads the file instead of computing.
+
+A table is a pure function of what names its file: the champion's version id (a new version is a new file; the
+nightly retrain makes one), the UTC hour, the models' sizes, the node ids, the code's version and
+:data:`FORMAT`. The prior (no version saved) is never written: it is what a fleet uses only until its first
+training, and it has no version to name it by.
+
+Files are written to a hidden directory and renamed into place, so a reader sees a whole table or none; a
+table that cannot be read (truncated, another format, a different key behind the same digest) is logged, removed
+where the directory is writable, and computed again. A directory that cannot be written (the API mounts the models
+volume read-only in deploy/base) only means this process does not share its tables: it still reads those the
+plan job wrote. The newest ``kept`` tables by modification time stay (a read touches its file); a table is about
+110 MB at 100,000 models x 64 nodes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from forecaster.contracts.latency import NodeLatencyTable
+
+log = logging.getLogger(__name__)
+
+#: the layout of a table's directory; a reader ignores (and replaces) any other
+FORMAT = 1
+#: subdirectory of the models directory that holds the tables
+DIRNAME = "latency-tables"
+#: a hidden directory older than this is a writer that died mid-write, and is removed
+_STALE_PARTIAL_S = 3600.0
+_META = "meta.json"
+
+
+def table_key(*, version: str, hour: int, n_models: int, sizes_digest: int, node_ids: tuple[str, ...],
+              code_version: str) -> dict:
+    """What a table file answers for, as stored in its ``meta.json`` and compared on every read."""
+    return {"format": FORMAT, "code_version": code_version, "version": version, "hour": int(hour),
+            "n_models": int(n_models), "sizes_digest": int(sizes_digest),
+            "nodes_sha256": hashlib.sha256("\n".join(node_ids).encode("utf-8", "surrogatepass")).hexdigest(),
+            "n_nodes": len(node_ids)}
+
+
+def _name(key: dict) -> str:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in key["version"])[:80]
+    return f"{safe}-h{key['hour']:02d}-{digest}"
+
+
+def read_table(models_dir: Path, key: dict) -> NodeLatencyTable | None:
+    """The table written for ``key``, or None when there is none (or it cannot be read; it is then removed)."""
+    path = Path(models_dir) / DIRNAME / _name(key)
+    meta_path = path / _META
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        if meta.get("key") != key:
+            raise ValueError(f"written for {meta.get('key')}, asked for {key}")
+
+        def array(name: str) -> np.ndarray:
+            return np.load(path / name, allow_pickle=False)
+
+        table = NodeLatencyTable(
+            model_ids=pd.Index(meta["model_ids"], dtype=object),
+            node_ids=pd.Index(meta["node_ids"], dtype=object),
+            per_node={name: array(f"per_node.{i}.npy") for i, name in enumerate(meta["per_node"])},
+            per_model={name: array(f"per_model.{i}.npy") for i, name in enumerate(meta["per_model"])},
+        )
+        if len(table.model_ids) != key["n_models"] or tuple(table.node_ids) != tuple(meta["node_ids"]):
+            raise ValueError("its ids do not match its key")
+    except (OSError, EOFError, ValueError, KeyError, TypeError) as exc:
+        log.warning("latency table file %s cannot be read (%s); computing the table again", path, exc)
+        shutil.rmtree(path, ignore_errors=True)
+        return None
+    try:
+        os.utime(path)  # in use: the pruning keeps the most recently used
+    except OSError:
+        pass  # a read-only models volume: the writer's pruning decides
+    return table
+
+
+def write_table(models_dir: Path, key: dict, table: NodeLatencyTable, *, kept: int) -> Path | None:
+    """Write ``table`` for ``key`` (atomically: a hidden directory renamed into place), then keep the newest
+    ``kept`` tables. Returns the table's directory, or None when it could not be written (logged; never raises
+    for a file system error: a table that is not shared is computed again by the next process, nothing else)."""
+    root = Path(models_dir) / DIRNAME
+    final = root / _name(key)
+    partial = root / f".{final.name}.partial-{uuid.uuid4().hex[:8]}"
+    try:
+        partial.mkdir(parents=True)
+        names = {"per_node": list(table.per_node), "per_model": list(table.per_model)}
+        for group, arrays in (("per_node", table.per_node), ("per_model", table.per_model)):
+            for i, values in enumerate(arrays.values()):
+                np.save(partial / f"{group}.{i}.npy", np.ascontiguousarray(values), allow_pickle=False)
+        meta = {"key": key, **names, "model_ids": [str(m) for m in table.model_ids],
+                "node_ids": [str(n) for n in table.node_ids], "written_at": time.time()}
+        (partial / _META).write_text(json.dumps(meta), encoding="utf-8")
+        try:
+            partial.rename(final)
+        except OSError:
+            if not (final / _META).is_file():
+                raise
+            shutil.rmtree(partial, ignore_errors=True)  # another process wrote the same table first
+    except OSError as exc:
+        shutil.rmtree(partial, ignore_errors=True)
+        log.info("latency table not written to %s (%s); other processes compute their own", root, exc)
+        return None
+    prune(root, kept=kept)
+    return final
+
+
+def prune(root: Path, *, kept: int) -> None:
+    """Remove all but the ``kept`` most recently modified tables, and hidden directories left by dead writers."""
+    try:
+        entries = list(Path(root).iterdir())
+    except OSError:
+        return
+    now = time.time()
+    tables = []
+    for entry in entries:
+        try:
+            mtime = entry.stat().st_mtime
+        except OSError:
+            continue  # removed meanwhile by another process
+        if entry.name.startswith("."):
+            if now - mtime > _STALE_PARTIAL_S:
+                shutil.rmtree(entry, ignore_errors=True)
+        elif entry.is_dir():
+            tables.append((mtime, entry))
+    for _, entry in sorted(tables, reverse=True)[kept:]:
+        shutil.rmtree(entry, ignore_errors=True)
