@@ -29,9 +29,13 @@ rest of each minute; without it the minutes run back to back.
 ``--bursty-share 1`` gives every model a burst factor, so that the plan stage shows the cost of the planner's
 burst-queue sizing beside a run without (``forecaster.planning.planner._burst_queue_sizes``).
 
+``--restarts N`` then plans the first minute again as a restarted process would (no latency table or champion
+in memory), N times with the table computed and N times with it read from the file the earlier minutes wrote
+(``PREWARM_LATENCY_TABLE_FILES_KEPT``), alternately.
+
 Usage:
     python bench/planjob.py [--models 10000] [--minutes 5] [--start-minute 0] [--paced] [--bursty-share S]
-                            [--json PATH]
+                            [--restarts N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -211,6 +216,8 @@ def run(admin_url: str, args) -> dict:
     for thread in threading.enumerate():
         if thread.name.startswith(PREFETCH_THREAD):
             thread.join()
+    if args.restarts:
+        out["restarts"] = restarts(engine, settings, first_minute, timer, args.restarts)
     out["runs"] = runs
     out["prefetches"] = prefetch_log.lines
     out["median_s"] = {k: round(statistics.median(r[k] for r in runs), 4) for k in (*STAGES, "total")}
@@ -219,6 +226,73 @@ def run(admin_url: str, args) -> dict:
     if turns:
         out["hour_turn_s"] = {k: round(turns[0][k], 4) for k in (*STAGES, "total")}
     engine.dispose()
+    shutil.rmtree(models_dir, ignore_errors=True)  # the champion and its latency tables (100 MB at 100,000 models)
+    return out
+
+
+def restarts(engine, settings: Settings, at: datetime, timer: StageTimer, repeat: int) -> dict:
+    """The first minute's plan again, as a restarted process plans it: no latency table and no champion in memory.
+
+    Alternately with the table files turned off (the process computes its table, as every start did before
+    ``forecaster.coldstart.table_files``) and on (it reads the file the earlier minutes wrote), ``repeat`` times
+    each; the medians of both, measured in this one run. What a real restart also pays (imports, the first
+    connections) is the same for both and not in these figures.
+    """
+    from forecaster.coldstart import service
+
+    figures: dict[str, list[dict]] = {"computed": [], "file_read": []}
+    files = file_costs(engine, settings, at, repeat)
+    for _ in range(repeat):
+        for case, kept in (("computed", 0), ("file_read", settings.latency_table_files_kept)):
+            with service._lock:
+                service._tables.clear()
+                service._models.clear()
+            timer.current = {}
+            started = time.perf_counter()
+            planning.plan_job(engine, settings.model_copy(update={"latency_table_files_kept": kept}), at)
+            figures[case].append({**{s: timer.current.get(s, 0.0) for s in STAGES},
+                                  "total": time.perf_counter() - started})
+            print(f"restart at {at:%H:%M}, table {case}: " + ", ".join(
+                f"{k} {v:.3f} s" for k, v in figures[case][-1].items()), flush=True)
+    return {**{case: {k: round(statistics.median(r[k] for r in runs), 4) for k in (*STAGES, "total")}
+               for case, runs in figures.items()}, "files": files}
+
+
+def file_costs(engine, settings: Settings, at: datetime, repeat: int) -> dict:
+    """Seconds to write the first minute's latency table to its file and to read it back (median of ``repeat``),
+    the read also with the page cache dropped first where this process may (root on Linux; else None)."""
+    from forecaster.coldstart import service, table_files
+
+    fleet = planning.fleet_from_store(engine, now=at)
+    request = service._request(engine, settings, fleet.models, hour=at.hour,
+                               nodes=list(fleet.nodes.index.astype(str)))
+    table = service._cached_or_built(request)
+    root = Path(tempfile.mkdtemp(prefix="prewarm-bench-tables-"))
+    write, warm, cold = [], [], []
+    try:
+        for _ in range(repeat):
+            shutil.rmtree(root / table_files.DIRNAME, ignore_errors=True)
+            started = time.perf_counter()
+            table_files.write_table(root, request.file_key, table, kept=1)
+            write.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            assert table_files.read_table(root, request.file_key) is not None
+            warm.append(time.perf_counter() - started)
+            try:
+                os.sync()
+                Path("/proc/sys/vm/drop_caches").write_text("1\n")
+            except OSError:
+                continue
+            started = time.perf_counter()
+            assert table_files.read_table(root, request.file_key) is not None
+            cold.append(time.perf_counter() - started)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    out = {"table_mb": round(table.nbytes / 2**20, 1), "write_s": round(statistics.median(write), 3),
+           "read_warm_s": round(statistics.median(warm), 3),
+           "read_cold_s": round(statistics.median(cold), 3) if cold else None}
+    print(f"latency table file ({out['table_mb']} MB): write {out['write_s']} s, read {out['read_warm_s']} s, "
+          f"read with the page cache dropped {out['read_cold_s']} s (median of {repeat})", flush=True)
     return out
 
 
@@ -265,6 +339,9 @@ def main() -> None:
                         help="start a plan every 60 s as the scheduler does (default: back to back)")
     parser.add_argument("--bursty-share", type=float, default=0.0,
                         help="share of the models with a burst factor (1.2-4): the planner's burst-queue sizing")
+    parser.add_argument("--restarts", type=int, default=0,
+                        help="after the minutes, plan the first minute again N times as a restarted process, with "
+                             "the latency table computed and read from its file (alternately)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     admin_url = os.environ.get("PREWARM_BENCH_ADMIN_URL")
@@ -281,6 +358,11 @@ def main() -> None:
     for stage in (*STAGES, "total"):
         print(f"  {stage:<20} {figures['median_s'][stage]:8.3f} s  ({figures['first_minute_s'][stage]:.3f} s"
               + (f", {turn[stage]:.3f} s)" if turn else ")"))
+    for case, medians in figures.get("restarts", {}).items():
+        if case == "files":
+            continue
+        print(f"  restarted process, table {case}: latency_prediction {medians['latency_prediction']:.3f} s, "
+              f"total {medians['total']:.3f} s (median of {args.restarts})")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2, default=str) + "\n")
 

@@ -184,3 +184,22 @@ def test_no_files_for_the_prior_or_when_turned_off(engine, settings):
     assert _files(settings) == [] and _delta(before, "builds") == 2
     latency_table(engine, settings, MODELS, hour=12, nodes=None)  # the node-less frame stays in memory only
     assert _files(settings) == []
+
+
+def test_the_apis_snapshot_reads_the_table_the_plan_job_wrote(engine, settings, champion):
+    """The API's lead times and the plan job ask for the same table (same catalogue sizes and nodes): the API,
+    restarted or in another worker, reads what the plan job computed."""
+    from api.snapshot import ForecastSnapshot
+    from forecaster.jobs.planning import plan_job
+    from tests.test_latency_prefetch import _at, _setup
+
+    _setup(engine)
+    before = latency_table_stats()
+    assert "actions" in plan_job(engine, settings, _at(50))
+    assert _delta(before, "builds") == 1 and _delta(before, "files_written") == 1
+    _restart()
+    snapshot = ForecastSnapshot(engine, refresh_s=0, settings=settings, clock=lambda: _at(51))
+    assert snapshot.refresh()
+    assert _delta(before, "files_read") == 1 and _delta(before, "builds") == 1
+    assert snapshot.latency_model_version == champion
+    assert all(view.lead_time_s and view.lead_time_s > 0 for view in snapshot.models.values())
