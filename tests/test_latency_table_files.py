@@ -94,8 +94,9 @@ print(json.dumps({{"stats": latency_table_stats(), "total_s": table.total_s.toli
     np.testing.assert_array_equal(np.asarray(answer["total_s"], dtype=np.float32), computed.total_s)
 
 
-@pytest.mark.parametrize("change", ["hour", "nodes", "sizes", "champion"])
-def test_a_table_of_another_hour_node_set_catalogue_or_champion_is_not_read(engine, settings, champion, change):
+@pytest.mark.parametrize("change", ["hour", "nodes", "sizes", "champion", "code"])
+def test_a_table_of_another_hour_node_set_catalogue_champion_or_code_is_not_read(engine, settings, champion, change,
+                                                                                 monkeypatch):
     latency_table(engine, settings, MODELS, hour=12, nodes=NODES)
     _restart()
     before = latency_table_stats()
@@ -106,8 +107,10 @@ def test_a_table_of_another_hour_node_set_catalogue_or_champion_is_not_read(engi
         nodes = NODES[:2]
     elif change == "sizes":
         models = MODELS.assign(weights_bytes=MODELS["weights_bytes"] * [1, 1, 2])
-    else:
+    elif change == "champion":
         train_latency_model(engine, settings, NOW + timedelta(days=1))
+    else:  # a deploy that changed the package's sources
+        monkeypatch.setattr(table_files, "code_fingerprint", lambda: "another deploy")
     table = latency_table(engine, settings, models, hour=hour, nodes=nodes)
     assert _delta(before, "files_read") == 0 and _delta(before, "builds") == 1
     assert list(table.node_ids) == nodes and len(_files(settings)) == 2

@@ -9,8 +9,9 @@ the first plan after every start over its minute. Every process that computes on
 process that misses its in-memory cache reads the file instead of computing.
 
 A table is a pure function of what names its file: the champion's version id (a new version is a new file; the
-nightly retrain makes one), the UTC hour, the models' sizes, the node ids, the code's version and
-:data:`FORMAT`. The prior (no version saved) is never written: it is what a fleet uses only until its first
+nightly retrain makes one), the UTC hour, the models' sizes, the node ids, the code (a digest of the package's
+source files, :func:`code_fingerprint`: a deploy that changes any of them computes its tables afresh, as its
+restarted processes did before) and :data:`FORMAT`. The prior (no version saved) is never written: it is what a fleet uses only until its first
 training, and it has no version to name it by.
 
 Files are written to a hidden directory and renamed into place, so a reader sees a whole table or none; a
@@ -23,6 +24,7 @@ plan job wrote. The newest ``kept`` tables by modification time stay (a read tou
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -48,10 +50,25 @@ _STALE_PARTIAL_S = 3600.0
 _META = "meta.json"
 
 
+@functools.lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """sha256 of the ``forecaster`` package's Python sources (paths and bytes, in path order), once per process.
+
+    Broader than the latency model's own modules on purpose: their imports reach across the package, and a deploy
+    recomputing its tables once is what every deploy did before the files.
+    """
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def table_key(*, version: str, hour: int, n_models: int, sizes_digest: int, node_ids: tuple[str, ...],
               code_version: str) -> dict:
     """What a table file answers for, as stored in its ``meta.json`` and compared on every read."""
-    return {"format": FORMAT, "code_version": code_version, "version": version, "hour": int(hour),
+    return {"format": FORMAT, "code_version": code_version, "code": code_fingerprint(), "version": version,
+            "hour": int(hour),
             "n_models": int(n_models), "sizes_digest": int(sizes_digest),
             "nodes_sha256": hashlib.sha256("\n".join(node_ids).encode("utf-8", "surrogatepass")).hexdigest(),
             "n_nodes": len(node_ids)}
