@@ -206,3 +206,71 @@ def test_the_apis_snapshot_reads_the_table_the_plan_job_wrote(engine, settings, 
     assert _delta(before, "files_read") == 1 and _delta(before, "builds") == 1
     assert snapshot.latency_model_version == champion
     assert all(view.lead_time_s and view.lead_time_s > 0 for view in snapshot.models.values())
+
+
+_SLOW_BUILD = """
+import json, sys, time
+import pandas as pd
+from sqlalchemy import create_engine
+from forecaster.coldstart import service
+from forecaster.coldstart.model import ColdStartModel
+from forecaster.settings import Settings
+
+real = ColdStartModel.node_latency_table
+def slow(self, *args, **kwargs):  # the real build, made slow enough that the processes overlap
+    time.sleep(2.0)
+    return real(self, *args, **kwargs)
+ColdStartModel.node_latency_table = slow
+settings = Settings(database_url=sys.argv[1], models_dir=sys.argv[2], data_dir=sys.argv[3])
+models = pd.read_json(sys.argv[4], orient="split")
+models.index.name = "model_id"
+engine = create_engine(settings.database_url)
+service.load_latency_model(engine, settings)
+print("ready", flush=True)
+sys.stdin.readline()  # every process ready: they ask at once
+table = service.latency_table(engine, settings, models, hour=12, nodes=sys.argv[5:])
+print(json.dumps({"stats": service.latency_table_stats(), "total_s": table.total_s.tolist()}))
+"""
+
+
+def test_processes_asking_at_once_compute_the_table_once(engine, settings, champion, tmp_path):
+    """The plan job and API workers at the same hour turn: one computes, the others wait for it and read."""
+    models_json = tmp_path / "models.json"
+    models_json.write_text(MODELS.to_json(orient="split"))
+    args = [sys.executable, "-c", _SLOW_BUILD, settings.database_url, str(settings.models_dir),
+            str(settings.data_dir), str(models_json), *NODES]
+    procs = [subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    for proc in procs:
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+    for proc in procs:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    answers = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        answers.append(json.loads(out.strip().splitlines()[-1]))
+    assert sum(a["stats"]["builds"] for a in answers) == 1
+    assert sum(a["stats"]["files_read"] for a in answers) == 2
+    assert all(a["total_s"] == answers[0]["total_s"] for a in answers)
+
+
+def test_a_lock_held_too_long_is_given_up_and_the_table_computed(engine, settings, champion, monkeypatch, caplog):
+    import fcntl
+
+    from forecaster.coldstart.service import _request
+
+    key = _request(engine, settings, MODELS, hour=12, nodes=NODES).file_key
+    root = Path(settings.models_dir) / table_files.DIRNAME
+    root.mkdir(parents=True)
+    holder = os.open(root / f".{table_files._name(key)}.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # a builder that hangs
+    monkeypatch.setattr(table_files, "BUILD_WAIT_S", 0.5)
+    try:
+        before = latency_table_stats()
+        table = latency_table(engine, settings, MODELS, hour=12, nodes=NODES)
+        assert _delta(before, "builds") == 1 and table.total_s.shape == (3, 3, 4)
+        assert "computing it here too" in caplog.text
+    finally:
+        os.close(holder)

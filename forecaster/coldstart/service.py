@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -346,14 +347,18 @@ def _cached_or_built(request: _TableRequest) -> "pd.DataFrame | NodeLatencyTable
 def _finish(request: _TableRequest, build: _Build, builder=None) -> "pd.DataFrame | NodeLatencyTable":
     """Read the claimed ``build``'s table from its file where another process (or this one before a restart)
     wrote it, else compute it outside the lock (here, or with ``builder(request)``) and write its file; then cache
-    it (or, on failure, release the claim)."""
+    it (or, on failure, release the claim). While computing a shared table this process holds its file lock: a
+    process that asks for it meanwhile waits and reads the file instead of computing it too."""
     try:
         table = _read_file(request)
         if table is None:
-            with _lock:
-                _stats["builds"] += 1
-            table = request.build() if builder is None else builder(request)
-            _write_file(request, table)
+            with _file_lock(request) as waited:  # another process computing the same table: wait, then read it
+                table = _read_file(request) if waited else None
+                if table is None:
+                    with _lock:
+                        _stats["builds"] += 1
+                    table = request.build() if builder is None else builder(request)
+                    _write_file(request, table)
     except BaseException:
         with _lock:
             _building.pop(request.key, None)
@@ -385,6 +390,13 @@ def _read_file(request: _TableRequest) -> "NodeLatencyTable | None":
         log.info("latency table for hour %02d read from its file in %.2f s (%d models)", request.hour,
                  time.perf_counter() - started, len(request.sizes))
     return table
+
+
+def _file_lock(request: _TableRequest):
+    """The cross-process build lock of a shared request (:func:`table_files.build_lock`); nothing to hold else."""
+    if request.file_key is None:
+        return contextlib.nullcontext(False)
+    return table_files.build_lock(request.models_dir, request.file_key)
 
 
 def _write_file(request: _TableRequest, table: "pd.DataFrame | NodeLatencyTable") -> None:
