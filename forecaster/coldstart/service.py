@@ -188,10 +188,11 @@ def latency_table(engine: Engine, settings: Settings, models: pd.DataFrame, *, h
         before it began. Single-flight per key: a caller whose table is being built (by a prefetch or another
         caller) waits for that build instead of starting a second one; the build holds no lock while it
         computes. A per-node table of a saved champion is read from its file when another process (or this one
-        before a restart) computed it, and written there when computed here
-        (:mod:`~forecaster.coldstart.table_files`). The cache holds at most ``_TABLES_KEPT`` tables and, beyond the two most recently used (the
-        table in use and the one just built, so a prefetch never evicts the table of the hour being planned),
-        ``_TABLE_BYTES_KEPT`` bytes of them (least recently used dropped first).
+        before a restart) computed it, and written there when computed here; while one process computes it, the
+        others wait for its file (:mod:`~forecaster.coldstart.table_files`). The cache holds at most
+        ``_TABLES_KEPT`` tables and, beyond the two most recently used (the table in use and the one just built,
+        so a prefetch never evicts the table of the hour being planned), ``_TABLE_BYTES_KEPT`` bytes of them
+        (least recently used dropped first).
     """
     table = _cached_or_built(_request(engine, settings, models, hour=hour, nodes=nodes))
     return table if isinstance(table, NodeLatencyTable) else table.copy()

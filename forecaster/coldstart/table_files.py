@@ -3,16 +3,16 @@ the fleet rather than once per process.
 
 The plan job, each API worker and each restarted process used to compute the same
 :class:`~forecaster.contracts.latency.NodeLatencyTable` for the same latency champion, hour, catalogue and nodes:
-about 33 s at 100,000 models x 64 nodes on an idle 2-core machine, 70-92 s under load (docs/scale.md), which put
-the first plan after every start over its minute. Every process that computes one now writes it under
-``<models_dir>/latency-tables/`` (the directory every process already shares for the champion's own files), and a
-process that misses its in-memory cache reads the file instead of computing.
+17 s at 100,000 models x 64 nodes on an idle 2-core machine, 70-160 s under load (docs/scale.md), about a
+gigabyte while it runs, and most of the first plan after every start. Every process that computes one now writes
+it under ``<models_dir>/latency-tables/`` (the directory every process already shares for the champion's own
+files), and a process that misses its in-memory cache reads the file instead of computing.
 
 A table is a pure function of what names its file: the champion's version id (a new version is a new file; the
 nightly retrain makes one), the UTC hour, the models' sizes, the node ids, the code (a digest of the package's
 source files, :func:`code_fingerprint`: a deploy that changes any of them computes its tables afresh, as its
-restarted processes did before) and :data:`FORMAT`. The prior (no version saved) is never written: it is what a fleet uses only until its first
-training, and it has no version to name it by.
+restarted processes did before) and :data:`FORMAT`. The prior (no version saved) is never written: it is what a
+fleet uses only until its first training, and it has no version to name it by.
 
 A process about to compute a table holds a lock file for it (:func:`build_lock`), so that the plan job and the
 API's workers asking at the same hour turn compute it once: the others wait, then read the file.
