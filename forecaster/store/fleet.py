@@ -44,8 +44,8 @@ def read_fleet_inputs(conn: Connection, *, now: datetime, model_ids: Sequence[st
     models["replica_rpm"] = rps * 60.0
     models["cold_cost"] = [float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else np.nan
                            for v in models["cold_cost"]]
-    nodes = pd.DataFrame(conn.execute(text(
-        "SELECT id, gpus_free, host_memory_free_bytes, disk_free_bytes FROM nodes ORDER BY id")).all(),
+    nodes = pd.DataFrame([tuple(row) for row in conn.execute(text(
+        "SELECT id, gpus_free, host_memory_free_bytes, disk_free_bytes FROM nodes ORDER BY id"))],
         columns=["node_id", "gpus_free", "host_free_bytes", "disk_free_bytes"]).set_index("node_id")
     of_refs, refs = "", []
     if model_ids is not None:  # only the artefacts of the models read: an image counts for every model using it
@@ -58,5 +58,5 @@ def read_fleet_inputs(conn: Connection, *, now: datetime, model_ids: Sequence[st
         "CASE kind WHEN 'prepull' THEN 'image' ELSE spec->>'tier' END FROM actions "
         "WHERE kind IN ('prepull', 'preload') AND status = 'succeeded' AND node_id IS NOT NULL "
         "AND updated_at >= :since" + of_refs.format("target")), {"since": now - timedelta(days=1), "refs": refs}).all()
-    artefacts = pd.DataFrame(held, columns=["node_id", "kind", "ref", "tier"])
+    artefacts = pd.DataFrame([tuple(row) for row in held], columns=["node_id", "kind", "ref", "tier"])
     return models, nodes, artefacts
