@@ -194,7 +194,8 @@ class ColdStartHorizonCollector:
         from forecaster.contracts.phases import START_STATES
 
         try:
-            horizon = predict_horizon(self._engine, self._settings, self._clock(), ids)
+            horizon = predict_horizon(self._engine, self._settings, self._clock(), ids,
+                                      held=getattr(self._snapshot, "held_latency", None))
             recent = observed_p90(self._engine, ids)
         except OperationalError:
             return None  # prewarm_database_up says why

@@ -38,6 +38,7 @@ from sqlalchemy.exc import OperationalError
 from api.prepared import PreparedRecommendation, fragments, prepare_recommendation
 
 from forecaster.coldstart.service import latency_table, latency_version, prefetch_next_hour
+from forecaster.contracts.latency import NodeLatencyTable
 from forecaster.planning.fleet import PlannerSettings
 from forecaster.planning.lead_time import lead_time_s
 from forecaster.planning.recommendation import MinuteQuantiles
@@ -72,6 +73,21 @@ def planner_settings_for(settings: Settings) -> PlannerSettings:
     return planner_settings(settings)
 
 
+@dataclass(frozen=True)
+class HeldLatencyTable:
+    """The per-node latency table the snapshot's lead times came from, and what it was computed for.
+
+    The cold-start horizon (``/metrics`` gauges, ``GET /v1/models/{id}/cold-start``) reads its models' rows from it
+    instead of asking the latency model again (:func:`api.coldstart_horizon.predict_horizon` checks that the hour,
+    the champion, the nodes and the models' sizes still match).
+    """
+
+    table: NodeLatencyTable
+    hour_utc: int
+    latency_model_version: str | None
+    sizes: pd.DataFrame  # image_bytes, weights_bytes per model id, as the table was computed from
+
+
 @dataclass
 class ForecastSnapshot:
     """Newest forecast per model plus what a recommendation needs (replica_rps, the planner's lead time)."""
@@ -81,6 +97,7 @@ class ForecastSnapshot:
     settings: Settings | None = None  # models_dir of the latency model; default Settings()
     clock: Callable[[], datetime] | None = None  # the hour the latency model predicts for; default wall clock
     latency_model_version: str | None = None  # the latency model the lead times came from (None: the prior)
+    held_latency: HeldLatencyTable | None = None  # the per-node table of those lead times (None: none per node)
     models: dict[str, ModelView] = field(default_factory=dict)
     #: Each model's default recommendation as bytes (None: only the full path answers it); replaced, not mutated.
     prepared: dict[str, PreparedRecommendation | None] = field(default_factory=dict)
@@ -204,9 +221,11 @@ class ForecastSnapshot:
 
             fleet = fleet_from_store(self.engine, now=now, default_cold_cost=settings.planner_cold_cost)
             nodes = list(fleet.nodes.index.astype(str)) if len(fleet.nodes) else None
-            table = latency_table(self.engine, settings, models, hour=now.astimezone(timezone.utc).hour,
-                                  nodes=nodes)
+            hour = now.astimezone(timezone.utc).hour
+            table = latency_table(self.engine, settings, models, hour=hour, nodes=nodes)
             self.latency_model_version = latency_version(self.engine, settings)
+            self.held_latency = HeldLatencyTable(table, hour, self.latency_model_version, models) \
+                if isinstance(table, NodeLatencyTable) else None
             # in an hour's last minutes, the next hour's table is built in the background: the refresh after
             # the hour turns then finds it (this process's cache; the plan job's when it runs here too)
             prefetch_next_hour(self.engine, settings, models, now=now, nodes=nodes)
@@ -214,6 +233,7 @@ class ForecastSnapshot:
             raise
         except Exception:  # noqa: BLE001 - a broken latency model must not stop forecasts being served
             log.exception("latency model unavailable; lead times fall back to the default")
+            self.held_latency = None
             return None
         return lead_time_s(table, states, planner_settings_for(settings), model_ids=models.index,
                            fleet=None if nodes is None else fleet)

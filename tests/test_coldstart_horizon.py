@@ -202,3 +202,69 @@ def test_a_failed_computation_is_not_kept(engine, settings, fleet):  # noqa: F81
     assert values["prewarm_cold_start_metrics_age_seconds"] == {(): 0.0}
     assert set(values["prewarm_cold_start_lead_time_seconds"]) == {("a",), ("b",), ("c",)}
     gone.dispose()
+
+
+@pytest.fixture
+def held(engine, settings, fleet):  # noqa: F811 - the imported fixture
+    """The API snapshot's own per-node table of the whole catalogue, as its lead times computed it."""
+    from api.snapshot import ForecastSnapshot
+
+    snapshot = ForecastSnapshot(engine, refresh_s=0, settings=settings, clock=lambda: NOW)
+    assert snapshot.refresh()
+    assert snapshot.held_latency is not None and snapshot.held_latency.latency_model_version == fleet
+    return snapshot.held_latency
+
+
+def _doubled(held, **changes):
+    """``held`` with every cell twice as long (so that a horizon read from it shows), and ``changes`` applied."""
+    from dataclasses import replace
+
+    from forecaster.contracts.latency import NodeLatencyTable
+
+    t = held.table
+    table = NodeLatencyTable(model_ids=t.model_ids, node_ids=t.node_ids,
+                             per_node={k: v * 2 for k, v in t.per_node.items()},
+                             per_model={k: v * 2 for k, v in t.per_model.items()})
+    return replace(held, table=table, **changes)
+
+
+@pytest.mark.parametrize("node", [None, "n1"])
+def test_the_horizon_reads_the_snapshots_table_rows_and_they_are_the_latency_models(engine, settings, held, node):
+    from api.coldstart_horizon import predict_horizon
+
+    ids = list(SIZES)
+    asked = predict_horizon(engine, settings, NOW, ids, node=node)
+    read = predict_horizon(engine, settings, NOW, ids, node=node, held=held)
+    pd.testing.assert_frame_equal(read.predicted_s, asked.predicted_s, rtol=1e-6)
+    pd.testing.assert_series_equal(read.lead_time_s, asked.lead_time_s, rtol=1e-6)
+    assert read.start_state.equals(asked.start_state) and read.latency_model_version == asked.latency_model_version
+    doubled = predict_horizon(engine, settings, NOW, ids, node=node, held=_doubled(held))
+    np.testing.assert_allclose(doubled.predicted_s.to_numpy(), 2 * asked.predicted_s.to_numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("stale", ["hour", "champion", "nodes", "sizes", "missing"])
+def test_a_held_table_that_no_longer_answers_is_not_read(engine, settings, held, stale):
+    from dataclasses import replace
+
+    from api.coldstart_horizon import predict_horizon
+    from forecaster.contracts.latency import NodeLatencyTable
+
+    ids = list(SIZES)
+    if stale == "hour":
+        other = _doubled(held, hour_utc=13)
+    elif stale == "champion":
+        other = _doubled(held, latency_model_version="latency-20000101T0000-000000")
+    elif stale == "sizes":  # resized since the snapshot read the catalogue
+        other = _doubled(held, sizes=held.sizes.assign(weights_bytes=held.sizes["weights_bytes"] + 1))
+    else:
+        other = _doubled(held)
+        t = other.table
+        keep = slice(None) if stale == "missing" else slice(0, len(t.node_ids) - 1)
+        rows = slice(1, None) if stale == "missing" else slice(None)
+        other = replace(other, table=NodeLatencyTable(
+            model_ids=t.model_ids[rows], node_ids=t.node_ids[keep],
+            per_node={k: v[rows][:, keep] for k, v in t.per_node.items()},
+            per_model={k: v[rows] for k, v in t.per_model.items()}))
+    asked = predict_horizon(engine, settings, NOW, ids)
+    read = predict_horizon(engine, settings, NOW, ids, held=other)
+    pd.testing.assert_frame_equal(read.predicted_s, asked.predicted_s, rtol=1e-6)

@@ -5,7 +5,7 @@ Data access lives in :mod:`api.coldstart_horizon`; this module does HTTP only.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Query, Request
 from pydantic import BaseModel, Field
 from sqlalchemy.exc import OperationalError
 
@@ -54,8 +54,8 @@ class ColdStartHorizonPublic(BaseModel):
 @router.get("/{model_id}/cold-start", response_model=ColdStartHorizonPublic,
             responses={404: {"description": "Unknown model, or unknown node"},
                        503: {"description": "Database unavailable"}})
-def get_cold_start_horizon(model_id: ModelIdPath, engine: EngineDep, settings: SettingsDep, clock: ClockDep,
-                           _: ReadToken,
+def get_cold_start_horizon(model_id: ModelIdPath, request: Request, engine: EngineDep, settings: SettingsDep,
+                           clock: ClockDep, _: ReadToken,
                            node: str | None = Query(None, min_length=1, max_length=256,
                                                     description="A node id: the horizon of a start on that node "
                                                                 "(404 when the fleet has no such node).")
@@ -65,7 +65,8 @@ def get_cold_start_horizon(model_id: ModelIdPath, engine: EngineDep, settings: S
         with engine.connect() as conn:
             if not model_exists(conn, model_id=model_id):
                 raise HTTPException(404, f"model {model_id!r} is not registered")
-        horizon = predict_horizon(engine, settings, clock(), [model_id], node=node)
+        horizon = predict_horizon(engine, settings, clock(), [model_id], node=node,
+                                  held=getattr(getattr(request.app.state, "snapshot", None), "held_latency", None))
         if horizon is None:
             raise HTTPException(404, f"unknown node {node!r}")
         observed = observed_p90(engine, [model_id])

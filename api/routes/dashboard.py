@@ -379,7 +379,8 @@ async def get_cold_starts(model_id: str, request: Request, engine: EngineDep, se
     predicted = model_view is not None and model_view.lead_time_s is not None
     if node is not None:
         try:
-            on_node = await run_in_threadpool(_node_lead_time, engine, settings, clock(), model_id, node)
+            on_node = await run_in_threadpool(_node_lead_time, engine, settings, clock(), model_id, node,
+                                              snapshot.held_latency)
         except OperationalError:
             raise _unavailable(settings) from None
         if on_node is None:
@@ -403,16 +404,18 @@ async def get_cold_starts(model_id: str, request: Request, engine: EngineDep, se
     )
 
 
-def _node_lead_time(engine, settings, now: datetime, model_id: str, node: str) -> tuple[float, str] | None:
+def _node_lead_time(engine, settings, now: datetime, model_id: str, node: str, held=None
+                    ) -> tuple[float, str] | None:
     """(lead seconds, start state) of a start of ``model_id`` on ``node``; None when the fleet has no such node.
 
     The numbers of ``GET /v1/models/{id}/cold-start?node=`` (:func:`api.coldstart_horizon.predict_horizon`): the
-    model's own rows and the node, not the fleet, and the latency model called directly, so a per-model view never
-    evicts the fleet's table from the service's cache.
+    model's own rows and the node, not the fleet, read from the snapshot's held table where it answers for them
+    (``held``), else the latency model called directly, so a per-model view never evicts the fleet's table from
+    the service's cache.
     """
     from api.coldstart_horizon import predict_horizon
 
-    horizon = predict_horizon(engine, settings, now, [model_id], node=node)
+    horizon = predict_horizon(engine, settings, now, [model_id], node=node, held=held)
     if horizon is None:
         return None
     return float(horizon.lead_time_s[model_id]), str(horizon.start_state[model_id])
