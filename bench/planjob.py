@@ -29,13 +29,17 @@ rest of each minute; without it the minutes run back to back.
 ``--bursty-share 1`` gives every model a burst factor, so that the plan stage shows the cost of the planner's
 burst-queue sizing beside a run without (``forecaster.planning.planner._burst_queue_sizes``).
 
+``--processes N`` then starts N fresh processes that ask for one hour's table at the same moment (the plan job
+and API workers at an hour turn), with the files off (each computes) and on (one computes, the others wait on its
+lock and read): wall and CPU seconds, and the sum of the processes' peak memory.
+
 ``--restarts N`` then plans the first minute again as a restarted process would (no latency table or champion
 in memory), N times with the table computed and N times with it read from the file the earlier minutes wrote
 (``PREWARM_LATENCY_TABLE_FILES_KEPT``), alternately.
 
 Usage:
     python bench/planjob.py [--models 10000] [--minutes 5] [--start-minute 0] [--paced] [--bursty-share S]
-                            [--restarts N] [--json PATH]
+                            [--restarts N] [--processes N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -218,6 +222,8 @@ def run(admin_url: str, args) -> dict:
             thread.join()
     if args.restarts:
         out["restarts"] = restarts(engine, settings, first_minute, timer, args.restarts)
+    if args.processes:
+        out["processes"] = processes_at_once(settings, first_minute, args.processes)
     out["runs"] = runs
     out["prefetches"] = prefetch_log.lines
     out["median_s"] = {k: round(statistics.median(r[k] for r in runs), 4) for k in (*STAGES, "total")}
@@ -256,6 +262,65 @@ def restarts(engine, settings: Settings, at: datetime, timer: StageTimer, repeat
                 f"{k} {v:.3f} s" for k, v in figures[case][-1].items()), flush=True)
     return {**{case: {k: round(statistics.median(r[k] for r in runs), 4) for k in (*STAGES, "total")}
                for case, runs in figures.items()}, "files": files}
+
+
+#: a process of :func:`processes_at_once`: reads the fleet, says it is ready, waits for the word, asks for a table
+_ONE_PROCESS = """
+import json, sys, time
+from datetime import datetime
+from forecaster.coldstart import service
+from forecaster.jobs.planning import fleet_from_store
+from forecaster.settings import Settings
+from forecaster.store.db import make_engine
+settings = Settings(database_url=sys.argv[1], models_dir=sys.argv[2], latency_table_files_kept=int(sys.argv[3]))
+engine = make_engine(settings.database_url)
+fleet = fleet_from_store(engine, now=datetime.fromisoformat(sys.argv[4]))
+service.load_latency_model(engine, settings)
+print("ready", flush=True)
+sys.stdin.readline()
+started = time.perf_counter()
+service.latency_table(engine, settings, fleet.models, hour=int(sys.argv[5]), nodes=list(fleet.nodes.index.astype(str)))
+# VmHWM, not ru_maxrss: Linux carries the parent's peak across fork and exec into the latter
+peak_kb = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"seconds": time.perf_counter() - started, **service.latency_table_stats(),
+                  "peak_rss_mb": peak_kb / 1024}), flush=True)
+"""
+
+
+def processes_at_once(settings: Settings, at: datetime, n: int) -> dict:
+    """``n`` fresh processes (the plan job and API workers at an hour turn) ask for one hour's latency table at
+    the same moment: with the table files off, each computes it; on, one computes it and the others wait on its
+    lock and read it. Wall seconds from the word to the last answer, CPU seconds of the processes (user + system,
+    their imports and fleet reads included, the same in both cases), and the sum of their peak RSS."""
+    import resource
+    import subprocess
+
+    out = {}
+    for case, kept, hour in (("files_off", 0, (at.hour + 2) % 24), ("files_on", settings.latency_table_files_kept,
+                                                                   (at.hour + 3) % 24)):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        procs = [subprocess.Popen([sys.executable, "-c", _ONE_PROCESS, settings.database_url,
+                                   str(settings.models_dir), str(kept), at.isoformat(), str(hour)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+                 for _ in range(n)]
+        for proc in procs:
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError("a table process did not start")
+        started = time.perf_counter()
+        for proc in procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        answers = [json.loads(proc.communicate(timeout=3600)[0].strip().splitlines()[-1]) for proc in procs]
+        wall = time.perf_counter() - started
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        out[case] = {"wall_s": round(wall, 2),
+                     "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1),
+                     "peak_rss_mb_sum": round(sum(a["peak_rss_mb"] for a in answers)),
+                     "builds": sum(a["builds"] for a in answers), "files_read": sum(a["files_read"] for a in answers),
+                     "seconds_each": sorted(round(a["seconds"], 2) for a in answers)}
+        print(f"{n} processes at once, {case}: {out[case]}", flush=True)
+    return out
 
 
 def file_costs(engine, settings: Settings, at: datetime, repeat: int) -> dict:
@@ -342,6 +407,9 @@ def main() -> None:
     parser.add_argument("--restarts", type=int, default=0,
                         help="after the minutes, plan the first minute again N times as a restarted process, with "
                              "the latency table computed and read from its file (alternately)")
+    parser.add_argument("--processes", type=int, default=0,
+                        help="after the minutes, N fresh processes ask for one hour's latency table at once, "
+                             "with the table files off and on")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     admin_url = os.environ.get("PREWARM_BENCH_ADMIN_URL")
