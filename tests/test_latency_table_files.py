@@ -168,13 +168,18 @@ def test_only_the_newest_tables_are_kept(engine, settings, champion):
     latency_table(engine, kept, MODELS, hour=11, nodes=NODES)
     latency_table(engine, kept, MODELS, hour=13, nodes=NODES)
     assert sorted(p.name.split("-h")[1][:2] for p in _files(settings)) == ["11", "13"]
-    # a hidden directory a dead writer left an hour ago goes; one being written now stays
+    # a hidden directory a dead writer left an hour ago goes, and so does a lock file unused for an hour; one being
+    # written now stays
     root = Path(settings.models_dir) / table_files.DIRNAME
     dead, live = root / ".x.partial-dead", root / ".y.partial-live"
     dead.mkdir(), live.mkdir()
     os.utime(dead, (past - 7200, past - 7200))
+    old_lock, new_lock = root / ".x.lock", root / ".y.lock"
+    old_lock.touch(), new_lock.touch()
+    os.utime(old_lock, (past - 7200, past - 7200))
     table_files.prune(root, kept=2)
     assert not dead.exists() and live.exists()
+    assert not old_lock.exists() and new_lock.exists()
 
 
 def test_no_files_for_the_prior_or_when_turned_off(engine, settings):

@@ -77,8 +77,7 @@ def table_key(*, version: str, hour: int, n_models: int, sizes_digest: int, node
               code_version: str) -> dict:
     """What a table file answers for, as stored in its ``meta.json`` and compared on every read."""
     return {"format": FORMAT, "code_version": code_version, "code": code_fingerprint(), "version": version,
-            "hour": int(hour),
-            "n_models": int(n_models), "sizes_digest": int(sizes_digest),
+            "hour": int(hour), "n_models": int(n_models), "sizes_digest": int(sizes_digest),
             "nodes_sha256": hashlib.sha256("\n".join(node_ids).encode("utf-8", "surrogatepass")).hexdigest(),
             "n_nodes": len(node_ids)}
 
@@ -101,7 +100,8 @@ def build_lock(models_dir: Path, key: dict, *, wait_s: float | None = None):
     :data:`BUILD_WAIT_S`) is logged and the table computed anyway; a directory where no lock file can be made or
     opened (a read-only volume that has none yet) means no waiting.
     """
-    fd = _open_lock(Path(models_dir) / DIRNAME / f".{_name(key)}.lock")
+    path = Path(models_dir) / DIRNAME / f".{_name(key)}.lock"
+    fd = _open_lock(path)
     if fd is None:
         yield False
         return
@@ -122,7 +122,7 @@ def build_lock(models_dir: Path, key: dict, *, wait_s: float | None = None):
                     break
                 time.sleep(_LOCK_POLL_S)
             except OSError as exc:  # no locks on this file system (some network volumes): no waiting
-                log.info("latency table lock %s unavailable (%s)", fd, exc)
+                log.info("latency table lock %s unavailable (%s)", path, exc)
                 break
         yield waited
     finally:
@@ -206,7 +206,8 @@ def write_table(models_dir: Path, key: dict, table: NodeLatencyTable, *, kept: i
 
 
 def prune(root: Path, *, kept: int) -> None:
-    """Remove all but the ``kept`` most recently modified tables, and hidden directories left by dead writers."""
+    """Remove all but the ``kept`` most recently modified tables, hidden directories left by dead writers, and lock
+    files not touched for an hour (a build takes minutes; the kernel's lock dies with its holder, the file stays)."""
     try:
         entries = list(Path(root).iterdir())
     except OSError:
@@ -220,7 +221,10 @@ def prune(root: Path, *, kept: int) -> None:
             continue  # removed meanwhile by another process
         if entry.name.startswith("."):
             if now - mtime > _STALE_PARTIAL_S:
-                shutil.rmtree(entry, ignore_errors=True)
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
         elif entry.is_dir():
             tables.append((mtime, entry))
     for _, entry in sorted(tables, reverse=True)[kept:]:
