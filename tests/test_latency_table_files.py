@@ -94,7 +94,7 @@ print(json.dumps({{"stats": latency_table_stats(), "total_s": table.total_s.toli
     np.testing.assert_array_equal(np.asarray(answer["total_s"], dtype=np.float32), computed.total_s)
 
 
-@pytest.mark.parametrize("change", ["hour", "nodes", "sizes", "champion", "code"])
+@pytest.mark.parametrize("change", ["hour", "nodes", "sizes", "champion", "code", "runtime"])
 def test_a_table_of_another_hour_node_set_catalogue_champion_or_code_is_not_read(engine, settings, champion, change,
                                                                                  monkeypatch):
     latency_table(engine, settings, MODELS, hour=12, nodes=NODES)
@@ -109,8 +109,10 @@ def test_a_table_of_another_hour_node_set_catalogue_champion_or_code_is_not_read
         models = MODELS.assign(weights_bytes=MODELS["weights_bytes"] * [1, 1, 2])
     elif change == "champion":
         train_latency_model(engine, settings, NOW + timedelta(days=1))
-    else:  # a deploy that changed the package's sources
+    elif change == "code":  # a deploy that changed the package's sources
         monkeypatch.setattr(table_files, "code_fingerprint", lambda: "another deploy")
+    else:  # an image with another LightGBM, say
+        monkeypatch.setattr(table_files, "runtime", lambda: "lightgbm 0.0")
     table = latency_table(engine, settings, models, hour=hour, nodes=nodes)
     assert _delta(before, "files_read") == 0 and _delta(before, "builds") == 1
     assert list(table.node_ids) == nodes and len(_files(settings)) == 2

@@ -316,7 +316,7 @@ def _request(engine: Engine, settings: Settings, models: pd.DataFrame, *, hour: 
     key = (_key(engine, settings), version, int(hour), len(sizes), digest, node_ids)
     shared = version is not None and node_ids is not None and settings.latency_table_files_kept > 0
     file_key = table_files.table_key(version=version, hour=hour, n_models=len(sizes), sizes_digest=digest,
-                                     node_ids=node_ids, code_version=_code_version()) if shared else None
+                                     node_ids=node_ids) if shared else None
     return _TableRequest(key=key, model=model, sizes=sizes, hour=int(hour), node_ids=node_ids,
                          models_dir=Path(settings.models_dir) if shared else None, file_key=file_key,
                          files_kept=settings.latency_table_files_kept)

@@ -11,7 +11,8 @@ files), and a process that misses its in-memory cache reads the file instead of 
 A table is a pure function of what names its file: the champion's version id (a new version is a new file; the
 nightly retrain makes one), the UTC hour, the models' sizes, the node ids, the code (a digest of the package's
 source files, :func:`code_fingerprint`: a deploy that changes any of them computes its tables afresh, as its
-restarted processes did before) and :data:`FORMAT`. The prior (no version saved) is never written: it is what a
+restarted processes did before), the versions of Python and the libraries it predicts with (:func:`runtime`) and
+:data:`FORMAT`. The prior (no version saved) is never written: it is what a
 fleet uses only until its first training, and it has no version to name it by.
 
 A process about to compute a table holds a lock file for it (:func:`build_lock`), so that the plan job and the
@@ -73,10 +74,22 @@ def code_fingerprint() -> str:
     return digest.hexdigest()
 
 
-def table_key(*, version: str, hour: int, n_models: int, sizes_digest: int, node_ids: tuple[str, ...],
-              code_version: str) -> dict:
+@functools.lru_cache(maxsize=1)
+def runtime() -> str:
+    """The versions a table's numbers also depend on: Python and the libraries the latency model predicts with."""
+    import platform
+
+    import lightgbm
+
+    from forecaster import __version__
+
+    return (f"prewarm {__version__}; python {platform.python_version()}; lightgbm {lightgbm.__version__}; "
+            f"numpy {np.__version__}; pandas {pd.__version__}")
+
+
+def table_key(*, version: str, hour: int, n_models: int, sizes_digest: int, node_ids: tuple[str, ...]) -> dict:
     """What a table file answers for, as stored in its ``meta.json`` and compared on every read."""
-    return {"format": FORMAT, "code_version": code_version, "code": code_fingerprint(), "version": version,
+    return {"format": FORMAT, "runtime": runtime(), "code": code_fingerprint(), "version": version,
             "hour": int(hour), "n_models": int(n_models), "sizes_digest": int(sizes_digest),
             "nodes_sha256": hashlib.sha256("\n".join(node_ids).encode("utf-8", "surrogatepass")).hexdigest(),
             "n_nodes": len(node_ids)}
