@@ -108,3 +108,66 @@ def test_lost_running_actions_are_reaped(ledger):
 def test_model_targets_come_from_the_catalogue(ledger):
     targets = ledger.model_targets({"a", "zzz"})
     assert set(targets) == {"a"} and targets["a"].gpus_per_replica == 2
+
+
+#: What the store read for the GPUs ahead before migration 0015 kept them per model: the whole history's latest.
+HISTORY_AHEAD = (
+    "SELECT DISTINCT ON (model_id) model_id, COALESCE((detail->>'ahead_gpus')::int, 0) FROM actions "
+    "WHERE kind IN ('scale', 'release') AND status IN ('succeeded', 'running') AND detail ? 'ahead_gpus' "
+    "ORDER BY model_id, COALESCE(finished_at, started_at) DESC NULLS LAST, id DESC")
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("keep_finished", [True, False])
+def test_gpus_ahead_kept_per_model_equal_the_history_and_the_memory_ledger(engine, seed, keep_finished):
+    """Random scales and releases of three models, their open ones marked to any status (ties in time included),
+    and reaped: after each step the store's per-model rows equal the latest-counted rule read over the
+    whole history, and both ledgers give the same totals."""
+    import random
+
+    from sqlalchemy import text
+
+    from forecaster.store import actions as store_actions
+
+    rng = random.Random(seed)
+    models = ("a", "b", "c")
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id=m, gpus_per_replica=2) for m in models])
+    store = StoreLedger(engine)
+    memory = MemoryLedger({m: ModelTarget(model_id=m, gpus_per_replica=2) for m in models},
+                          keep_finished=keep_finished)
+    pairs: list[tuple[int, int]] = []
+    at = NOW
+    statuses = (ActionStatus.RUNNING, ActionStatus.SUCCEEDED, ActionStatus.FAILED, ActionStatus.DROPPED,
+                ActionStatus.PENDING)
+    for _ in range(40):
+        at += timedelta(seconds=rng.choice((0, 0, 1, 30)))
+        with store.session() as s, memory.session() as m:
+            if not pairs or rng.random() < 0.35:
+                kind = rng.choice((ActionKind.SCALE, ActionKind.RELEASE))
+                action = Action(kind=kind, model_id=rng.choice(models), reason=Reason.FORECAST_SPIKE,
+                                not_before=at, deadline=at + rng.choice((1, 10)) * MIN, replicas=rng.randint(0, 4))
+                (sid, merged), (mid, _) = (s.submit_action(None, action, backend="t", now=at),
+                                           m.submit_action(None, action, backend="t", now=at))
+                if not merged:
+                    pairs.append((sid, mid))
+            else:
+                sid, mid = rng.choice(pairs)
+                status = rng.choice(statuses)
+                detail = rng.choice((None, {"ahead_gpus": rng.randint(0, 6)}, {"ahead_gpus": 0}, {"note": 1}))
+                kwargs = dict(now=at, detail=detail, start=status is ActionStatus.RUNNING,
+                              reason=None if status is not ActionStatus.FAILED else FailureReason.INTERNAL)
+                s.mark(sid, status, **kwargs)
+                m.mark(mid, status, **kwargs)
+            if rng.random() < 0.1:  # running past its deadline: failed as lost
+                assert s.reap_lost(at + 20 * MIN) == m.reap_lost(at + 20 * MIN)
+        with engine.connect() as conn:
+            history = {model: gpus for model, gpus in conn.execute(text(HISTORY_AHEAD)) if gpus}
+            assert store_actions.ahead_gpus(conn) == history
+        with store.session() as s, memory.session() as m:
+            for excluded in (None, *models):
+                assert s.ahead_gpus_total(excluding=excluded) == m.ahead_gpus_total(excluding=excluded)
+        with engine.connect() as conn:  # a finished action is never marked again (the actuator revives none)
+            open_ids = set(conn.execute(text("SELECT id FROM actions WHERE status IN ('pending', 'running')"))
+                           .scalars())
+        pairs = [(sid, mid) for sid, mid in pairs if sid in open_ids]

@@ -13,7 +13,7 @@ EXPECTED_TABLES = {
     "serving_models", "invocations", "coverage", "ingest_batches", "cold_starts", "nodes", "node_cache",
     "model_versions", "forecasts", "plans", "actions", "job_runs", "apscheduler_jobs", "api_tokens",
     "actuator_control", "backtest_runs", "backtest_results", "rollups", "transfers", "replays", "replay_outcomes",
-    "forecast_errors", "forecast_error_hours",
+    "forecast_errors", "forecast_error_hours", "model_ahead_gpus",
 }
 HEAD = sorted(p.name.split("_")[0] for p in (Path(__file__).resolve().parent.parent / "migrations" / "versions")
               .glob("[0-9]*_*.py"))[-1]
@@ -130,4 +130,31 @@ def test_hours_scored_before_p_any_sums_existed_are_scored_again(empty_db_url):
     downgrade(engine, "0013")
     with engine.connect() as conn:
         assert conn.execute(text("SELECT scored_minutes FROM forecast_errors")).all() == [(60,)]
+    engine.dispose()
+
+
+def test_gpus_ahead_are_filled_from_the_action_history(empty_db_url):
+    """0015 keeps each model's GPUs ahead in a table: the upgrade fills it with what the history's latest counted
+    scale or release says (0 left out), and the downgrade drops it."""
+    engine = make_engine(empty_db_url)
+    upgrade(engine, "0014")
+    rows = [  # (model, kind, status, detail, finished_at)
+        ("a", "scale", "succeeded", '{"ahead_gpus": 4}', "2026-12-01T10:00Z"),
+        ("a", "scale", "failed", '{"ahead_gpus": 9}', "2026-12-01T10:05Z"),  # failed: does not count
+        ("b", "scale", "succeeded", '{"ahead_gpus": 6}', "2026-12-01T10:00Z"),
+        ("b", "release", "succeeded", '{"ahead_gpus": 0}', "2026-12-01T10:02Z"),  # b is back at its ask
+        ("c", "scale", "succeeded", '{}', "2026-12-01T10:00Z"),  # no figure: does not count
+        ("d", "scale", "running", '{"ahead_gpus": 2}', None),
+        ("d", "prepull", "succeeded", '{"ahead_gpus": 7}', "2026-12-01T10:09Z"),  # not a scale
+    ]
+    with engine.begin() as conn:
+        for model, kind, status, detail, finished in rows:
+            conn.execute(text("INSERT INTO actions (kind, model_id, status, detail, started_at, finished_at) "
+                              "VALUES (:k, :m, :s, CAST(:d AS jsonb), '2026-12-01T09:59Z', :f)"),
+                         {"k": kind, "m": model, "s": status, "d": detail, "f": finished})
+    upgrade(engine)
+    with engine.connect() as conn:
+        assert dict(conn.execute(text("SELECT model_id, ahead_gpus FROM model_ahead_gpus")).all()) == {"a": 4, "d": 2}
+    downgrade(engine, "0014")
+    assert "model_ahead_gpus" not in inspect(engine).get_table_names()
     engine.dispose()

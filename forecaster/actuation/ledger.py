@@ -79,7 +79,7 @@ class _StoreSession:
         return store_actions.due_actions(self.conn, now, limit)
 
     def ahead_gpus_total(self, *, excluding: str | None = None) -> int:
-        return sum(store_actions.ahead_gpus(self.conn, excluding=excluding).values())
+        return store_actions.ahead_gpus_total(self.conn, excluding=excluding)
 
     def record_plan(self, plan: Plan) -> int:
         return store_actions.record_plan(self.conn, plan)
@@ -353,12 +353,23 @@ class MemoryLedger:
             self._ahead[model] = (order, gpus)
 
     def _prune_scales(self, model: str) -> None:
+        """Drop the model's finished scale/release records that can never count again.
+
+        The counted record, and while it is still running (it may yet fail), the latest finished one that counts:
+        that one would count again, as the store's history says. A newer counted record that has finished can
+        never stop counting, so everything finished before it goes.
+        """
         held = self._ahead.get(model)
         if held is None:
             return
-        keep_id = held[0][1]
+        keep = {held[0][1]}
         ids = self._scales.get(model, set())
-        stale = [i for i in ids if i != keep_id and self._records[i].status in FINISHED]
+        if self._records[held[0][1]].status not in FINISHED:
+            fallback = [(r.finished_at or r.started_at, r.id) for r in (self._records[i] for i in ids)
+                        if r.id != held[0][1] and r.status is ActionStatus.SUCCEEDED and "ahead_gpus" in r.detail]
+            if fallback:
+                keep.add(max(fallback)[1])
+        stale = [i for i in ids if i not in keep and self._records[i].status in FINISHED]
         for i in stale:
             del self._records[i]
             ids.discard(i)

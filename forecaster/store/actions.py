@@ -123,16 +123,56 @@ def started_since(conn: Connection, since: datetime) -> int:
     return conn.execute(text("SELECT count(*) FROM actions WHERE started_at >= :s"), {"s": since}).scalar_one()
 
 
+#: The actions whose ``ahead_gpus`` counts for their model (the latest of them, in :data:`LATEST_FIRST` order).
+AHEAD_COUNTS = "kind IN ('scale', 'release') AND status IN ('succeeded', 'running') AND detail ? 'ahead_gpus'"
+LATEST_FIRST = "coalesce(finished_at, started_at) DESC NULLS LAST, id DESC"
+
+
 def ahead_gpus(conn: Connection, *, excluding: str | None = None) -> dict[str, int]:
-    """GPUs each model holds above its reactive ask after its latest scale or release (applied or in flight)."""
+    """GPUs each model holds above its reactive ask after its latest scale or release (applied or in flight);
+    models at 0 are left out. Read from ``model_ahead_gpus`` (:func:`refresh_ahead` keeps it), not from the
+    whole action history."""
     rows = conn.execute(
-        text("SELECT DISTINCT ON (model_id) model_id, COALESCE((detail->>'ahead_gpus')::int, 0) FROM actions "
-             "WHERE kind IN ('scale', 'release') AND status IN ('succeeded', 'running') AND detail ? 'ahead_gpus' "
-             "AND (CAST(:ex AS text) IS NULL OR model_id <> :ex) "
-             "ORDER BY model_id, COALESCE(finished_at, started_at) DESC NULLS LAST, id DESC"),
+        text("SELECT model_id, ahead_gpus FROM model_ahead_gpus WHERE CAST(:ex AS text) IS NULL OR model_id <> :ex"),
         {"ex": excluding},
     ).all()
     return {r[0]: r[1] for r in rows}
+
+
+def ahead_gpus_total(conn: Connection, *, excluding: str | None = None) -> int:
+    """The sum of :func:`ahead_gpus` (what the GPU-budget guardrail reads once per scale or release it binds)."""
+    return int(conn.execute(
+        text("SELECT coalesce(sum(ahead_gpus), 0) FROM model_ahead_gpus "
+             "WHERE CAST(:ex AS text) IS NULL OR model_id <> :ex"), {"ex": excluding}).scalar_one())
+
+
+def refresh_ahead(conn: Connection, model_ids) -> None:
+    """Set each model's ``model_ahead_gpus`` row from its latest counting scale or release (no row for 0).
+
+    Called in the transaction that changed one of the model's scales or releases (marked, reaped or deleted), so
+    the row is what the history says; a per-model advisory lock (taken in id order) makes two transactions
+    changing one model's actions at once write in turn, the second seeing the first's rows. One index probe per
+    model (``actions_scale_latest``, migration 0015).
+    """
+    for model_id in sorted({m for m in model_ids if m is not None}):
+        conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended('prewarm.ahead_gpus:' || :m, 0))"),
+                     {"m": model_id})
+        latest = conn.execute(
+            text(f"SELECT id, coalesce((detail->>'ahead_gpus')::int, 0) FROM actions WHERE model_id = :m "
+                 f"AND {AHEAD_COUNTS} ORDER BY {LATEST_FIRST} LIMIT 1"), {"m": model_id}).first()
+        if latest is None or latest[1] == 0:
+            conn.execute(text("DELETE FROM model_ahead_gpus WHERE model_id = :m"), {"m": model_id})
+        else:
+            conn.execute(
+                text("INSERT INTO model_ahead_gpus (model_id, ahead_gpus, action_id, updated_at) "
+                     "VALUES (:m, :g, :id, now()) ON CONFLICT (model_id) DO UPDATE SET "
+                     "ahead_gpus = excluded.ahead_gpus, action_id = excluded.action_id, updated_at = now()"),
+                {"m": model_id, "g": latest[1], "id": latest[0]})
+
+
+def _scaled_models(rows) -> list[str]:
+    """The models of the returned ``(kind, model_id)`` rows that are scales or releases."""
+    return [model for kind, model in rows if kind in ("scale", "release")]
 
 
 def mark(conn: Connection, action_id: int, status: ActionStatus, *, now: datetime,
@@ -140,27 +180,30 @@ def mark(conn: Connection, action_id: int, status: ActionStatus, *, now: datetim
          next_attempt_at: datetime | None = None) -> None:
     """Move an action to ``status``; ``start`` counts an attempt; ``detail`` is merged into the record."""
     finished = status in (ActionStatus.SUCCEEDED, ActionStatus.FAILED, ActionStatus.DROPPED)
-    conn.execute(
+    rows = conn.execute(
         text("UPDATE actions SET status = :status, status_reason = :reason, updated_at = :now, "
              "detail = detail || CAST(:detail AS jsonb), next_attempt_at = :next, "
              "attempts = attempts + CASE WHEN :start THEN 1 ELSE 0 END, "
              "started_at = CASE WHEN :start THEN :now ELSE started_at END, "
-             "finished_at = CASE WHEN :finished THEN :now ELSE finished_at END WHERE id = :id"),
+             "finished_at = CASE WHEN :finished THEN :now ELSE finished_at END WHERE id = :id "
+             "RETURNING kind, model_id"),
         {"status": str(status), "reason": None if reason is None else str(reason), "now": now,
          "detail": json.dumps(detail or {}, default=str), "next": next_attempt_at, "start": start,
          "finished": finished, "id": action_id},
-    )
+    ).all()
+    refresh_ahead(conn, _scaled_models(rows))
 
 
 def reap_lost(conn: Connection, now: datetime, *, grace: timedelta = timedelta(minutes=5)) -> int:
     """Fail actions left ``running`` past their deadline (the process that ran them died)."""
-    result = conn.execute(
+    rows = conn.execute(
         text("UPDATE actions SET status = 'failed', status_reason = 'timeout', finished_at = :now, updated_at = :now,"
              " detail = detail || '{\"lost\": \"still running past its deadline: the actuator stopped?\"}'::jsonb "
-             "WHERE status = 'running' AND deadline < :cutoff"),
+             "WHERE status = 'running' AND deadline < :cutoff RETURNING kind, model_id"),
         {"now": now, "cutoff": now - grace},
-    )
-    return result.rowcount
+    ).all()
+    refresh_ahead(conn, _scaled_models(rows))
+    return len(rows)
 
 
 def list_actions(engine: Engine, *, plan_id: int | None = None, model_id: str | None = None,

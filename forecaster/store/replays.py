@@ -21,6 +21,8 @@ from sqlalchemy import Connection, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.sql import bindparam
 
+from forecaster.store.actions import refresh_ahead
+
 OUTCOME_COLUMNS = ("requests", "cold_requests", "replica_starts", "wait_total_s", "wait_max_s")
 
 
@@ -141,10 +143,12 @@ def forget_replay_window(conn: Connection, *, start: datetime, end: datetime, co
     backends' actions and other sources' cold starts stay.
     """
     window = {"s": start, "e": end}
-    actions = conn.execute(text(
+    deleted = conn.execute(text(
         "DELETE FROM actions WHERE backend = ANY(:b) AND coalesce(not_before, updated_at) >= :s "
-        "AND coalesce(not_before, updated_at) < :e"),
-        {"s": start, "e": actions_end or end, "b": list(REPLAY_BACKENDS)}).rowcount
+        "AND coalesce(not_before, updated_at) < :e RETURNING kind, model_id"),
+        {"s": start, "e": actions_end or end, "b": list(REPLAY_BACKENDS)}).all()
+    actions = len(deleted)
+    refresh_ahead(conn, [model for kind, model in deleted if kind in ("scale", "release")])
     plans = conn.execute(text(
         "DELETE FROM plans p WHERE planned_at >= :s AND planned_at < :e "
         "AND NOT EXISTS (SELECT 1 FROM actions a WHERE a.plan_id = p.id)"), window).rowcount

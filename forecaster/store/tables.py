@@ -13,6 +13,7 @@ from sqlalchemy import (
     REAL,
     BigInteger,
     Boolean,
+    CheckConstraint,
     Date,
     DateTime,
     Float,
@@ -284,6 +285,19 @@ class Action(Base):
     started_at: Mapped[datetime | None] = mapped_column(TZ)
     finished_at: Mapped[datetime | None] = mapped_column(TZ)
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class ModelAheadGpus(Base):
+    """GPUs a model holds above its reactive ask: its latest succeeded or running scale or release's
+    ``ahead_gpus`` (no row for 0); kept by :func:`forecaster.store.actions.refresh_ahead` (migration 0015)."""
+
+    __tablename__ = "model_ahead_gpus"
+    __table_args__ = (CheckConstraint("ahead_gpus <> 0", name="model_ahead_gpus_nonzero"),)
+
+    model_id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    ahead_gpus: Mapped[int] = mapped_column(Integer)
+    action_id: Mapped[int] = mapped_column(BigInteger)
+    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
 
 class ActuatorControl(Base):
