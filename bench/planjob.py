@@ -33,13 +33,18 @@ burst-queue sizing beside a run without (``forecaster.planning.planner._burst_qu
 and API workers at an hour turn), with the files off (each computes) and on (one computes, the others wait on its
 lock and read): wall and CPU seconds, and the sum of the processes' peak memory.
 
+``--action-history N`` seeds N finished actions over the 30 days before the first minute (nothing deletes
+actions: at 100,000 models the plan job leaves about 360,000 a day), so that the stages show what reading the
+actuator's history costs.
+
 ``--restarts N`` then plans the first minute again as a restarted process would (no latency table or champion
 in memory), N times with the table computed and N times with it read from the file the earlier minutes wrote
 (``PREWARM_LATENCY_TABLE_FILES_KEPT``), alternately.
 
 Usage:
     python bench/planjob.py [--models 10000] [--minutes 5] [--start-minute 0] [--paced] [--bursty-share S]
-                            [--restarts N] [--processes N] [--json PATH]
+                            [--restarts N] [--processes N]
+                            [--action-history N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -141,6 +146,37 @@ def seed(url: str, *, n_models: int, n_nodes: int, n_cold_starts: int, settings:
             "forecast_rows": int(rows)}
 
 
+def seed_action_history(url: str, *, n_models: int, n_nodes: int, n_actions: int, until: datetime,
+                        days: int = 30) -> int:
+    """``n_actions`` finished actions spread evenly over the ``days`` before ``until`` (half releases, a quarter
+    each pre-pulls and pre-loads, every model and node in turn), as the actuator leaves them behind: nothing deletes
+    actions, and at 100,000 models the plan job writes about 250 a minute (360,000 a day). Releases, so that every
+    model's newest scale-or-release says 0 replicas and the plan starts from the fleet it has without a history
+    (what is timed is reading the history, not other decisions). Then ANALYZE."""
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("""
+            INSERT INTO actions (kind, model_id, node_id, target, spec, detail, status, backend, updated_at,
+                                 finished_at, started_at, created_at)
+            SELECT kind, model_id,
+                   CASE WHEN kind IN ('prepull', 'preload') THEN 'node-' || lpad((g % :nodes)::text, 3, '0') END,
+                   CASE kind WHEN 'prepull' THEN 'registry.example.com/ml/serve-' || (g % 200) || '\\:1'
+                             WHEN 'preload' THEN 's3://weights/' || model_id END,
+                   CASE kind WHEN 'release' THEN '{"replicas": 0}'::jsonb
+                             WHEN 'preload' THEN '{"tier": "disk"}'::jsonb ELSE '{}'::jsonb END,
+                   CASE kind WHEN 'release' THEN '{"ahead_gpus": 0}'::jsonb ELSE '{}'::jsonb END,
+                   'succeeded', 'dry-run', t, t, t, t
+            FROM (SELECT g, (ARRAY['release', 'release', 'prepull', 'preload'])[1 + g % 4] AS kind,
+                         'model-' || lpad(((g::bigint * 7919) % :models)::text, 5, '0') AS model_id,
+                         CAST(:until AS timestamptz) - make_interval(secs => :span * (1 - g::float8 / :n)) AS t
+                  FROM generate_series(1, :n) AS g) a"""),
+            {"n": n_actions, "models": n_models, "nodes": n_nodes, "until": until, "span": days * 86400.0})
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("ANALYZE actions"))
+    engine.dispose()
+    return n_actions
+
+
 class StageTimer:
     """Wraps the plan job's stage functions and keeps the seconds each took in the current run."""
 
@@ -176,6 +212,11 @@ def run(admin_url: str, args) -> dict:
     first_minute = NOW + timedelta(minutes=args.start_minute)
     seeded = seed(url, n_models=args.models, n_nodes=args.nodes, n_cold_starts=args.cold_starts, settings=settings,
                   forecast_from=first_minute, bursty_share=args.bursty_share)
+    if args.action_history:
+        started = time.perf_counter()
+        seeded["action_history"] = seed_action_history(url, n_models=args.models, n_nodes=args.nodes,
+                                                        n_actions=args.action_history, until=first_minute)
+        seeded["action_history_s"] = round(time.perf_counter() - started, 2)
     seeded["seed_s"] = round(time.perf_counter() - started, 2)
     print(f"seeded {seeded} ", flush=True)
     out: dict = {"seeded": seeded, "minutes": args.minutes}
@@ -410,6 +451,9 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=0,
                         help="after the minutes, N fresh processes ask for one hour's latency table at once, "
                              "with the table files off and on")
+    parser.add_argument("--action-history", type=int, default=0,
+                        help="finished actions over the 30 days before the first minute (the actuator's history: "
+                             "about 360,000 a day at 100,000 models)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     admin_url = os.environ.get("PREWARM_BENCH_ADMIN_URL")
