@@ -28,6 +28,9 @@ def read_fleet_inputs(conn: Connection, *, now: datetime, model_ids: Sequence[st
     ``models`` carries the raw catalogue values (the builder fills defaults and refuses unusable ones);
     ``cold_cost`` comes from the model's label of that name when it is a number; ``burst_factor`` from the
     catalogue (declared, or measured from an ingested per-request trace; missing: the builder's 1, even arrivals).
+
+    The action history is read through two partial indexes (migration 0015): each model's newest succeeded scale
+    or release, and the last day's succeeded pre-pulls and pre-loads, so the read does not grow with the history.
     """
     rows = conn.execute(text(
         "SELECT m.id, m.image_ref, m.image_size_bytes, m.weights_uri, m.weights_size_bytes, m.gpus_per_replica, "
