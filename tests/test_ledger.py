@@ -171,3 +171,45 @@ def test_gpus_ahead_kept_per_model_equal_the_history_and_the_memory_ledger(engin
             open_ids = set(conn.execute(text("SELECT id FROM actions WHERE status IN ('pending', 'running')"))
                            .scalars())
         pairs = [(sid, mid) for sid, mid in pairs if sid in open_ids]
+
+
+def test_two_sessions_marking_the_same_models_in_opposite_orders_both_commit(engine):
+    """Two actuator processes marking scales of models x and y, one x then y and the other y then x, at the same
+    time: each session locks its models' GPUs-ahead rows once, in id order, when it ends, so neither waits on the
+    other's half (locked as each mark came, the two would deadlock and PostgreSQL would abort one)."""
+    import threading
+
+    from sqlalchemy import text
+
+    from forecaster.store import actions as store_actions
+
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id=m, gpus_per_replica=2) for m in ("x", "y")])
+    ledger = StoreLedger(engine)
+    with ledger.session() as s:
+        ids = {(who, m): s.submit_action(None, scale(m, 2 + (who == "b")), backend="t", now=NOW)[0]
+               for who in ("a", "b") for m in ("x", "y")}
+    both_marked_once = threading.Barrier(2, timeout=30)
+    errors: list[BaseException] = []
+
+    def actuator(who: str, order: tuple[str, str], gpus: int) -> None:
+        try:
+            with ledger.session() as s:
+                for i, model in enumerate(order):
+                    s.mark(ids[(who, model)], ActionStatus.RUNNING, now=NOW, start=True,
+                           detail={"ahead_gpus": gpus})
+                    if i == 0:
+                        both_marked_once.wait()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=actuator, args=("a", ("x", "y"), 4)),
+               threading.Thread(target=actuator, args=("b", ("y", "x"), 6))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    with engine.connect() as conn:
+        history = {model: gpus for model, gpus in conn.execute(text(HISTORY_AHEAD)) if gpus}
+        assert store_actions.ahead_gpus(conn) == history and set(history) == {"x", "y"}

@@ -63,11 +63,24 @@ class ActionLedger(Protocol):
 
 
 class _StoreSession:
+    """One transaction of the store ledger. The models whose GPUs ahead its marks may change are refreshed together
+    when it ends (:meth:`flush_ahead`, called by :meth:`StoreLedger.session` before the commit), or before it
+    reads them: each model's row is locked once, in id order, so two sessions never wait on each other's models
+    (a session that marks, reads the total and marks again would lock in two passes; the actuator's do not)."""
+
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
+        self._ahead_changed: set[str] = set()
+
+    def flush_ahead(self) -> None:
+        if self._ahead_changed:
+            store_actions.refresh_ahead(self.conn, self._ahead_changed)
+            self._ahead_changed.clear()
 
     def reap_lost(self, now: datetime) -> int:
-        return store_actions.reap_lost(self.conn, now, grace=LOST_GRACE)
+        reaped = store_actions.reap_lost(self.conn, now, grace=LOST_GRACE)
+        self._ahead_changed.update(store_actions.ahead_models(reaped))
+        return len(reaped)
 
     def is_paused(self) -> bool:
         return store_actions.is_paused(self.conn)
@@ -79,6 +92,7 @@ class _StoreSession:
         return store_actions.due_actions(self.conn, now, limit)
 
     def ahead_gpus_total(self, *, excluding: str | None = None) -> int:
+        self.flush_ahead()
         return store_actions.ahead_gpus_total(self.conn, excluding=excluding)
 
     def record_plan(self, plan: Plan) -> int:
@@ -88,8 +102,9 @@ class _StoreSession:
         return store_actions.submit_action(self.conn, plan_id, action, backend=backend, now=now)
 
     def mark(self, action_id, status, *, now, reason=None, detail=None, start=False, next_attempt_at=None):
-        store_actions.mark(self.conn, action_id, status, now=now, reason=reason, detail=detail, start=start,
-                           next_attempt_at=next_attempt_at)
+        marked = store_actions.mark(self.conn, action_id, status, now=now, reason=reason, detail=detail,
+                                    start=start, next_attempt_at=next_attempt_at)
+        self._ahead_changed.update(store_actions.ahead_models(marked))
 
 
 class StoreLedger:
@@ -108,7 +123,9 @@ class StoreLedger:
     @contextmanager
     def session(self) -> Iterator[LedgerSession]:
         with self.engine.begin() as conn:
-            yield _StoreSession(conn)
+            session = _StoreSession(conn)
+            yield session
+            session.flush_ahead()
 
     def model_targets(self, ids: set[str]) -> dict[str, ModelTarget]:
         with self.engine.connect() as conn:

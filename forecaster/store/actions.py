@@ -149,10 +149,11 @@ def ahead_gpus_total(conn: Connection, *, excluding: str | None = None) -> int:
 def refresh_ahead(conn: Connection, model_ids) -> None:
     """Set each model's ``model_ahead_gpus`` row from its latest counting scale or release (no row for 0).
 
-    Called in the transaction that changed one of the model's scales or releases (marked, reaped or deleted), so
-    the row is what the history says; a per-model advisory lock (taken in id order) makes two transactions
-    changing one model's actions at once write in turn, the second seeing the first's rows. One index probe per
-    model (``actions_scale_latest``, migration 0015).
+    Called in the transaction that changed one of the model's scales or releases (marked, reaped or deleted), once
+    for all the models it changed, just before it commits (``StoreLedger.session``), so the row is what the
+    history says. A per-model advisory lock makes two transactions changing one model's actions at once write in
+    turn, the second seeing the first's rows; taken in id order in one call, so two transactions never wait on
+    each other's models. One index probe per model (``actions_scale_latest``, migration 0015).
     """
     for model_id in sorted({m for m in model_ids if m is not None}):
         conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended('prewarm.ahead_gpus:' || :m, 0))"),
@@ -170,15 +171,19 @@ def refresh_ahead(conn: Connection, model_ids) -> None:
                 {"m": model_id, "g": latest[1], "id": latest[0]})
 
 
-def _scaled_models(rows) -> list[str]:
-    """The models of the returned ``(kind, model_id)`` rows that are scales or releases."""
-    return [model for kind, model in rows if kind in ("scale", "release")]
+def ahead_models(rows) -> list[str]:
+    """The models of ``(kind, model_id)`` rows that are scales or releases: those whose GPUs ahead may have changed
+    (:func:`refresh_ahead` them before the transaction commits)."""
+    return [model for kind, model in rows if kind in ("scale", "release") and model is not None]
 
 
 def mark(conn: Connection, action_id: int, status: ActionStatus, *, now: datetime,
          reason: FailureReason | str | None = None, detail: dict | None = None, start: bool = False,
-         next_attempt_at: datetime | None = None) -> None:
-    """Move an action to ``status``; ``start`` counts an attempt; ``detail`` is merged into the record."""
+         next_attempt_at: datetime | None = None) -> list[tuple[str, str | None]]:
+    """Move an action to ``status``; ``start`` counts an attempt; ``detail`` is merged into the record.
+
+    Returns the action's ``(kind, model_id)`` (none when no such action): a scale or release changes its model's
+    GPUs ahead, which the caller refreshes (:func:`ahead_models`, :func:`refresh_ahead`) before committing."""
     finished = status in (ActionStatus.SUCCEEDED, ActionStatus.FAILED, ActionStatus.DROPPED)
     rows = conn.execute(
         text("UPDATE actions SET status = :status, status_reason = :reason, updated_at = :now, "
@@ -191,19 +196,20 @@ def mark(conn: Connection, action_id: int, status: ActionStatus, *, now: datetim
          "detail": json.dumps(detail or {}, default=str), "next": next_attempt_at, "start": start,
          "finished": finished, "id": action_id},
     ).all()
-    refresh_ahead(conn, _scaled_models(rows))
+    return [tuple(r) for r in rows]
 
 
-def reap_lost(conn: Connection, now: datetime, *, grace: timedelta = timedelta(minutes=5)) -> int:
-    """Fail actions left ``running`` past their deadline (the process that ran them died)."""
+def reap_lost(conn: Connection, now: datetime, *, grace: timedelta = timedelta(minutes=5)
+              ) -> list[tuple[str, str | None]]:
+    """Fail actions left ``running`` past their deadline (the process that ran them died); their ``(kind,
+    model_id)`` (see :func:`mark`)."""
     rows = conn.execute(
         text("UPDATE actions SET status = 'failed', status_reason = 'timeout', finished_at = :now, updated_at = :now,"
              " detail = detail || '{\"lost\": \"still running past its deadline: the actuator stopped?\"}'::jsonb "
              "WHERE status = 'running' AND deadline < :cutoff RETURNING kind, model_id"),
         {"now": now, "cutoff": now - grace},
     ).all()
-    refresh_ahead(conn, _scaled_models(rows))
-    return len(rows)
+    return [tuple(r) for r in rows]
 
 
 def list_actions(engine: Engine, *, plan_id: int | None = None, model_id: str | None = None,

@@ -21,7 +21,7 @@ from sqlalchemy import Connection, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.sql import bindparam
 
-from forecaster.store.actions import refresh_ahead
+from forecaster.store.actions import ahead_models, refresh_ahead
 
 OUTCOME_COLUMNS = ("requests", "cold_requests", "replica_starts", "wait_total_s", "wait_max_s")
 
@@ -148,7 +148,7 @@ def forget_replay_window(conn: Connection, *, start: datetime, end: datetime, co
         "AND coalesce(not_before, updated_at) < :e RETURNING kind, model_id"),
         {"s": start, "e": actions_end or end, "b": list(REPLAY_BACKENDS)}).all()
     actions = len(deleted)
-    refresh_ahead(conn, [model for kind, model in deleted if kind in ("scale", "release")])
+    refresh_ahead(conn, ahead_models(deleted))
     plans = conn.execute(text(
         "DELETE FROM plans p WHERE planned_at >= :s AND planned_at < :e "
         "AND NOT EXISTS (SELECT 1 FROM actions a WHERE a.plan_id = p.id)"), window).rowcount
