@@ -14,6 +14,7 @@ from sqlalchemy.exc import OperationalError
 
 from api.recommendation_gauges import RecommendationGauges
 from forecaster.planning.budget import BUDGET_STATUSES, BudgetState
+from forecaster.store.actions import action_counts
 from forecaster.store.dashboard import FleetHourError, PAnyBand, fleet_hour_errors, newest_scored_hour, p_any_bands
 
 
@@ -44,7 +45,7 @@ class StoreCollector:
                     "SELECT DISTINCT ON (job_name) job_name, status, "
                     "EXTRACT(EPOCH FROM finished_at - started_at) FROM job_runs "
                     "WHERE finished_at IS NOT NULL ORDER BY job_name, slot DESC")).all()
-                actions = conn.execute(text("SELECT kind, status, count(*) FROM actions GROUP BY 1, 2")).all()
+                actions = action_counts(conn)  # kept where actions are written, not counted per scrape
                 newest_plan = conn.execute(text("SELECT (summary->>'skipped')::int, summary->'budget' FROM plans "
                                                 "ORDER BY planned_at DESC, id DESC LIMIT 1")).first()
                 errors, bands = self._fleet_errors(conn)

@@ -202,6 +202,27 @@ def test_health_readiness_and_metrics(client, engine, tokens):
     assert 'prewarm_api_request_seconds_count{method="GET",route="/v1/models",status="200"} 1.0' in text_metrics
 
 
+def test_metrics_count_the_actions_the_ledger_recorded(client, engine):
+    from forecaster.actuation.ledger import StoreLedger
+    from forecaster.contracts.actions import Action, ActionKind, ActionStatus, Reason
+
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO serving_models (id) VALUES ('m')"))
+    ledger = StoreLedger(engine)
+    with ledger.session() as s:
+        ids = [s.submit_action(None, Action(kind=ActionKind.SCALE, model_id="m", reason=Reason.FORECAST_SPIKE,
+                                            not_before=NOW, deadline=NOW + timedelta(minutes=5), replicas=r),
+                               backend="dry-run", now=NOW)[0] for r in (1, 2, 3)]
+        s.mark(ids[0], ActionStatus.RUNNING, now=NOW, start=True)
+        s.mark(ids[0], ActionStatus.SUCCEEDED, now=NOW)
+        s.mark(ids[1], ActionStatus.RUNNING, now=NOW, start=True)
+    text_metrics = client.get("/metrics").text
+    assert 'prewarm_actions_total{kind="scale",status="succeeded"} 1.0' in text_metrics
+    assert 'prewarm_actions_total{kind="scale",status="running"} 1.0' in text_metrics
+    assert 'prewarm_actions_total{kind="scale",status="pending"} 1.0' in text_metrics
+    assert 'status="failed"' not in text_metrics.split("prewarm_actions_total", 1)[1].split("# HELP", 1)[0]
+
+
 def test_the_per_model_gauge_can_be_left_out(engine, settings, tokens):
     quiet = settings.model_copy(update={"recommendation_metrics": False})
     with TestClient(create_app(quiet, engine, clock=lambda: NOW)) as client:

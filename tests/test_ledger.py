@@ -122,7 +122,7 @@ HISTORY_AHEAD = (
 def test_gpus_ahead_kept_per_model_equal_the_history_and_the_memory_ledger(engine, seed, keep_finished):
     """Random scales and releases of three models, their open ones marked to any status (ties in time included),
     and reaped: after each step the store's per-model rows equal the latest-counted rule read over the
-    whole history, and both ledgers give the same totals."""
+    whole history, its action counts the count over the table, and both ledgers give the same totals."""
     import random
 
     from sqlalchemy import text
@@ -164,6 +164,8 @@ def test_gpus_ahead_kept_per_model_equal_the_history_and_the_memory_ledger(engin
         with engine.connect() as conn:
             history = {model: gpus for model, gpus in conn.execute(text(HISTORY_AHEAD)) if gpus}
             assert store_actions.ahead_gpus(conn) == history
+            assert store_actions.action_counts(conn) == [tuple(r) for r in conn.execute(text(
+                "SELECT kind, status, count(*) FROM actions GROUP BY 1, 2 ORDER BY 1, 2"))]
         with store.session() as s, memory.session() as m:
             for excluded in (None, *models):
                 assert s.ahead_gpus_total(excluding=excluded) == m.ahead_gpus_total(excluding=excluded)
@@ -213,3 +215,27 @@ def test_two_sessions_marking_the_same_models_in_opposite_orders_both_commit(eng
     with engine.connect() as conn:
         history = {model: gpus for model, gpus in conn.execute(text(HISTORY_AHEAD)) if gpus}
         assert store_actions.ahead_gpus(conn) == history and set(history) == {"x", "y"}
+
+
+def test_action_counts_follow_a_replay_window_forgotten(engine):
+    """A re-run replay deletes its window's dry-run actions: the counts /metrics reads drop by what was deleted."""
+    from sqlalchemy import text
+
+    from forecaster.store import actions as store_actions
+    from forecaster.store.replays import forget_replay_window
+
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id=m, gpus_per_replica=2) for m in ("a", "b")])
+    ledger = StoreLedger(engine)
+    with ledger.session() as s:
+        kept, _ = s.submit_action(None, scale("a", 2, at=NOW - 60 * MIN), backend="kubernetes", now=NOW)
+        replayed, _ = s.submit_action(None, scale("b", 3), backend="dry-run", now=NOW)
+        s.mark(replayed, ActionStatus.RUNNING, now=NOW, start=True, detail={"ahead_gpus": 2})
+    with engine.begin() as conn:
+        assert store_actions.action_counts(conn) == [("scale", "pending", 1), ("scale", "running", 1)]
+        assert store_actions.ahead_gpus(conn) == {"b": 2}
+        assert forget_replay_window(conn, start=NOW - MIN, end=NOW + MIN, cold_start_source="x")["actions"] == 1
+    with engine.connect() as conn:
+        assert store_actions.action_counts(conn) == [tuple(r) for r in conn.execute(text(
+            "SELECT kind, status, count(*) FROM actions GROUP BY 1, 2 ORDER BY 1, 2"))] == [("scale", "pending", 1)]
+        assert store_actions.ahead_gpus(conn) == {}

@@ -13,7 +13,7 @@ EXPECTED_TABLES = {
     "serving_models", "invocations", "coverage", "ingest_batches", "cold_starts", "nodes", "node_cache",
     "model_versions", "forecasts", "plans", "actions", "job_runs", "apscheduler_jobs", "api_tokens",
     "actuator_control", "backtest_runs", "backtest_results", "rollups", "transfers", "replays", "replay_outcomes",
-    "forecast_errors", "forecast_error_hours", "model_ahead_gpus",
+    "forecast_errors", "forecast_error_hours", "model_ahead_gpus", "action_counts",
 }
 HEAD = sorted(p.name.split("_")[0] for p in (Path(__file__).resolve().parent.parent / "migrations" / "versions")
               .glob("[0-9]*_*.py"))[-1]
@@ -134,8 +134,9 @@ def test_hours_scored_before_p_any_sums_existed_are_scored_again(empty_db_url):
 
 
 def test_gpus_ahead_are_filled_from_the_action_history(empty_db_url):
-    """0015 keeps each model's GPUs ahead in a table: the upgrade fills it with what the history's latest counted
-    scale or release says (0 left out), and the downgrade drops it."""
+    """0015 keeps each model's GPUs ahead and the actions per kind and status in tables: the upgrade fills them
+    from the history (the GPUs ahead of each model's latest counted scale or release, 0 left out), and the
+    downgrade drops them."""
     engine = make_engine(empty_db_url)
     upgrade(engine, "0014")
     rows = [  # (model, kind, status, detail, finished_at)
@@ -155,6 +156,9 @@ def test_gpus_ahead_are_filled_from_the_action_history(empty_db_url):
     upgrade(engine)
     with engine.connect() as conn:
         assert dict(conn.execute(text("SELECT model_id, ahead_gpus FROM model_ahead_gpus")).all()) == {"a": 4, "d": 2}
+        assert sorted(conn.execute(text("SELECT kind, status, n FROM action_counts")).all()) == [
+            ("prepull", "succeeded", 1), ("release", "succeeded", 1), ("scale", "failed", 1),
+            ("scale", "running", 1), ("scale", "succeeded", 3)]
     downgrade(engine, "0014")
-    assert "model_ahead_gpus" not in inspect(engine).get_table_names()
+    assert {"model_ahead_gpus", "action_counts"}.isdisjoint(inspect(engine).get_table_names())
     engine.dispose()

@@ -63,23 +63,37 @@ class ActionLedger(Protocol):
 
 
 class _StoreSession:
-    """One transaction of the store ledger. The models whose GPUs ahead its marks may change are refreshed together
-    when it ends (:meth:`flush_ahead`, called by :meth:`StoreLedger.session` before the commit), or before it
-    reads them: each model's row is locked once, in id order, so two sessions never wait on each other's models
-    (a session that marks, reads the total and marks again would lock in two passes; the actuator's do not)."""
+    """One transaction of the store ledger. What its submits and marks change beyond the actions themselves, the
+    GPUs ahead of the models they touch and the action counts, is written together when it ends (:meth:`flush`,
+    called by :meth:`StoreLedger.session` before the commit; the GPUs ahead also before they are read): each row
+    is locked once, in key order, so two sessions never wait on each other's rows (a session that marks, reads the
+    total and marks again would lock in two passes; the actuator's do not)."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self._ahead_changed: set[str] = set()
+        self._counts: dict[tuple[str, str], int] = {}
 
-    def flush_ahead(self) -> None:
+    def flush(self) -> None:
+        self._flush_ahead()
+        store_actions.count_actions(self.conn, self._counts)
+        self._counts.clear()
+
+    def _flush_ahead(self) -> None:
         if self._ahead_changed:
             store_actions.refresh_ahead(self.conn, self._ahead_changed)
             self._ahead_changed.clear()
 
+    def _move(self, kind: str, was: str | None, now: str) -> None:
+        if was is not None:
+            self._counts[(kind, was)] = self._counts.get((kind, was), 0) - 1
+        self._counts[(kind, now)] = self._counts.get((kind, now), 0) + 1
+
     def reap_lost(self, now: datetime) -> int:
         reaped = store_actions.reap_lost(self.conn, now, grace=LOST_GRACE)
         self._ahead_changed.update(store_actions.ahead_models(reaped))
+        for kind, _ in reaped:
+            self._move(kind, str(ActionStatus.RUNNING), str(ActionStatus.FAILED))
         return len(reaped)
 
     def is_paused(self) -> bool:
@@ -92,19 +106,24 @@ class _StoreSession:
         return store_actions.due_actions(self.conn, now, limit)
 
     def ahead_gpus_total(self, *, excluding: str | None = None) -> int:
-        self.flush_ahead()
+        self._flush_ahead()
         return store_actions.ahead_gpus_total(self.conn, excluding=excluding)
 
     def record_plan(self, plan: Plan) -> int:
         return store_actions.record_plan(self.conn, plan)
 
     def submit_action(self, plan_id, action, *, backend, now):
-        return store_actions.submit_action(self.conn, plan_id, action, backend=backend, now=now)
+        action_id, merged = store_actions.submit_action(self.conn, plan_id, action, backend=backend, now=now)
+        if not merged:
+            self._move(str(action.kind), None, str(ActionStatus.PENDING))
+        return action_id, merged
 
     def mark(self, action_id, status, *, now, reason=None, detail=None, start=False, next_attempt_at=None):
         marked = store_actions.mark(self.conn, action_id, status, now=now, reason=reason, detail=detail,
                                     start=start, next_attempt_at=next_attempt_at)
         self._ahead_changed.update(store_actions.ahead_models(marked))
+        for kind, _, was in marked:
+            self._move(kind, was, str(status))
 
 
 class StoreLedger:
@@ -125,7 +144,7 @@ class StoreLedger:
         with self.engine.begin() as conn:
             session = _StoreSession(conn)
             yield session
-            session.flush_ahead()
+            session.flush()
 
     def model_targets(self, ids: set[str]) -> dict[str, ModelTarget]:
         with self.engine.connect() as conn:

@@ -171,27 +171,49 @@ def refresh_ahead(conn: Connection, model_ids) -> None:
                 {"m": model_id, "g": latest[1], "id": latest[0]})
 
 
+def count_actions(conn: Connection, deltas: dict[tuple[str, str], int]) -> None:
+    """Add ``deltas`` (``(kind, status) -> change``) to ``action_counts``, in key order (so two transactions lock
+    the counts' rows in one order and never wait on each other). What ``/metrics`` reports as ``prewarm_actions``,
+    kept where actions are recorded, marked, reaped or deleted instead of counted over the whole table per scrape
+    (migration 0015)."""
+    moved = sorted((k, n) for k, n in deltas.items() if n)
+    if not moved:
+        return
+    conn.execute(
+        text("INSERT INTO action_counts (kind, status, n) VALUES (:kind, :status, :n) "
+             "ON CONFLICT (kind, status) DO UPDATE SET n = action_counts.n + excluded.n"),
+        [{"kind": kind, "status": status, "n": n} for (kind, status), n in moved])
+
+
+def action_counts(conn: Connection) -> list[tuple[str, str, int]]:
+    """``(kind, status, actions)`` for every kind and status with an action (``/metrics``)."""
+    return [tuple(r) for r in conn.execute(
+        text("SELECT kind, status, n FROM action_counts WHERE n <> 0 ORDER BY kind, status")).all()]
+
+
 def ahead_models(rows) -> list[str]:
     """The models of ``(kind, model_id)`` rows that are scales or releases: those whose GPUs ahead may have changed
     (:func:`refresh_ahead` them before the transaction commits)."""
-    return [model for kind, model in rows if kind in ("scale", "release") and model is not None]
+    return [row[1] for row in rows if row[0] in ("scale", "release") and row[1] is not None]
 
 
 def mark(conn: Connection, action_id: int, status: ActionStatus, *, now: datetime,
          reason: FailureReason | str | None = None, detail: dict | None = None, start: bool = False,
-         next_attempt_at: datetime | None = None) -> list[tuple[str, str | None]]:
+         next_attempt_at: datetime | None = None) -> list[tuple[str, str | None, str]]:
     """Move an action to ``status``; ``start`` counts an attempt; ``detail`` is merged into the record.
 
-    Returns the action's ``(kind, model_id)`` (none when no such action): a scale or release changes its model's
-    GPUs ahead, which the caller refreshes (:func:`ahead_models`, :func:`refresh_ahead`) before committing."""
+    Returns the action's ``(kind, model_id, status before)`` (none when no such action): the caller moves the
+    action counts (:func:`count_actions`) and, for a scale or release, refreshes its model's GPUs ahead
+    (:func:`ahead_models`, :func:`refresh_ahead`) before committing."""
     finished = status in (ActionStatus.SUCCEEDED, ActionStatus.FAILED, ActionStatus.DROPPED)
     rows = conn.execute(
-        text("UPDATE actions SET status = :status, status_reason = :reason, updated_at = :now, "
-             "detail = detail || CAST(:detail AS jsonb), next_attempt_at = :next, "
-             "attempts = attempts + CASE WHEN :start THEN 1 ELSE 0 END, "
-             "started_at = CASE WHEN :start THEN :now ELSE started_at END, "
-             "finished_at = CASE WHEN :finished THEN :now ELSE finished_at END WHERE id = :id "
-             "RETURNING kind, model_id"),
+        text("UPDATE actions a SET status = :status, status_reason = :reason, updated_at = :now, "
+             "detail = a.detail || CAST(:detail AS jsonb), next_attempt_at = :next, "
+             "attempts = a.attempts + CASE WHEN :start THEN 1 ELSE 0 END, "
+             "started_at = CASE WHEN :start THEN :now ELSE a.started_at END, "
+             "finished_at = CASE WHEN :finished THEN :now ELSE a.finished_at END "
+             "FROM (SELECT id, status FROM actions WHERE id = :id FOR UPDATE) was WHERE a.id = was.id "
+             "RETURNING a.kind, a.model_id, was.status"),
         {"status": str(status), "reason": None if reason is None else str(reason), "now": now,
          "detail": json.dumps(detail or {}, default=str), "next": next_attempt_at, "start": start,
          "finished": finished, "id": action_id},
@@ -202,7 +224,7 @@ def mark(conn: Connection, action_id: int, status: ActionStatus, *, now: datetim
 def reap_lost(conn: Connection, now: datetime, *, grace: timedelta = timedelta(minutes=5)
               ) -> list[tuple[str, str | None]]:
     """Fail actions left ``running`` past their deadline (the process that ran them died); their ``(kind,
-    model_id)`` (see :func:`mark`)."""
+    model_id)``, each moved from running to failed (see :func:`mark`)."""
     rows = conn.execute(
         text("UPDATE actions SET status = 'failed', status_reason = 'timeout', finished_at = :now, updated_at = :now,"
              " detail = detail || '{\"lost\": \"still running past its deadline: the actuator stopped?\"}'::jsonb "

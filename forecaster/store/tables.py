@@ -300,6 +300,17 @@ class ModelAheadGpus(Base):
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
 
+class ActionCount(Base):
+    """Actions per kind and current status (``/metrics``' ``prewarm_actions``), kept where actions are recorded,
+    marked, reaped or deleted (:func:`forecaster.store.actions.count_actions`; migration 0015)."""
+
+    __tablename__ = "action_counts"
+
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)
+    status: Mapped[str] = mapped_column(String(16), primary_key=True)
+    n: Mapped[int] = mapped_column(BigInteger)
+
+
 class ActuatorControl(Base):
     """The actuator's global kill switch (one row), shared by the API and every actuating process."""
 

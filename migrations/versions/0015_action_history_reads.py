@@ -1,8 +1,8 @@
 """Reads of the action history that do not grow with it: the GPUs each model holds ahead of its reactive ask kept per
-model, and two partial indexes for the plan job's fleet read.
+model, the actions per kind and status kept as counts, and two partial indexes for the plan job's fleet read.
 
-Nothing deletes actions (at 100,000 models the plan job leaves about 360,000 a day), and three per-minute reads
-scanned all of them (measured with ``bench/planjob.py --models 10000 --action-history N``, N past actions over
+Nothing deletes actions (at 100,000 models the plan job leaves about 360,000 a day), and three per-minute reads and
+every ``/metrics`` scrape scanned all of them (measured with ``bench/planjob.py --models 10000 --action-history N``, N past actions over
 the 30 days before).
 
 The actuator's GPU-budget guardrail asks, for every scale or release it binds, how many GPUs the other models hold
@@ -20,6 +20,10 @@ The fleet read (:func:`forecaster.store.fleet.read_fleet_inputs`) takes each mod
 succeeded scale or release (``actions_replicas_newest``: one index entry per model instead of all its rows and a
 sort) and the last day's succeeded pre-pulls and pre-loads (``actions_artefacts_recent``: the day's rows instead
 of a scan of the table). With 1,000,000 past actions: 2.3 s and 118 ms, then 33 ms and 9 ms.
+
+``/metrics`` counted every action per kind and status on each scrape (``prewarm_actions``; 100 ms per million
+actions); ``action_counts`` keeps those counts, moved in the transactions that record, mark, reap or delete actions
+(:func:`forecaster.store.actions.count_actions`), and the upgrade fills it with that count.
 
 Plain ``CREATE INDEX`` locks the table against writes while it builds; on a large existing table, build the
 indexes ``CONCURRENTLY`` by hand first (same names), and this migration's ``IF NOT EXISTS`` then does nothing.
@@ -56,6 +60,14 @@ def upgrade() -> None:
         sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
         sa.CheckConstraint("ahead_gpus <> 0", name="model_ahead_gpus_nonzero"),
     )
+    op.create_table(
+        "action_counts",
+        sa.Column("kind", sa.String(16), primary_key=True),
+        sa.Column("status", sa.String(16), primary_key=True),
+        sa.Column("n", sa.BigInteger, nullable=False),
+    )
+    op.execute("INSERT INTO action_counts (kind, status, n) SELECT kind, status, count(*) FROM actions "
+               "GROUP BY kind, status")
     op.execute(f"INSERT INTO model_ahead_gpus (model_id, ahead_gpus, action_id) "
                f"SELECT model_id, gpus, id FROM (SELECT DISTINCT ON (model_id) model_id, id, "
                f"coalesce((detail->>'ahead_gpus')::int, 0) AS gpus FROM actions WHERE {COUNTS} "
@@ -63,6 +75,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    op.drop_table("action_counts")
     op.drop_table("model_ahead_gpus")
     for index in ("actions_artefacts_recent", "actions_replicas_newest", "actions_scale_latest"):
         op.execute(f"DROP INDEX IF EXISTS {index}")
