@@ -239,3 +239,29 @@ def test_action_counts_follow_a_replay_window_forgotten(engine):
         assert store_actions.action_counts(conn) == [tuple(r) for r in conn.execute(text(
             "SELECT kind, status, count(*) FROM actions GROUP BY 1, 2 ORDER BY 1, 2"))] == [("scale", "pending", 1)]
         assert store_actions.ahead_gpus(conn) == {}
+
+
+def test_the_scheduler_start_heals_counts_and_gpus_ahead_moved_without_them(engine, settings):
+    """Actions written past the tables (a scheduler of older code running while migration 0015 ran, SQL by hand):
+    the scheduler's start recounts both from the history."""
+    from sqlalchemy import text
+
+    from forecaster.jobs.scheduler import build_scheduler
+    from forecaster.store import actions as store_actions
+
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id=m, gpus_per_replica=2) for m in ("a", "b")])
+        for model, status, detail in (("a", "succeeded", '{"ahead_gpus": 4}'), ("b", "failed", '{"ahead_gpus": 2}'),
+                                      ("b", "pending", "{}")):
+            conn.execute(text("INSERT INTO actions (kind, model_id, status, detail, started_at, finished_at) VALUES "
+                              "('scale', :m, :s, CAST(:d AS jsonb), :t, :t)"), {"m": model, "s": status, "d": detail,
+                                                                                 "t": NOW})
+    with engine.connect() as conn:
+        assert store_actions.action_counts(conn) == [] and store_actions.ahead_gpus(conn) == {}
+    from apscheduler.schedulers.background import BackgroundScheduler
+
+    build_scheduler(engine, settings, BackgroundScheduler())
+    with engine.connect() as conn:
+        assert store_actions.action_counts(conn) == [("scale", "failed", 1), ("scale", "pending", 1),
+                                                     ("scale", "succeeded", 1)]
+        assert store_actions.ahead_gpus(conn) == {"a": 4}

@@ -130,6 +130,17 @@ def _trigger(spec: JobSpec) -> IntervalTrigger | CronTrigger:
     return IntervalTrigger(seconds=spec.every_s, timezone=timezone.utc)
 
 
+def _reconcile_action_state(engine: Engine) -> None:
+    """The action counts and GPUs ahead recomputed from the history before the actuator runs (see
+    :func:`forecaster.store.actions.reconcile_action_state`); a failure is logged, the jobs start regardless."""
+    from forecaster.store.actions import reconcile_action_state
+
+    try:
+        log.info("action state reconciled with the history: %s", reconcile_action_state(engine))
+    except Exception:  # noqa: BLE001 - the tables keep what the writers moved; the next start tries again
+        log.exception("could not reconcile the action counts and GPUs ahead with the history")
+
+
 def build_scheduler(engine: Engine, settings: Settings, scheduler: BaseScheduler | None = None) -> BaseScheduler:
     """Configure a scheduler whose job store is the ``apscheduler_jobs`` table.
 
@@ -139,6 +150,7 @@ def build_scheduler(engine: Engine, settings: Settings, scheduler: BaseScheduler
     for spec in default_jobs(settings):
         JOBS.setdefault(spec.name, spec)
     _context.update(engine=engine, settings=settings)
+    _reconcile_action_state(engine)
     scheduler = scheduler or BlockingScheduler(timezone=timezone.utc)
     scheduler.configure(
         jobstores={"default": SQLAlchemyJobStore(engine=engine, tablename="apscheduler_jobs")},

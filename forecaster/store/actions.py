@@ -191,6 +191,30 @@ def action_counts(conn: Connection) -> list[tuple[str, str, int]]:
         text("SELECT kind, status, n FROM action_counts WHERE n <> 0 ORDER BY kind, status")).all()]
 
 
+def reconcile_action_state(engine: Engine) -> dict[str, int]:
+    """Recount ``action_counts`` and recompute ``model_ahead_gpus`` from the whole history, once (the scheduler
+    calls it when it starts).
+
+    Both tables are moved by the transactions that write actions; this heals whatever moved actions without them
+    (a scheduler of the code before migration 0015 still running while it ran, a hand-made fix in SQL). The two
+    tables are locked against writers while they are rewritten: a writer whose actions are not committed yet
+    applies its own change after this, to counts that do not hold it; one that has written its change holds its
+    rows, and this waits for it to commit. It reads every action: about 0.1 s per million.
+    """
+    with engine.begin() as conn:
+        conn.execute(text("LOCK TABLE action_counts, model_ahead_gpus IN EXCLUSIVE MODE"))
+        conn.execute(text("DELETE FROM action_counts"))
+        counted = conn.execute(text("INSERT INTO action_counts (kind, status, n) "
+                                    "SELECT kind, status, count(*) FROM actions GROUP BY kind, status")).rowcount
+        conn.execute(text("DELETE FROM model_ahead_gpus"))
+        ahead = conn.execute(text(
+            f"INSERT INTO model_ahead_gpus (model_id, ahead_gpus, action_id) SELECT model_id, gpus, id FROM "
+            f"(SELECT DISTINCT ON (model_id) model_id, id, coalesce((detail->>'ahead_gpus')::int, 0) AS gpus "
+            f"FROM actions WHERE {AHEAD_COUNTS} AND model_id IS NOT NULL ORDER BY model_id, {LATEST_FIRST}) latest "
+            f"WHERE gpus <> 0")).rowcount
+    return {"action_counts": counted, "models_ahead": ahead}
+
+
 def ahead_models(rows) -> list[str]:
     """The models of ``(kind, model_id)`` rows that are scales or releases: those whose GPUs ahead may have changed
     (:func:`refresh_ahead` them before the transaction commits)."""
