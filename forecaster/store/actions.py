@@ -202,7 +202,8 @@ def reconcile_action_state(engine: Engine) -> dict[str, int]:
     rows, and this waits for it to commit. It reads every action: about 0.1 s per million.
     """
     with engine.begin() as conn:
-        conn.execute(text("LOCK TABLE action_counts, model_ahead_gpus IN EXCLUSIVE MODE"))
+        # in the order a ledger session writes them (GPUs ahead, then counts), so that neither waits on the other
+        conn.execute(text("LOCK TABLE model_ahead_gpus, action_counts IN EXCLUSIVE MODE"))
         conn.execute(text("DELETE FROM action_counts"))
         counted = conn.execute(text("INSERT INTO action_counts (kind, status, n) "
                                     "SELECT kind, status, count(*) FROM actions GROUP BY kind, status")).rowcount
