@@ -18,6 +18,21 @@ from forecaster.store.actions import action_counts
 from forecaster.store.dashboard import FleetHourError, PAnyBand, fleet_hour_errors, newest_scored_hour, p_any_bands
 
 
+#: Each job's newest finished run: ``(job_name, status, seconds)``. A loose index scan over the primary key
+#: ``(job_name, slot)`` (the job names one probe at a time, then each one's newest finished slot), so a scrape reads
+#: a handful of index entries however many runs are kept: the ``DISTINCT ON (job_name)`` it replaces read every run
+#: (nothing deletes them; about 4,300 a day), 2.1 s a scrape at 2,000,000 runs against 0.4 ms.
+LATEST_JOB_RUNS_SQL = """
+WITH RECURSIVE jobs AS (
+    SELECT min(job_name) AS name FROM job_runs
+    UNION ALL
+    SELECT (SELECT min(job_name) FROM job_runs WHERE job_name > jobs.name) FROM jobs WHERE jobs.name IS NOT NULL)
+SELECT jobs.name, newest.status, newest.seconds FROM jobs CROSS JOIN LATERAL (
+    SELECT status, EXTRACT(EPOCH FROM finished_at - started_at) AS seconds FROM job_runs
+    WHERE job_name = jobs.name AND finished_at IS NOT NULL ORDER BY slot DESC LIMIT 1) newest
+ORDER BY jobs.name"""
+
+
 class StoreCollector:
     """Reads what the store says at scrape time, so every replica of the API reports the same."""
 
@@ -41,10 +56,7 @@ class StoreCollector:
         try:
             with self._engine.connect() as conn:
                 newest = conn.execute(text("SELECT max(issued_at) FROM forecasts")).scalar()
-                jobs = conn.execute(text(
-                    "SELECT DISTINCT ON (job_name) job_name, status, "
-                    "EXTRACT(EPOCH FROM finished_at - started_at) FROM job_runs "
-                    "WHERE finished_at IS NOT NULL ORDER BY job_name, slot DESC")).all()
+                jobs = conn.execute(text(LATEST_JOB_RUNS_SQL)).all()
                 actions = action_counts(conn)  # kept where actions are written, not counted per scrape
                 newest_plan = conn.execute(text("SELECT (summary->>'skipped')::int, summary->'budget' FROM plans "
                                                 "ORDER BY planned_at DESC, id DESC LIMIT 1")).first()
