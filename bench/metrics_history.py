@@ -21,19 +21,18 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import text
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from api.metrics import LATEST_JOB_RUNS_SQL  # noqa: E402
-from bench.planjob import NOW, seed_action_history  # noqa: E402
+from bench.ingest import fresh_database  # noqa: E402
+from bench.planjob import NOW, on_bench_server, seed_action_history  # noqa: E402
 from forecaster.store.actions import action_counts, reconcile_action_state  # noqa: E402
-from forecaster.store.db import embedded_server, make_engine, upgrade  # noqa: E402
+from forecaster.store.db import make_engine  # noqa: E402
 
 EVERY_RUN = ("SELECT DISTINCT ON (job_name) job_name, status, EXTRACT(EPOCH FROM finished_at - started_at) "
              "FROM job_runs WHERE finished_at IS NOT NULL ORDER BY job_name, slot DESC")
@@ -42,14 +41,8 @@ JOBS = ("ingest", "forecast", "plan", "partitions", "retention", "forecast_error
 
 
 def run(admin_url: str, args) -> dict:
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text("DROP DATABASE IF EXISTS bench_metrics_history WITH (FORCE)"))
-        conn.execute(text("CREATE DATABASE bench_metrics_history"))
-    admin.dispose()
-    url = make_url(admin_url).set(database="bench_metrics_history").render_as_string(hide_password=False)
+    url = fresh_database(admin_url, "bench_metrics_history")
     engine = make_engine(url)
-    upgrade(engine)
     started = time.perf_counter()
     with engine.begin() as conn:
         conn.execute(text(
@@ -94,14 +87,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    admin_url = os.environ.get("PREWARM_BENCH_ADMIN_URL")
-    if admin_url:
-        figures = run(admin_url, args)
-    else:
-        with tempfile.TemporaryDirectory(prefix="prewarm-bench-metrics-") as tmp:
-            os.chmod(tmp, 0o755)
-            with embedded_server(Path(tmp) / "pgdata") as url:
-                figures = run(url, args)
+    figures = on_bench_server(lambda url: run(url, args), prefix="prewarm-bench-metrics-")
     print(f"/metrics store reads, {figures['job_runs']:,} job runs and {figures['actions']:,} actions, median of "
           f"{figures['repeat']} (same answers: {figures['same_answers']}), load {figures['load_avg'][0]:.2f}:")
     for name, ms in figures["median_ms"].items():

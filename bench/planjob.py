@@ -63,18 +63,18 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import numpy as np
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import text
 
 if not os.environ.get("PYTHONPATH"):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import forecaster.jobs.planning as planning  # noqa: E402
+from bench.ingest import fresh_database  # noqa: E402
 from forecaster.actuation import actuator as actuation  # noqa: E402
 from forecaster.ingest.service import push_cold_starts  # noqa: E402
 from forecaster.settings import Settings  # noqa: E402
 from forecaster.store.catalog import ServingModelSpec, upsert_models  # noqa: E402
-from forecaster.store.db import embedded_server, make_engine, upgrade  # noqa: E402
+from forecaster.store.db import embedded_server, make_engine  # noqa: E402
 from forecaster.store.forecasts import write_forecast_arrays  # noqa: E402
 
 STAGES = ("read_forecasts", "read_fleet", "latency_prediction", "plan", "write_actuate")
@@ -198,14 +198,8 @@ class StageTimer:
 
 
 def run(admin_url: str, args) -> dict:
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text("DROP DATABASE IF EXISTS bench_planjob WITH (FORCE)"))
-        conn.execute(text("CREATE DATABASE bench_planjob"))
-    admin.dispose()
-    url = make_url(admin_url).set(database="bench_planjob").render_as_string(hide_password=False)
+    url = fresh_database(admin_url, "bench_planjob")
     engine = make_engine(url)
-    upgrade(engine)
     models_dir = Path(tempfile.mkdtemp(prefix="prewarm-bench-models-"))
     settings = Settings(database_url=url, models_dir=models_dir, actuator_backend="dry-run")
     started = time.perf_counter()
@@ -432,6 +426,18 @@ class PrefetchLog(logging.Handler):
             self.lines.append(message)
 
 
+def on_bench_server(run_on, *, prefix: str):
+    """``run_on(admin_url)`` against ``PREWARM_BENCH_ADMIN_URL``'s server, or against an embedded PostgreSQL in a
+    temporary directory (``prefix``) that lives for the call; its answer."""
+    admin_url = os.environ.get("PREWARM_BENCH_ADMIN_URL")
+    if admin_url:
+        return run_on(admin_url)
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        os.chmod(tmp, 0o755)
+        with embedded_server(Path(tmp) / "pgdata") as url:
+            return run_on(url)
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -456,14 +462,7 @@ def main() -> None:
                              "about 360,000 a day at 100,000 models)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    admin_url = os.environ.get("PREWARM_BENCH_ADMIN_URL")
-    if admin_url:
-        figures = run(admin_url, args)
-    else:
-        with tempfile.TemporaryDirectory(prefix="prewarm-bench-planjob-") as tmp:
-            os.chmod(tmp, 0o755)
-            with embedded_server(Path(tmp) / "pgdata") as url:
-                figures = run(url, args)
+    figures = on_bench_server(lambda url: run(url, args), prefix="prewarm-bench-planjob-")
     turn = figures.get("hour_turn_s")
     print(f"plan job, {args.models:,} models, median of {args.minutes} minutes (first minute in brackets"
           + (", then the first minute of the next hour)" if turn else "):"))
