@@ -1,4 +1,4 @@
-"""Prometheus metrics of the service: API latency, forecast age and error, job durations, actions taken."""
+"""Prometheus metrics of the service: API latency, forecast age and error, job durations, actions taken and open."""
 
 from __future__ import annotations
 
@@ -14,24 +14,9 @@ from sqlalchemy.exc import OperationalError
 
 from api.recommendation_gauges import RecommendationGauges
 from forecaster.planning.budget import BUDGET_STATUSES, BudgetState
-from forecaster.store.actions import action_counts
+from forecaster.store.actions import FINISHED, action_counts
 from forecaster.store.dashboard import FleetHourError, PAnyBand, fleet_hour_errors, newest_scored_hour, p_any_bands
-
-
-#: Each job's newest finished run: ``(job_name, status, seconds)``. A loose index scan over the primary key
-#: ``(job_name, slot)`` (the job names one probe at a time, then each one's newest finished slot), so a scrape reads
-#: a handful of index entries however many runs are kept: the ``DISTINCT ON (job_name)`` it replaces read every run
-#: (nothing deletes them; about 4,300 a day): at 2,000,000 runs 2,122 ms a scrape against 1.2 ms
-#: (``bench/metrics_history.py``).
-LATEST_JOB_RUNS_SQL = """
-WITH RECURSIVE jobs AS (
-    SELECT min(job_name) AS name FROM job_runs
-    UNION ALL
-    SELECT (SELECT min(job_name) FROM job_runs WHERE job_name > jobs.name) FROM jobs WHERE jobs.name IS NOT NULL)
-SELECT jobs.name, newest.status, newest.seconds FROM jobs CROSS JOIN LATERAL (
-    SELECT status, EXTRACT(EPOCH FROM finished_at - started_at) AS seconds FROM job_runs
-    WHERE job_name = jobs.name AND finished_at IS NOT NULL ORDER BY slot DESC LIMIT 1) newest
-ORDER BY jobs.name"""
+from forecaster.store.job_runs import LATEST_JOB_RUNS_SQL
 
 
 class StoreCollector:
@@ -77,11 +62,7 @@ class StoreCollector:
         for name, status, seconds in jobs:
             duration.add_metric([name, status], float(seconds or 0.0))
         yield duration
-        taken = CounterMetricFamily("prewarm_actions", "Pre-warm actions recorded, by kind and status",
-                                    labels=["kind", "status"])
-        for kind, status, count in actions:
-            taken.add_metric([kind, status], count)
-        yield taken
+        yield from action_metrics(actions)
         left_out = GaugeMetricFamily("prewarm_plan_skipped_models",
                                      "Models the newest plan left out because a value was unusable (see the plan's "
                                      "summary and the plan job's log for which and why)")
@@ -92,6 +73,24 @@ class StoreCollector:
         # the newest plan's state only: with budget mode switched off the metrics go, as the plan's state does
         yield from budget_metrics(None if budget is None else BudgetState.from_dict(budget))
         yield from forecast_error_metrics(errors, bands)
+
+
+def action_metrics(counts: list[tuple[str, str, int, int]]):
+    """The actions of :func:`forecaster.store.actions.action_counts` as a counter of those that finished, by kind
+    and final status (deleted ones included: it never falls, as Prometheus' ``rate`` needs), and a gauge of those
+    pending or running now. A status moves from the gauge to the counter when the action finishes."""
+    finished = CounterMetricFamily("prewarm_actions", "Pre-warm actions finished, by kind and final status "
+                                   "(succeeded, failed, dropped); those deleted by retention included",
+                                   labels=["kind", "status"])
+    open_now = GaugeMetricFamily("prewarm_actions_open", "Pre-warm actions pending or running now, by kind and status",
+                                 labels=["kind", "status"])
+    for kind, status, n, pruned in counts:
+        if status in FINISHED:
+            finished.add_metric([kind, status], n + pruned)
+        elif n:
+            open_now.add_metric([kind, status], n)
+    yield finished
+    yield open_now
 
 
 def forecast_error_metrics(errors: list[FleetHourError], bands: list[PAnyBand]):

@@ -139,6 +139,18 @@ class Settings(BaseSettings):
     invocations_retention_days: int = Field(
         default=400, ge=1, description="Days after which invocations and their coverage are dropped entirely.")
     retention_interval_s: int = Field(default=3600, ge=60, description="How often the retention job runs.")
+    # Retention of the audit trail and the scheduler's history (forecaster.store.history_retention).
+    plans_retention_days: int = Field(
+        default=30, ge=0, le=36_500,
+        description="Days of plans and finished actions kept (the audit trail of /v1/plans, /v1/actions and the "
+                    "dashboard); older ones are deleted by the retention job, except each model's newest scale or "
+                    "release (what it runs and holds ahead) and the plans open or kept actions belong to. About "
+                    "360,000 actions a day at 100,000 models. 0: kept forever; else at least 2 (the plan job reads "
+                    "the last day's pre-pulls and pre-loads, budget mode a day of plans).")
+    job_runs_retention_days: int = Field(
+        default=30, ge=0, le=36_500,
+        description="Days of job runs kept (one row per job and slot, about 5,800 a day); each job's newest finished "
+                    "run stays (/metrics reports it). 0: kept forever.")
     error_rollup_delay_s: int = Field(
         default=180, ge=0, le=86_400,
         description="Seconds after a target hour ends before the forecast_errors job scores it: its counts "
@@ -465,6 +477,13 @@ class Settings(BaseSettings):
                 "retention ages must satisfy PREWARM_INVOCATIONS_MINUTE_DAYS <= PREWARM_INVOCATIONS_5MIN_DAYS <= "
                 f"PREWARM_INVOCATIONS_RETENTION_DAYS, got {self.invocations_minute_days} / "
                 f"{self.invocations_5min_days} / {self.invocations_retention_days}")
+        return self
+
+    @model_validator(mode="after")
+    def _plans_kept_a_day(self) -> "Settings":
+        if self.plans_retention_days == 1:
+            raise ValueError("PREWARM_PLANS_RETENTION_DAYS=1 would delete what the plan job reads (the last day's "
+                             "pre-pulls and pre-loads, budget mode's day of plans): use 0 (keep forever) or 2 or more")
         return self
 
     @model_validator(mode="after")

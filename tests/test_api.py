@@ -217,10 +217,17 @@ def test_metrics_count_the_actions_the_ledger_recorded(client, engine):
         s.mark(ids[0], ActionStatus.SUCCEEDED, now=NOW)
         s.mark(ids[1], ActionStatus.RUNNING, now=NOW, start=True)
     text_metrics = client.get("/metrics").text
+    assert "# TYPE prewarm_actions_total counter" in text_metrics and "# TYPE prewarm_actions_open gauge" in text_metrics
     assert 'prewarm_actions_total{kind="scale",status="succeeded"} 1.0' in text_metrics
-    assert 'prewarm_actions_total{kind="scale",status="running"} 1.0' in text_metrics
-    assert 'prewarm_actions_total{kind="scale",status="pending"} 1.0' in text_metrics
-    assert 'status="failed"' not in text_metrics.split("prewarm_actions_total", 1)[1].split("# HELP", 1)[0]
+    assert 'prewarm_actions_open{kind="scale",status="running"} 1.0' in text_metrics
+    assert 'prewarm_actions_open{kind="scale",status="pending"} 1.0' in text_metrics
+    counter = text_metrics.split("prewarm_actions_total", 1)[1].split("# HELP", 1)[0]
+    assert 'status="failed"' not in counter and 'status="pending"' not in counter  # only what finished counts
+    with ledger.session() as s:  # the running one finishes: it leaves the gauge and the counter grows
+        s.mark(ids[1], ActionStatus.FAILED, now=NOW)
+    text_metrics = client.get("/metrics").text
+    assert 'prewarm_actions_total{kind="scale",status="failed"} 1.0' in text_metrics
+    assert 'status="running"' not in text_metrics.split("prewarm_actions_open{", 1)[1].split("# HELP", 1)[0]
 
 
 def test_the_per_model_gauge_can_be_left_out(engine, settings, tokens):

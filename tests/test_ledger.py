@@ -165,7 +165,7 @@ def test_gpus_ahead_kept_per_model_equal_the_history_and_the_memory_ledger(engin
             history = {model: gpus for model, gpus in conn.execute(text(HISTORY_AHEAD)) if gpus}
             assert store_actions.ahead_gpus(conn) == history
             assert store_actions.action_counts(conn) == [tuple(r) for r in conn.execute(text(
-                "SELECT kind, status, count(*) FROM actions GROUP BY 1, 2 ORDER BY 1, 2"))]
+                "SELECT kind, status, count(*), 0 FROM actions GROUP BY 1, 2 ORDER BY 1, 2"))]
         with store.session() as s, memory.session() as m:
             for excluded in (None, *models):
                 assert s.ahead_gpus_total(excluding=excluded) == m.ahead_gpus_total(excluding=excluded)
@@ -218,7 +218,8 @@ def test_two_sessions_marking_the_same_models_in_opposite_orders_both_commit(eng
 
 
 def test_action_counts_follow_a_replay_window_forgotten(engine):
-    """A re-run replay deletes its window's dry-run actions: the counts /metrics reads drop by what was deleted."""
+    """A re-run replay deletes its window's dry-run actions: the counts /metrics reads drop by what was deleted
+    (a running one: it leaves the open gauge, and nothing finished to count)."""
     from sqlalchemy import text
 
     from forecaster.store import actions as store_actions
@@ -232,12 +233,12 @@ def test_action_counts_follow_a_replay_window_forgotten(engine):
         replayed, _ = s.submit_action(None, scale("b", 3), backend="dry-run", now=NOW)
         s.mark(replayed, ActionStatus.RUNNING, now=NOW, start=True, detail={"ahead_gpus": 2})
     with engine.begin() as conn:
-        assert store_actions.action_counts(conn) == [("scale", "pending", 1), ("scale", "running", 1)]
+        assert store_actions.action_counts(conn) == [("scale", "pending", 1, 0), ("scale", "running", 1, 0)]
         assert store_actions.ahead_gpus(conn) == {"b": 2}
         assert forget_replay_window(conn, start=NOW - MIN, end=NOW + MIN, cold_start_source="x")["actions"] == 1
     with engine.connect() as conn:
         assert store_actions.action_counts(conn) == [tuple(r) for r in conn.execute(text(
-            "SELECT kind, status, count(*) FROM actions GROUP BY 1, 2 ORDER BY 1, 2"))] == [("scale", "pending", 1)]
+            "SELECT kind, status, count(*), 0 FROM actions GROUP BY 1, 2 ORDER BY 1, 2"))] == [("scale", "pending", 1, 0)]
         assert store_actions.ahead_gpus(conn) == {}
 
 
@@ -262,6 +263,6 @@ def test_the_scheduler_start_heals_counts_and_gpus_ahead_moved_without_them(engi
 
     build_scheduler(engine, settings, BackgroundScheduler())
     with engine.connect() as conn:
-        assert store_actions.action_counts(conn) == [("scale", "failed", 1), ("scale", "pending", 1),
-                                                     ("scale", "succeeded", 1)]
+        assert store_actions.action_counts(conn) == [("scale", "failed", 1, 0), ("scale", "pending", 1, 0),
+                                                     ("scale", "succeeded", 1, 0)]
         assert store_actions.ahead_gpus(conn) == {"a": 4}

@@ -9,7 +9,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from sqlalchemy import text
 
-from api.metrics import LATEST_JOB_RUNS_SQL
+from forecaster.store.job_runs import LATEST_JOB_RUNS_SQL
 
 #: What the scrape read before: every run, the newest finished one per job kept.
 EVERY_RUN = ("SELECT DISTINCT ON (job_name) job_name, status, EXTRACT(EPOCH FROM finished_at - started_at) "

@@ -162,3 +162,24 @@ def test_gpus_ahead_are_filled_from_the_action_history(empty_db_url):
     downgrade(engine, "0014")
     assert {"model_ahead_gpus", "action_counts"}.isdisjoint(inspect(engine).get_table_names())
     engine.dispose()
+
+
+def test_history_retention_adds_pruned_counts_and_the_age_indexes(empty_db_url):
+    """0016 adds ``action_counts.pruned`` (0 for the counts already kept) and the indexes retention walks; the
+    downgrade takes them away again."""
+    engine = make_engine(empty_db_url)
+    upgrade(engine, "0015")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO action_counts (kind, status, n) VALUES ('scale', 'succeeded', 5)"))
+    upgrade(engine)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT kind, status, n, pruned FROM action_counts")).all() == [
+            ("scale", "succeeded", 5, 0)]
+    indexes = {i["name"] for table in ("actions", "plans") for i in inspect(engine).get_indexes(table)}
+    assert {"actions_finished_age", "plans_planned_at"} <= indexes
+    downgrade(engine, "0015")
+    inspector = inspect(engine)
+    assert "pruned" not in {c["name"] for c in inspector.get_columns("action_counts")}
+    assert {"actions_finished_age", "plans_planned_at"}.isdisjoint(
+        {i["name"] for table in ("actions", "plans") for i in inspector.get_indexes(table)})
+    engine.dispose()

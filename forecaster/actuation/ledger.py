@@ -23,9 +23,8 @@ from sqlalchemy import Connection, Engine
 from forecaster.actuation.backends.base import ModelTarget
 from forecaster.contracts.actions import Action, ActionKind, ActionStatus, FailureReason, Plan
 from forecaster.store import actions as store_actions
+from forecaster.store.actions import FINISHED
 
-OPEN = (ActionStatus.PENDING, ActionStatus.RUNNING)
-FINISHED = (ActionStatus.SUCCEEDED, ActionStatus.FAILED, ActionStatus.DROPPED)
 LOST_GRACE = timedelta(minutes=5)
 
 

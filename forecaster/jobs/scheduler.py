@@ -1,7 +1,8 @@
 """The scheduler: APScheduler 3 with its job store in PostgreSQL, wiring jobs together.
 
 Jobs live in :data:`JOBS`, keyed by name: ingest (every minute), partition
-maintenance (hourly), retention (hourly), forecast (every minute), plan (every
+maintenance (hourly), retention (hourly: forecasts, plans, actions, job runs,
+invocations), forecast (every minute), plan (every
 minute), forecast_errors (every minute: the dashboard's error rollup), nightly
 retrain; more can be added with :func:`register_job`.
 
@@ -53,16 +54,20 @@ def partition_job(engine: Engine, settings: Settings, now: datetime) -> dict:
 
 
 def retention_job(engine: Engine, settings: Settings, now: datetime) -> dict:
-    """Hourly: keep forecast partitions ahead and pruned; roll old invocation days up, drop the oldest.
+    """Hourly: keep forecast partitions ahead and pruned; delete old plans, finished actions and job runs; roll
+    old invocation days up, drop the oldest.
 
     Forecast partitions go first: they are cheap and the forecast job needs the
-    coming days' partitions even when an invocation day fails to roll up.
+    coming days' partitions even when an invocation day fails to roll up; the
+    history next, before the invocation days that may fail.
     """
     from forecaster.store.forecasts import maintain_forecast_partitions
+    from forecaster.store.history_retention import apply_history_retention
     from forecaster.store.retention import apply_retention
 
     detail: dict = {"forecasts": maintain_forecast_partitions(
         engine, now=now, days_ahead=settings.partition_days_ahead, retention_days=settings.forecast_retention_days)}
+    detail["history"] = apply_history_retention(engine, now=now, settings=settings)
     detail["invocations"] = apply_retention(engine, now=now, settings=settings)
     return detail
 

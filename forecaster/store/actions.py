@@ -15,6 +15,7 @@ from sqlalchemy import Connection, Engine, text
 from forecaster.contracts.actions import Action, ActionKind, ActionStatus, FailureReason, Plan
 
 OPEN = (ActionStatus.PENDING, ActionStatus.RUNNING)
+FINISHED = (ActionStatus.SUCCEEDED, ActionStatus.FAILED, ActionStatus.DROPPED)
 ACTION_COLUMNS = ("id, plan_id, kind, model_id, node_id, target, spec, not_before, deadline, reason, status, "
                   "status_reason, attempts, key, backend, detail, next_attempt_at, started_at, finished_at")
 
@@ -126,6 +127,10 @@ def started_since(conn: Connection, since: datetime) -> int:
 #: The actions whose ``ahead_gpus`` counts for their model (the latest of them, in :data:`LATEST_FIRST` order).
 AHEAD_COUNTS = "kind IN ('scale', 'release') AND status IN ('succeeded', 'running') AND detail ? 'ahead_gpus'"
 LATEST_FIRST = "coalesce(finished_at, started_at) DESC NULLS LAST, id DESC"
+#: The actions whose ``spec.replicas`` is what a model runs (the newest of them, in :data:`NEWEST_FIRST` order;
+#: the plan job's fleet read, through the partial index ``actions_replicas_newest``).
+REPLICAS_SET = "kind IN ('scale', 'release') AND status = 'succeeded'"
+NEWEST_FIRST = "updated_at DESC, id DESC"
 
 
 def ahead_gpus(conn: Connection, *, excluding: str | None = None) -> dict[str, int]:
@@ -171,29 +176,46 @@ def refresh_ahead(conn: Connection, model_ids) -> None:
                 {"m": model_id, "g": latest[1], "id": latest[0]})
 
 
-def count_actions(conn: Connection, deltas: dict[tuple[str, str], int]) -> None:
-    """Add ``deltas`` (``(kind, status) -> change``) to ``action_counts``, in key order (so two transactions lock
-    the counts' rows in one order and never wait on each other). What ``/metrics`` reports as ``prewarm_actions``,
-    kept where actions are recorded, marked, reaped or deleted instead of counted over the whole table per scrape
-    (migration 0015)."""
-    moved = sorted((k, n) for k, n in deltas.items() if n)
+def count_actions(conn: Connection, deltas: dict[tuple[str, str], int],
+                  pruned: dict[tuple[str, str], int] | None = None) -> None:
+    """Add ``deltas`` (``(kind, status) -> change``) to ``action_counts.n`` and ``pruned`` (actions deleted from the
+    table) to its ``pruned``, in key order (so two transactions lock the counts' rows in one order and never wait
+    on each other). What ``/metrics`` reports as ``prewarm_actions_total`` and ``prewarm_actions_open``, kept where
+    actions are recorded, marked, reaped or deleted instead of counted over the whole table per scrape
+    (migrations 0015, 0016)."""
+    pruned = pruned or {}
+    moved = sorted((key, deltas.get(key, 0), pruned.get(key, 0)) for key in {*deltas, *pruned}
+                   if deltas.get(key, 0) or pruned.get(key, 0))
     if not moved:
         return
     conn.execute(
-        text("INSERT INTO action_counts (kind, status, n) VALUES (:kind, :status, :n) "
-             "ON CONFLICT (kind, status) DO UPDATE SET n = action_counts.n + excluded.n"),
-        [{"kind": kind, "status": status, "n": n} for (kind, status), n in moved])
+        text("INSERT INTO action_counts (kind, status, n, pruned) VALUES (:kind, :status, :n, :pruned) "
+             "ON CONFLICT (kind, status) DO UPDATE SET n = action_counts.n + excluded.n, "
+             "pruned = action_counts.pruned + excluded.pruned"),
+        [{"kind": kind, "status": status, "n": n, "pruned": gone} for (kind, status), n, gone in moved])
 
 
-def action_counts(conn: Connection) -> list[tuple[str, str, int]]:
-    """``(kind, status, actions)`` for every kind and status with an action (``/metrics``)."""
+def count_deleted(conn: Connection, deleted) -> None:
+    """Take the actions just deleted (``(kind, status)`` per row) off ``n``; a finished one moves to ``pruned``, so a
+    finished status' ``n + pruned`` never falls: ``/metrics``' counter counts every action that finished."""
+    gone: dict[tuple[str, str], int] = {}
+    for kind, status in deleted:
+        gone[(kind, status)] = gone.get((kind, status), 0) + 1
+    count_actions(conn, {key: -n for key, n in gone.items()},
+                  {key: n for key, n in gone.items() if key[1] in FINISHED})
+
+
+def action_counts(conn: Connection) -> list[tuple[str, str, int, int]]:
+    """``(kind, status, actions in the table, actions deleted since)`` for every kind and status with either
+    (``/metrics``)."""
     return [tuple(r) for r in conn.execute(
-        text("SELECT kind, status, n FROM action_counts WHERE n <> 0 ORDER BY kind, status")).all()]
+        text("SELECT kind, status, n, pruned FROM action_counts WHERE n <> 0 OR pruned <> 0 "
+             "ORDER BY kind, status")).all()]
 
 
 def reconcile_action_state(engine: Engine) -> dict[str, int]:
-    """Recount ``action_counts`` and recompute ``model_ahead_gpus`` from the whole history, once (the scheduler
-    calls it when it starts).
+    """Recount ``action_counts.n`` and recompute ``model_ahead_gpus`` from the whole history, once (the scheduler
+    calls it when it starts); the counts of deleted actions (``pruned``) are kept as they are.
 
     Both tables are moved by the transactions that write actions; this heals whatever moved actions without them
     (a scheduler of the code before migration 0015 still running while it ran, a hand-made fix in SQL). The two
@@ -204,9 +226,10 @@ def reconcile_action_state(engine: Engine) -> dict[str, int]:
     with engine.begin() as conn:
         # in the order a ledger session writes them (GPUs ahead, then counts), so that neither waits on the other
         conn.execute(text("LOCK TABLE model_ahead_gpus, action_counts IN EXCLUSIVE MODE"))
-        conn.execute(text("DELETE FROM action_counts"))
+        conn.execute(text("UPDATE action_counts SET n = 0"))  # ``pruned`` stays: the deleted rows are not here
         counted = conn.execute(text("INSERT INTO action_counts (kind, status, n) "
-                                    "SELECT kind, status, count(*) FROM actions GROUP BY kind, status")).rowcount
+                                    "SELECT kind, status, count(*) FROM actions GROUP BY kind, status "
+                                    "ON CONFLICT (kind, status) DO UPDATE SET n = excluded.n")).rowcount
         conn.execute(text("DELETE FROM model_ahead_gpus"))
         ahead = conn.execute(text(
             f"INSERT INTO model_ahead_gpus (model_id, ahead_gpus, action_id) SELECT model_id, gpus, id FROM "
@@ -230,7 +253,7 @@ def mark(conn: Connection, action_id: int, status: ActionStatus, *, now: datetim
     Returns the action's ``(kind, model_id, status before)`` (none when no such action): the caller moves the
     action counts (:func:`count_actions`) and, for a scale or release, refreshes its model's GPUs ahead
     (:func:`ahead_models`, :func:`refresh_ahead`) before committing."""
-    finished = status in (ActionStatus.SUCCEEDED, ActionStatus.FAILED, ActionStatus.DROPPED)
+    finished = status in FINISHED
     rows = conn.execute(
         text("UPDATE actions a SET status = :status, status_reason = :reason, updated_at = :now, "
              "detail = a.detail || CAST(:detail AS jsonb), next_attempt_at = :next, "

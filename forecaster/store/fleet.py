@@ -15,6 +15,8 @@ import numpy as np
 import pandas as pd
 from sqlalchemy import Connection, text
 
+from forecaster.store.actions import NEWEST_FIRST, REPLICAS_SET
+
 
 def read_fleet_inputs(conn: Connection, *, now: datetime, model_ids: Sequence[str] | None = None
                       ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
@@ -36,8 +38,7 @@ def read_fleet_inputs(conn: Connection, *, now: datetime, model_ids: Sequence[st
         "SELECT m.id, m.image_ref, m.image_size_bytes, m.weights_uri, m.weights_size_bytes, m.gpus_per_replica, "
         "m.replica_rps, m.cold_start_slo_s, m.labels->'cold_cost', m.burst_factor, "
         "(SELECT a.replicas FROM (SELECT (spec->>'replicas')::int AS replicas, updated_at FROM actions "
-        "   WHERE model_id = m.id AND kind IN ('scale', 'release') AND status = 'succeeded' "
-        "   ORDER BY updated_at DESC, id DESC LIMIT 1) a) AS replicas "
+        f"   WHERE model_id = m.id AND {REPLICAS_SET} ORDER BY {NEWEST_FIRST} LIMIT 1) a) AS replicas "
         "FROM serving_models m" + (" WHERE m.id = ANY(:ids)" if model_ids is not None else "") + " ORDER BY m.id"),
         {"ids": list(model_ids or ())}).all()
     # plain tuples: pandas probes each SQLAlchemy Row for attributes (1.2 s at 100,000 models, 0.05 s as tuples)

@@ -21,7 +21,7 @@ from sqlalchemy import Connection, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.sql import bindparam
 
-from forecaster.store.actions import ahead_models, count_actions, refresh_ahead
+from forecaster.store.actions import ahead_models, count_deleted, refresh_ahead
 
 OUTCOME_COLUMNS = ("requests", "cold_requests", "replica_starts", "wait_total_s", "wait_max_s")
 
@@ -149,10 +149,7 @@ def forget_replay_window(conn: Connection, *, start: datetime, end: datetime, co
         {"s": start, "e": actions_end or end, "b": list(REPLAY_BACKENDS)}).all()
     actions = len(deleted)
     refresh_ahead(conn, ahead_models(deleted))
-    gone: dict[tuple[str, str], int] = {}
-    for kind, _, status in deleted:
-        gone[(kind, status)] = gone.get((kind, status), 0) - 1
-    count_actions(conn, gone)
+    count_deleted(conn, [(kind, status) for kind, _, status in deleted])
     plans = conn.execute(text(
         "DELETE FROM plans p WHERE planned_at >= :s AND planned_at < :e "
         "AND NOT EXISTS (SELECT 1 FROM actions a WHERE a.plan_id = p.id)"), window).rowcount

@@ -301,14 +301,17 @@ class ModelAheadGpus(Base):
 
 
 class ActionCount(Base):
-    """Actions per kind and current status (``/metrics``' ``prewarm_actions``), kept where actions are recorded,
-    marked, reaped or deleted (:func:`forecaster.store.actions.count_actions`; migration 0015)."""
+    """Actions per kind and current status (``n``; migration 0015) and those deleted since (``pruned``; 0016), kept
+    where actions are recorded, marked, reaped or deleted (:func:`forecaster.store.actions.count_actions`): what
+    ``/metrics`` reports as ``prewarm_actions_total`` (finished) and ``prewarm_actions_open`` (pending, running)."""
 
     __tablename__ = "action_counts"
 
     kind: Mapped[str] = mapped_column(String(16), primary_key=True)
     status: Mapped[str] = mapped_column(String(16), primary_key=True)
     n: Mapped[int] = mapped_column(BigInteger)
+    # Added by migration 0016: actions of this kind and status deleted since (retention, a replay clearing its window).
+    pruned: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 
 class ActuatorControl(Base):
