@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -72,6 +73,17 @@ def _database(settings: Settings, *, migrate: bool = True) -> Iterator[Engine]:
     """
     with _terminate_unwinds():
         yield from _open_database(settings, migrate=migrate)
+
+
+def wait_for_thread(thread, poll_s: float = 0.5) -> None:
+    """Wait until ``thread`` ends, in a way Ctrl-C or SIGTERM can interrupt without harm.
+
+    Not ``thread.join()``: a join that a signal handler's exception interrupts marks the thread stopped in Python
+    3.11 (it releases the thread's own lock on the way out), so a later ``join(timeout)`` returns at once while the
+    thread still runs; the demo then stopped its database under the API still shutting down. A sleep is
+    interrupted cleanly."""
+    while thread.is_alive():
+        time.sleep(poll_s)
 
 
 @contextmanager
@@ -578,7 +590,6 @@ def report_cmd(
     keep-alive on the same requests and simulated cluster: cold-start requests avoided, GPU-seconds and bytes
     spent, forecast vs actual per model, with plots. See docs/report.md.
     """
-    import time
 
     from forecaster.report.history import ReportError, load_history
     from forecaster.report.html import write_report
@@ -684,7 +695,7 @@ def demo(
                 typer.echo(line)
             if server is not None and not exit_when_done:
                 typer.echo("serving until Ctrl-C")
-                thread.join()
+                wait_for_thread(thread)
         except (KeyboardInterrupt, SystemExit):
             pass
         except IngestError as exc:
@@ -725,7 +736,6 @@ def fleet_generate(
         help="Public traces folder (default: the traces_dir setting, PREWARM_TRACES_DIR).")] = None,
 ) -> None:
     """Generate a deterministic fleet resampled from the real traces (docs/fleet-generator.md)."""
-    import time
 
     from forecaster.simulation.fleetgen import FleetgenWarning, generate_fleet, write_fleet_parquet
 

@@ -515,3 +515,33 @@ def test_demo_replay_run_again_on_the_same_store_reads_the_same(engine, settings
     with engine.connect() as conn:
         pending_after = conn.execute(text("SELECT count(*) FROM actions WHERE status = 'pending'")).scalar()
     assert pending_after == first["action_statuses"].get("pending", 0)
+
+
+def test_a_signal_while_the_demo_serves_leaves_the_api_thread_to_be_joined():
+    """SIGTERM while `prewarm demo` serves raises in the main thread as it waits for the API's thread: the wait
+    ends, and the thread still counts as running, so the demo's next join waits for the API to shut down before
+    the database stops (an interrupted ``Thread.join()`` marked it stopped: the database went first)."""
+    import signal
+    import threading
+
+    from forecaster.cli import wait_for_thread
+
+    release = threading.Event()
+    api = threading.Thread(target=release.wait, args=(30,), daemon=True)
+    api.start()
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGALRM, terminate)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(SystemExit):
+            wait_for_thread(api, poll_s=0.05)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert api.is_alive()
+    release.set()
+    api.join(timeout=5)
+    assert not api.is_alive()
