@@ -56,16 +56,15 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO))
 
+from bench.benchdb import fresh_database, on_bench_server  # noqa: E402
 from forecaster.contracts.forecast import FORECAST_LEVELS, quantile_column  # noqa: E402
 from forecaster.store.catalog import ServingModelSpec, upsert_models  # noqa: E402
-from forecaster.store.db import embedded_server, make_engine, upgrade  # noqa: E402
+from forecaster.store.db import make_engine  # noqa: E402
 from forecaster.store.forecasts import write_forecast_arrays  # noqa: E402
 from forecaster.store.tokens import create_token  # noqa: E402
 
@@ -106,14 +105,8 @@ def model_ids(n_models: int) -> list[str]:
 
 def prepare(admin_url: str, n_models: int, *, database: str = "bench_api") -> tuple[str, str]:
     """A fresh ``database`` with ``n_models`` models, one 60-minute run each, and a read token."""
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
-        conn.execute(text(f"CREATE DATABASE {database}"))
-    admin.dispose()
-    url = make_url(admin_url).set(database=database).render_as_string(hide_password=False)
+    url = fresh_database(admin_url, database)
     engine = make_engine(url)
-    upgrade(engine)
     rng = np.random.default_rng(7)
     ids = model_ids(n_models)
     with engine.begin() as conn:
@@ -387,14 +380,7 @@ def main() -> None:
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         parser.error("wrk is not installed (Debian: apt-get install wrk)")
-    admin_url = os.environ.get("PREWARM_BENCH_ADMIN_URL")
-    if admin_url:
-        figures = run(admin_url, args)
-    else:
-        with tempfile.TemporaryDirectory(prefix="prewarm-bench-api-") as tmp:
-            os.chmod(tmp, 0o755)
-            with embedded_server(Path(tmp) / "pgdata") as url:
-                figures = run(url, args)
+    figures = on_bench_server(lambda url: run(url, args), prefix="prewarm-bench-api-")
     for target in figures["targets"]:
         print(f"{'met ' if target['met'] else 'MISS'} {target['target']} ({target['models']:,} models): "
               f"{target['value']}")

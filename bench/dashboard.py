@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import statistics
 import sys
@@ -36,17 +35,17 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import text
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.benchdb import fresh_database, on_bench_server  # noqa: E402
 from forecaster.jobs.error_scoring import score_errors_job  # noqa: E402
 from forecaster.settings import Settings  # noqa: E402
 from forecaster.store.dashboard import (  # noqa: E402
     FLEET_SORTS, fleet_hour_errors, newest_scored_hour, p_any_bands)
-from forecaster.store.db import embedded_server, make_engine, upgrade  # noqa: E402
+from forecaster.store.db import make_engine  # noqa: E402
 from forecaster.store.forecasts import ensure_forecast_partitions  # noqa: E402
 from forecaster.store.partitions import ensure_partitions  # noqa: E402
 from forecaster.store.tokens import create_token  # noqa: E402
@@ -143,14 +142,8 @@ def run(admin_url: str, args) -> dict:
 
     from api.main import create_app
 
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text("DROP DATABASE IF EXISTS bench_dashboard WITH (FORCE)"))
-        conn.execute(text("CREATE DATABASE bench_dashboard"))
-    admin.dispose()
-    url = make_url(admin_url).set(database="bench_dashboard").render_as_string(hide_password=False)
+    url = fresh_database(admin_url, "bench_dashboard")
     engine = make_engine(url)
-    upgrade(engine)
     started = time.perf_counter()
     counts = fill(engine, models=args.models, runs_min=args.runs_min, week_model=True)
     fill_s = time.perf_counter() - started
@@ -243,14 +236,7 @@ def main() -> None:
                         help="fleet sort keys to measure (default all; the error sorts read the error rollup)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
-    external = os.environ.get("PREWARM_BENCH_ADMIN_URL")
-    if external:
-        results = run(external, args)
-    else:
-        with tempfile.TemporaryDirectory(prefix="prewarm-bench-") as tmp:
-            os.chmod(tmp, 0o755)
-            with embedded_server(Path(tmp) / "pgdata") as admin_url:
-                results = run(admin_url, args)
+    results = on_bench_server(lambda url: run(url, args), prefix="prewarm-bench-dashboard-")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -34,8 +34,8 @@ from sqlalchemy import text
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.ingest import fresh_database  # noqa: E402
-from bench.planjob import NOW, on_bench_server, seed_action_history  # noqa: E402
+from bench.benchdb import fresh_database, on_bench_server  # noqa: E402
+from bench.planjob import NOW, seed_action_history  # noqa: E402
 from forecaster.actuation.ledger import StoreLedger  # noqa: E402
 from forecaster.contracts.actions import Action, ActionKind, ActionStatus, Plan, Reason  # noqa: E402
 from forecaster.settings import Settings  # noqa: E402

@@ -20,22 +20,21 @@ import json
 import os
 import resource
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.benchdb import fresh_database, on_bench_server  # noqa: E402
 from forecaster.ingest.traces import read_trace  # noqa: E402
 from forecaster.ingest.validate import build_count_batch  # noqa: E402
 from forecaster.store.catalog import register_missing  # noqa: E402
-from forecaster.store.db import embedded_server, make_engine, upgrade  # noqa: E402
+from forecaster.store.db import make_engine  # noqa: E402
 from forecaster.store.invocations import write_count_batch  # noqa: E402
 from forecaster.store.partitions import ensure_partitions  # noqa: E402
 from forecaster.store.tables import Invocation  # noqa: E402
@@ -45,19 +44,6 @@ AZURE_DAY = "azure_functions_2019_sample1350/invocations_per_function_1day_1350f
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def fresh_database(admin_url: str, name: str) -> str:
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-        conn.execute(text(f"CREATE DATABASE {name}"))
-    admin.dispose()
-    url = make_url(admin_url).set(database=name).render_as_string(hide_password=False)
-    engine = make_engine(url)
-    upgrade(engine)
-    engine.dispose()
-    return url
 
 
 def parse_and_validate(path: Path, now: datetime):
@@ -141,14 +127,7 @@ def main() -> None:
     if not path.is_file():
         sys.exit(f"trace not found: {path} (set --traces or PREWARM_TRACES_DIR)")
 
-    admin_url = os.environ.get("PREWARM_BENCH_ADMIN_URL")
-    if admin_url:
-        figures = run(admin_url, path, args.orm_limit)
-    else:
-        with tempfile.TemporaryDirectory(prefix="prewarm-bench-") as tmp:
-            os.chmod(tmp, 0o755)
-            with embedded_server(Path(tmp) / "pgdata") as url:
-                figures = run(url, path, args.orm_limit)
+    figures = on_bench_server(lambda url: run(url, path, args.orm_limit), prefix="prewarm-bench-ingest-")
 
     print(f"Azure Functions 2019 day: {figures['models']:,} functions, {figures['cells']:,} model-minutes, "
           f"{figures['rows_written']:,} non-zero rows, {figures['invocations']:,} invocations")

@@ -37,7 +37,6 @@ import os
 import random
 import subprocess
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -49,10 +48,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.benchdb import on_bench_server  # noqa: E402
 from api.keda_scaler import METRIC_NAME  # noqa: E402
 from api.proto import externalscaler_pb2 as pb  # noqa: E402
 from api.proto import externalscaler_rpc  # noqa: E402
-from forecaster.store.db import embedded_server  # noqa: E402
 
 DATABASE = "bench_keda"
 #: Streams opened at once. grpcio 1.85's server cancels about a quarter of a burst of 3,000 new streams on one
@@ -226,14 +225,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=10_000, help="StreamIsActive streams in phase 3 (0: skip).")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    admin_url = os.environ.get("PREWARM_BENCH_ADMIN_URL")
-    if admin_url:
-        figures = run(admin_url, args.models, args.concurrency, args.seconds, args.streams)
-    else:
-        with tempfile.TemporaryDirectory(prefix="prewarm-bench-keda-") as tmp:
-            os.chmod(tmp, 0o755)
-            with embedded_server(Path(tmp) / "pgdata") as url:
-                figures = run(url, args.models, args.concurrency, args.seconds, args.streams)
+    figures = on_bench_server(lambda url: run(url, args.models, args.concurrency, args.seconds, args.streams),
+                              prefix="prewarm-bench-keda-")
     print(f"KEDA external scaler, {figures['models']:,} models, {figures['concurrency']} calls in flight, "
           f"{figures['seconds']:g} s per phase (fleet prepared in {figures['prepare_s']:g} s)")
     cost = figures["in_process"]

@@ -28,8 +28,8 @@ from sqlalchemy import text
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.ingest import fresh_database  # noqa: E402
-from bench.planjob import NOW, on_bench_server, seed_action_history  # noqa: E402
+from bench.benchdb import fresh_database, on_bench_server  # noqa: E402
+from bench.planjob import NOW, seed_action_history  # noqa: E402
 from forecaster.store.actions import action_counts, reconcile_action_state  # noqa: E402
 from forecaster.store.db import make_engine  # noqa: E402
 from forecaster.store.job_runs import LATEST_JOB_RUNS_SQL  # noqa: E402

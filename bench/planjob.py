@@ -69,12 +69,12 @@ if not os.environ.get("PYTHONPATH"):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import forecaster.jobs.planning as planning  # noqa: E402
-from bench.ingest import fresh_database  # noqa: E402
+from bench.benchdb import fresh_database, on_bench_server  # noqa: E402
 from forecaster.actuation import actuator as actuation  # noqa: E402
 from forecaster.ingest.service import push_cold_starts  # noqa: E402
 from forecaster.settings import Settings  # noqa: E402
 from forecaster.store.catalog import ServingModelSpec, upsert_models  # noqa: E402
-from forecaster.store.db import embedded_server, make_engine  # noqa: E402
+from forecaster.store.db import make_engine  # noqa: E402
 from forecaster.store.forecasts import write_forecast_arrays  # noqa: E402
 
 STAGES = ("read_forecasts", "read_fleet", "latency_prediction", "plan", "write_actuate")
@@ -424,18 +424,6 @@ class PrefetchLog(logging.Handler):
         message = record.getMessage()
         if "prefetch" in message:
             self.lines.append(message)
-
-
-def on_bench_server(run_on, *, prefix: str):
-    """``run_on(admin_url)`` against ``PREWARM_BENCH_ADMIN_URL``'s server, or against an embedded PostgreSQL in a
-    temporary directory (``prefix``) that lives for the call; its answer."""
-    admin_url = os.environ.get("PREWARM_BENCH_ADMIN_URL")
-    if admin_url:
-        return run_on(admin_url)
-    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-        os.chmod(tmp, 0o755)
-        with embedded_server(Path(tmp) / "pgdata") as url:
-            return run_on(url)
 
 
 def main() -> None:

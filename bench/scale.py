@@ -373,7 +373,7 @@ def run(admin_url: str, args, models_dir: Path) -> dict:
                      "seed": args.seed, "fleet": "forecaster.simulation.fleetgen (real series resampled)"}
     base = Settings(models_dir=models_dir, train_window_min=args.retrain_minutes, retrain_holdout_min=120,
                     forecast_lookback_min=args.lookback_minutes, shard_max_series=args.shard_max_series)
-    fresh_database = _bench_module("ingest").fresh_database
+    fresh_database = _bench_module("benchdb").fresh_database
     small_url = fresh_database(admin_url, "bench_scale_small")
     small = make_engine(small_url)
     upgrade(small)
