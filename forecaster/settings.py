@@ -128,6 +128,16 @@ class Settings(BaseSettings):
                     "the API's workers and restarted processes read an hour's table instead of each computing it "
                     "(about 110 MB and 33-90 s of CPU each at 100,000 models x 64 nodes); 0: none written or read.")
 
+    latency_train_days: int = Field(
+        default=30, ge=1, le=3650,
+        description="Days of cold starts and transfers the latency model's retrain learns from, counted back from "
+                    "the newest stored one (so an imported trace's days still train it).")
+    latency_train_max_events: int = Field(
+        default=200_000, ge=100, le=10_000_000,
+        description="At most this many of the newest cold starts (and transfers) in a latency retrain: its fit "
+                    "takes about 0.17 ms and 2-3 KB per event on 2 cores (200,000: 34 s and 840 MB; all 1,200,000 "
+                    "of 120 days: 210 s and 2.6 GB, bench/latency_window.py).")
+
     # --- ingest ---------------------------------------------------------
     auto_register_models: bool = False
     max_future_skew_s: float = Field(default=300.0, ge=0)
@@ -147,6 +157,11 @@ class Settings(BaseSettings):
                     "release (what it runs and holds ahead) and the plans open or kept actions belong to. About "
                     "360,000 actions a day at 100,000 models. 0: kept forever; else at least 2 (the plan job reads "
                     "the last day's pre-pulls and pre-loads, budget mode a day of plans).")
+    cold_starts_retention_days: int = Field(
+        default=90, ge=0, le=36_500,
+        description="Days of cold starts and transfers kept, counted back from the newest of each; each model's "
+                    "newest 20 cold starts stay (its rolling cold-start figures). 0: kept forever; else at least "
+                    "PREWARM_LATENCY_TRAIN_DAYS.")
     job_runs_retention_days: int = Field(
         default=30, ge=0, le=36_500,
         description="Days of job runs kept (one row per job and slot, about 5,800 a day); each job's newest finished "
@@ -484,6 +499,15 @@ class Settings(BaseSettings):
         if self.plans_retention_days == 1:
             raise ValueError("PREWARM_PLANS_RETENTION_DAYS=1 would delete what the plan job reads (the last day's "
                              "pre-pulls and pre-loads, budget mode's day of plans): use 0 (keep forever) or 2 or more")
+        return self
+
+    @model_validator(mode="after")
+    def _cold_starts_kept_for_training(self) -> "Settings":
+        if 0 < self.cold_starts_retention_days < self.latency_train_days:
+            raise ValueError(
+                f"PREWARM_COLD_STARTS_RETENTION_DAYS={self.cold_starts_retention_days} is shorter than "
+                f"PREWARM_LATENCY_TRAIN_DAYS={self.latency_train_days}: the latency retrain would lose what it learns "
+                "from; use 0 (keep forever) or at least the training days")
         return self
 
     @model_validator(mode="after")

@@ -288,9 +288,11 @@ def test_train_save_load_through_the_registry(engine, settings, now):
     with engine.begin() as conn:
         upsert_models(conn, [ServingModelSpec(id=m) for m in ("small", "mid", "big")])
         conn.execute(text("INSERT INTO model_versions (id, status, path) VALUES ('f1', 'champion', 'models/f1')"))
-        # a row ingest would refuse, written behind its back: the model must skip it, not crash
+        # rows ingest would refuse, written behind its back: the model must skip them, not crash; the one dated
+        # in year 1 lies outside the retrain's window (the 30 days before the newest) and is not even read
         conn.execute(text("INSERT INTO cold_starts (model_id, node_id, started_at, total_seconds, source) "
-                          "VALUES ('small', 'node-0', '0001-01-01T00:00:00Z', 30, 'manual')"))
+                          "VALUES ('small', 'node-0', '0001-01-01T00:00:00Z', 30, 'manual'), "
+                          "('small', 'node-0', :t, 'NaN', 'manual')"), {"t": now - timedelta(days=2)})
     events = synthetic_events(60, start=now - timedelta(days=3))
     push_cold_starts(engine, settings, [
         {"model_id": r.model_id, "node_id": r.node_id, "started_at": r.started_at.isoformat(),
@@ -299,7 +301,7 @@ def test_train_save_load_through_the_registry(engine, settings, now):
     first = train_latency_model(engine, settings, now, tree_params=SMALL_TREES)
     loaded = load_latency_model(engine, settings)
     assert loaded is load_latency_model(engine, settings)  # cached per version
-    assert loaded.trees_ is not None and loaded.n_events_ == 60 and loaded.skipped_ == {"bad_started_at": 1}
+    assert loaded.trees_ is not None and loaded.n_events_ == 60 and loaded.skipped_ == {"bad_total": 1}
     assert (settings.models_dir / first / "metadata.json").exists()
     second = train_latency_model(engine, settings, now + timedelta(days=1), tree_params=SMALL_TREES)
     with engine.connect() as conn:

@@ -224,11 +224,16 @@ def test_zero_days_keeps_forever_and_one_day_is_refused(engine, settings):
     with engine.begin() as conn:
         conn.execute(text("INSERT INTO plans (planned_at, summary) VALUES (:t, '{}'), (:old, '{}')"),
                      {"t": NOW, "old": NOW - 400 * DAY})
-    forever = settings.model_copy(update={"plans_retention_days": 0, "job_runs_retention_days": 0})
+    forever = settings.model_copy(update={"plans_retention_days": 0, "job_runs_retention_days": 0,
+                                          "cold_starts_retention_days": 0})
     detail = apply_history_retention(engine, now=NOW, settings=forever)
-    assert set(detail) == {"actions", "plans", "job_runs"} and all("skipped" in v for v in detail.values())
+    assert set(detail) == {"actions", "plans", "job_runs", "cold_starts", "transfers"}
+    assert all("skipped" in v for v in detail.values())
     with pytest.raises(ValueError, match="PREWARM_PLANS_RETENTION_DAYS=1"):
         Settings(plans_retention_days=1)
+    with pytest.raises(ValueError, match="shorter than PREWARM_LATENCY_TRAIN_DAYS=30"):
+        Settings(cold_starts_retention_days=20)
+    assert Settings(cold_starts_retention_days=0, latency_train_days=60).cold_starts_retention_days == 0
     assert apply_history_retention(engine, now=NOW, settings=settings)["plans"]["deleted"] == 1
 
 
@@ -288,3 +293,77 @@ def test_pruning_beside_a_busy_actuator_loses_no_count(engine):
     assert after["in_table"] == after["group_by"] and after["ahead_kept"] == after["ahead_history"]
     assert sum(after["finished"].values()) == finished_before + finished_by_actuator
     assert pruned.deleted > 0
+
+
+def insert_cold_starts(engine, model: str, days_before: list[float], newest: datetime = NOW) -> None:
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO serving_models (id) VALUES (:m) ON CONFLICT DO NOTHING"), {"m": model})
+        conn.execute(text("INSERT INTO cold_starts (model_id, node_id, started_at, total_seconds, source) "
+                          "VALUES (:m, 'n1', :t, :s, 'test')"),
+                     [{"m": model, "t": newest - d * DAY, "s": 10.0 + i} for i, d in enumerate(days_before)])
+
+
+def test_old_cold_starts_go_but_each_models_newest_twenty(engine):
+    """Cold starts older than the cutoff go, in batches; a model's newest 20 stay however old (a model not
+    started for half a year keeps its rolling p90), so every model's rolling figures read the same after."""
+    from forecaster.store.coldstarts import recent_cold_start_percentiles
+    from forecaster.store.history_retention import prune_cold_starts
+
+    insert_cold_starts(engine, "idle", [200 - i for i in range(30)])  # all old: the 10 oldest go
+    insert_cold_starts(engine, "busy", [150 - i for i in range(25)] + [5, 4, 3, 2, 1])  # 10 oldest of 30 go
+    insert_cold_starts(engine, "young", [3, 2, 1])
+    with engine.connect() as conn:
+        before = recent_cold_start_percentiles(conn, model_ids=["idle", "busy", "young"])
+    pruned = prune_cold_starts(engine, before=NOW - 90 * DAY, batch_rows=7)
+    assert (pruned.deleted, pruned.kept) == (20, 35)
+    with engine.connect() as conn:
+        assert recent_cold_start_percentiles(conn, model_ids=["idle", "busy", "young"]).equals(before)
+        left = dict(conn.execute(text("SELECT model_id, count(*) FROM cold_starts GROUP BY 1")).all())
+        oldest_left = conn.execute(text("SELECT min(total_seconds) FROM cold_starts WHERE model_id = 'idle'")).scalar()
+    assert left == {"idle": 20, "busy": 20, "young": 3} and oldest_left == 20.0  # the newest 20 of idle's
+
+
+def test_cold_starts_and_transfers_age_from_their_newest(engine, settings):
+    """An imported trace of 2019's cold starts and transfers, read by the retention job in 2026: 90 days count back
+    from each table's newest row, so only what is 90 days older than that goes."""
+    newest = datetime(2019, 7, 18, tzinfo=timezone.utc)
+    insert_cold_starts(engine, "m", [0] + [100 + i for i in range(25)], newest=newest)  # 5 beyond the newest 20 go
+    with engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO transfers (model_id, node_id, kind, tier, ref, bytes, started_at, seconds, source) "
+            "VALUES ('m', 'n1', 'prepull', 'image', 'r', 1000, :t, 2.0, 'test')"),
+            [{"t": newest - d * DAY} for d in (0, 10, 91, 95)])
+    detail = apply_history_retention(engine, now=NOW, settings=settings)
+    assert detail["cold_starts"]["deleted"] == 6 and detail["transfers"]["deleted"] == 2
+
+
+def test_the_latency_retrain_learns_from_its_window_and_cap(engine, settings):
+    """The newest ``latency_train_days`` before the newest cold start, at most ``latency_train_max_events`` of
+    them: what the fit reads, recorded with the version."""
+    from forecaster.coldstart.model import load_cold_starts
+    from forecaster.store.transfers import read_transfers
+
+    insert_cold_starts(engine, "m", [0.5 * i for i in range(100)])  # 50 days, two a day
+    with engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO transfers (model_id, node_id, kind, tier, ref, bytes, started_at, seconds, source) "
+            "VALUES ('m', 'n1', 'prepull', 'image', 'r', 1000, :t, 2.0, 'test')"),
+            [{"t": NOW - d * DAY} for d in (0, 10, 29, 31, 45)])
+    window = load_cold_starts(engine, days=30)
+    assert len(window) == 61 and window["started_at"].min() == NOW - 30 * DAY  # days 0, 0.5, ..., 30
+    assert window["started_at"].is_monotonic_increasing
+    capped = load_cold_starts(engine, days=30, max_events=7)
+    assert list(capped["started_at"]) == [NOW - 0.5 * i * DAY for i in range(6, -1, -1)]
+    assert len(load_cold_starts(engine)) == 100
+    # counted back from `until` where it is before the newest (a row dated in the future moves nothing)
+    assert load_cold_starts(engine, days=10, until=NOW - 20 * DAY)["started_at"].min() == NOW - 30 * DAY
+    assert len(read_transfers(engine, days=30)) == 3 and len(read_transfers(engine)) == 5
+    assert list(read_transfers(engine, max_rows=2)["started_at"]) == [NOW - 10 * DAY, NOW]
+    from forecaster.coldstart.service import train_latency_model
+    from forecaster.store.registry import champion_version
+    from tests.test_lead_time import SMALL_TREES
+
+    train_latency_model(engine, settings.model_copy(update={"latency_train_max_events": 40}), NOW,
+                        tree_params=SMALL_TREES)
+    scores = champion_version(engine, kind="latency").scores
+    assert (scores["n_events"], scores["n_transfers"], scores["train_days"], scores["max_events"]) == (40, 3, 30, 40)

@@ -49,6 +49,7 @@ from __future__ import annotations
 import json
 import warnings
 from dataclasses import dataclass, replace
+from datetime import datetime
 from pathlib import Path
 
 import lightgbm as lgb
@@ -979,16 +980,18 @@ def with_concurrency(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
-def load_cold_starts(engine: Engine) -> pd.DataFrame:
-    """Events for :meth:`ColdStartModel.fit` from the ``cold_starts`` table.
+def load_cold_starts(engine: Engine, *, days: float | None = None, max_events: int | None = None,
+                     until: datetime | None = None) -> pd.DataFrame:
+    """Events for :meth:`ColdStartModel.fit` from the ``cold_starts`` table: those of the ``days`` before the
+    newest (or ``until``, where earlier), at most ``max_events`` of the newest (every one when None).
 
     Sizes come from ``serving_models``, node bandwidth from ``nodes`` (when
-    the node reported one), concurrency from the table itself
+    the node reported one), concurrency from the events read
     (:func:`with_concurrency`). Rows are as stored; ``fit`` skips the bad ones.
     """
     from forecaster.store.coldstarts import read_cold_start_events
 
-    frame = read_cold_start_events(engine)
+    frame = read_cold_start_events(engine, days=days, max_events=max_events, until=until)
     if frame.empty:
         return frame
     for column in ("total_seconds", *PHASES, "image_bytes", "weights_bytes", "node_bytes_per_s"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 import pandas as pd
 from sqlalchemy import Engine, text
 
@@ -80,8 +82,15 @@ def recent_cold_start_percentiles(conn, *, model_ids: list[str], quantile: float
     return pd.DataFrame([tuple(r) for r in rows], columns=columns)
 
 
-def read_cold_start_events(engine: Engine) -> pd.DataFrame:
-    """Every stored cold start (oldest first) with the model's sizes and the node's bandwidth, for the latency model.
+def read_cold_start_events(engine: Engine, *, days: float | None = None, max_events: int | None = None,
+                           until: datetime | None = None) -> pd.DataFrame:
+    """Stored cold starts (oldest first) with the model's sizes and the node's bandwidth, for the latency model.
+
+    Args:
+        days: only those that started within ``days`` before the newest stored one, or before ``until`` where
+            that is earlier (a row dated in the year 9999 does not empty the window); all when None.
+        max_events: at most this many, the newest (all when None).
+        until: see ``days``.
 
     Columns: ``model_id, node_id, started_at, total_seconds``, the phases,
     ``cache_state``, ``image_bytes`` and ``weights_bytes`` (from
@@ -91,12 +100,17 @@ def read_cold_start_events(engine: Engine) -> pd.DataFrame:
     """
     columns = ["model_id", "node_id", "started_at", "total_seconds", *PHASES, "cache_state", "image_bytes",
                "weights_bytes", "node_bytes_per_s"]
-    query = text(
+    query = text(  # the newest first through cold_starts_time_model, then oldest first for the fit
         "SELECT c.model_id, c.node_id, c.started_at, c.total_seconds, c.image_pull_s, c.weight_fetch_s, "
         "c.weight_load_s, c.runtime_init_s, c.registration_s, c.cache_state, "
         "COALESCE(m.image_size_bytes, 0) AS image_bytes, COALESCE(m.weights_size_bytes, 0) AS weights_bytes, "
         "n.network_bytes_per_s AS node_bytes_per_s "
-        "FROM cold_starts c JOIN serving_models m ON m.id = c.model_id LEFT JOIN nodes n ON n.id = c.node_id "
+        "FROM (SELECT * FROM cold_starts WHERE CAST(:days AS float8) IS NULL OR started_at >= "
+        "  least((SELECT max(started_at) FROM cold_starts), CAST(:until AS timestamptz)) "
+        "  - make_interval(secs => CAST(:days AS float8) * 86400) "
+        "  ORDER BY started_at DESC, id DESC LIMIT :limit) c "
+        "JOIN serving_models m ON m.id = c.model_id LEFT JOIN nodes n ON n.id = c.node_id "
         "ORDER BY c.started_at, c.id")
     with engine.connect() as conn:
-        return pd.DataFrame(conn.execute(query).mappings().all(), columns=columns)
+        return pd.DataFrame(conn.execute(query, {"days": days, "limit": max_events, "until": until}).mappings().all(),
+                            columns=columns)

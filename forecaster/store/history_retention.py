@@ -1,11 +1,12 @@
-"""Retention of the audit trail and the scheduler's history: plans, finished actions and job runs.
+"""Retention of the audit trail, the scheduler's history and the latency model's events: plans, finished actions,
+job runs, cold starts and transfers.
 
 Nothing else deletes them, and they grow with the fleet (at 100,000 models the plan job records about 360,000
-actions a day, the scheduler about 5,800 job runs). The hourly retention job deletes what is older than its
-setting, oldest first, in batches of :data:`BATCH_ROWS` rows, each batch its own short transaction, so that the
-plan job and the actuator writing beside it wait at most one batch's row locks (none: a finished action is never
-written again), and a run that meets a large backlog (the first run on an old store) stops after
-``budget_s`` and leaves the rest to the next run.
+actions a day, the scheduler about 5,800 job runs; every replica start is a cold start). The hourly retention job
+deletes what is older than its setting, oldest first, in batches of :data:`BATCH_ROWS` rows, each batch its own
+short transaction, so that the plan job and the actuator writing beside it wait at most one batch's row locks
+(none: a finished action is never written again), and a run that meets a large backlog (the first run on an old
+store) stops after ``budget_s`` and leaves the rest to the next run.
 
 What stays whatever its age, because a read of the present depends on it:
 
@@ -15,12 +16,16 @@ What stays whatever its age, because a read of the present depends on it:
   ``model_ahead_gpus`` is recomputed from, :data:`~forecaster.store.actions.AHEAD_COUNTS`): deleting either
   would make an old model look scaled to its default, or move its GPUs ahead;
 * plans an action still belongs to (deleting one would only null the action's ``plan_id``);
-* each job's newest finished run (``/metrics``' ``prewarm_job_last_duration_seconds``).
+* each job's newest finished run (``/metrics``' ``prewarm_job_last_duration_seconds``);
+* each model's newest 20 cold starts (its rolling cold-start figures,
+  :func:`forecaster.store.coldstarts.recent_cold_start_percentiles`).
 
 Ages of plans and actions count back from the newest plan (never after ``now``), as invocation days' count from
 their sources' newest data (:func:`forecaster.store.retention.retention_reference`): a store the plan job stopped
 writing to (a demo's replay of a trace day years ago, a deployment paused for a month) is not emptied by the mere
-passing of time. Job runs' slots are the scheduler's wall clock and age from ``now``.
+passing of time; cold starts' and transfers' from the newest of each (the latency retrain's window,
+``PREWARM_LATENCY_TRAIN_DAYS``, counts back from there too). Job runs' slots are the scheduler's wall clock and age
+from ``now``.
 
 An action's age is ``coalesce(finished_at, updated_at)``: when it finished. A deleted action leaves the counts
 ``n`` of ``action_counts`` for their ``pruned`` (:func:`forecaster.store.actions.count_deleted`), in the batch's
@@ -42,6 +47,7 @@ from sqlalchemy import Connection, Engine, text
 
 from forecaster.settings import Settings
 from forecaster.store.actions import AHEAD_COUNTS, LATEST_FIRST, NEWEST_FIRST, REPLICAS_SET, count_deleted
+from forecaster.store.coldstarts import RECENT_COLD_STARTS
 from forecaster.store.job_runs import JOB_NAMES_CTE
 
 log = logging.getLogger(__name__)
@@ -86,63 +92,62 @@ def _kept_actions(conn: Connection, model_ids: set[str]) -> set[int]:
     return {r[0] for r in rows}
 
 
-def prune_actions(engine: Engine, *, before: datetime, batch_rows: int = BATCH_ROWS,
-                  deadline: float | None = None) -> Pruned:
-    """Delete the actions that finished before ``before``, but those the present reads (module docstring).
-
-    Walks the finished actions oldest first through ``actions_finished_age`` (a keyset on age and id, so kept
-    rows are read once a run); ``deadline`` is a :func:`time.monotonic` time after which no new batch starts."""
+def _prune_in_batches(engine: Engine, read_sql: str, params: dict, delete_batch, *, batch_rows: int,
+                      deadline: float | None) -> Pruned:
+    """The walk every table but ``job_runs`` shares: read the next ``batch_rows`` rows past the cutoff oldest first
+    (``read_sql`` returns ``(id, time, ...)`` after the keyset ``(:t, :id)``, at most ``:n``), hand them to
+    ``delete_batch(conn, rows) -> ids kept`` in the same transaction, until none is left or ``deadline`` (a
+    :func:`time.monotonic` time) has passed; kept rows are read once a run."""
     result, after = Pruned(), (_START, 0)
     while True:
         with engine.begin() as conn:
-            rows = conn.execute(text(
-                f"SELECT id, kind, model_id, {ACTION_AGE} FROM actions WHERE {FINISHED_SQL} "
-                f"AND {ACTION_AGE} < :before AND ({ACTION_AGE}, id) > (:age, :id) "
-                f"ORDER BY {ACTION_AGE}, id LIMIT :n"),
-                {"before": before, "age": after[0], "id": after[1], "n": batch_rows}).all()
+            rows = conn.execute(text(read_sql), {**params, "t": after[0], "id": after[1], "n": batch_rows}).all()
             if not rows:
                 break
-            after = (rows[-1][3], rows[-1][0])
-            kept = _kept_actions(conn, {m for _, kind, m, _ in rows if kind in ("scale", "release") and m is not None})
-            doomed = [r[0] for r in rows if r[0] not in kept]
-            deleted = conn.execute(text(f"DELETE FROM actions WHERE id = ANY(:ids) AND {FINISHED_SQL} "
-                                        "RETURNING kind, status"), {"ids": doomed}).all()
-            count_deleted(conn, deleted)
-        result.deleted += len(deleted)
-        result.kept += len(rows) - len(doomed)
+            after = (rows[-1][1], rows[-1][0])
+            deleted, kept = delete_batch(conn, rows)
+        result.deleted += deleted
+        result.kept += kept
         if len(rows) < batch_rows:
             break
         if deadline is not None and time.monotonic() >= deadline:
             result.more = True
             break
     return result
+
+
+def prune_actions(engine: Engine, *, before: datetime, batch_rows: int = BATCH_ROWS,
+                  deadline: float | None = None) -> Pruned:
+    """Delete the actions that finished before ``before``, but those the present reads (module docstring); oldest
+    first through ``actions_finished_age``."""
+    def delete_batch(conn: Connection, rows) -> tuple[int, int]:
+        kept = _kept_actions(conn, {m for _, _, kind, m in rows if kind in ("scale", "release") and m is not None})
+        doomed = [r[0] for r in rows if r[0] not in kept]
+        deleted = conn.execute(text(f"DELETE FROM actions WHERE id = ANY(:ids) AND {FINISHED_SQL} "
+                                    "RETURNING kind, status"), {"ids": doomed}).all()
+        count_deleted(conn, deleted)
+        return len(deleted), len(rows) - len(doomed)
+
+    return _prune_in_batches(engine, (
+        f"SELECT id, {ACTION_AGE}, kind, model_id FROM actions WHERE {FINISHED_SQL} AND {ACTION_AGE} < :before "
+        f"AND ({ACTION_AGE}, id) > (:t, :id) ORDER BY {ACTION_AGE}, id LIMIT :n"),
+        {"before": before}, delete_batch, batch_rows=batch_rows, deadline=deadline)
 
 
 def prune_plans(engine: Engine, *, before: datetime, batch_rows: int = BATCH_ROWS,
                 deadline: float | None = None) -> Pruned:
     """Delete the plans made before ``before`` that no action belongs to any more (``plans_planned_at``, then one
     ``actions_plan`` probe per plan)."""
-    result, after = Pruned(), (_START, 0)
-    while True:
-        with engine.begin() as conn:
-            rows = conn.execute(text(
-                "SELECT id, planned_at FROM plans WHERE planned_at < :before AND (planned_at, id) > (:t, :id) "
-                "ORDER BY planned_at, id LIMIT :n"),
-                {"before": before, "t": after[0], "id": after[1], "n": batch_rows}).all()
-            if not rows:
-                break
-            after = (rows[-1][1], rows[-1][0])
-            deleted = conn.execute(text(
-                "DELETE FROM plans p WHERE id = ANY(:ids) AND NOT EXISTS (SELECT 1 FROM actions a "
-                "WHERE a.plan_id = p.id)"), {"ids": [r[0] for r in rows]}).rowcount
-        result.deleted += deleted
-        result.kept += len(rows) - deleted
-        if len(rows) < batch_rows:
-            break
-        if deadline is not None and time.monotonic() >= deadline:
-            result.more = True
-            break
-    return result
+    def delete_batch(conn: Connection, rows) -> tuple[int, int]:
+        deleted = conn.execute(text(
+            "DELETE FROM plans p WHERE id = ANY(:ids) AND NOT EXISTS (SELECT 1 FROM actions a "
+            "WHERE a.plan_id = p.id)"), {"ids": [r[0] for r in rows]}).rowcount
+        return deleted, len(rows) - deleted
+
+    return _prune_in_batches(engine, (
+        "SELECT id, planned_at FROM plans WHERE planned_at < :before AND (planned_at, id) > (:t, :id) "
+        "ORDER BY planned_at, id LIMIT :n"), {"before": before}, delete_batch, batch_rows=batch_rows,
+        deadline=deadline)
 
 
 def prune_job_runs(engine: Engine, *, before: datetime, batch_rows: int = BATCH_ROWS,
@@ -170,20 +175,57 @@ def prune_job_runs(engine: Engine, *, before: datetime, batch_rows: int = BATCH_
     return result
 
 
+def prune_cold_starts(engine: Engine, *, before: datetime, batch_rows: int = BATCH_ROWS,
+                      deadline: float | None = None) -> Pruned:
+    """Delete the cold starts that began before ``before``, but each model's newest :data:`RECENT_COLD_STARTS`
+    (its rolling figures on the dashboard and in the recommendations read them; one ``cold_starts_model_time``
+    walk per model of a batch)."""
+    def delete_batch(conn: Connection, rows) -> tuple[int, int]:
+        kept = set(conn.execute(text(
+            "SELECT r.id FROM unnest(CAST(:models AS text[])) AS m(id) CROSS JOIN LATERAL (SELECT c.id FROM "
+            "cold_starts c WHERE c.model_id = m.id ORDER BY c.started_at DESC, c.id DESC LIMIT :keep) r"),
+            {"models": sorted({r[2] for r in rows}), "keep": RECENT_COLD_STARTS}).scalars())
+        doomed = [r[0] for r in rows if r[0] not in kept]
+        return conn.execute(text("DELETE FROM cold_starts WHERE id = ANY(:ids)"), {"ids": doomed}).rowcount, \
+            len(rows) - len(doomed)
+
+    return _prune_in_batches(engine, (
+        "SELECT id, started_at, model_id FROM cold_starts WHERE started_at < :before "
+        "AND (started_at, id) > (:t, :id) ORDER BY started_at, id LIMIT :n"), {"before": before}, delete_batch,
+        batch_rows=batch_rows, deadline=deadline)
+
+
+def prune_transfers(engine: Engine, *, before: datetime, batch_rows: int = BATCH_ROWS,
+                    deadline: float | None = None) -> Pruned:
+    """Delete the transfers that began before ``before`` (``transfers_started_at``)."""
+    def delete_batch(conn: Connection, rows) -> tuple[int, int]:
+        return conn.execute(text("DELETE FROM transfers WHERE id = ANY(:ids)"),
+                            {"ids": [r[0] for r in rows]}).rowcount, 0
+
+    return _prune_in_batches(engine, (
+        "SELECT id, started_at FROM transfers WHERE started_at < :before AND (started_at, id) > (:t, :id) "
+        "ORDER BY started_at, id LIMIT :n"), {"before": before}, delete_batch, batch_rows=batch_rows,
+        deadline=deadline)
+
+
 def apply_history_retention(engine: Engine, *, now: datetime, settings: Settings,
                             budget_s: float = RUN_BUDGET_S) -> dict:
-    """One run of the retention job over plans, actions and job runs: what each setting's days allow (0 keeps
-    forever), counted from the newest plan for plans and actions and from ``now`` for job runs (module
-    docstring); actions before plans, so plans whose actions went can go in the same run. Returns, per table,
-    :class:`Pruned` as a dict (``skipped`` where kept forever)."""
+    """One run of the retention job over plans, actions, job runs, cold starts and transfers: what each setting's
+    days allow (0 keeps forever), counted from the newest row of the table that dates them (``now`` for job runs;
+    module docstring); actions before plans, so plans whose actions went can go in the same run. Returns, per
+    table, :class:`Pruned` as a dict (``skipped`` where kept forever)."""
     deadline = time.monotonic() + budget_s
-    with engine.connect() as conn:  # the newest plan, through plans_planned_at
-        newest_plan = conn.execute(text("SELECT max(planned_at) FROM plans")).scalar()
-    plans_now = now if newest_plan is None else min(now, newest_plan)
+    with engine.connect() as conn:  # the newest of each, through an index on its time
+        newest = {table: conn.execute(text(f"SELECT max({column}) FROM {table}")).scalar()
+                  for table, column in (("plans", "planned_at"), ("cold_starts", "started_at"),
+                                        ("transfers", "started_at"))}
+    since = {table: now if t is None else min(now, t) for table, t in newest.items()}
     detail: dict[str, dict] = {}
-    steps = (("actions", prune_actions, settings.plans_retention_days, plans_now),
-             ("plans", prune_plans, settings.plans_retention_days, plans_now),
-             ("job_runs", prune_job_runs, settings.job_runs_retention_days, now))
+    steps = (("actions", prune_actions, settings.plans_retention_days, since["plans"]),
+             ("plans", prune_plans, settings.plans_retention_days, since["plans"]),
+             ("job_runs", prune_job_runs, settings.job_runs_retention_days, now),
+             ("cold_starts", prune_cold_starts, settings.cold_starts_retention_days, since["cold_starts"]),
+             ("transfers", prune_transfers, settings.cold_starts_retention_days, since["transfers"]))
     for table, prune, days, reference in steps:
         if days == 0:
             detail[table] = {"skipped": "kept forever (retention days 0)"}

@@ -51,21 +51,30 @@ def write_transfers(engine: Engine, transfers: pd.DataFrame, *, source: str, reg
     return {"inserted": inserted, "updated": len(records) - inserted}
 
 
-def read_transfers(engine: Engine, *, since: datetime | None = None) -> pd.DataFrame:
+def read_transfers(engine: Engine, *, since: datetime | None = None, days: float | None = None,
+                   until: datetime | None = None, max_rows: int | None = None) -> pd.DataFrame:
     """Stored transfers (oldest first), with the node's reported bandwidth (``node_bytes_per_s``, bytes/s).
 
     Args:
         since: only transfers that started at or after this time (UTC); all when None.
+        days: only those that started within ``days`` before the newest stored one, or before ``until`` where
+            that is earlier; all when None.
+        until: see ``days``.
+        max_rows: at most this many, the newest (all when None).
     """
     query = text(
         "SELECT t.model_id, t.node_id, t.kind, t.tier, t.ref, t.bytes, t.started_at, t.seconds, "
         "t.image_pull_s, t.weight_fetch_s, t.weight_load_s, t.cache_state, t.source, "
         "n.network_bytes_per_s AS node_bytes_per_s "
-        "FROM transfers t LEFT JOIN nodes n ON n.id = t.node_id "
-        "WHERE CAST(:since AS timestamptz) IS NULL OR t.started_at >= CAST(:since AS timestamptz) "
+        "FROM (SELECT * FROM transfers "
+        "  WHERE (CAST(:since AS timestamptz) IS NULL OR started_at >= CAST(:since AS timestamptz)) "
+        "  AND (CAST(:days AS float8) IS NULL OR started_at >= least((SELECT max(started_at) FROM transfers), "
+        "       CAST(:until AS timestamptz)) - make_interval(secs => CAST(:days AS float8) * 86400)) "
+        "  ORDER BY started_at DESC, id DESC LIMIT :limit) t LEFT JOIN nodes n ON n.id = t.node_id "
         "ORDER BY t.started_at, t.id")
     with engine.connect() as conn:
-        rows = conn.execute(query, {"since": since}).mappings().all()
+        rows = conn.execute(query, {"since": since, "days": days, "until": until, "limit": max_rows}
+                            ).mappings().all()
     frame = pd.DataFrame(rows, columns=[*TRANSFER_COLUMNS, "source", "node_bytes_per_s"])
     for column in ("bytes", "seconds", *TRANSFER_PHASES, "node_bytes_per_s"):
         frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("float64")
