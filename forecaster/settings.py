@@ -131,7 +131,8 @@ class Settings(BaseSettings):
     latency_train_days: int = Field(
         default=30, ge=1, le=3650,
         description="Days of cold starts and transfers the latency model's retrain learns from, counted back from "
-                    "the newest stored one (so an imported trace's days still train it).")
+                    "the newest stored one (so an imported trace's days still train it), or from the retrain's now "
+                    "where that is earlier.")
     latency_train_max_events: int = Field(
         default=200_000, ge=100, le=10_000_000,
         description="At most this many of the newest cold starts (and transfers) in a latency retrain: its fit "
@@ -149,7 +150,7 @@ class Settings(BaseSettings):
     invocations_retention_days: int = Field(
         default=400, ge=1, description="Days after which invocations and their coverage are dropped entirely.")
     retention_interval_s: int = Field(default=3600, ge=60, description="How often the retention job runs.")
-    # Retention of the audit trail and the scheduler's history (forecaster.store.history_retention).
+    # Retention of plans, actions, job runs, cold starts and transfers (forecaster.store.history_retention).
     plans_retention_days: int = Field(
         default=30, ge=0, le=36_500,
         description="Days of plans and finished actions kept (the audit trail of /v1/plans, /v1/actions and the "
