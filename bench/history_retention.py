@@ -6,8 +6,11 @@ before the bench's now (``bench/planjob.py``'s history: releases, pre-pulls and 
 about half older than the default 30 days), a plan a minute over those days and ``--job-runs`` runs of six jobs.
 Then:
 
+0. ``GET /v1/actions``' reads without a filter (its page of the newest updated, its count from the rows and from
+   the kept counts), with and without the index ``actions_updated`` (migration 0016);
 1. ``baseline``: for ``--probe-s`` seconds an actuator thread records and finishes one scale a session (the
-   store ledger, as the actuator does), nothing else running: its session latencies;
+   store ledger, as the actuator does), nothing else running: its session latencies, without ``actions_updated``
+   and with it (what the index costs the writes);
 2. ``backlog``: the first retention run on that store (:func:`apply_history_retention`, budget unlimited) with
    the same actuator thread running beside it: seconds per table, rows deleted and kept, the actuator's latencies;
 3. ``hourly``: the run an hour later (what the scheduler then does every hour): its seconds;
@@ -36,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.benchdb import fresh_database, on_bench_server  # noqa: E402
 from bench.planjob import NOW, seed_action_history  # noqa: E402
+from api.routes.audit import ActionPublic  # noqa: E402
 from forecaster.actuation.ledger import StoreLedger  # noqa: E402
 from forecaster.contracts.actions import Action, ActionKind, ActionStatus, Plan, Reason  # noqa: E402
 from forecaster.settings import Settings  # noqa: E402
@@ -101,6 +105,33 @@ class Actuator(threading.Thread):
         self.engine.dispose()
 
 
+def probe(url: str, seconds: float) -> Actuator:
+    """The actuator thread alone for ``seconds``."""
+    actuator = Actuator(url)
+    actuator.start()
+    time.sleep(seconds)
+    actuator.stop.set()
+    actuator.join()
+    return actuator
+
+
+def audit_reads(engine, repeat: int = 5) -> dict:
+    """Median ms of ``GET /v1/actions``' reads without a filter: its page (the 100 newest updated) and its count,
+    from every row and from the kept counts."""
+    columns = ", ".join(ActionPublic.model_fields)
+    cases = {"page": f"SELECT {columns} FROM actions ORDER BY updated_at DESC, id DESC LIMIT 100",
+             "count_rows": "SELECT count(*) FROM actions",
+             "count_kept": "SELECT coalesce(sum(n), 0) FROM action_counts"}
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    with engine.connect() as conn:
+        for _ in range(repeat):
+            for name, sql in cases.items():
+                started = time.perf_counter()
+                conn.execute(text(sql)).all()
+                times[name].append(time.perf_counter() - started)
+    return {name: round(1e3 * statistics.median(v), 2) for name, v in times.items()}
+
+
 def latencies(seconds: list[float]) -> dict:
     ordered = sorted(seconds)
     return {"sessions": len(ordered), "p50_ms": round(1e3 * statistics.median(ordered), 2),
@@ -133,11 +164,15 @@ def run(admin_url: str, args) -> dict:
             {"before": NOW - timedelta(days=30), "age": NOW - timedelta(days=DAYS + 1)})][:3]
     settings = Settings(database_url=url)
 
-    baseline = Actuator(url)
-    baseline.start()
-    time.sleep(args.probe_s)
-    baseline.stop.set()
-    baseline.join()
+    figures["audit_reads_ms"] = audit_reads(engine)
+    with engine.begin() as conn:
+        conn.execute(text("DROP INDEX actions_updated"))
+    figures["audit_reads_without_index_ms"] = audit_reads(engine)
+    without_index = probe(url, args.probe_s)
+    with engine.begin() as conn:
+        conn.execute(text("CREATE INDEX actions_updated ON actions (updated_at DESC, id DESC)"))
+    baseline = probe(url, args.probe_s)
+    figures["baseline_without_actions_updated"] = latencies(without_index.seconds)
     figures["baseline"] = latencies(baseline.seconds)
 
     beside = Actuator(url)
@@ -180,9 +215,11 @@ def main() -> None:
         print(f"  first run  {table:<9} deleted {d.get('deleted', 0):>9,}  kept {d.get('kept', 0):>7,}")
     print(f"  first run total {f['backlog_s']} s; the run an hour later {f['hourly_s']} s "
           f"({sum(d.get('deleted', 0) for d in f['hourly_detail'].values()):,} rows)")
-    for name in ("baseline", "beside_backlog"):
+    for name in ("audit_reads_without_index_ms", "audit_reads_ms"):
+        print(f"  GET /v1/actions reads, {name}: " + ", ".join(f"{k} {v} ms" for k, v in f[name].items()))
+    for name in ("baseline_without_actions_updated", "baseline", "beside_backlog"):
         d = f[name]
-        print(f"  actuator session {name:<15} n={d['sessions']:>5}  p50 {d['p50_ms']:7.2f} ms  p99 {d['p99_ms']:7.2f} ms"
+        print(f"  actuator session {name:<32} n={d['sessions']:>5}  p50 {d['p50_ms']:7.2f} ms  p99 {d['p99_ms']:7.2f} ms"
               f"  max {d['max_ms']:8.2f} ms")
     print(f"  actuator errors: {len(f['actuator_errors'])}")
     for table in f["before"]:

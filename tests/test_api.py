@@ -178,11 +178,36 @@ def test_plans_and_actions_listing(client, engine, tokens):
         conn.execute(text("INSERT INTO actions (plan_id, kind, model_id, node_id, target, reason, status) "
                           "VALUES (:p, 'prepull', 'llama', 'n1', 'img', 'forecast_spike', 'succeeded')"),
                      {"p": plan_id})
+    from forecaster.store.actions import reconcile_action_state
+
+    reconcile_action_state(engine)  # written past the ledger: counted as the scheduler's start counts it
     plans = client.get("/v1/plans", headers=auth(tokens["read"])).json()
     assert plans["count"] == 1 and plans["data"][0]["actions"] == 1
     actions = client.get("/v1/actions?status=succeeded", headers=auth(tokens["read"])).json()
     assert actions["count"] == 1 and actions["data"][0]["kind"] == "prepull"
     assert client.get("/v1/actions?status=failed", headers=auth(tokens["read"])).json()["count"] == 0
+
+
+def test_the_actions_count_follows_the_ledger_with_and_without_a_filter(client, engine, tokens):
+    """Unfiltered or by status the count comes from the kept counts, by model or plan from the rows: the same."""
+    from forecaster.actuation.ledger import StoreLedger
+    from forecaster.contracts.actions import Action, ActionKind, ActionStatus, Reason
+
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO serving_models (id) VALUES ('a'), ('b')"))
+    ledger = StoreLedger(engine)
+    with ledger.session() as s:
+        ids = [s.submit_action(None, Action(kind=ActionKind.SCALE, model_id=m, reason=Reason.FORECAST_SPIKE,
+                                            not_before=NOW, deadline=NOW + timedelta(minutes=5), replicas=r),
+                               backend="dry-run", now=NOW)[0] for m, r in (("a", 1), ("a", 2), ("b", 1))]
+        s.mark(ids[0], ActionStatus.FAILED, now=NOW + timedelta(minutes=1), reason="internal")
+    read = auth(tokens["read"])
+    counts = {query: client.get(f"/v1/actions{query}", headers=read).json()["count"]
+              for query in ("", "?status=failed", "?status=pending", "?model_id=a", "?model_id=a&status=pending")}
+    assert counts == {"": 3, "?status=failed": 1, "?status=pending": 2, "?model_id=a": 2,
+                      "?model_id=a&status=pending": 1}
+    newest = client.get("/v1/actions?limit=1", headers=read).json()["data"]
+    assert [row["id"] for row in newest] == [ids[0]]  # the newest updated first: the one just marked
 
 
 def test_health_readiness_and_metrics(client, engine, tokens):

@@ -176,10 +176,10 @@ def test_history_retention_adds_pruned_counts_and_the_age_indexes(empty_db_url):
         assert conn.execute(text("SELECT kind, status, n, pruned FROM action_counts")).all() == [
             ("scale", "succeeded", 5, 0)]
     indexes = {i["name"] for table in ("actions", "plans") for i in inspect(engine).get_indexes(table)}
-    assert {"actions_finished_age", "plans_planned_at"} <= indexes
+    assert {"actions_finished_age", "plans_planned_at", "actions_updated"} <= indexes
     downgrade(engine, "0015")
     inspector = inspect(engine)
     assert "pruned" not in {c["name"] for c in inspector.get_columns("action_counts")}
-    assert {"actions_finished_age", "plans_planned_at"}.isdisjoint(
+    assert {"actions_finished_age", "plans_planned_at", "actions_updated"}.isdisjoint(
         {i["name"] for table in ("actions", "plans") for i in inspector.get_indexes(table)})
     engine.dispose()

@@ -1,5 +1,6 @@
 """Retention of the audit trail and the scheduler's history: what the hourly retention job needs to delete old
-plans, finished actions and job runs in small batches, and to keep ``/metrics``' action counter from falling.
+plans, finished actions and job runs in small batches, to keep ``/metrics``' action counter from falling, and the
+audit trail's newest page without a scan of what is kept.
 
 Nothing deleted plans, actions or job runs (at 100,000 models the plan job leaves about 360,000 actions a day; the
 scheduler about 5,800 runs). :mod:`forecaster.store.history_retention` now deletes those older than
@@ -8,7 +9,10 @@ scheduler about 5,800 runs). :mod:`forecaster.store.history_retention` now delet
 * ``actions_finished_age`` on ``(coalesce(finished_at, updated_at), id)`` of the finished actions (succeeded,
   failed, dropped): a batch is the next range of it, not a scan of the table for old rows;
 * ``plans_planned_at`` on ``(planned_at, id)``: the same for plans, and ``/metrics``' newest plan (a scan and a
-  sort of every plan per scrape before).
+  sort of every plan per scrape before);
+* ``actions_updated`` on ``(updated_at DESC, id DESC)``: ``GET /v1/actions``' page of the newest updated actions
+  without a filter, which sorted every action kept (483 ms a call at 2,000,000; 30 days at 100,000 models keep
+  about 11,000,000).
 
 ``action_counts.pruned`` counts, per kind and status, the actions deleted from the table (by retention or by a
 demo replay clearing its window): ``/metrics`` reports a finished status as ``n + pruned``, so the counter
@@ -36,10 +40,12 @@ def upgrade() -> None:
     op.execute("CREATE INDEX IF NOT EXISTS actions_finished_age ON actions ((coalesce(finished_at, updated_at)), id) "
                "WHERE status IN ('succeeded', 'failed', 'dropped')")
     op.execute("CREATE INDEX IF NOT EXISTS plans_planned_at ON plans (planned_at, id)")
+    op.execute("CREATE INDEX IF NOT EXISTS actions_updated ON actions (updated_at DESC, id DESC)")
     op.add_column("action_counts", sa.Column("pruned", sa.BigInteger, nullable=False, server_default="0"))
 
 
 def downgrade() -> None:
     op.drop_column("action_counts", "pruned")
+    op.execute("DROP INDEX IF EXISTS actions_updated")
     op.execute("DROP INDEX IF EXISTS plans_planned_at")
     op.execute("DROP INDEX IF EXISTS actions_finished_age")
