@@ -34,6 +34,7 @@ from psycopg.copy import QueuedLibpqWriter
 from sqlalchemy import Connection, Engine, text
 
 from forecaster.contracts.forecast import quantile_column, quantile_levels
+from forecaster.store.partitions import create_partition_once
 
 #: Partitions are named after the UTC day whose runs they hold.
 PARTITION_PATTERN = re.compile(r"^forecasts_(\d{8})$")
@@ -83,11 +84,10 @@ def forecast_partitions(conn: Connection) -> dict[date, str]:
 
 def _create_partition(engine: Engine, day: date) -> None:
     lo = datetime(day.year, day.month, day.day, tzinfo=timezone.utc)
-    with engine.begin() as conn:
-        # Another writer or the maintenance job may create it meanwhile: IF NOT EXISTS.
-        conn.execute(text(
-            f'CREATE TABLE IF NOT EXISTS "{forecast_partition_name(day)}" PARTITION OF forecasts '
-            f"FOR VALUES FROM ('{lo.isoformat()}') TO ('{(lo + timedelta(days=1)).isoformat()}')"))
+    name, hi = forecast_partition_name(day), lo + timedelta(days=1)
+    with engine.begin() as conn:  # another writer or the maintenance job may be creating it too
+        create_partition_once(conn, name, f'CREATE TABLE IF NOT EXISTS "{name}" PARTITION OF forecasts '
+                                          f"FOR VALUES FROM ('{lo.isoformat()}') TO ('{hi.isoformat()}')")
 
 
 def ensure_forecast_partitions(engine: Engine, days: Iterable[date]) -> list[str]:

@@ -49,6 +49,16 @@ def partition_days(conn: Connection) -> list[date]:
     return sorted(days)
 
 
+def create_partition_once(conn: Connection, name: str, ddl: str) -> None:
+    """Run ``ddl`` (a ``CREATE TABLE IF NOT EXISTS "name" PARTITION OF ...``) holding a transaction-scoped advisory
+    lock on ``name``. ``IF NOT EXISTS`` alone is not safe between two sessions creating the same table at once: both
+    find it missing and the second fails with ``42P07`` (relation exists) or a unique violation in the catalogue,
+    which turned two concurrent pushes of one new day into a refused request. With the lock the second waits for
+    the first to commit, then finds the table."""
+    conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended('prewarm.partition:' || :n, 0))"), {"n": name})
+    conn.execute(text(ddl))
+
+
 def ensure_partitions(engine: Engine, start: datetime, end: datetime) -> list[str]:
     """Create the daily partitions covering ``[start, end)``; return the names created.
 
@@ -65,14 +75,9 @@ def ensure_partitions(engine: Engine, start: datetime, end: datetime) -> list[st
         if name in present:
             continue
         lo, hi = day_bounds(day)
-        with engine.begin() as conn:
-            # A concurrent ingest may have created it meanwhile: IF NOT EXISTS.
-            conn.execute(
-                text(
-                    f'CREATE TABLE IF NOT EXISTS "{name}" PARTITION OF invocations '
-                    f"FOR VALUES FROM ('{lo.isoformat()}') TO ('{hi.isoformat()}')"
-                )
-            )
+        with engine.begin() as conn:  # a concurrent ingest may be creating it too
+            create_partition_once(conn, name, f'CREATE TABLE IF NOT EXISTS "{name}" PARTITION OF invocations '
+                                              f"FOR VALUES FROM ('{lo.isoformat()}') TO ('{hi.isoformat()}')")
         created.append(name)
     return created
 
