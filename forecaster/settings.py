@@ -367,6 +367,12 @@ class Settings(BaseSettings):
     kubernetes_job_wait_s: float = Field(default=300.0, ge=0)
     kubernetes_owner_deployment: str | None = Field(default=None, description="Deployment that owns pre-pull Jobs.")
     kubernetes_image_pull_secret: str | None = None
+    kubernetes_hpa_index_ttl_s: float = Field(
+        default=60.0, ge=0, le=3600,
+        description="Seconds the Kubernetes backend trusts its map of which HPA scales which Deployment: one "
+                    "LIST of a namespace's HPAs per period (the plan job builds its backend each plan, so at most "
+                    "one per plan), then a GET of the one HPA per action; an HPA created since is seen at the next "
+                    "listing. 0: list on every lookup.")
 
     # --- hardening (issue 12): bounds at the edge, supervision ------------
     max_batch_span_days: float = Field(

@@ -190,6 +190,92 @@ def test_deployment_with_hpa_raises_the_hpa_floor_and_never_releases_below_the_r
     assert not api.invalid
 
 
+def _hpa_lists(api: FakeKubeApi) -> int:
+    return sum(1 for method, path, _ in api.requests if method == "GET" and path.endswith("/horizontalpodautoscalers"))
+
+
+class _Monotonic:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_many_scales_in_a_namespace_of_hpas_list_them_once_per_ttl(engine, settings, api):
+    """40 models, 30 behind HPAs: one plan of 40 scales (in parallel threads) lists the HPAs once, not 80 times."""
+    monotonic = _Monotonic()
+    backend = KubernetesBackend(api.client(), clock=lambda: NOW, sleep=lambda s: None, hpa_index_ttl_s=60,
+                                monotonic=monotonic)
+    models = [f"m{i:02d}" for i in range(40)]
+    for i, model in enumerate(models):
+        api.put(deployment(model, replicas=1))
+        if i < 30:
+            api.put(hpa(f"{model}-autoscaler", model, min_replicas=1, max_replicas=10, desired=1))
+        _register(engine, model)
+    actuator = Actuator(engine, settings.model_copy(update={"actuator_parallelism": 8}), backend)
+    _, reports = actuator.apply(Plan(planned_at=NOW, actions=tuple(_scale(m, 3) for m in models)), now=NOW)
+    assert {r.status for r in reports} == {ActionStatus.SUCCEEDED}
+    assert _hpa_lists(api) == 1
+    for i, model in enumerate(models):
+        if i < 30:  # the HPA's floor, not the Deployment (the HPA would undo that)
+            assert api.get("HorizontalPodAutoscaler", f"{model}-autoscaler")["spec"]["minReplicas"] == 3
+            assert api.get("Deployment", model)["spec"]["replicas"] == 1
+        else:
+            assert api.get("Deployment", model)["spec"]["replicas"] == 3
+    # Within the period the listing is reused; after it, listed again.
+    monotonic.now += 59
+    actuator.apply(Plan(planned_at=NOW, actions=(_scale("m00", 4),)), now=NOW + timedelta(seconds=59))
+    assert _hpa_lists(api) == 1
+    monotonic.now += 2
+    actuator.apply(Plan(planned_at=NOW, actions=(_scale("m00", 5),)), now=NOW + timedelta(seconds=61))
+    assert _hpa_lists(api) == 2
+    assert api.get("HorizontalPodAutoscaler", "m00-autoscaler")["spec"]["minReplicas"] == 5
+    assert not api.invalid
+
+
+def test_an_hpa_deleted_retargeted_or_created_since_the_listing(api):
+    monotonic = _Monotonic()
+    backend = KubernetesBackend(api.client(), clock=lambda: NOW, sleep=lambda s: None, hpa_index_ttl_s=60,
+                                monotonic=monotonic)
+    for name in ("llama", "mistral", "qwen"):
+        api.put(deployment(name, replicas=2))
+    api.put(hpa("llama-hpa", "llama", min_replicas=1, max_replicas=10, desired=2))
+    api.put(hpa("shared-hpa", "mistral", min_replicas=2, max_replicas=10, desired=3))
+    llama, mistral, qwen = (ModelTarget(m) for m in ("llama", "mistral", "qwen"))
+    assert backend.replica_state(llama).floor_kind == "min_replicas"
+    assert backend.replica_state(mistral).reactive_ask == 3
+    assert backend.replica_state(qwen).floor_kind == "replicas"
+    assert _hpa_lists(api) == 1
+    # Deleted: the GET finds nothing, the namespace is listed again, the Deployment is scaled directly.
+    backend.autoscaling.delete_namespaced_horizontal_pod_autoscaler("llama-hpa", "default")
+    assert backend.replica_state(llama).floor_kind == "replicas"
+    assert _hpa_lists(api) == 2
+    # Retargeted from mistral to qwen: mistral's lookup sees the change, lists again, and finds no HPA.
+    backend.autoscaling.patch_namespaced_horizontal_pod_autoscaler(
+        "shared-hpa", "default", {"spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment",
+                                                              "name": "qwen"}}})
+    assert backend.replica_state(mistral).floor_kind == "replicas"
+    assert _hpa_lists(api) == 3
+    assert backend.replica_state(qwen).reactive_ask == 3  # from the listing just made
+    assert _hpa_lists(api) == 3
+    # Created since the listing: seen once the period has passed, not before (the setting's documented bound).
+    api.put(hpa("llama-hpa-2", "llama", min_replicas=1, max_replicas=4, desired=2))
+    assert backend.replica_state(llama).floor_kind == "replicas"
+    monotonic.now += 60
+    assert backend.replica_state(llama).floor_kind == "min_replicas"
+    outcome = backend.carry_out(_scale("llama", 6), model=llama, replicas=6, deadline_s=600)
+    assert outcome.status is ActionStatus.SUCCEEDED and outcome.detail["capped_by_max"]
+    assert api.get("HorizontalPodAutoscaler", "llama-hpa-2")["spec"]["minReplicas"] == 4
+    # A period of 0 lists on every lookup.
+    backend.hpas.ttl_s = 0
+    lists = _hpa_lists(api)
+    backend.replica_state(llama)
+    backend.replica_state(qwen)
+    assert _hpa_lists(api) == lists + 2
+    assert not api.invalid
+
+
 def test_inference_service_min_replicas_by_merge_patch_with_knative_ask_as_floor(engine, settings, api, backend):
     api.put(inference_service("qwen", min_replicas=0))
     api.put(pod_autoscaler("qwen", desired=3))

@@ -5,7 +5,9 @@ Scale and release:
 * a **Deployment** without an HPA: its ``/scale`` subresource gets the replicas;
 * a **Deployment** with an HPA: the HPA's ``minReplicas`` is raised (the HPA
   would undo a direct change), the HPA's own floor kept in an annotation and
-  restored on release; the HPA's ``status.desiredReplicas`` is the reactive ask;
+  restored on release; the HPA's ``status.desiredReplicas`` is the reactive ask.
+  Which HPA scales which Deployment is read from one LIST of the namespace's
+  HPAs every ``hpa_index_ttl_s`` (:class:`HpaIndex`), the HPA itself by a GET;
 * a **KServe InferenceService**: ``spec.predictor.minReplicas`` (JSON merge
   patch; custom resources take no strategic merge); the Knative
   PodAutoscalers' ``status.desiredScale`` is the reactive ask.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
@@ -100,6 +103,44 @@ def prepull_job_manifest(action: Action, *, namespace: str, deadline_s: float, n
     }
 
 
+class HpaIndex:
+    """Which HorizontalPodAutoscaler scales which Deployment, per namespace, from one LIST every ``ttl_s``.
+
+    The scale path needs the HPA of one Deployment, twice per action (its floor and ask, then the patch), and an
+    HPA cannot be selected by its ``scaleTargetRef`` on the server. Listing the namespace's HPAs for each lookup
+    cost two LISTs per action: in a namespace of 1,000 models, about 2 MB and 90 ms of client deserialisation each
+    (``bench/kube_actuation.py``), for every action of every plan. The map keeps only names (the HPA's spec and
+    status are read fresh by the caller); a name that no longer resolves (deleted, or retargeted) makes the caller
+    ask again with ``refresh=True``. An HPA created since the last listing is seen at the next one, at most
+    ``ttl_s`` later; ``ttl_s = 0`` lists every time. Thread-safe: the actuator carries out actions in parallel,
+    and one LIST per namespace serves them all.
+    """
+
+    def __init__(self, list_hpas: Callable[[str], list], *, ttl_s: float,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.list_hpas = list_hpas
+        self.ttl_s = ttl_s
+        self.monotonic = monotonic
+        self.lists = 0  # LISTs made, for tests and the benchmark
+        self._names: dict[str, tuple[float, dict[str, str]]] = {}
+        self._lock = threading.Lock()
+
+    def hpa_name(self, deployment: str, namespace: str, *, refresh: bool = False) -> str | None:
+        """Name of the HPA whose target is Deployment ``deployment`` in ``namespace``, or None."""
+        with self._lock:  # one LIST per namespace when many threads miss at once
+            entry = self._names.get(namespace)
+            if refresh or entry is None or self.monotonic() - entry[0] >= self.ttl_s:
+                listed_at = self.monotonic()
+                names: dict[str, str] = {}
+                for hpa in self.list_hpas(namespace):
+                    ref = hpa.spec.scale_target_ref
+                    if ref.kind == "Deployment":
+                        names.setdefault(ref.name, hpa.metadata.name)  # two HPAs on one target: the first listed
+                self.lists += 1
+                entry = self._names[namespace] = (listed_at, names)
+            return entry[1].get(deployment)
+
+
 class KubernetesBackend:
     """Carries out scale, release and pre-pull on a cluster.
 
@@ -107,7 +148,8 @@ class KubernetesBackend:
         api_client: a ``kubernetes.client.ApiClient`` (tests pass one whose transport is a fake API server).
         namespace: default namespace of workloads and Jobs.
         model_label: pod label naming the serving model.
-        helper_image, job_ttl_s, job_wait_s, owner_deployment, image_pull_secret: see settings ``kubernetes_*``.
+        helper_image, job_ttl_s, job_wait_s, owner_deployment, image_pull_secret, hpa_index_ttl_s: see settings
+            ``kubernetes_*``.
         clock: wall clock for Job deadline annotations and cleanup.
         sleep: how to wait between Job status polls.
     """
@@ -119,8 +161,10 @@ class KubernetesBackend:
     def __init__(self, api_client, *, namespace: str = "default", model_label: str = "prewarm.io/model",
                  helper_image: str = "busybox:1.36", job_ttl_s: int = 600, job_wait_s: float = 300.0,
                  owner_deployment: str | None = None, image_pull_secret: str | None = None,
+                 hpa_index_ttl_s: float = 60.0,
                  clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
-                 sleep: Callable[[float], None] = time.sleep, poll_s: float = 2.0) -> None:
+                 sleep: Callable[[float], None] = time.sleep, poll_s: float = 2.0,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         from kubernetes import client
 
         self.api_client = api_client
@@ -140,6 +184,8 @@ class KubernetesBackend:
         self.sleep = sleep
         self.poll_s = poll_s
         self._owner: dict | None = None
+        self.hpas = HpaIndex(lambda ns: self.autoscaling.list_namespaced_horizontal_pod_autoscaler(ns).items,
+                             ttl_s=hpa_index_ttl_s, monotonic=monotonic)
 
     @classmethod
     def from_settings(cls, settings, api_client=None, **overrides) -> "KubernetesBackend":
@@ -158,7 +204,8 @@ class KubernetesBackend:
                        helper_image=settings.kubernetes_prepull_helper_image, job_ttl_s=settings.kubernetes_job_ttl_s,
                        job_wait_s=settings.kubernetes_job_wait_s,
                        owner_deployment=settings.kubernetes_owner_deployment,
-                       image_pull_secret=settings.kubernetes_image_pull_secret)
+                       image_pull_secret=settings.kubernetes_image_pull_secret,
+                       hpa_index_ttl_s=settings.kubernetes_hpa_index_ttl_s)
         options.update(overrides)
         return cls(api_client, **options)
 
@@ -171,10 +218,23 @@ class KubernetesBackend:
         return kind, model.labels.get("k8s_name", model.model_id), model.labels.get("k8s_namespace", self.namespace)
 
     def _hpa_for(self, name: str, namespace: str):
-        for hpa in self.autoscaling.list_namespaced_horizontal_pod_autoscaler(namespace).items:
+        """The HPA scaling Deployment ``name`` as it is now (a GET), or None; named by :class:`HpaIndex`."""
+        from kubernetes.client.exceptions import ApiException
+
+        for refresh in (False, True):
+            hpa_name = self.hpas.hpa_name(name, namespace, refresh=refresh)
+            if hpa_name is None:
+                return None
+            try:
+                hpa = self.autoscaling.read_namespaced_horizontal_pod_autoscaler(hpa_name, namespace)
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+                continue  # deleted since the listing
             ref = hpa.spec.scale_target_ref
             if ref.kind == "Deployment" and ref.name == name:
                 return hpa
+            # retargeted since the listing: list again
         return None
 
     def replica_state(self, model: ModelTarget) -> ReplicaState | None:
