@@ -243,6 +243,12 @@ class Settings(BaseSettings):
     planner_cold_cost: float = Field(
         default=1.0, ge=0, le=1e9,
         description="GPU-seconds one second of cold-start wait is worth; a model's label cold_cost overrides it.")
+    planner_cold_cost_weighting: Literal["model", "request"] = Field(
+        default="model",
+        description="model: each model's cold cost is scaled by the fleet's mean request rate over its own, so "
+                    "every model's share of cold-start requests weighs alike (a per-model cold-start SLO; the "
+                    "per-function cold % of the evaluation protocol); request: every request's wait weighs alike "
+                    "(fewer cold requests overall, more models left mostly cold). One model: the same.")
     planner_gpu_second_cost: float = Field(default=1.0, gt=0, le=1e9, description="Price of an idle GPU-second.")
     planner_count_queued_wait: bool = Field(
         default=True, description="Charge a cold start for every request queued behind it, not the first only.")

@@ -197,3 +197,23 @@ def test_backtest_rejects_unknown_members(engine, ingested, db_url, tmp_path):
                                 env={"DATABASE_URL": db_url, "PREWARM_DATA_DIR": str(tmp_path),
                                      "PREWARM_MODELS_DIR": str(tmp_path / "models")})
     assert result.exit_code == 2 and "unknown members ['prophet']" in result.output
+
+
+def test_forecast_job_stores_each_models_request_rate_over_its_look_back(engine, ingested):
+    """The plan job weights cold costs by it (PREWARM_PLANNER_COLD_COST_WEIGHTING=model): one definition, the
+    forecast job's look-back read from the store, none of it re-read by the plan job."""
+    import numpy as np
+
+    from forecaster.contracts.forecast import history_request_rate_rpm
+    from forecaster.store.invocations import read_grid
+
+    forecast_job(engine, ingested, DAY_END, cache=registry.ChampionCache())
+    ids, _, grid = read_grid(engine, sorted(model_ids(engine)),
+                             DAY_END - timedelta(minutes=ingested.forecast_lookback_min), DAY_END)
+    ids = [str(m) for m in ids]
+    expected = history_request_rate_rpm(grid)
+    with engine.connect() as conn:
+        stored = dict(conn.execute(text("SELECT model_id, request_rate_rpm FROM forecasts")).all())
+    assert sorted(stored) == ids
+    np.testing.assert_allclose([stored[m] for m in ids], expected, rtol=1e-6)  # real: float32
+    assert len(set(np.round(expected, 3))) > 10 and min(expected) > 0  # the models differ; none at 0

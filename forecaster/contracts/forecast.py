@@ -18,7 +18,11 @@ Contract (what the ensemble of issue 3 must offer to plug in)::
   level, clipped at 0;
 * optional ``p_any``: probability of at least one invocation in that minute.
   Without it the planner derives a coarse one from the quantiles
-  (:func:`p_any_from_quantiles`).
+  (:func:`p_any_from_quantiles`);
+* optional ``request_rate_rpm`` (:data:`REQUEST_RATE_COLUMN`): the model's
+  requests per minute over the history the forecast was made from
+  (:func:`history_request_rate_rpm`), the same on each of its rows; the plan
+  step's ``model`` weighting of cold costs reads it.
 
 Models missing from the frame are treated as "no forecast": the planner plans
 nothing ahead for them (the reactive path still serves them).
@@ -46,6 +50,37 @@ class ForecastSource(Protocol):
 
     def quantiles(self, now: datetime, horizon_min: int) -> pd.DataFrame:  # pragma: no cover - protocol
         ...
+
+
+#: Optional forecast column: a model's requests per minute over the history its forecast was made from.
+REQUEST_RATE_COLUMN = "request_rate_rpm"
+
+
+def history_request_rate_rpm(counts: np.ndarray) -> np.ndarray:
+    """Requests per minute of each row of ``counts`` (models x minutes, NaN = a minute not known), smoothed.
+
+    ``(requests + 1) / (known minutes + 1)``: a model seen for a short while or never called stays above 0
+    (its rate falls as quiet minutes accumulate), so the weight the plan step derives from it stays finite.
+    The forecast job computes it over its look-back (``PREWARM_FORECAST_LOOKBACK_MIN``) and stores it with the
+    run; the replays compute it over the same trailing window of the minutes they have served.
+    """
+    counts = np.asarray(counts, dtype="float64")
+    if counts.ndim != 2:
+        raise ValueError(f"counts must be (models, minutes), got shape {counts.shape}")
+    rates = np.empty(len(counts))
+    for lo in range(0, len(counts), 4096):  # bounded temporaries: the forecast job's panel is 100,000 x 1,440
+        block = counts[lo:lo + 4096]
+        known = ~np.isnan(block)
+        rates[lo:lo + 4096] = (np.where(known, block, 0.0).sum(axis=1) + 1.0) / (known.sum(axis=1) + 1.0)
+    return rates
+
+
+def trailing_request_rates_rpm(cumulative: np.ndarray, minute: int, lookback_min: int) -> np.ndarray:
+    """:func:`history_request_rate_rpm` of the ``lookback_min`` minutes before ``minute`` of complete counts, from
+    their running sums (``cumulative[:, k]`` = requests in minutes ``0 .. k-1``): what a replay computes each
+    minute without summing the window again."""
+    first = max(0, minute - lookback_min)
+    return (cumulative[:, minute] - cumulative[:, first] + 1.0) / (minute - first + 1.0)
 
 
 def quantile_column(level: float) -> str:

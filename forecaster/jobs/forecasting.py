@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 from sqlalchemy import Engine
 
+from forecaster.contracts.forecast import history_request_rate_rpm
 from forecaster.distributed.executor import executor_for
 from forecaster.forecast.backtest import MethodForecasts, Protocol, evaluate
 from forecaster.forecast.ensemble import Ensemble
@@ -116,7 +117,8 @@ def forecast_job(engine: Engine, settings: Settings, now: datetime, *, cache: Ch
     columns = {("point" if k == ensemble.name else k): v[:, 0, :] for k, v in arrays.items()
                if k in (ensemble.name, "p_any") or k.startswith("q")}
     rows = write_forecast_arrays(engine, list(panel.ids), (panel.start + panel.n_steps * panel.step).to_pydatetime(),
-                                 columns, issued_at=now, model_version_id=version)
+                                 columns, issued_at=now, model_version_id=version,
+                                 request_rate_rpm=history_request_rate_rpm(panel.values))
     return {"models": panel.n_series, "rows": rows, "model_version": version,
             "no_history": len(ids) - panel.n_series, "read_s": round(read_s, 3), "read": history_cache.last_read,
             "forecast_s": round(forecast_s, 3), "shards": getattr(ensemble, "forecast_run_", None),

@@ -26,6 +26,7 @@ import pandas as pd
 from sqlalchemy import Engine
 
 from forecaster.contracts.fleet import FleetState, build_fleet
+from forecaster.contracts.forecast import REQUEST_RATE_COLUMN
 from forecaster.contracts.latency import NodeLatencyTable
 from forecaster.planning.budget import BudgetState, idle_gpu_seconds, keepalive_idle_gpu_seconds, update_budget
 from forecaster.planning.step import plan_step, planner_settings, waste_budget
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 def stored_forecast(engine: Engine, *, now: datetime, horizon_min: int) -> pd.DataFrame:
     """The newest run per model issued at or before ``now``, minutes ``now .. now + horizon``, for the planner.
 
+    With each model's ``request_rate_rpm`` as its run stored it (NaN for runs from before migration 0017).
+
     Each model's run is one primary-key probe; only the planned minutes of its
     arrays are read (see :func:`forecaster.store.forecasts.read_newest_runs`).
     Quantile columns are the levels every run has.
@@ -48,7 +51,8 @@ def stored_forecast(engine: Engine, *, now: datetime, horizon_min: int) -> pd.Da
     first = now.replace(second=0, microsecond=0)
     with engine.connect() as conn:
         runs = read_newest_runs(conn, issued_at_most=now, targets_from=first,
-                                targets_before=first + timedelta(minutes=horizon_min), with_p_any=True)
+                                targets_before=first + timedelta(minutes=horizon_min), with_p_any=True,
+                                with_request_rate=True)
     if not len(runs) or not runs.offsets[-1]:
         return pd.DataFrame(columns=["unique_id", "ds", "p_any"])
     common = sorted(set.intersection(*(set(levels) for levels in runs.levels)))
@@ -57,7 +61,7 @@ def stored_forecast(engine: Engine, *, now: datetime, horizon_min: int) -> pd.Da
     run = np.repeat(np.arange(len(runs)), runs.lengths)
     frame = pd.DataFrame({"unique_id": np.asarray(runs.model_ids, dtype=object)[run],
                           "ds": pd.to_datetime(runs.target_minutes_s(), unit="s", utc=True),
-                          "p_any": runs.p_any})
+                          "p_any": runs.p_any, REQUEST_RATE_COLUMN: runs.request_rate_rpm[run]})
     # element e of run r, level l sits at quantile_offsets[r] + column(l) * T[r] + (e - offsets[r])
     within = np.arange(int(runs.offsets[-1])) - runs.offsets[:-1][run]
     columns = [f"q{level!r}" for level in common]

@@ -44,6 +44,10 @@ class PlannerSettings:
             exponential tail is drawn when the newsvendor level is above the forecast's
             top level (:meth:`~forecaster.planning.planner.ForecastArrays.quantile`);
             at or above the top level, sizing stops at the top quantile.
+        cold_cost_weighting: ``"model"``: each model's cold cost is multiplied by the mean request rate of the
+            planned models over its own (the forecast's ``request_rate_rpm``), so every model's share of
+            cold-start requests weighs alike; ``"request"``: cold costs as given (every request's wait alike).
+            See :func:`forecaster.planning.step.weighted_cold_costs`.
     """
 
     horizon_min: int = 5
@@ -63,6 +67,7 @@ class PlannerSettings:
     lead_margin_frac: float = 0.2
     release_hold_min: int = 0
     quantile_for_shape: float = 0.9
+    cold_cost_weighting: str = "model"
 
     def lead(self, seconds: np.ndarray | float) -> np.ndarray | float:
         """Lead time for an action predicted to take ``seconds``."""

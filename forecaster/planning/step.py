@@ -21,7 +21,7 @@ import pandas as pd
 
 from forecaster.contracts.actions import Plan
 from forecaster.contracts.fleet import FleetState
-from forecaster.contracts.forecast import float_columns, quantile_levels
+from forecaster.contracts.forecast import REQUEST_RATE_COLUMN, float_columns, quantile_levels
 from forecaster.planning.budget import BudgetState, WasteBudget, spend_curve_log_factors
 from forecaster.planning.fleet import PlannerSettings
 from forecaster.planning.planner import plan
@@ -48,6 +48,7 @@ def planner_settings(settings: Settings, **overrides) -> PlannerSettings:
         lead_margin_s=settings.planner_lead_margin_s, lead_margin_frac=settings.planner_lead_margin_frac,
         release_hold_min=settings.planner_release_hold_min,
         quantile_for_shape=settings.planner_quantile_for_shape,
+        cold_cost_weighting=settings.planner_cold_cost_weighting,
     )
     values.update(overrides)
     return PlannerSettings(**values)
@@ -68,6 +69,45 @@ def waste_budget(settings: Settings, *, pct: float | None = None, gpu_seconds_pe
                        reference_min=settings.planner_waste_budget_reference_min,
                        window_min=settings.planner_waste_budget_window_min, gain=settings.planner_waste_budget_gain,
                        max_factor=settings.planner_waste_budget_max_factor)
+
+
+def weighted_cold_costs(cold_cost: np.ndarray, request_rate_rpm: np.ndarray, weighting: str) -> np.ndarray:
+    """Cold costs under ``weighting`` (``PREWARM_PLANNER_COLD_COST_WEIGHTING``).
+
+    The planner charges a cold start the wait it causes, in request-seconds, times the model's cold cost: left
+    alone (``"request"``) a busy model's cold start counts its many waiting requests, a rarely called model's one,
+    so the plan minimises the fleet's cold requests and leaves rare models cold most of the time. ``"model"``
+    multiplies each model's cold cost by ``mean rate / its rate``: a cold request then weighs as the share of its
+    own model's requests it is, every model's cold-start share alike, and the weights average 1 over the fleet's
+    traffic (``sum(w * rate) = sum(rate)``), so the cold cost keeps its meaning for a model at the mean rate and a
+    fleet of one model plans as under ``"request"``. A model without a known rate (NaN) gets weight 1.
+
+    Measured on the Azure Functions day (1,350 functions, the minute protocol's hold rule in closed form with the
+    causal empirical ``p_any``, 2026-12-07): at the hybrid histogram's waste, p75 cold % 12.5 under ``"model"``
+    against 24.8 under ``"request"``; overall cold % 0.27 against 0.19.
+    """
+    cold_cost = np.asarray(cold_cost, dtype="float64")
+    if weighting == "request":
+        return cold_cost
+    if weighting != "model":
+        raise ValueError(f"cold_cost_weighting must be 'model' or 'request', got {weighting!r}")
+    rate = np.asarray(request_rate_rpm, dtype="float64")
+    known = np.isfinite(rate) & (rate > 0)
+    if not known.any():
+        return cold_cost
+    mean = float(rate[known].mean())
+    return cold_cost * np.where(known, mean / np.where(known, rate, 1.0), 1.0)
+
+
+def _request_rates(forecasts: pd.DataFrame, model_ids: pd.Index) -> np.ndarray:
+    """Each model's ``request_rate_rpm`` from the forecast frame (its first row), NaN where not given."""
+    if REQUEST_RATE_COLUMN not in forecasts.columns or forecasts.empty:
+        return np.full(len(model_ids), np.nan)
+    ids = forecasts["unique_id"].to_numpy()
+    first = np.concatenate([[True], ids[1:] != ids[:-1]])  # frames come grouped by model
+    rates = pd.Series(forecasts[REQUEST_RATE_COLUMN].to_numpy(dtype="float64")[first], index=ids[first].astype(str))
+    rates = rates[~rates.index.duplicated()]
+    return rates.reindex(model_ids.astype(str)).to_numpy(dtype="float64")
 
 
 def _usable_forecast(forecasts: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
@@ -92,7 +132,8 @@ def plan_step(now: datetime, forecasts: pd.DataFrame, fleet: FleetState, latency
 
     Args:
         now: the minute planned from (UTC, tz-aware).
-        forecasts: the forecast frame (``unique_id, ds, q<level>..., [p_any]``).
+        forecasts: the forecast frame (``unique_id, ds, q<level>..., [p_any], [request_rate_rpm]``); its request
+            rates weight the cold costs per ``settings.cold_cost_weighting`` (:func:`weighted_cold_costs`).
         fleet: from :func:`~forecaster.contracts.fleet.build_fleet`; its ``skipped`` models are reported.
         latency: ``model_id, state, total_s, <phases>`` per start state.
         settings: from :func:`planner_settings`.
@@ -113,6 +154,10 @@ def plan_step(now: datetime, forecasts: pd.DataFrame, fleet: FleetState, latency
     if skipped:
         log.warning("plan step at %s skips %d models it cannot use: %s", now.isoformat(), len(skipped),
                     "; ".join(f"{m}: {why}" for m, why in list(skipped.items())[:5]))
+    if settings.cold_cost_weighting != "request":
+        fleet = replace(fleet, models=fleet.models.assign(cold_cost=weighted_cold_costs(
+            fleet.models["cold_cost"].to_numpy(dtype="float64"), _request_rates(forecasts, fleet.models.index),
+            settings.cold_cost_weighting)))
     if budget is not None:
         fleet = replace(fleet, models=fleet.models.assign(cold_cost=budget.cold_cost(
             fleet.models["cold_cost"].to_numpy(dtype="float64"))))

@@ -298,7 +298,7 @@ def _replay(history: History, settings: Settings, *, keepalive_min: int, history
     recording = RecordingSource(ensemble, source_panel)
     product_planner = planner_settings(settings)
     prewarm = CataloguePlanner(recording, LatencyInput(config), product_planner, name="prewarm",
-                               cold_cost=settings.planner_cold_cost, normalise_by_rate=False, product=settings,
+                               cold_cost=settings.planner_cold_cost, product=settings,
                                budget=waste_budget(settings), cold_costs=history.cold_cost)
     started = time.perf_counter()
     say(f"replaying {workload.duration_s / 60:.0f} minutes of {workload.n_models} models under prewarm"

@@ -34,6 +34,7 @@ import pandas as pd
 from forecaster.actuation.backends.base import ModelTarget, Outcome, ReplicaState
 from forecaster.contracts.actions import Action, FailureReason
 from forecaster.contracts.fleet import build_fleet
+from forecaster.contracts.forecast import REQUEST_RATE_COLUMN, trailing_request_rates_rpm
 from forecaster.contracts.phases import START_STATES
 from forecaster.planning.budget import BudgetState, WasteBudget, idle_gpu_seconds, keepalive_idle_gpu_seconds, \
     update_budget
@@ -165,9 +166,11 @@ def planner_loaded(counts: np.ndarray, memory_mb: np.ndarray, *, cold_cost: floa
 
     Each minute ``t`` the forecast source (``source``, else ``source_factory(panel)``, default
     :class:`~forecaster.planning.forecasts.EmpiricalForecast`; all causal) gives the quantiles and ``p_any`` of
-    minute ``t`` from minutes before it; the planner sees each function as a model with ``gpus`` = memory in
-    GB, ``cold_cost`` = ``cold_cost`` / (its invocations per minute so far, smoothed): every function's
-    cold-start percentage weighs the same, as in the protocol's per-function headline; a cold start costs 60 s.
+    minute ``t`` from minutes before it, with each function's invocations per minute over the minutes before
+    ``t`` (the look-back the forecast job stores with a run); the planner sees each function as a model with
+    ``gpus`` = memory in GB and ``cold_cost`` = ``cold_cost``, weighted by the plan step as the product's
+    ``planner_cold_cost_weighting`` says (by default ``model``: every function's cold-start percentage weighs the
+    same, as in the protocol's per-function headline); a cold start costs 60 s.
     The plan goes through the production actuator (the ``actuator_*`` guardrails of ``product``) onto a
     :class:`MinuteCluster`: ``scale`` loads the function for minute ``t``, ``release`` unloads it.
 
@@ -185,18 +188,21 @@ def planner_loaded(counts: np.ndarray, memory_mb: np.ndarray, *, cold_cost: floa
     panel = CountPanel(ids=ids, start=start, counts=counts)
     if source is None:
         source = (source_factory or EmpiricalForecast)(panel)
+    product = product or Settings()
     settings = PlannerSettings(horizon_min=1, tiers=False, count_queued_wait=False, lead_margin_s=0.0,
-                               lead_margin_frac=0.0, replica_utilisation=1.0)
+                               lead_margin_frac=0.0, replica_utilisation=1.0,
+                               cold_cost_weighting=product.planner_cold_cost_weighting)
     gpus = memory_mb / 1024.0
     latency = pd.DataFrame([{"model_id": i, "state": s, "total_s": 60.0} for i in ids for s in START_STATES])
     nodes = pd.DataFrame({"gpus_free": [1e12], "host_free_bytes": [0.0], "disk_free_bytes": [0.0]},
                          index=pd.Index(["minute-protocol"], name="node_id"))
     cluster = MinuteCluster(ids)
     targets = {str(i): ModelTarget(model_id=str(i), gpus_per_replica=int(np.ceil(g))) for i, g in zip(ids, gpus)}
-    actuation = ReplayActuation(cluster, targets, product or Settings())
+    actuation = ReplayActuation(cluster, targets, product)
     loaded = np.zeros((n, t_count), dtype=bool)
     invoked = counts > 0
-    cumulative = np.zeros(n)
+    row_of = pd.Index(ids.astype(str))
+    running = np.concatenate([np.zeros((n, 1)), np.cumsum(counts, axis=1)], axis=1)  # requests before minute k
     reasons: dict[str, int] = {}
     base = pd.DataFrame({"image_ref": None, "image_bytes": 0.0, "weights_uri": None, "weights_bytes": 0.0,
                          "gpus": gpus, "replica_rpm": 1e12, "slo_s": np.nan}, index=pd.Index(ids, name="model_id"))
@@ -211,9 +217,11 @@ def planner_loaded(counts: np.ndarray, memory_mb: np.ndarray, *, cold_cost: floa
             reference = keepalive_idle_gpu_seconds(window, one_each, gpus, minutes=budget.reference_min)
             state = update_budget(state, budget, spent_gpu_s=spent, reference_idle_gpu_s=reference)
             factors.append(state.factor)
-        rate = (cumulative + 1.0) / (t + 1.0)
-        models = base.assign(cold_cost=cold_cost / rate, replicas=cluster.current)
+        rates = pd.Series(trailing_request_rates_rpm(running, t, product.forecast_lookback_min), index=row_of)
+        models = base.assign(cold_cost=cold_cost, replicas=cluster.current)
         forecast = source.quantiles(now, 1)
+        forecast = forecast.assign(**{REQUEST_RATE_COLUMN: rates.reindex(
+            forecast["unique_id"].astype(str)).to_numpy(dtype="float64")})
         result = plan_step(now, forecast, build_fleet(models, nodes), latency, settings, budget=state,
                            budget_busy="replicas")
         state = budget_after(result, state)
@@ -225,7 +233,6 @@ def planner_loaded(counts: np.ndarray, memory_mb: np.ndarray, *, cold_cost: floa
         # an invoked function is loaded during its minute whatever the plan said (the reactive path); the
         # protocol's replica stays until a release
         cluster.current = np.where(invoked[:, t], np.maximum(cluster.current, 1), cluster.current)
-        cumulative += counts[:, t]
         if progress is not None and t % 120 == 0:
             progress(t / t_count)
     info = {"actions_by_reason": reasons, **actuation.report()}

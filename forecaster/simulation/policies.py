@@ -30,7 +30,7 @@ from forecaster.actuation.backends.base import ModelTarget
 from forecaster.actuation.ledger import MemoryLedger
 from forecaster.contracts.actions import Plan
 from forecaster.contracts.fleet import FleetState, build_fleet
-from forecaster.contracts.forecast import ForecastSource
+from forecaster.contracts.forecast import REQUEST_RATE_COLUMN, ForecastSource, trailing_request_rates_rpm
 from forecaster.planning.budget import BudgetState, WasteBudget, idle_gpu_seconds, keepalive_idle_gpu_seconds, \
     update_budget
 from forecaster.planning.fleet import PlannerSettings
@@ -308,9 +308,8 @@ class PlannerPolicy:
             :func:`~forecaster.planning.step.planner_settings`.
         name: reported policy name.
         cold_cost: value of one second of cold-start wait, GPU-seconds (the product's ``planner_cold_cost``).
-        normalise_by_rate: scale each model's cold cost by 1 / its observed
-            requests per minute (so every model's cold-start percentage weighs
-            the same, as a per-model SLO does).
+            The plan step weights it per ``settings.cold_cost_weighting`` with each model's request rate, which
+            the replay gives the forecast as the forecast job does (:meth:`with_request_rates`).
         product: the product settings whose ``actuator_*`` guardrails the replay applies (default: defaults).
         record_plans: keep every plan made (tests; off for long replays).
         even_arrivals: plan with a burst factor of 1, as the plan job does for a model whose counts come with no
@@ -327,8 +326,7 @@ class PlannerPolicy:
     idle_grace_s = 60.0  # keep an on-demand replica until the next plan decides
 
     def __init__(self, source: ForecastSource, latency: LatencyProvider, settings: PlannerSettings = PlannerSettings(),
-                 *, name: str = "prewarm", cold_cost: float = 1.0, normalise_by_rate: bool = False,
-                 product: Settings | None = None, record_plans: bool = False, budget: WasteBudget | None = None,
+                 *, name: str = "prewarm", cold_cost: float = 1.0, product: Settings | None = None, record_plans: bool = False, budget: WasteBudget | None = None,
                  even_arrivals: bool = False):
         self.source = source
         self.even_arrivals = even_arrivals
@@ -341,7 +339,6 @@ class PlannerPolicy:
         self.settings = settings
         self.name = name
         self.cold_cost = cold_cost
-        self.normalise_by_rate = normalise_by_rate
         self.product = product or Settings()
         self.summaries: list[dict] = []
         self.plans: list[Plan] | None = [] if record_plans else None
@@ -358,10 +355,6 @@ class PlannerPolicy:
         measured there from an ingested per-request trace or declared by the user."""
         m = view.models
         cold = np.full(len(m), self.cold_cost)
-        if self.normalise_by_rate:
-            minute = max(view.minute, 1)
-            per_min = (view.counts[:, :minute].sum(axis=1) + 1.0) / (minute + 1.0)
-            cold = cold / per_min
         return pd.DataFrame({
             "image_ref": m["image_ref"].to_numpy(), "image_bytes": m["image_bytes"].to_numpy(),
             "weights_uri": m["weights_uri"].to_numpy(), "weights_bytes": m["weights_bytes"].to_numpy(),
@@ -369,6 +362,20 @@ class PlannerPolicy:
             "cold_cost": cold, "slo_s": np.nan, "replicas": view.ready + view.starting,
             "burst_factor": 1.0 if self.even_arrivals else view.burst_factor,
         }, index=m.index.astype(str))
+
+    def with_request_rates(self, forecast: pd.DataFrame, view: SimView) -> pd.DataFrame:
+        """The forecast with each model's request rate over the minutes served so far, as the forecast job stores
+        it with a run: :func:`~forecaster.contracts.forecast.history_request_rate_rpm` over the product's
+        look-back (``forecast_lookback_min``; :func:`~forecaster.contracts.forecast.trailing_request_rates_rpm`)."""
+        counts = view.counts
+        running = getattr(self, "_running", None)
+        if running is None or running[0] is not counts:  # requests before each minute, once per workload
+            running = self._running = (counts, np.concatenate(
+                [np.zeros((len(counts), 1)), np.cumsum(counts, axis=1)], axis=1))
+        rates = pd.Series(trailing_request_rates_rpm(running[1], view.minute, self.product.forecast_lookback_min),
+                          index=view.models.index.astype(str))
+        return forecast.assign(**{REQUEST_RATE_COLUMN: rates.reindex(
+            forecast["unique_id"].astype(str)).to_numpy(dtype="float64")})
 
     def fleet(self, view: SimView, now: datetime) -> FleetState:
         """The simulated cluster through the one fleet builder (as the store feeds the plan job)."""
@@ -421,7 +428,7 @@ class PlannerPolicy:
             self._measure(view)
         if view.now_s + 1e-9 >= self._next_plan_s:
             self._next_plan_s += 60.0
-            forecast = self.source.quantiles(now, self.settings.horizon_min)
+            forecast = self.with_request_rates(self.source.quantiles(now, self.settings.horizon_min), view)
             result = plan_step(now, forecast, self.fleet(view, now), self.latency(view), self.settings,
                                budget=self.budget_state)
             self.budget_state = budget_after(result, self.budget_state)

@@ -165,8 +165,7 @@ def policy_forecaster(name: str, forecaster: str) -> str | None:
 
 
 def make_policy(name: str, workload: Workload, config: FleetConfig, *, latency: LatencyInput | None = None,
-                settings: PlannerSettings | None = None, cold_cost: float | None = None,
-                normalise_by_rate: bool | None = None, forecaster: str = "ensemble",
+                settings: PlannerSettings | None = None, cold_cost: float | None = None, forecaster: str = "ensemble",
                 sources: ForecastSources | None = None, product: Settings | None = None,
                 budget: WasteBudget | None = None, even_arrivals: bool = False):
     """A policy by its report name (one of :data:`POLICY_NAMES`, or ``keepalive_<minutes>``).
@@ -181,7 +180,6 @@ def make_policy(name: str, workload: Workload, config: FleetConfig, *, latency: 
     latency = latency or LatencyInput(config)
     settings = settings or planner_settings(product)
     cold_cost = product.planner_cold_cost if cold_cost is None else cold_cost
-    normalise = workload.n_models > 1 if normalise_by_rate is None else normalise_by_rate
     if name.startswith("keepalive_"):
         return KeepAlivePolicy(int(name.split("_", 1)[1]))
     if name == "hybrid_histogram":
@@ -196,7 +194,7 @@ def make_policy(name: str, workload: Workload, config: FleetConfig, *, latency: 
     tiers = settings.tiers and name != "prewarm_scale_only"
     budget = waste_budget(product) if budget is None else budget
     return PlannerPolicy(sources.get(source_name), latency, replace(settings, tiers=tiers), name=name,
-                         cold_cost=cold_cost, normalise_by_rate=normalise, product=product,
+                         cold_cost=cold_cost, product=product,
                          budget=None if name == "oracle" else budget, even_arrivals=even_arrivals)
 
 

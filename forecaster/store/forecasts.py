@@ -33,7 +33,7 @@ import pandas as pd
 from psycopg.copy import QueuedLibpqWriter
 from sqlalchemy import Connection, Engine, text
 
-from forecaster.contracts.forecast import quantile_column, quantile_levels
+from forecaster.contracts.forecast import REQUEST_RATE_COLUMN, quantile_column, quantile_levels
 from forecaster.store.partitions import create_partition_once
 
 #: Partitions are named after the UTC day whose runs they hold.
@@ -45,7 +45,7 @@ FLOAT4_OID = 700
 COPY_SIGNATURE = b"PGCOPY\n\xff\r\n\x00" + struct.pack(">ii", 0, 0)
 COPY_TRAILER = struct.pack(">h", -1)
 COPY_COLUMNS = ("model_id", "issued_at", "first_target", "step_seconds", "model_version_id", "point", "p_any",
-                "quantile_levels", "quantiles")
+                "quantile_levels", "quantiles", "request_rate_rpm")
 
 
 def quantile_columns(frame: pd.DataFrame) -> dict[str, float]:
@@ -145,6 +145,7 @@ class _Runs:
     p_any: np.ndarray | None  # (values,) float64, NaN = unknown; None = no p_any column
     levels: tuple[float, ...]  # ascending
     quantiles: np.ndarray  # (values, L) float64, columns in the order of ``levels``
+    request_rate_rpm: np.ndarray | None = None  # (M,) per model, NaN = not known; None = no rates
 
 
 def _target_us(ds: pd.Series) -> np.ndarray:
@@ -183,11 +184,13 @@ def _runs(frame: pd.DataFrame) -> _Runs:
     if np.isnan(point).any() or np.isnan(q).any():
         raise ValueError("forecast has NaN values; the forecast job must fall back, not store NaN")
     p_any = frame["p_any"].to_numpy(dtype="float64") if "p_any" in frame else None
+    rate = frame[REQUEST_RATE_COLUMN].to_numpy(dtype="float64") if REQUEST_RATE_COLUMN in frame else None
     target = _target_us(frame["ds"])
     order, ids, starts = _model_blocks(frame["unique_id"], target)
     if order is not None:
         target, point, q = target[order], point[order], q[order]
         p_any = None if p_any is None else p_any[order]
+        rate = None if rate is None else rate[order]
     lengths = np.diff(np.append(starts, len(target)))
     step_us = STEP_SECONDS * 1_000_000
     bad = np.diff(target) != step_us
@@ -205,7 +208,19 @@ def _runs(frame: pd.DataFrame) -> _Runs:
         raise ValueError(f"forecast of model {ids[at]!r}: target minutes (ds) must be whole minutes, got "
                          f"{pd.Timestamp(int(first[at]), unit='us', tz='UTC')}")
     return _Runs(model_ids=ids, first_target_us=first, lengths=lengths, starts=starts, point=point, p_any=p_any,
-                 levels=tuple(columns[c] for c in ordered), quantiles=q)
+                 levels=tuple(columns[c] for c in ordered), quantiles=q,
+                 request_rate_rpm=None if rate is None else _valid_rates(rate[starts], ids))
+
+
+def _valid_rates(rates: np.ndarray, ids: Sequence[str]) -> np.ndarray:
+    """Request rates per model: finite and >= 0, or NaN (not known); anything else is refused, naming the model."""
+    rates = np.asarray(rates, dtype="float64")
+    bad = ~np.isnan(rates) & ~(np.isfinite(rates) & (rates >= 0))
+    if bad.any():
+        at = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"forecast of model {ids[at]!r}: {REQUEST_RATE_COLUMN} must be a finite number >= 0, "
+                         f"got {rates[at]}")
+    return rates
 
 
 def _array_fields(prefix: str, shape: tuple[int, ...]) -> list[tuple]:
@@ -241,8 +256,8 @@ BLOCK_ROWS = 8192
 def _copy_blocks(runs: _Runs, *, issued_at: datetime, model_version_id: str | None) -> Iterator[bytes]:
     """``COPY ... (FORMAT binary)`` data, one row per model, built as numpy structured arrays.
 
-    Rows of equal byte length (same id length, number of target minutes, and
-    p_any present or not) share one fixed layout; up to :data:`BLOCK_ROWS` of
+    Rows of equal byte length (same id length, number of target minutes, p_any
+    present or not, request rate known or not) share one fixed layout; up to :data:`BLOCK_ROWS` of
     them are filled column by column and serialised with one ``tobytes``. The
     first block starts with the COPY signature, the last one ends with its trailer.
     """
@@ -256,9 +271,12 @@ def _copy_blocks(runs: _Runs, *, issued_at: datetime, model_version_id: str | No
     version = None if model_version_id is None else model_version_id.encode()
     n_levels = len(runs.levels)
     levels = np.asarray(runs.levels, dtype=np.float32)
-    keys = pd.DataFrame({"id_len": id_len, "t": runs.lengths, "p": has_p_any})
+    has_rate = np.zeros(len(id_bytes), dtype=bool) if runs.request_rate_rpm is None else \
+        ~np.isnan(runs.request_rate_rpm)
+    keys = pd.DataFrame({"id_len": id_len, "t": runs.lengths, "p": has_p_any, "r": has_rate})
     yield COPY_SIGNATURE
-    for (length, steps, with_p_any), group in keys.groupby(["id_len", "t", "p"], sort=False).indices.items():
+    for (length, steps, with_p_any, with_rate), group in keys.groupby(["id_len", "t", "p", "r"],
+                                                                      sort=False).indices.items():
         steps = int(steps)
         fields = [("nf", ">i2"), ("id_len", ">i4"), ("id", f"S{int(length)}"),
                   ("iss_len", ">i4"), ("iss", ">i8"), ("ft_len", ">i4"), ("ft", ">i8"),
@@ -269,6 +287,7 @@ def _copy_blocks(runs: _Runs, *, issued_at: datetime, model_version_id: str | No
         fields += _array_fields("pa", (steps,)) if with_p_any else [("pa_len", ">i4")]
         fields += _array_fields("lv", (n_levels,))
         fields += _array_fields("q", (n_levels, steps))
+        fields += [("rr_len", ">i4"), ("rr", ">f4")] if with_rate else [("rr_len", ">i4")]
         layout = np.dtype(fields)
         for lo in range(0, len(group), BLOCK_ROWS):
             members = group[lo:lo + BLOCK_ROWS]
@@ -294,6 +313,10 @@ def _copy_blocks(runs: _Runs, *, issued_at: datetime, model_version_id: str | No
             # quantiles[level][minute]: (models, L, steps) from the (values, L) long columns
             _fill_array(rows, "q", (n_levels, steps),
                         runs.quantiles[at].transpose(0, 2, 1).reshape(len(members), n_levels * steps))
+            if with_rate:
+                rows["rr_len"], rows["rr"] = 4, runs.request_rate_rpm[members]
+            else:
+                rows["rr_len"] = -1
             yield rows.tobytes()
     yield COPY_TRAILER
 
@@ -309,7 +332,8 @@ def write_forecasts(
 
     Args:
         frame: ``unique_id, ds`` (target minute, UTC), ``point``, optional
-            ``p_any``, and quantile columns named ``q<level>`` (``q0.9``). Each
+            ``p_any``, quantile columns named ``q<level>`` (``q0.9``), and an optional
+            ``request_rate_rpm`` (a model's first row's is stored). Each
             model's ``ds`` must be consecutive whole minutes (any order).
         issued_at: when the forecast was made (the job's ``now``); its UTC day's
             partition is created when missing.
@@ -336,6 +360,7 @@ def write_forecast_arrays(
     *,
     issued_at: datetime,
     model_version_id: str | None,
+    request_rate_rpm: np.ndarray | None = None,
 ) -> int:
     """Store one forecast run from ``(models x minutes)`` arrays, as the forecast job produces them.
 
@@ -347,6 +372,8 @@ def write_forecast_arrays(
         model_ids: one per array row.
         first_target: the target minute of column 0 (every model's first target).
         columns: ``point``, optional ``p_any``, and ``q<level>`` arrays, each ``(models, minutes)``.
+        request_rate_rpm: ``(models,)`` each model's requests per minute over the history forecast from
+            (:func:`~forecaster.contracts.forecast.history_request_rate_rpm`); NaN where not known.
     """
     point = np.asarray(columns["point"], dtype="float64")
     n_models, n_minutes = point.shape
@@ -366,7 +393,9 @@ def write_forecast_arrays(
     runs = _Runs(model_ids=[str(m) for m in model_ids], first_target_us=np.full(n_models, first_us, dtype=np.int64),
                  lengths=np.full(n_models, n_minutes), starts=np.arange(n_models) * n_minutes,
                  point=point.reshape(-1), p_any=None if p_any is None else np.asarray(p_any, "float64").reshape(-1),
-                 levels=tuple(levels[c] for c in ordered), quantiles=q)
+                 levels=tuple(levels[c] for c in ordered), quantiles=q,
+                 request_rate_rpm=None if request_rate_rpm is None else _valid_rates(
+                     np.asarray(request_rate_rpm, dtype="float64").reshape(n_models), model_ids))
     return _store_runs(engine, runs, issued_at=issued_at, model_version_id=model_version_id)
 
 
@@ -449,6 +478,7 @@ class ForecastRuns:
         levels: (R,) each run's ascending quantile levels.
         quantile_offsets: (R + 1,) into ``quantile_values``.
         quantile_values: flat float64, each run's ``(L, T)`` array row by row; see :meth:`quantiles`.
+        request_rate_rpm: (R,) each run's model's request rate, NaN where not stored; None unless asked for.
     """
 
     model_ids: list[str]
@@ -462,6 +492,7 @@ class ForecastRuns:
     levels: list[tuple[float, ...]]
     quantile_offsets: np.ndarray
     quantile_values: np.ndarray
+    request_rate_rpm: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.model_ids)
@@ -509,12 +540,13 @@ def _real_array(buf: bytes, pos: int) -> tuple[np.ndarray, int]:
     return values, n
 
 
-def _parse_runs(buf: bytes, *, with_p_any: bool) -> ForecastRuns:
+def _parse_runs(buf: bytes, *, with_p_any: bool, with_request_rate: bool = False) -> ForecastRuns:
     """Rows of the binary COPY of :func:`read_newest_runs`: one light walk, values gathered by numpy."""
     unpack_i, unpack_h = struct.Struct(">i").unpack_from, struct.Struct(">h").unpack_from
+    unpack_f = struct.Struct(">f").unpack_from
     pos = len(COPY_SIGNATURE)
     pos += unpack_i(buf, pos - 4)[0]  # header extension, none so far
-    ids, versions, fixed, levels, points, p_anys, quantiles = [], [], [], [], [], [], []
+    ids, versions, fixed, levels, points, p_anys, quantiles, rates = [], [], [], [], [], [], [], []
     level_cache: dict[bytes, tuple[float, ...]] = {}
     while pos < len(buf):
         if unpack_h(buf, pos)[0] == -1:
@@ -544,6 +576,10 @@ def _parse_runs(buf: bytes, *, with_p_any: bool) -> ForecastRuns:
         (n,) = unpack_i(buf, pos)
         quantiles.append(_real_array(buf, pos + 4)[0])
         pos += 4 + n
+        if with_request_rate:
+            (n,) = unpack_i(buf, pos)
+            rates.append(unpack_f(buf, pos + 4)[0] if n >= 0 else np.nan)
+            pos += 4 + max(n, 0)
     lengths = np.fromiter((len(p) for p in points), dtype=np.int64, count=len(points))
     q_lengths = np.fromiter((len(q) for q in quantiles), dtype=np.int64, count=len(quantiles))
     fixed_array = np.array(fixed, dtype=np.int64).reshape(-1, 6)
@@ -563,12 +599,14 @@ def _parse_runs(buf: bytes, *, with_p_any: bool) -> ForecastRuns:
         levels=levels,
         quantile_offsets=np.concatenate([[0], np.cumsum(q_lengths)]).astype(np.int64),
         quantile_values=flat(quantiles),
+        request_rate_rpm=np.array(rates, dtype="float64") if with_request_rate else None,
     )
 
 
 def read_newest_runs(conn: Connection, *, issued_after: datetime | None = None,
                      issued_at_most: datetime | None = None, targets_from: datetime | None = None,
-                     targets_before: datetime | None = None, with_p_any: bool = False) -> ForecastRuns:
+                     targets_before: datetime | None = None, with_p_any: bool = False,
+                     with_request_rate: bool = False) -> ForecastRuns:
     """Each model's newest run (optionally only runs issued in ``(issued_after, issued_at_most]``), as arrays.
 
     Without ``issued_after``, every registered model's newest run is one probe
@@ -578,7 +616,7 @@ def read_newest_runs(conn: Connection, *, issued_after: datetime | None = None,
     ``targets_from``/``targets_before``, each run is cut to its elements for
     target minutes in ``[targets_from, targets_before)`` in SQL, so that only
     those travel. Streamed with binary COPY and parsed without a Python loop
-    per value.
+    per value. ``with_request_rate``: each run's ``request_rate_rpm`` too.
     """
     params: dict = {}
     bounds = []
@@ -610,11 +648,13 @@ def read_newest_runs(conn: Connection, *, issued_after: datetime | None = None,
         params.update({"t_from": targets_from, "t_before": targets_before})
         source = (f"SELECT model_id, issued_at, first_target + (k_lo - 1) * step_seconds * interval '1 second' "
                   "AS first_target, step_seconds, model_version_id, point[k_lo:k_hi] AS point, "
-                  "p_any[k_lo:k_hi] AS p_any, quantile_levels, quantiles[:][k_lo:k_hi] AS quantiles "
+                  "p_any[k_lo:k_hi] AS p_any, quantile_levels, quantiles[:][k_lo:k_hi] AS quantiles, "
+                  "request_rate_rpm "
                   f"FROM (SELECT *, {lo} AS k_lo, {hi} AS k_hi FROM ({source}) AS newest) AS cut "
                   "WHERE k_hi >= k_lo AND k_lo <= cardinality(point)")
     columns = "model_id, issued_at, first_target, step_seconds, model_version_id, point, " + \
-        ("p_any, " if with_p_any else "") + "quantile_levels, quantiles"
+        ("p_any, " if with_p_any else "") + "quantile_levels, quantiles" + \
+        (", request_rate_rpm" if with_request_rate else "")
     # No ORDER BY: sorting 1.3 KB rows would spill to disk; callers index by model id.
     query = f"COPY (SELECT {columns} FROM ({source}) AS runs) TO STDOUT (FORMAT binary)"
     chunks = []
@@ -622,4 +662,4 @@ def read_newest_runs(conn: Connection, *, issued_after: datetime | None = None,
     with raw.cursor() as cur, cur.copy(query, params or None) as copy:
         for block in copy:
             chunks.append(bytes(block))
-    return _parse_runs(b"".join(chunks), with_p_any=with_p_any)
+    return _parse_runs(b"".join(chunks), with_p_any=with_p_any, with_request_rate=with_request_rate)

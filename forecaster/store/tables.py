@@ -238,6 +238,8 @@ class Forecast(Base):
     p_any: Mapped[list[float] | None] = mapped_column(ARRAY(REAL), doc="Probability of at least one invocation.")
     quantile_levels: Mapped[list[float]] = mapped_column(ARRAY(REAL), doc="Ascending, e.g. [0.1, 0.5, 0.9].")
     quantiles: Mapped[list[list[float]]] = mapped_column(ARRAY(REAL, dimensions=2), doc="One row per level.")
+    request_rate_rpm: Mapped[float | None] = mapped_column(
+        REAL, doc="The model's requests per minute over the history the run was made from (migration 0017).")
 
     __table_args__ = (
         Index("forecasts_issued_at", "issued_at"),  # "newest run" queries
