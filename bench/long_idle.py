@@ -17,7 +17,7 @@ the product code is not changed; the variant the planner replays of stops 32 and
    invocations) against the planner's estimate of it there (``1 / (rate * 1200)``, the weight
    :func:`forecaster.simulation.minute.planner_loaded` gives, ``rate`` its calls per minute so far).
 3. **The hold rule in closed form** (as ``bench/p75_allocation.py``: held when ``p * kappa / rate >= gpus *
-   (1 - p)``, over a fixed grid of ``kappa``) with each tail, read at fixed waste levels by interpolation: p75 cold %,
+   (1 - p)``, over a fixed grid of ``kappa``; ``kappa`` is the product's cold cost times the mean rate there) with each tail, read at fixed waste levels by interpolation: p75 cold %,
    the mean over functions of their cold % (what the rate-weighted cold cost minimises) and the overall cold %.
 
 About a minute on one core.

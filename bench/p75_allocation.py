@@ -7,7 +7,8 @@ forecasts or one of how a uniform cold cost spreads the held minutes over functi
 warm-up's end as ``bench/policies.py`` does it, or the empirical hazard), and applies the minute protocol's decision
 in closed form: a function is held in minute ``t`` when ``p * kappa / rate >= gpus * (1 - p)`` (cold cost ``kappa``
 over its invocations per minute so far, a cold start of one minute against one minute of its memory in GB, as
-:func:`forecaster.simulation.minute.planner_loaded` sets it up). It prints:
+:func:`forecaster.simulation.minute.planner_loaded` sets it up; ``kappa`` here is the product's cold cost times the
+functions' mean rate, about 0.45 on the Azure day, under the product's ``model`` weighting since 98fce6a). It prints:
 
 1. **The uniform curve** (one ``kappa`` for all functions) on a fixed grid, and the waste at the hybrid's p75 read
    from it by interpolation. It should sit close to ``bench/policies.py``'s planner curve: the same rule without

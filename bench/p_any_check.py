@@ -12,7 +12,8 @@ Three views:
    and what the alert ``PrewarmPAnyMiscalibrated`` reads: per band of a function-hour's mean ``p_any``, the mean
    ``p_any`` over the invoked share over the last 3 hours, hour by hour;
 2. the planner's use: the minute protocol holds a function in minute t when ``p * kappa / rate >= 1 - p``
-   (its cold cost weighted by the inverse of its invocation rate so far, as ``planner_loaded`` does); for a
+   (its cold cost weighted by the inverse of its invocation rate so far, as ``planner_loaded`` does; ``kappa`` is
+   the product's cold cost times the functions' mean rate, its ``model`` weighting); for a
    fixed grid of ``kappa``, the 75th percentile over functions of their cold % and the idle minutes held.
    Brier scores hardly see probabilities of 1e-4 vs 1e-3, but for a function called once an hour that is the
    difference between holding it all day and not.
