@@ -6,7 +6,7 @@ mean request rate over its own (every model's share of cold requests alike; the 
 minute protocol's hold rule (:func:`forecaster.simulation.minute.planner_loaded`: one replica of ``memory / 1 GB``
 GPUs, a 60 s cold start, ``count_queued_wait`` off) in closed form, a function held in minute ``t`` when
 ``p * kappa * w >= gpus * (1 - p)``, with ``w`` from :func:`forecaster.planning.step.weighted_cold_costs` and the
-rates the replays give the forecast (:func:`forecaster.contracts.forecast.trailing_request_rates_rpm` over the
+rates the replays give the forecast (:class:`forecaster.contracts.forecast.TrailingRequestRates` over the
 product's look-back), on a fixed grid of ``kappa``, and reads each curve at the hybrid histogram's waste and p75 as
 ``bench/policies.py`` does. ``p`` is the causal one-minute ``p_any`` of ``--forecaster`` (``bench/p75_allocation.py``
 computes it the same way). Nothing is picked: every grid point is printed.
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from p75_allocation import causal_p_any, read_day  # noqa: E402
 
-from forecaster.contracts.forecast import trailing_request_rates_rpm  # noqa: E402
+from forecaster.contracts.forecast import TrailingRequestRates  # noqa: E402
 from forecaster.planning.step import weighted_cold_costs  # noqa: E402
 from forecaster.settings import Settings  # noqa: E402
 from forecaster.simulation.curves import cost_at, value_at  # noqa: E402
@@ -41,11 +41,10 @@ KAPPAS = np.exp(np.linspace(np.log(1e-3), np.log(1e4), 36))  # fixed before the 
 
 def weights(counts: np.ndarray, weighting: str, lookback_min: int) -> np.ndarray:
     """(functions, minutes) cold-cost weights the plan step applies in each minute."""
-    running = np.concatenate([np.zeros((len(counts), 1)), np.cumsum(counts, axis=1)], axis=1)
+    rates = TrailingRequestRates(counts, lookback_min)
     out = np.empty(counts.shape)
     for t in range(counts.shape[1]):
-        out[:, t] = weighted_cold_costs(np.ones(len(counts)), trailing_request_rates_rpm(running, t, lookback_min),
-                                        weighting)
+        out[:, t] = weighted_cold_costs(np.ones(len(counts)), rates.at(t), weighting)
     return out
 
 

@@ -12,8 +12,9 @@ import pytest
 from forecaster.contracts.fleet import build_fleet
 from forecaster.contracts.forecast import (
     REQUEST_RATE_COLUMN,
+    TrailingRequestRates,
     history_request_rate_rpm,
-    trailing_request_rates_rpm,
+    with_request_rates,
 )
 from forecaster.contracts.phases import START_STATES
 from forecaster.planning.fleet import PlannerSettings
@@ -37,11 +38,15 @@ def test_the_history_rate_counts_known_minutes_only_and_never_reaches_zero():
 
 def test_the_replays_running_rate_is_the_history_rate_of_the_same_window():
     counts = np.random.default_rng(2).poisson(1.5, (20, 300)).astype(float)
-    running = np.concatenate([np.zeros((20, 1)), np.cumsum(counts, axis=1)], axis=1)
-    for minute, lookback in ((0, 60), (1, 60), (59, 60), (60, 60), (299, 60), (300, 1440)):
-        window = counts[:, max(0, minute - lookback):minute]
-        np.testing.assert_allclose(trailing_request_rates_rpm(running, minute, lookback),
-                                   history_request_rate_rpm(window))
+    for lookback in (60, 1440):
+        rates = TrailingRequestRates(counts, lookback)
+        for minute in (0, 1, 59, 60, 61, 299, 300):
+            window = counts[:, max(0, minute - lookback):minute]
+            np.testing.assert_allclose(rates.at(minute), history_request_rate_rpm(window))
+    forecast = pd.DataFrame({"unique_id": ["m2", "m0", "m2", "gone"], "q0.5": 0.0})
+    frame = with_request_rates(forecast, [f"m{i}" for i in range(3)], [0.5, 1.5, 2.5])
+    np.testing.assert_array_equal(frame[REQUEST_RATE_COLUMN].to_numpy()[:3], [2.5, 0.5, 2.5])
+    assert np.isnan(frame[REQUEST_RATE_COLUMN].iloc[3]) and REQUEST_RATE_COLUMN not in forecast  # not mutated
 
 
 def test_weights_scale_by_the_mean_rate_over_each_models_own():

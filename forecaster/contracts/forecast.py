@@ -75,12 +75,31 @@ def history_request_rate_rpm(counts: np.ndarray) -> np.ndarray:
     return rates
 
 
-def trailing_request_rates_rpm(cumulative: np.ndarray, minute: int, lookback_min: int) -> np.ndarray:
-    """:func:`history_request_rate_rpm` of the ``lookback_min`` minutes before ``minute`` of complete counts, from
-    their running sums (``cumulative[:, k]`` = requests in minutes ``0 .. k-1``): what a replay computes each
-    minute without summing the window again."""
-    first = max(0, minute - lookback_min)
-    return (cumulative[:, minute] - cumulative[:, first] + 1.0) / (minute - first + 1.0)
+class TrailingRequestRates:
+    """:func:`history_request_rate_rpm` of the ``lookback_min`` minutes before any minute of complete counts, from
+    running sums: what a replay gives each minute's forecast without summing the window again.
+
+    Args:
+        counts: ``(models, minutes)``, no unknown minutes.
+        lookback_min: the forecast job's look-back (``PREWARM_FORECAST_LOOKBACK_MIN``).
+    """
+
+    def __init__(self, counts: np.ndarray, lookback_min: int) -> None:
+        self.counts = counts
+        self.lookback_min = lookback_min
+        self._before = np.concatenate([np.zeros((len(counts), 1)), np.cumsum(counts, axis=1)], axis=1)
+
+    def at(self, minute: int) -> np.ndarray:
+        """(models,) rates over minutes ``[minute - lookback_min, minute)``."""
+        first = max(0, minute - self.lookback_min)
+        return (self._before[:, minute] - self._before[:, first] + 1.0) / (minute - first + 1.0)
+
+
+def with_request_rates(forecast: pd.DataFrame, model_ids, rates: np.ndarray) -> pd.DataFrame:
+    """``forecast`` with :data:`REQUEST_RATE_COLUMN` on each row from ``rates`` (aligned with ``model_ids``)."""
+    by_model = pd.Series(np.asarray(rates, dtype="float64"), index=pd.Index(model_ids).astype(str))
+    return forecast.assign(**{REQUEST_RATE_COLUMN: by_model.reindex(
+        forecast["unique_id"].astype(str)).to_numpy(dtype="float64")})
 
 
 def quantile_column(level: float) -> str:

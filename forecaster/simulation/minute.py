@@ -34,7 +34,7 @@ import pandas as pd
 from forecaster.actuation.backends.base import ModelTarget, Outcome, ReplicaState
 from forecaster.contracts.actions import Action, FailureReason
 from forecaster.contracts.fleet import build_fleet
-from forecaster.contracts.forecast import REQUEST_RATE_COLUMN, trailing_request_rates_rpm
+from forecaster.contracts.forecast import TrailingRequestRates, with_request_rates
 from forecaster.contracts.phases import START_STATES
 from forecaster.planning.budget import BudgetState, WasteBudget, idle_gpu_seconds, keepalive_idle_gpu_seconds, \
     update_budget
@@ -201,8 +201,7 @@ def planner_loaded(counts: np.ndarray, memory_mb: np.ndarray, *, cold_cost: floa
     actuation = ReplayActuation(cluster, targets, product)
     loaded = np.zeros((n, t_count), dtype=bool)
     invoked = counts > 0
-    row_of = pd.Index(ids.astype(str))
-    running = np.concatenate([np.zeros((n, 1)), np.cumsum(counts, axis=1)], axis=1)  # requests before minute k
+    rates = TrailingRequestRates(counts, product.forecast_lookback_min)
     reasons: dict[str, int] = {}
     base = pd.DataFrame({"image_ref": None, "image_bytes": 0.0, "weights_uri": None, "weights_bytes": 0.0,
                          "gpus": gpus, "replica_rpm": 1e12, "slo_s": np.nan}, index=pd.Index(ids, name="model_id"))
@@ -217,11 +216,8 @@ def planner_loaded(counts: np.ndarray, memory_mb: np.ndarray, *, cold_cost: floa
             reference = keepalive_idle_gpu_seconds(window, one_each, gpus, minutes=budget.reference_min)
             state = update_budget(state, budget, spent_gpu_s=spent, reference_idle_gpu_s=reference)
             factors.append(state.factor)
-        rates = pd.Series(trailing_request_rates_rpm(running, t, product.forecast_lookback_min), index=row_of)
         models = base.assign(cold_cost=cold_cost, replicas=cluster.current)
-        forecast = source.quantiles(now, 1)
-        forecast = forecast.assign(**{REQUEST_RATE_COLUMN: rates.reindex(
-            forecast["unique_id"].astype(str)).to_numpy(dtype="float64")})
+        forecast = with_request_rates(source.quantiles(now, 1), ids, rates.at(t))
         result = plan_step(now, forecast, build_fleet(models, nodes), latency, settings, budget=state,
                            budget_busy="replicas")
         state = budget_after(result, state)

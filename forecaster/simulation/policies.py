@@ -30,7 +30,7 @@ from forecaster.actuation.backends.base import ModelTarget
 from forecaster.actuation.ledger import MemoryLedger
 from forecaster.contracts.actions import Plan
 from forecaster.contracts.fleet import FleetState, build_fleet
-from forecaster.contracts.forecast import REQUEST_RATE_COLUMN, ForecastSource, trailing_request_rates_rpm
+from forecaster.contracts.forecast import ForecastSource, TrailingRequestRates, with_request_rates
 from forecaster.planning.budget import BudgetState, WasteBudget, idle_gpu_seconds, keepalive_idle_gpu_seconds, \
     update_budget
 from forecaster.planning.fleet import PlannerSettings
@@ -365,17 +365,11 @@ class PlannerPolicy:
 
     def with_request_rates(self, forecast: pd.DataFrame, view: SimView) -> pd.DataFrame:
         """The forecast with each model's request rate over the minutes served so far, as the forecast job stores
-        it with a run: :func:`~forecaster.contracts.forecast.history_request_rate_rpm` over the product's
-        look-back (``forecast_lookback_min``; :func:`~forecaster.contracts.forecast.trailing_request_rates_rpm`)."""
-        counts = view.counts
-        running = getattr(self, "_running", None)
-        if running is None or running[0] is not counts:  # requests before each minute, once per workload
-            running = self._running = (counts, np.concatenate(
-                [np.zeros((len(counts), 1)), np.cumsum(counts, axis=1)], axis=1))
-        rates = pd.Series(trailing_request_rates_rpm(running[1], view.minute, self.product.forecast_lookback_min),
-                          index=view.models.index.astype(str))
-        return forecast.assign(**{REQUEST_RATE_COLUMN: rates.reindex(
-            forecast["unique_id"].astype(str)).to_numpy(dtype="float64")})
+        it with a run (:class:`~forecaster.contracts.forecast.TrailingRequestRates` over the product's look-back)."""
+        rates = getattr(self, "_rates", None)
+        if rates is None or rates.counts is not view.counts:  # running sums once per workload
+            rates = self._rates = TrailingRequestRates(view.counts, self.product.forecast_lookback_min)
+        return with_request_rates(forecast, view.models.index, rates.at(view.minute))
 
     def fleet(self, view: SimView, now: datetime) -> FleetState:
         """The simulated cluster through the one fleet builder (as the store feeds the plan job)."""
