@@ -499,8 +499,8 @@ def simulate_cmd(
 ) -> None:
     """Replay a trace against a simulated GPU fleet under each policy: cold starts, waits, GPU-seconds, bytes.
 
-    Planner policies run the product's plan step and actuator (its guardrails from the settings) on the simulated
-    cluster; the table's last columns say which forecaster each used, its retrains and what the guardrails refused.
+    Planner policies run the product's plan step and actuator (its guardrails and cold-cost weighting from the
+    settings) on the simulated cluster; the table's last columns say which forecaster each used, its retrains and what the guardrails refused.
     In budget mode (--waste-budget) their cold cost follows the budget causally, and the table shows the spend
     reached (wasted_norm_pct: keep-alive 10 = 100 %) and the controller's final cold-cost factor.
     """
@@ -536,8 +536,9 @@ def simulate_cmd(
     if forecaster not in FORECASTERS:
         _fail(f"--forecaster: {forecaster!r} is not one of {', '.join(FORECASTERS)}", 2)
     typer.echo(f"{trace.name}: {workload.n_models} models, {len(workload.times):,} requests, "
-               f"{workload.duration_s / 60:.0f} minutes; {config.n_nodes} nodes x {config.gpus_per_node} GPUs",
-               err=True)
+               f"{workload.duration_s / 60:.0f} minutes; {config.n_nodes} nodes x {config.gpus_per_node} GPUs; "
+               f"cold costs weighted per {settings.planner_cold_cost_weighting} "
+               "(PREWARM_PLANNER_COLD_COST_WEIGHTING)", err=True)
     sources = ForecastSources(workload.panel, train_until_min=int(config.score_from_s // 60),
                               retrain_every_min=retrain_every_min, settings=settings,
                               progress=lambda line: typer.echo(f"  ensemble: {line}", err=True))
