@@ -297,13 +297,12 @@ class DemoCluster:
         self.policy.actuator, self.policy.engine = self.actuator, engine
         self._pushed = 0
         end = start + pd.Timedelta(minutes=minutes)
-        #: actions planned in the replay fall due up to here: a re-run clears them and the summary counts them
+        #: actions planned in the replay fall due up to here: the summary counts them
         self.actions_end = (end + pd.Timedelta(minutes=ACTION_TAIL_MIN)).to_pydatetime()
         with engine.begin() as conn:
-            # actions an earlier run planned near its end fall due after it; left pending they would be carried
-            # out (or dropped) in this run and counted in its summary
-            self.forgotten = forget_replay_window(conn, start=self.start.to_pydatetime(), end=end.to_pydatetime(),
-                                                  actions_end=self.actions_end,
+            # what earlier runs left from this run's start on (a longer run's later actions and starts, actions
+            # planned near an end that fall due after it): left, they would be read as this run's present
+            self.forgotten = forget_replay_window(conn, start=self.start.to_pydatetime(),
                                                   cold_start_source=COLD_START_SOURCE, stale_nodes_like="gpu-node-%")
             self.replay_id = start_replay(conn, source=REPLAY_SOURCE, window_start=start.to_pydatetime(),
                                           window_end=end.to_pydatetime(), policies=("prewarm", "reactive"),

@@ -153,7 +153,7 @@ def test_a_replay_window_forgotten_moves_its_finished_actions_to_pruned(engine):
         done = s.submit_action(None, action(ActionKind.PREPULL, "m", NOW, 0), backend="dry-run", now=NOW)[0]
         s.mark(done, ActionStatus.SUCCEEDED, now=NOW)
     with engine.begin() as conn:
-        forget_replay_window(conn, start=NOW - DAY, end=NOW + DAY, cold_start_source="x")
+        forget_replay_window(conn, start=NOW - DAY, cold_start_source="x")
     with engine.connect() as conn:
         assert store_actions.action_counts(conn) == [("prepull", "succeeded", 0, 1)]
 

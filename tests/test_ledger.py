@@ -68,9 +68,11 @@ def test_starts_are_counted_per_minute(ledger):
         for i, action_id in enumerate(ids):
             s.mark(action_id, ActionStatus.RUNNING, now=NOW + i * 40 * timedelta(seconds=1), start=True)
     with ledger.session() as s:
-        assert s.started_since(NOW) == 3
-        assert s.started_since(NOW + timedelta(seconds=30)) == 2
-        assert s.started_since(NOW + 2 * MIN) == 0
+        assert s.started_since(NOW, NOW + 2 * MIN) == 3
+        # starts after the clock are not "in the last minute" (a re-run replay over a longer one's history)
+        assert s.started_since(NOW - MIN, NOW + timedelta(seconds=40)) == 2
+        assert s.started_since(NOW + timedelta(seconds=30), NOW + 2 * MIN) == 2
+        assert s.started_since(NOW + 2 * MIN, NOW + 3 * MIN) == 0
 
 
 def test_gpus_ahead_follow_the_latest_counted_scale(ledger):
@@ -235,7 +237,7 @@ def test_action_counts_follow_a_replay_window_forgotten(engine):
     with engine.begin() as conn:
         assert store_actions.action_counts(conn) == [("scale", "pending", 1, 0), ("scale", "running", 1, 0)]
         assert store_actions.ahead_gpus(conn) == {"b": 2}
-        assert forget_replay_window(conn, start=NOW - MIN, end=NOW + MIN, cold_start_source="x")["actions"] == 1
+        assert forget_replay_window(conn, start=NOW - MIN, cold_start_source="x")["actions"] == 1
     with engine.connect() as conn:
         assert store_actions.action_counts(conn) == [tuple(r) for r in conn.execute(text(
             "SELECT kind, status, count(*), 0 FROM actions GROUP BY 1, 2 ORDER BY 1, 2"))] == [("scale", "pending", 1, 0)]
@@ -266,3 +268,33 @@ def test_the_scheduler_start_heals_counts_and_gpus_ahead_moved_without_them(engi
         assert store_actions.action_counts(conn) == [("scale", "failed", 1, 0), ("scale", "pending", 1, 0),
                                                      ("scale", "succeeded", 1, 0)]
         assert store_actions.ahead_gpus(conn) == {"a": 4}
+
+
+def test_a_re_run_replay_forgets_what_a_longer_one_left_after_its_start(engine):
+    """A 120-minute demo after a 6-hour one: the longer run's later actions, plans and cold starts go (they were
+    read as the present: every action of the re-run was dropped as rate_limited); a real backend's stay, and so
+    does what came before the re-run's start."""
+    from sqlalchemy import text
+
+    from forecaster.store.replays import forget_replay_window
+
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id=m, gpus_per_replica=2) for m in ("a", "b")])
+    ledger = StoreLedger(engine)
+    later = NOW + 300 * MIN
+    with ledger.session() as s:
+        plan_id = s.record_plan(Plan(planned_at=later))
+        stale, _ = s.submit_action(plan_id, scale("a", 3, at=later), backend="simulated", now=later)
+        s.mark(stale, ActionStatus.SUCCEEDED, now=later, start=True)
+        real, _ = s.submit_action(None, scale("b", 2, at=later), backend="kubernetes", now=later)
+        before, _ = s.submit_action(None, scale("b", 4, at=NOW - 10 * MIN), backend="simulated", now=NOW - 10 * MIN)
+        s.record_plan(Plan(planned_at=later + MIN))
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO cold_starts (model_id, node_id, started_at, total_seconds, cache_state, source) "
+                          "VALUES ('a', 'n', :t, 40, 'none', 'demo')"), {"t": later})
+        forgotten = forget_replay_window(conn, start=NOW, cold_start_source="demo")
+    assert forgotten == {"actions": 1, "plans": 2, "cold_starts": 1, "nodes": 0}
+    with engine.connect() as conn:
+        assert sorted(conn.execute(text("SELECT id FROM actions")).scalars()) == sorted([real, before])
+    with ledger.session() as s:
+        assert s.started_since(NOW - MIN, NOW) == 0

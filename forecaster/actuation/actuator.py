@@ -139,7 +139,7 @@ class Actuator:
             if lost:
                 log.warning("%d actions were still running past their deadline; marked failed", lost)
             paused = self.settings.actuator_kill_switch or ledger.is_paused()
-            started = ledger.started_since(now - timedelta(seconds=60))
+            started = ledger.started_since(now - timedelta(seconds=60), now)
             for row in ledger.due_actions(now, BATCH):
                 action = action_from_row(row)
                 dropped = guardrails.admit(action, now=now, paused=paused, started_last_minute=started,

@@ -35,7 +35,7 @@ class LedgerSession(Protocol):
 
     def is_paused(self) -> bool: ...
 
-    def started_since(self, since: datetime) -> int: ...
+    def started_since(self, since: datetime, until: datetime) -> int: ...
 
     def due_actions(self, now: datetime, limit: int) -> list[dict]: ...
 
@@ -98,8 +98,8 @@ class _StoreSession:
     def is_paused(self) -> bool:
         return store_actions.is_paused(self.conn)
 
-    def started_since(self, since: datetime) -> int:
-        return store_actions.started_since(self.conn, since)
+    def started_since(self, since: datetime, until: datetime) -> int:
+        return store_actions.started_since(self.conn, since, until)
 
     def due_actions(self, now: datetime, limit: int) -> list[dict]:
         return store_actions.due_actions(self.conn, now, limit)
@@ -250,10 +250,10 @@ class MemoryLedger:
             self._set(r, ActionStatus.FAILED, now=now, reason=FailureReason.TIMEOUT)
         return len(lost)
 
-    def started_since(self, since: datetime) -> int:
+    def started_since(self, since: datetime, until: datetime) -> int:
         while self._starts and self._starts[0] < since:
             self._starts.popleft()
-        return len(self._starts)
+        return sum(1 for t in self._starts if t <= until)
 
     def due_actions(self, now: datetime, limit: int) -> list[dict]:
         found: list[_Record] = []

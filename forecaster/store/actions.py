@@ -119,9 +119,14 @@ def due_actions(conn: Connection, now: datetime, limit: int) -> list[dict]:
     return [dict(r) for r in rows]
 
 
-def started_since(conn: Connection, since: datetime) -> int:
-    """Actions started (any attempt) at or after ``since``: what the per-minute limit counts."""
-    return conn.execute(text("SELECT count(*) FROM actions WHERE started_at >= :s"), {"s": since}).scalar_one()
+def started_since(conn: Connection, since: datetime, until: datetime) -> int:
+    """Actions started (any attempt) in ``[since, until]``: what the per-minute limit counts.
+
+    Bounded above too: a store can hold starts later than ``until`` (a replay re-run over a store whose earlier,
+    longer replay started actions beyond this one's clock; a clock that stepped back), and counting them made every
+    action of the re-run ``rate_limited``."""
+    return conn.execute(text("SELECT count(*) FROM actions WHERE started_at >= :s AND started_at <= :u"),
+                        {"s": since, "u": until}).scalar_one()
 
 
 #: The actions whose ``ahead_gpus`` counts for their model (the latest of them, in :data:`LATEST_FIRST` order).

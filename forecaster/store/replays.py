@@ -133,28 +133,31 @@ def read_latest_replay(conn: Connection, *, source: str | None = None,
 REPLAY_BACKENDS = ("dry-run", "simulated")
 
 
-def forget_replay_window(conn: Connection, *, start: datetime, end: datetime, cold_start_source: str,
-                         stale_nodes_like: str | None = None, actions_end: datetime | None = None) -> dict:
-    """Clear what an earlier replay of ``[start, end)`` left, so a re-run's dashboard shows this run only.
+def forget_replay_window(conn: Connection, *, start: datetime, cold_start_source: str,
+                         stale_nodes_like: str | None = None) -> dict:
+    """Clear what earlier replays left from ``start`` on, so a re-run's dashboard and state are this run's only.
 
-    Deletes the plans made in the window, the dry-run and simulated actions due in it (or up to ``actions_end``,
-    for the actions a replay plans ahead of its end), the cold starts ``cold_start_source`` recorded in it and
-    (``stale_nodes_like``, a SQL ``LIKE`` pattern) nodes an earlier demo registered under other names. Real
-    backends' actions and other sources' cold starts stay.
+    Deletes the plans made from ``start`` on, the dry-run and simulated actions due from then on, the cold starts
+    ``cold_start_source`` recorded from then on and (``stale_nodes_like``, a SQL ``LIKE`` pattern) nodes an earlier
+    demo registered under other names. Real backends' actions and other sources' cold starts stay.
+
+    Everything from ``start`` on, not only the new run's window: a shorter re-run over a longer replay's history
+    otherwise met that history's later actions as the present (the fleet read's newest succeeded scale of a model,
+    the actuator's starts in the last minute), and a 120-minute demo after a 6-hour one had every action dropped as
+    ``rate_limited``.
     """
-    window = {"s": start, "e": end}
+    window = {"s": start}
     deleted = conn.execute(text(
         "DELETE FROM actions WHERE backend = ANY(:b) AND coalesce(not_before, updated_at) >= :s "
-        "AND coalesce(not_before, updated_at) < :e RETURNING kind, model_id, status"),
-        {"s": start, "e": actions_end or end, "b": list(REPLAY_BACKENDS)}).all()
+        "RETURNING kind, model_id, status"), {"s": start, "b": list(REPLAY_BACKENDS)}).all()
     actions = len(deleted)
     refresh_ahead(conn, ahead_models(deleted))
     count_deleted(conn, [(kind, status) for kind, _, status in deleted])
     plans = conn.execute(text(
-        "DELETE FROM plans p WHERE planned_at >= :s AND planned_at < :e "
+        "DELETE FROM plans p WHERE planned_at >= :s "
         "AND NOT EXISTS (SELECT 1 FROM actions a WHERE a.plan_id = p.id)"), window).rowcount
     cold = conn.execute(text(
-        "DELETE FROM cold_starts WHERE source = :src AND started_at >= :s AND started_at < :e"),
+        "DELETE FROM cold_starts WHERE source = :src AND started_at >= :s"),
         {**window, "src": cold_start_source}).rowcount
     nodes = 0
     if stale_nodes_like:
