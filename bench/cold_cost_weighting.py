@@ -28,7 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from p75_allocation import causal_p_any, read_day  # noqa: E402
+from p75_allocation import cached_p_any, read_day  # noqa: E402
 
 from forecaster.contracts.forecast import TrailingRequestRates  # noqa: E402
 from forecaster.planning.step import weighted_cold_costs  # noqa: E402
@@ -57,12 +57,7 @@ def main() -> None:
     settings = Settings()
     counts, mb = read_day(settings.traces_dir)
     started = time.perf_counter()
-    if args.p_any_cache is not None and args.p_any_cache.exists():
-        p_any = np.load(args.p_any_cache)
-    else:
-        p_any = causal_p_any(counts, args.forecaster)
-        if args.p_any_cache is not None:
-            np.save(args.p_any_cache, p_any)
+    p_any = cached_p_any(counts, args.forecaster, args.p_any_cache)
     print(f"p_any ({args.forecaster}): {time.perf_counter() - started:.0f} s")
     gpus = (mb / 1024.0)[:, None]
     base = score_loaded(counts, mb, keepalive_loaded(counts, 10)).wasted_memory_mb_min

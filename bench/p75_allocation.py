@@ -94,6 +94,16 @@ def causal_p_any(counts: np.ndarray, forecaster: str) -> np.ndarray:
     return p_any
 
 
+def cached_p_any(counts: np.ndarray, forecaster: str, cache: Path | None) -> np.ndarray:
+    """:func:`causal_p_any`, read from ``cache`` (.npy) when it exists, else computed and written there."""
+    if cache is not None and cache.exists():
+        return np.load(cache)
+    p_any = causal_p_any(counts, forecaster)
+    if cache is not None:
+        np.save(cache, p_any)
+    return p_any
+
+
 def calls_per_minute_so_far(counts: np.ndarray) -> np.ndarray:
     """Each function's invocations per minute before each minute, smoothed as ``planner_loaded`` does it."""
     before = np.concatenate([np.zeros((len(counts), 1)), np.cumsum(counts, axis=1)[:, :-1]], axis=1)
@@ -134,12 +144,7 @@ def main() -> None:
     args = parser.parse_args()
     counts, mb = read_day(Settings().traces_dir)
     started = time.perf_counter()
-    if args.p_any_cache is not None and args.p_any_cache.exists():
-        p_any = np.load(args.p_any_cache)
-    else:
-        p_any = causal_p_any(counts, args.forecaster)
-        if args.p_any_cache is not None:
-            np.save(args.p_any_cache, p_any)
+    p_any = cached_p_any(counts, args.forecaster, args.p_any_cache)
     print(f"p_any ({args.forecaster}) for {counts.shape[0]} functions x {counts.shape[1]} minutes: "
           f"{time.perf_counter() - started:.0f} s")
     n = len(counts)
