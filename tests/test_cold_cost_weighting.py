@@ -131,7 +131,7 @@ def test_the_rate_goes_from_the_stored_run_to_the_plan_job_as_the_replay_gives_i
     with engine.connect() as conn:
         assert dict(zip(*(lambda r: (r.model_ids, r.request_rate_rpm))(
             read_newest_runs(conn, with_request_rate=True))))["llama"] == pytest.approx(0.75)
-    for bad in (-1.0, np.inf):
+    for bad in (-1.0, np.inf, 1e300):
         with pytest.raises(ValueError, match="'llama'.*request_rate_rpm"):
             write_forecasts(engine, frame.assign(**{REQUEST_RATE_COLUMN: bad}),
                             issued_at=NOW + timedelta(seconds=2), model_version_id=None)

@@ -213,9 +213,10 @@ def _runs(frame: pd.DataFrame) -> _Runs:
 
 
 def _valid_rates(rates: np.ndarray, ids: Sequence[str]) -> np.ndarray:
-    """Request rates per model: finite and >= 0, or NaN (not known); anything else is refused, naming the model."""
+    """Request rates per model: finite, >= 0 and within ``real``, or NaN (not known); anything else is refused,
+    naming the model."""
     rates = np.asarray(rates, dtype="float64")
-    bad = ~np.isnan(rates) & ~(np.isfinite(rates) & (rates >= 0))
+    bad = ~np.isnan(rates) & ~((rates >= 0) & (rates <= np.finfo(np.float32).max))
     if bad.any():
         at = int(np.flatnonzero(bad)[0])
         raise ValueError(f"forecast of model {ids[at]!r}: {REQUEST_RATE_COLUMN} must be a finite number >= 0, "
