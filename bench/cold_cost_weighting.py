@@ -5,7 +5,7 @@ wait of the requests it delays (every request alike), ``model`` multiplies each 
 mean request rate over its own (every model's share of cold requests alike; the default). This script applies the
 minute protocol's hold rule (:func:`forecaster.simulation.minute.planner_loaded`: one replica of ``memory / 1 GB``
 GPUs, a 60 s cold start, ``count_queued_wait`` off) in closed form, a function held in minute ``t`` when
-``p * kappa * w >= gpus * (1 - p)``, with ``w`` from :func:`forecaster.planning.step.cold_start_weights` and the
+``p * kappa * w >= gpus * (1 - p)``, with ``w`` from :func:`forecaster.planning.step.weighted_cold_costs` and the
 rates the replays give the forecast (:class:`forecaster.contracts.forecast.TrailingRequestRates` over the
 product's look-back), on a fixed grid of ``kappa``, and reads each curve at the hybrid histogram's waste and p75 as
 ``bench/policies.py`` does. ``p`` is the causal one-minute ``p_any`` of ``--forecaster`` (``bench/p75_allocation.py``
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from p75_allocation import cached_p_any, read_day  # noqa: E402
 
 from forecaster.contracts.forecast import TrailingRequestRates  # noqa: E402
-from forecaster.planning.step import cold_start_weights  # noqa: E402
+from forecaster.planning.step import weighted_cold_costs  # noqa: E402
 from forecaster.settings import Settings  # noqa: E402
 from forecaster.simulation.curves import cost_at, value_at  # noqa: E402
 from forecaster.simulation.minute import hybrid_loaded, keepalive_loaded, score_loaded  # noqa: E402
@@ -44,7 +44,7 @@ def weights(counts: np.ndarray, weighting: str, lookback_min: int) -> np.ndarray
     rates = TrailingRequestRates(counts, lookback_min)
     out = np.empty(counts.shape)
     for t in range(counts.shape[1]):
-        out[:, t] = cold_start_weights(rates.at(t), weighting)
+        out[:, t] = weighted_cold_costs(np.ones(len(counts)), rates.at(t), weighting)
     return out
 
 

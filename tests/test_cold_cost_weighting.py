@@ -18,7 +18,7 @@ from forecaster.contracts.forecast import (
 )
 from forecaster.contracts.phases import START_STATES
 from forecaster.planning.fleet import PlannerSettings
-from forecaster.planning.step import cold_start_weights, plan_step, planner_settings
+from forecaster.planning.step import plan_step, planner_settings, weighted_cold_costs
 from forecaster.settings import Settings, SettingsError, load_settings
 
 NOW = datetime(2026, 12, 7, 12, 0, tzinfo=timezone.utc)
@@ -50,17 +50,19 @@ def test_the_replays_running_rate_is_the_history_rate_of_the_same_window():
 
 
 def test_weights_scale_by_the_mean_rate_over_each_models_own():
+    cold = np.array([1.0, 2.0, 1.0, 1.0])
     rate = np.array([0.01, 1.0, 10.0, np.nan])
     mean = (0.01 + 1.0 + 10.0) / 3
-    weights = cold_start_weights(rate, "model")
-    np.testing.assert_allclose(weights, [mean / 0.01, mean / 1.0, mean / 10.0, 1.0])  # unknown rate: weight 1
+    np.testing.assert_allclose(weighted_cold_costs(cold, rate, "model"),
+                               [mean / 0.01, 2.0 * mean / 1.0, mean / 10.0, 1.0])  # unknown rate: weight 1
     known = np.isfinite(rate)
+    weights = weighted_cold_costs(np.ones(4), rate, "model")
     assert (weights[known] * rate[known]).sum() == pytest.approx(rate[known].sum())  # traffic keeps its weight
-    np.testing.assert_array_equal(cold_start_weights(rate, "request"), np.ones(4))
-    np.testing.assert_array_equal(cold_start_weights(np.full(4, np.nan), "model"), np.ones(4))
-    np.testing.assert_allclose(cold_start_weights(np.array([250.0]), "model"), [1.0])  # one model
+    np.testing.assert_array_equal(weighted_cold_costs(cold, rate, "request"), cold)
+    np.testing.assert_array_equal(weighted_cold_costs(cold, np.full(4, np.nan), "model"), cold)
+    np.testing.assert_allclose(weighted_cold_costs(np.array([3.0]), np.array([250.0]), "model"), [3.0])  # one model
     with pytest.raises(ValueError):
-        cold_start_weights(rate, "models")
+        weighted_cold_costs(cold, rate, "models")
 
 
 def test_the_setting_reaches_the_planner_and_is_validated(monkeypatch):
@@ -98,37 +100,6 @@ def test_model_weighting_holds_the_rarely_called_model_the_request_weighting_lea
     assert _plan([0.01, 1.99], "model") == ["rare"]
     assert _plan(None, "model") == []  # no rates with the forecast: cold costs as given
     assert _plan([1.0, 1.0], "model") == []  # equal rates: weights 1
-
-
-def _sized(weighting: str) -> dict[str, int]:
-    """Replicas planned for a busy model (500 requests a minute, ``q`` at level ``l`` 100 + 400 l, 60 a replica,
-    always called) beside nine quiet ones (0.01 a minute), 10 s cold starts."""
-    ids = ["busy"] + [f"quiet{k}" for k in range(9)]
-    levels = (0.1, 0.5, 0.9, 0.99)
-    forecast = pd.DataFrame({"unique_id": ids, "ds": NOW, "p_any": 1.0,
-                             **{f"q{lv}": [100.0 + 400.0 * lv] + [1.0] * 9 for lv in levels},
-                             REQUEST_RATE_COLUMN: [500.0] + [0.01] * 9})
-    models = pd.DataFrame({"image_ref": None, "image_bytes": 0.0, "weights_uri": None, "weights_bytes": 0.0,
-                           "gpus": 1.0, "replica_rpm": 60.0, "slo_s": np.nan, "cold_cost": 1.0, "replicas": 0},
-                          index=pd.Index(ids, name="model_id"))
-    nodes = pd.DataFrame({"gpus_free": [1e6], "host_free_bytes": [0.0], "disk_free_bytes": [0.0]},
-                         index=pd.Index(["n"], name="node_id"))
-    latency = pd.DataFrame([{"model_id": i, "state": s, "total_s": 10.0} for i in ids for s in START_STATES])
-    settings = PlannerSettings(horizon_min=1, tiers=False, lead_margin_s=0.0, lead_margin_frac=0.0,
-                               replica_utilisation=1.0, cold_cost_weighting=weighting)
-    result = plan_step(NOW, forecast, build_fleet(models, nodes), latency, settings)
-    return {a.model_id: a.replicas for a in result.actions}
-
-
-def test_the_weight_prices_cold_starts_only_and_replicas_beyond_the_first_are_sized_per_request():
-    """Under ``model`` the busy model's weight is about 0.1 (mean rate 50 over its 500): had it scaled the sizing
-    cost, the critical level c_u / (c_u + c_o) = 5w / (5w + 1) would fall from 0.83 to 0.33 and the size from 8
-    to 4. Sizing per request, it gets what ``request`` gives it; its warm decision (p_any 1) holds either way."""
-    per_request = _sized("request")
-    per_model = _sized("model")
-    assert per_request["busy"] == 8  # q0.83 = 433 requests over 60 a replica
-    assert per_model["busy"] == per_request["busy"]
-    assert all(per_model.get(f"quiet{k}") == 1 for k in range(9))
 
 
 def test_the_rate_goes_from_the_stored_run_to_the_plan_job_as_the_replay_gives_it(engine):

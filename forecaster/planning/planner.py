@@ -7,17 +7,14 @@ of the horizon it decides, with costs in GPU-seconds:
 1. **Warm or not** (newsvendor on a binary event). Keep at least one replica
    ready in minute ``h`` when ``p_any(h) * C_cold >= (1 - p_any(h)) * C_idle``:
    ``C_idle`` = GPUs x 60 s x ``gpu_second_cost``; ``C_cold`` = the model's
-   ``cold_cost`` (value of a second of wait, its SLO weight) x its optional
-   ``cold_start_weight`` (the plan step's per-model weighting of requests that
-   find no ready replica; 1 when absent) x the wait a cold start causes, ``D + lambda D^2 / 2`` (first request waits ``D``, those that
+   ``cold_cost`` (value of a second of wait, its SLO weight) x the wait a cold
+   start causes, ``D + lambda D^2 / 2`` (first request waits ``D``, those that
    queue behind it ``D / 2`` on average), with ``D`` the predicted cold start
    from the warmest cache state the model can start from and ``lambda`` the mean
    demand in a minute with a request (the wait is linear in it).
 2. **How many replicas** (newsvendor on the count). Size for the demand
    quantile at the critical level ``c_u / (c_u + c_o)``: ``c_u`` = wait cost of
-   a request that finds no capacity (``cold_cost x D / 2``, unweighted: a
-   request queued behind a ready replica is not a cold start, and its wait
-   counts per request), ``c_o`` = idle cost
+   a request that finds no capacity (``cold_cost x D / 2``), ``c_o`` = idle cost
    of one request's worth of capacity (``C_idle / capacity``). A level above the
    forecast's top one is read from an exponential tail through the quantiles at
    ``settings.quantile_for_shape`` and the top level, not clamped to the top.
@@ -404,10 +401,7 @@ def plan(
     # requests per minute a replica can take when they come at the minute's mean rate, and at the burst's peak rate
     cap_even = np.maximum(models["replica_rpm"].to_numpy(dtype="float64") * settings.replica_utilisation, 1e-9)
     cap = np.maximum(cap_even / burst, 1e-9)
-    cold_cost = models["cold_cost"].to_numpy(dtype="float64")  # per request: sizing, the queue behind ready replicas
-    weight = models["cold_start_weight"].to_numpy(dtype="float64") if "cold_start_weight" in models.columns \
-        else np.ones(n)
-    cold_start_cost = cold_cost * np.where(np.isfinite(weight) & (weight > 0), weight, 1.0)  # warm or not
+    cold_cost = models["cold_cost"].to_numpy(dtype="float64")
     slo = models["slo_s"].to_numpy(dtype="float64")
     current = models["replicas"].to_numpy(dtype="float64").astype(np.int64)
     fa = forecast_arrays(forecast, pd.Index(ids), now, h_count)
@@ -425,17 +419,14 @@ def plan(
     best_state, cache_index = _best_states(fleet, gpus)
     d_by_state = np.stack([np.nan_to_num(lat[s], nan=0.0) for s in START_STATES], axis=1)  # (N, 4)
 
-    def scale_levels(state_idx: np.ndarray, multiplier: float = 1.0
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Desired ready replicas (N, H) when a new replica starts from ``state_idx``; the wait cost of a cold
-        start (N, H: the model's first replica, weighted) and of a replica beyond the first (unweighted); D.
+    def scale_levels(state_idx: np.ndarray, multiplier: float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Desired ready replicas (N, H) when a new replica starts from ``state_idx``; benefits per unit.
 
         ``multiplier`` scales every cold cost (budget mode's spend curve asks what other factors would hold)."""
         d = d_by_state[np.arange(n), state_idx]
         cost = cold_cost * multiplier
-        wait = _wait_seconds(d[:, None], rate, settings.count_queued_wait)
-        c_cold = np.broadcast_to((cold_start_cost * multiplier)[:, None] * wait, (n, h_count)).copy()
-        c_more = np.broadcast_to(cost[:, None] * wait, (n, h_count))
+        c_cold = np.broadcast_to(cost[:, None] * _wait_seconds(d[:, None], rate, settings.count_queued_wait),
+                                 (n, h_count)).copy()
         warm = fa.p_any * c_cold >= (1.0 - fa.p_any) * c_idle[:, None]
         c_u = cost * np.maximum(d, 1e-9) / 2.0
         c_o = c_idle / cap
@@ -454,9 +445,9 @@ def plan(
             size[bursty] = _burst_queue_sizes(fa, bursty, size_even, size[bursty], burst[bursty], b_cap / 60.0,
                                               cost[bursty], d[bursty], c_idle[bursty])
         desired = np.where(warm & fa.known[:, None], np.maximum(size, 1.0), 0.0).astype(np.int64)
-        return desired, c_cold, c_more, d
+        return desired, c_cold, d
 
-    desired, c_cold, c_more, d_now = scale_levels(best_state)
+    desired, c_cold, d_now = scale_levels(best_state)
 
     # ---------------------------------------------------------------- tiers
     ledger = ConcurrencyLedger({"node": settings.max_transfers_per_node,
@@ -472,19 +463,18 @@ def plan(
     tier_ready_s = np.zeros(n)
     if settings.tiers:
         tier_actions, tier_state, tier_ready_s, tier_deferred = _plan_tiers(
-            fa, fleet, settings, now, desired, cap, gpus, cold_start_cost, cold_cost, rate, d_by_state, lat,
-            best_state, cache_index, ledger)
+            fa, fleet, settings, now, desired, cap, gpus, cold_cost, rate, d_by_state, lat, best_state,
+            cache_index, ledger)
         actions.extend(tier_actions)
         deferred += tier_deferred
         improved = tier_state > best_state
         if improved.any():
-            desired_t, c_cold_t, c_more_t, d_t = scale_levels(tier_state)
+            desired_t, c_cold_t, d_t = scale_levels(tier_state)
             # a tier only helps minutes it is ready for
             ready = start_s[None, :] >= tier_ready_s[:, None]
             use = improved[:, None] & ready
             desired = np.where(use, desired_t, desired)
             c_cold = np.where(use, c_cold_t, c_cold)
-            c_more = np.where(use, c_more_t, c_more)
     start_state = np.where(tier_state > best_state, tier_state, best_state)
     d_start = d_by_state[np.arange(n), start_state]
     lead = np.asarray(settings.lead(d_start), dtype="float64")
@@ -496,7 +486,7 @@ def plan(
         held = float((current * gpus).sum())
         free = float(fleet.nodes["gpus_free"].to_numpy(dtype="float64").sum())
         budget = held + free - settings.gpu_headroom * (held + free)
-    granted = _share_budget(fa, target, cap, c_cold, c_more, c_idle, gpus, budget)
+    granted = _share_budget(fa, target, cap, c_cold, c_idle, gpus, budget)
     budget_denied = int((target - granted).clip(min=0).sum())
     desired = np.minimum(desired, granted[:, None])
 
@@ -540,8 +530,7 @@ def plan(
             if wanted_start < 0:
                 late += 1
             units = want - level
-            benefit = float(c_cold[i, h] * fa.p_any[i, h] if level == 0 else 0.0) \
-                + float((units - (level == 0)) * c_more[i, h] * fa.p_any[i, h])
+            benefit = float(units * c_cold[i, h] * fa.p_any[i, h])
             cost = float(units * gpus[i] * ((h_count - h) * 60.0 + (serves_at - start)) * settings.gpu_second_cost)
             actions.append(Action(kind=ActionKind.SCALE, model_id=model_id, reason=reason,
                                   not_before=now + timedelta(seconds=start),
@@ -689,9 +678,8 @@ def _expected_idle_gpu_s(fa: ForecastArrays, held: np.ndarray, need_given_any: n
 
 
 def _share_budget(fa: ForecastArrays, target: np.ndarray, cap: np.ndarray, c_cold: np.ndarray,
-                  c_more: np.ndarray, c_idle: np.ndarray, gpus: np.ndarray, budget: float) -> np.ndarray:
-    """Replicas granted per model: units (model, k-th replica) by expected wait avoided per GPU-second, a
-    model's first replica at its cold-start cost ``c_cold``, the others at the queue's ``c_more``."""
+                  c_idle: np.ndarray, gpus: np.ndarray, budget: float) -> np.ndarray:
+    """Replicas granted per model: units (model, k-th replica) by expected wait avoided per GPU-second."""
     if float((target * gpus).sum()) <= budget + 1e-9:
         return target.copy()
     rows = np.repeat(np.arange(len(target)), target)
@@ -702,8 +690,7 @@ def _share_budget(fa: ForecastArrays, target: np.ndarray, cap: np.ndarray, c_col
     x = ((k - 1) * cap[rows])[:, None] * np.ones((1, fa.p_any.shape[1]))
     sub = ForecastArrays(levels=fa.levels, values=fa.values[rows], p_any=fa.p_any[rows], known=fa.known[rows])
     need = np.where(k[:, None] == 1, fa.p_any[rows], sub.exceed(x))
-    value = (need * np.where(k[:, None] == 1, c_cold[rows], c_more[rows])).max(axis=1) \
-        / np.maximum(c_idle[rows], 1e-12)
+    value = (need * c_cold[rows]).max(axis=1) / np.maximum(c_idle[rows], 1e-12)
     order = np.lexsort((k, -value))
     spent = np.cumsum(gpus[rows][order])
     take = order[spent <= budget + 1e-9]
@@ -712,12 +699,9 @@ def _share_budget(fa: ForecastArrays, target: np.ndarray, cap: np.ndarray, c_col
     return granted
 
 
-def _plan_tiers(fa, fleet, settings, now, desired, cap, gpus, cold_start_cost, cold_cost, rate, d_by_state, lat,
-                best_state, cache_index, ledger) -> tuple[list[Action], np.ndarray, np.ndarray, int]:
+def _plan_tiers(fa, fleet, settings, now, desired, cap, gpus, cold_cost, rate, d_by_state, lat, best_state,
+                cache_index, ledger) -> tuple[list[Action], np.ndarray, np.ndarray, int]:
     """Prepull/preload actions for replicas the forecast may need beyond the warm ones.
-
-    A model planned cold prices the first replica's wait at its ``cold_start_cost`` (a cold start), every
-    other at the per-request ``cold_cost`` (a queue behind a ready replica).
 
     Returns the actions, each model's warmest state after them, the seconds
     after ``now`` when that state is ready, and how many were deferred.
@@ -738,7 +722,6 @@ def _plan_tiers(fa, fleet, settings, now, desired, cap, gpus, cold_start_cost, c
     overflow = np.maximum(overflow, (p_new > 0).astype("float64"))
     extra = np.clip(scale_ups + overflow, 0, settings.max_tier_nodes).astype(np.int64)
     rate_max = rate.max(axis=1)
-    first_cost = np.where(warm.max(axis=1) == 0, cold_start_cost, cold_cost)  # the first extra replica's
     queued = settings.count_queued_wait
     wait = lambda d: _wait_seconds(d, rate_max, queued)  # noqa: E731
     image_bytes = models["image_bytes"].to_numpy(dtype="float64")
@@ -773,7 +756,7 @@ def _plan_tiers(fa, fleet, settings, now, desired, cap, gpus, cold_start_cost, c
     # an upper bound of each model's gain, to try the most valuable first and skip the hopeless
     host_nodes = np.bincount(cache_index.model_row[cache_index.rank >= 3], minlength=n)
     d_gap = np.maximum(d_by_state[:, 0] - d_by_state[:, 3], 0.0)
-    upper = np.maximum(p_new * first_cost * (wait(d_by_state[:, 0]) - wait(d_by_state[:, 3])),
+    upper = np.maximum(p_new * cold_cost * wait(d_by_state[:, 0]) - p_new * cold_cost * wait(d_by_state[:, 3]),
                        np.where(scale_ups > 0, gpus * settings.gpu_second_cost * d_gap, 0.0))
     floor_cost = np.minimum(weights_bytes, image_bytes) * settings.byte_cost
     wanted = (extra > host_nodes) & (p_new > 0) & fa.known & (upper > floor_cost)
@@ -809,7 +792,6 @@ def _plan_tiers(fa, fleet, settings, now, desired, cap, gpus, cold_start_cost, c
             beyond = chosen - scale_ups[i]
             p_j = 1.0 if planned_start else (p_new[i] if beyond == 0 else float(
                 fa.row(i).exceed(np.full((1, h_count), (warm[i, :].max() + beyond) * cap[i])).max()))
-            c_j = first_cost[i] if beyond == 0 else cold_cost[i]
             best_net, best_target = 0.0, state_now
             for target_state in (1, 2, 3):
                 if target_state <= state_now:
@@ -822,7 +804,7 @@ def _plan_tiers(fa, fleet, settings, now, desired, cap, gpus, cold_start_cost, c
                     gain = gpus[i] * settings.gpu_second_cost * (d_by_state[i, state_now] - d_by_state[i, target_state])
                 else:
                     rate_i = rate_max[i]
-                    gain = p_j * c_j * (_wait_seconds(d_by_state[i, state_now], rate_i, queued)
+                    gain = p_j * cold_cost[i] * (_wait_seconds(d_by_state[i, state_now], rate_i, queued)
                                                  - _wait_seconds(d_by_state[i, target_state], rate_i, queued))
                 cost = moved * settings.byte_cost + held * horizon_s * settings.host_byte_second_cost
                 if gain - cost > best_net:
@@ -831,7 +813,7 @@ def _plan_tiers(fa, fleet, settings, now, desired, cap, gpus, cold_start_cost, c
                 break  # nodes further down the order only cost more
             new_actions, ready, reached = _tier_actions(
                 i, model_id, node_id, image_ref, weights_uri, state_now, best_target, lat, ledger, now, deadline_s,
-                p_j, c_j, d_by_state[i], image_bytes[i], weights_bytes[i], settings)
+                p_j, cold_cost[i], d_by_state[i], image_bytes[i], weights_bytes[i], settings)
             if not new_actions:
                 deferred += 1
                 break  # no slot in time on the best node: the registry or bucket is busy, try a later plan

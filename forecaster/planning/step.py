@@ -71,22 +71,16 @@ def waste_budget(settings: Settings, *, pct: float | None = None, gpu_seconds_pe
                        max_factor=settings.planner_waste_budget_max_factor)
 
 
-def cold_start_weights(request_rate_rpm: np.ndarray, weighting: str) -> np.ndarray:
-    """Each model's weight on the cost of a cold start under ``weighting`` (``PREWARM_PLANNER_COLD_COST_WEIGHTING``).
+def weighted_cold_costs(cold_cost: np.ndarray, request_rate_rpm: np.ndarray, weighting: str) -> np.ndarray:
+    """Cold costs under ``weighting`` (``PREWARM_PLANNER_COLD_COST_WEIGHTING``).
 
-    The planner charges a cold start (requests that find no ready replica) the wait it causes, in
-    request-seconds, times the model's cold cost: left alone (``"request"``, every weight 1) a busy model's cold
-    start counts its many waiting requests, a rarely called model's one, so the plan minimises the fleet's cold
-    requests and leaves rare models cold most of the time. ``"model"`` weighs each model's cold start by
-    ``mean rate / its rate``: a cold request then weighs as the share of its own model's requests it is, every
-    model's cold-start share alike, and the weights average 1 over the fleet's traffic
-    (``sum(w * rate) = sum(rate)``), so the cold cost keeps its meaning for a model at the mean rate and a fleet
-    of one model plans as under ``"request"``. A model without a known rate (NaN) gets weight 1.
-
-    The weight applies to the warm-or-not decision (the model's first ready replica) only: a request queued
-    behind a ready replica for a further one is not a cold start (none of the simulators' cold-start accounting
-    counts it, and a per-model cold-start SLO does not either), so the planner sizes replicas beyond the first
-    per request, at the unweighted cold cost (:func:`forecaster.planning.planner.plan`).
+    The planner charges a cold start the wait it causes, in request-seconds, times the model's cold cost: left
+    alone (``"request"``) a busy model's cold start counts its many waiting requests, a rarely called model's one,
+    so the plan minimises the fleet's cold requests and leaves rare models cold most of the time. ``"model"``
+    multiplies each model's cold cost by ``mean rate / its rate``: a cold request then weighs as the share of its
+    own model's requests it is, every model's cold-start share alike, and the weights average 1 over the fleet's
+    traffic (``sum(w * rate) = sum(rate)``), so the cold cost keeps its meaning for a model at the mean rate and a
+    fleet of one model plans as under ``"request"``. A model without a known rate (NaN) gets weight 1.
 
     Measured on the Azure Functions day (1,350 functions, the minute protocol's hold rule in closed form with the
     causal empirical ``p_any``, ``bench/cold_cost_weighting.py``, 2026-12-07): at the hybrid histogram's waste,
@@ -94,16 +88,17 @@ def cold_start_weights(request_rate_rpm: np.ndarray, weighting: str) -> np.ndarr
     against 0.19. ``"model"`` is the default because the product's claim is made, and its SLO commonly set, per
     model; ``"request"`` is the choice where only the fleet's total of cold requests matters.
     """
-    rate = np.asarray(request_rate_rpm, dtype="float64")
+    cold_cost = np.asarray(cold_cost, dtype="float64")
     if weighting == "request":
-        return np.ones(len(rate))
+        return cold_cost
     if weighting != "model":
         raise ValueError(f"cold_cost_weighting must be 'model' or 'request', got {weighting!r}")
+    rate = np.asarray(request_rate_rpm, dtype="float64")
     known = np.isfinite(rate) & (rate > 0)
     if not known.any():
-        return np.ones(len(rate))
+        return cold_cost
     mean = float(rate[known].mean())
-    return np.where(known, mean / np.where(known, rate, 1.0), 1.0)
+    return cold_cost * np.where(known, mean / np.where(known, rate, 1.0), 1.0)
 
 
 def _request_rates(forecasts: pd.DataFrame, model_ids: pd.Index) -> np.ndarray:
@@ -140,8 +135,7 @@ def plan_step(now: datetime, forecasts: pd.DataFrame, fleet: FleetState, latency
     Args:
         now: the minute planned from (UTC, tz-aware).
         forecasts: the forecast frame (``unique_id, ds, q<level>..., [p_any], [request_rate_rpm]``); its request
-            rates weight each model's cold starts per ``settings.cold_cost_weighting`` (:func:`cold_start_weights`,
-            the models frame's ``cold_start_weight``).
+            rates weight the cold costs per ``settings.cold_cost_weighting`` (:func:`weighted_cold_costs`).
         fleet: from :func:`~forecaster.contracts.fleet.build_fleet`; its ``skipped`` models are reported.
         latency: ``model_id, state, total_s, <phases>`` per start state.
         settings: from :func:`planner_settings`.
@@ -162,8 +156,10 @@ def plan_step(now: datetime, forecasts: pd.DataFrame, fleet: FleetState, latency
     if skipped:
         log.warning("plan step at %s skips %d models it cannot use: %s", now.isoformat(), len(skipped),
                     "; ".join(f"{m}: {why}" for m, why in list(skipped.items())[:5]))
-    fleet = replace(fleet, models=fleet.models.assign(cold_start_weight=cold_start_weights(
-        _request_rates(forecasts, fleet.models.index), settings.cold_cost_weighting)))
+    if settings.cold_cost_weighting != "request":
+        fleet = replace(fleet, models=fleet.models.assign(cold_cost=weighted_cold_costs(
+            fleet.models["cold_cost"].to_numpy(dtype="float64"), _request_rates(forecasts, fleet.models.index),
+            settings.cold_cost_weighting)))
     if budget is not None:
         fleet = replace(fleet, models=fleet.models.assign(cold_cost=budget.cold_cost(
             fleet.models["cold_cost"].to_numpy(dtype="float64"))))
