@@ -18,10 +18,10 @@ its own worktree (``git worktree add /tmp/variant <commit>`` and the same comman
 package beside it). ``--json`` keeps a run's figures; ``--against`` a kept run's reads the two curves at equal
 waste: the other run's curve at each of this run's points (interpolated, never extrapolated).
 
-Usage (traces from ``PREWARM_TRACES_DIR``, default ``../shared/traces``; about 8 minutes on 2 cores)::
+Usage (traces from ``PREWARM_TRACES_DIR``, default ``../shared/traces``; about 12 minutes on 2 cores)::
 
     .venv/bin/python bench/planner_validation.py [--json out.json] [--windows azure_morning,huawei_day]
-        [--grid 1,2,4,8] [--warmup-minutes 120] [--against other.json]
+        [--grid 1,2,4,8,16,64] [--warmup-minutes 120] [--against other.json]
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ WINDOWS = {
     "azure_morning": ("azure_functions_2019_sample1350/invocations_per_function_1day_1350fn.csv.gz", 240, 120),
     "huawei_day": ("huawei_cloud_5min_dc4/datacentre_4.csv.gz", 1440, 240),
 }
-#: cold costs of the curve, fixed before any run
-GRID = (1.0, 2.0, 4.0, 8.0)
+#: cold costs of the curve: the product's default and the fleet day's grid (``bench/policies.py``'s ``FLEET_GRID``),
+#: so that the curve reaches the hybrid histogram's waste as it does there
+GRID = (1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
 #: figures read off the curve at the hybrid histogram's waste
 READINGS = ("cold_pct_p75", "wait_p99_s", "cold_pct_overall", "slo_attainment")
 
