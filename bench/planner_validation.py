@@ -73,7 +73,8 @@ def validate(window: str, traces_dir: Path, grid: tuple[float, ...], warmup_min:
     at_hybrid = {key: value_at([(row["wasted_norm_pct"], row[key]) for row in curve], hybrid_waste)
                  for key in READINGS}
     return {"trace": path, "minutes": minutes, "scored_from_min": config.score_from_s / 60.0,
-            "weighting": settings.planner_cold_cost_weighting, "seconds": time.perf_counter() - started,
+            "weighting": settings.planner_cold_cost_weighting, "mapped_by": models.attrs.get("mapped_by"),
+            "seconds": time.perf_counter() - started,
             "rows": table, "at_hybrid_waste": {"waste_pct": hybrid_waste, **at_hybrid}}
 
 
@@ -131,7 +132,8 @@ def main() -> None:
         out = validate(window, traces, grid, args.warmup_minutes)
         report["windows"][window] = out
         print(f"{window} ({out['trace']}, minutes {out['scored_from_min']:.0f}-{out['minutes'] - 1} scored, "
-              f"weighting {out['weighting']}, commit {report['commit']}, {out['seconds']:.0f} s)")
+              f"weighting {out['weighting']}, commit {report['commit']}, {out['seconds']:.0f} s; models mapped by "
+              f"{out['mapped_by']})")
         print(f"  {'policy':<18}{'waste %':>9}{'p75 cold %':>12}{'p99 wait s':>12}{'overall cold %':>16}"
               f"{'SLO att.':>10}")
         for name, row in out["rows"].items():

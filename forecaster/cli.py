@@ -535,15 +535,16 @@ def simulate_cmd(
         names.insert(0, "keepalive_10")  # the 100 % of wasted GPU time
     if forecaster not in FORECASTERS:
         _fail(f"--forecaster: {forecaster!r} is not one of {', '.join(FORECASTERS)}", 2)
+    models = models_for(workload, traces_dir=settings.traces_dir)
     typer.echo(f"{trace.name}: {workload.n_models} models, {len(workload.times):,} requests, "
                f"{workload.duration_s / 60:.0f} minutes; {config.n_nodes} nodes x {config.gpus_per_node} GPUs; "
                f"cold costs weighted per {settings.planner_cold_cost_weighting} "
-               "(PREWARM_PLANNER_COLD_COST_WEIGHTING)", err=True)
+               f"(PREWARM_PLANNER_COLD_COST_WEIGHTING); models mapped by {models.attrs['mapped_by']}", err=True)
     sources = ForecastSources(workload.panel, train_until_min=int(config.score_from_s // 60),
                               retrain_every_min=retrain_every_min, settings=settings,
                               progress=lambda line: typer.echo(f"  ensemble: {line}", err=True))
     try:
-        results = run_policies(workload, models_for(workload, traces_dir=settings.traces_dir), config, names,
+        results = run_policies(workload, models, config, names,
                                cold_cost=cold_cost, forecaster=forecaster, sources=sources, product=settings,
                                budget=budget, even_arrivals=even_arrivals,
                                progress=ReplayProgress(workload.duration_s / 60.0,

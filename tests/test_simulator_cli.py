@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from forecaster.cli import app
-from forecaster.data import AZURE_LLM2023_CODE_HEAD, sample_path
+from forecaster.data import AZURE2019_TOP100, AZURE_LLM2023_CODE_HEAD, sample_path
 
 
 @pytest.fixture(autouse=True)
@@ -69,3 +69,32 @@ def test_simulate_with_even_arrivals_plans_without_the_burst_factor(tmp_path):
         assert result.exit_code == 0, result.output
         gpu_seconds[bool(flag)] = json.loads(out.read_text())["policies"]["prewarm_empirical"]["gpu_seconds"]
     assert gpu_seconds[True] < gpu_seconds[False]
+
+
+def test_the_model_mapping_says_what_ordered_it(tmp_path, monkeypatch):
+    """Many series: by the Azure memory file when it covers them all, else by request volume (the busiest get the
+    biggest models); the frame says which, and ``prewarm simulate`` prints it."""
+    import numpy as np
+    import pandas as pd
+
+    from forecaster.simulation.runner import AZURE_MEMORY, models_for
+    from forecaster.simulation.workload import load_workload
+
+    workload = load_workload(sample_path(AZURE2019_TOP100)).window(0, 30 * 60.0)
+    by_volume = models_for(workload, traces_dir=tmp_path)
+    assert by_volume.attrs["mapped_by"].startswith("request volume")
+    memory = tmp_path / AZURE_MEMORY
+    memory.parent.mkdir(parents=True)
+    ids = workload.ids.astype(str)
+    mb = np.arange(len(ids), 0, -1) * 100.0  # the reverse of nothing in particular: a mapping of its own
+    pd.DataFrame({"HashApp": ids, "AverageAllocatedMb": mb}).to_csv(memory, index=False)
+    by_memory = models_for(workload, traces_dir=tmp_path)
+    assert by_memory.attrs["mapped_by"].startswith("memory")
+    assert by_memory.loc[ids[0], "gpus"] >= by_memory.loc[ids[-1], "gpus"]  # the most memory, the biggest model
+    pd.DataFrame({"HashApp": ids[:-1], "AverageAllocatedMb": mb[:-1]}).to_csv(memory, index=False)
+    assert models_for(workload, traces_dir=tmp_path).attrs["mapped_by"].startswith("request volume")  # not covered
+    monkeypatch.setenv("PREWARM_TRACES_DIR", str(tmp_path / "elsewhere"))
+    result = CliRunner().invoke(app, ["simulate", str(sample_path(AZURE2019_TOP100)), "--policy", "keepalive_10",
+                                      "--minutes", "20", "--nodes", "8"])
+    assert result.exit_code == 0, result.output
+    assert "models mapped by request volume" in " ".join(result.output.split())

@@ -44,18 +44,25 @@ def models_for(workload: Workload, *, traces_dir: Path | None = None, entry: str
     A single series maps to ``entry`` (default ``llama-3-8b-instruct``); many
     series are ordered by the Azure memory file when it covers them (its
     ``HashApp``, which in the 1,350-function sample equals ``HashFunction``),
-    else by their request volume.
+    else by their request volume (the busiest get the biggest models: a harsher
+    fleet). The frame's ``attrs["mapped_by"]`` says which, for the caller to print.
     """
     if workload.n_models == 1 or entry is not None:
-        return assign_models(workload.ids, entry=entry or "llama-3-8b-instruct")
+        models = assign_models(workload.ids, entry=entry or "llama-3-8b-instruct")
+        models.attrs["mapped_by"] = f"one catalogue entry ({entry or 'llama-3-8b-instruct'})"
+        return models
     order = workload.panel.counts.sum(axis=1)
+    mapped_by = f"request volume (no {AZURE_MEMORY} covering every series under {traces_dir})"
     if traces_dir is not None and (traces_dir / AZURE_MEMORY).is_file():
         memory = pd.read_csv(traces_dir / AZURE_MEMORY, usecols=["HashApp", "AverageAllocatedMb"])
         mb = memory.drop_duplicates("HashApp").set_index("HashApp")["AverageAllocatedMb"]
         aligned = mb.reindex(workload.ids.astype(str))
         if aligned.notna().all():
             order = aligned.to_numpy()
-    return assign_models(workload.ids, order_by=order)
+            mapped_by = f"memory ({traces_dir / AZURE_MEMORY})"
+    models = assign_models(workload.ids, order_by=order)
+    models.attrs["mapped_by"] = mapped_by
+    return models
 
 
 class LatencyInput:
