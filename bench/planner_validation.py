@@ -4,7 +4,7 @@ A change to the planner's objective (a cold-cost weighting, a sizing rule, a cap
 the fit window, never on the scored day of ``bench/policies.py``. This script replays two such windows through
 the product's plan step and actuator (``prewarm`` with the causal empirical forecasts: the ensemble's first fit
 needs the 240 minutes these windows end with) over a fixed cold-cost grid, beside the hybrid histogram and the
-10-minute keep-alive, and reads the curve at the hybrid's waste:
+10-minute keep-alive, and reads the curve at the hybrid's waste (and the waste at the hybrid's p75 cold %):
 
 * ``azure_morning``: the Azure Functions day's minutes 0-239 (1,350 functions, 160 nodes x 8 GPUs), scored from
   minute 120 (before that the cluster fills from empty; ``--warmup-minutes`` to move it). ``bench/policies.py``
@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from forecaster.contracts.fleetconfig import FleetConfig  # noqa: E402
 from forecaster.settings import load_settings  # noqa: E402
-from forecaster.simulation.curves import value_at  # noqa: E402
+from forecaster.simulation.curves import cost_at, value_at  # noqa: E402
 from forecaster.simulation.runner import models_for, run_policies, summary_table  # noqa: E402
 from forecaster.simulation.workload import load_workload  # noqa: E402
 
@@ -72,6 +72,9 @@ def validate(window: str, traces_dir: Path, grid: tuple[float, ...], warmup_min:
     curve = [table[f"prewarm_k{cost:g}"] for cost in grid]
     at_hybrid = {key: value_at([(row["wasted_norm_pct"], row[key]) for row in curve], hybrid_waste)
                  for key in READINGS}
+    # the other way round, for a curve that beats the hybrid before it reaches its waste
+    at_hybrid["waste_pct_at_hybrid_p75"] = cost_at([(row["wasted_norm_pct"], row["cold_pct_p75"]) for row in curve],
+                                                   table["hybrid_histogram"]["cold_pct_p75"])
     return {"trace": path, "minutes": minutes, "scored_from_min": config.score_from_s / 60.0,
             "weighting": settings.planner_cold_cost_weighting, "mapped_by": models.attrs.get("mapped_by"),
             "seconds": time.perf_counter() - started,
@@ -142,7 +145,8 @@ def main() -> None:
         at = out["at_hybrid_waste"]
         print(f"  prewarm at the hybrid's waste ({at['waste_pct']:.1f} %): p75 {fmt(at['cold_pct_p75'], '.2f')} %, "
               f"p99 {fmt(at['wait_p99_s'], '.2f')} s, overall cold {fmt(at['cold_pct_overall'], '.3f')} %, "
-              f"SLO attainment {fmt(at['slo_attainment'], '.3f')}")
+              f"SLO attainment {fmt(at['slo_attainment'], '.3f')}; waste at the hybrid's p75 "
+              f"{fmt(at['waste_pct_at_hybrid_p75'], '.1f')} %")
         if other is not None and window in other["windows"]:
             print(f"  this run's points (against {other['commit']}'s curve at the same waste; n/a: outside it)")
             for line in against(out, other["windows"][window]):
