@@ -18,7 +18,7 @@ its own worktree (``git worktree add /tmp/variant <commit>`` and the same comman
 package beside it). ``--json`` keeps a run's figures; ``--against`` a kept run's reads the two curves at equal
 waste: the other run's curve at each of this run's points (interpolated, never extrapolated).
 
-Usage (traces from ``PREWARM_TRACES_DIR``, default ``../shared/traces``; about 12 minutes on 2 cores)::
+Usage (traces from ``PREWARM_TRACES_DIR``, default ``../shared/traces``; about 9 minutes on 2 cores)::
 
     .venv/bin/python bench/planner_validation.py [--json out.json] [--windows azure_morning,huawei_day]
         [--grid 1,2,4,8,16,64] [--warmup-minutes 120] [--against other.json]
