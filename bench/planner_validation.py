@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from forecaster.contracts.fleetconfig import FleetConfig  # noqa: E402
+from forecaster.forecast.registry import code_version  # noqa: E402
 from forecaster.settings import load_settings  # noqa: E402
 from forecaster.simulation.curves import cost_at, value_at  # noqa: E402
 from forecaster.simulation.runner import models_for, run_policies, summary_table  # noqa: E402
@@ -96,14 +96,6 @@ def against(out: dict, other: dict) -> list[dict]:
     return lines
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
@@ -130,7 +122,7 @@ def main() -> None:
         parser.error("--grid: cold costs must be positive")
     other = json.loads(args.against.read_text()) if args.against else None
     traces = load_settings().traces_dir
-    report = {"commit": _commit(), "grid": grid, "windows": {}}
+    report = {"commit": code_version(), "grid": grid, "windows": {}}
     for window in names:
         out = validate(window, traces, grid, args.warmup_minutes)
         report["windows"][window] = out

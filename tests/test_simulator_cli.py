@@ -86,7 +86,7 @@ def test_the_model_mapping_says_what_ordered_it(tmp_path, monkeypatch):
     memory = tmp_path / AZURE_MEMORY
     memory.parent.mkdir(parents=True)
     ids = workload.ids.astype(str)
-    mb = np.arange(len(ids), 0, -1) * 100.0  # the reverse of nothing in particular: a mapping of its own
+    mb = np.arange(len(ids), 0, -1) * 100.0  # the first series uses the most memory
     pd.DataFrame({"HashApp": ids, "AverageAllocatedMb": mb}).to_csv(memory, index=False)
     by_memory = models_for(workload, traces_dir=tmp_path)
     assert by_memory.attrs["mapped_by"].startswith("memory")

@@ -48,11 +48,12 @@ def models_for(workload: Workload, *, traces_dir: Path | None = None, entry: str
     fleet). The frame's ``attrs["mapped_by"]`` says which, for the caller to print.
     """
     if workload.n_models == 1 or entry is not None:
-        models = assign_models(workload.ids, entry=entry or "llama-3-8b-instruct")
-        models.attrs["mapped_by"] = f"one catalogue entry ({entry or 'llama-3-8b-instruct'})"
+        entry = entry or "llama-3-8b-instruct"
+        models = assign_models(workload.ids, entry=entry)
+        models.attrs["mapped_by"] = f"one catalogue entry ({entry})"
         return models
     order = workload.panel.counts.sum(axis=1)
-    mapped_by = f"request volume (no {AZURE_MEMORY} covering every series under {traces_dir})"
+    mapped_by = f"request volume (no {AZURE_MEMORY} covering every series under {traces_dir or 'no traces folder'})"
     if traces_dir is not None and (traces_dir / AZURE_MEMORY).is_file():
         memory = pd.read_csv(traces_dir / AZURE_MEMORY, usecols=["HashApp", "AverageAllocatedMb"])
         mb = memory.drop_duplicates("HashApp").set_index("HashApp")["AverageAllocatedMb"]
