@@ -209,7 +209,10 @@ class Actuator:
             elsewhere = ledger.ahead_gpus_total(excluding=action.model_id)
         bound = guardrails.bound_replicas(action, state, gpus_per_replica=model.gpus_per_replica,
                                           gpus_ahead_elsewhere=elsewhere, gpu_budget=self.settings.actuator_gpu_budget)
-        extra = {"guardrails": bound.detail, "ahead_gpus": bound.ahead_gpus}
+        # the level the model is left at, which the plan job's fleet read takes as its replicas
+        # (:func:`forecaster.store.fleet.read_fleet_inputs`): a release's ``replicas`` are the ones it gives back
+        extra = {"guardrails": bound.detail, "ahead_gpus": bound.ahead_gpus,
+                 "replicas_after": state.current if bound.target is None else bound.target}
         if "clamped_by" in bound.detail:
             self._refused(f"{bound.detail['clamped_by']}_clamped")
         if bound.dropped is not None:
@@ -237,9 +240,11 @@ class Actuator:
             log.exception("backend %s failed on action %s", self.backend.name, row["id"])
             outcome = Outcome.failed(FailureReason.INTERNAL, f"{type(exc).__name__}: {exc}")
         if extra:
+            detail = {**extra, **outcome.detail}
+            if "replicas_after" in extra and isinstance(outcome.detail.get("replicas"), int):
+                detail["replicas_after"] = outcome.detail["replicas"]  # what the backend set (an HPA's own floor)
             outcome = Outcome(status=outcome.status, reason=outcome.reason, temporary=outcome.temporary,
-                              message=outcome.message, detail={**extra, **outcome.detail},
-                              observations=outcome.observations)
+                              message=outcome.message, detail=detail, observations=outcome.observations)
         return self._finish(row, action, outcome, now)
 
     def _finish(self, row: dict, action: Action, outcome: Outcome, now: datetime) -> ActionReport:

@@ -132,9 +132,15 @@ def started_since(conn: Connection, since: datetime, until: datetime) -> int:
 #: The actions whose ``ahead_gpus`` counts for their model (the latest of them, in :data:`LATEST_FIRST` order).
 AHEAD_COUNTS = "kind IN ('scale', 'release') AND status IN ('succeeded', 'running') AND detail ? 'ahead_gpus'"
 LATEST_FIRST = "coalesce(finished_at, started_at) DESC NULLS LAST, id DESC"
-#: The actions whose ``spec.replicas`` is what a model runs (the newest of them, in :data:`NEWEST_FIRST` order;
-#: the plan job's fleet read, through the partial index ``actions_replicas_newest``).
+#: The actions that set what a model runs (the newest of them, in :data:`NEWEST_FIRST` order; the plan job's fleet
+#: read, through the partial index ``actions_replicas_newest``).
 REPLICAS_SET = "kind IN ('scale', 'release') AND status = 'succeeded'"
+#: The level such an action left its model at: ``replicas_after`` as the actuator records it; on rows written before
+#: it did, the target it set, else (a no-op) the level it found, else a scale's own ``replicas``. Never a release's
+#: ``spec.replicas``: those are the replicas it gave back.
+REPLICAS_AFTER = ("coalesce((detail->>'replicas_after')::int, (detail->>'target_replicas')::int, "
+                  "(detail->'guardrails'->>'current')::int, "
+                  "CASE WHEN kind = 'scale' THEN (spec->>'replicas')::int END)")
 NEWEST_FIRST = "updated_at DESC, id DESC"
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 from sqlalchemy import Connection, text
 
-from forecaster.store.actions import NEWEST_FIRST, REPLICAS_SET
+from forecaster.store.actions import NEWEST_FIRST, REPLICAS_AFTER, REPLICAS_SET
 
 
 def read_fleet_inputs(conn: Connection, *, now: datetime, model_ids: Sequence[str] | None = None
@@ -37,7 +37,7 @@ def read_fleet_inputs(conn: Connection, *, now: datetime, model_ids: Sequence[st
     rows = conn.execute(text(
         "SELECT m.id, m.image_ref, m.image_size_bytes, m.weights_uri, m.weights_size_bytes, m.gpus_per_replica, "
         "m.replica_rps, m.cold_start_slo_s, m.labels->'cold_cost', m.burst_factor, "
-        "(SELECT a.replicas FROM (SELECT (spec->>'replicas')::int AS replicas, updated_at FROM actions "
+        f"(SELECT a.replicas FROM (SELECT {REPLICAS_AFTER} AS replicas, updated_at FROM actions "
         f"   WHERE model_id = m.id AND {REPLICAS_SET} ORDER BY {NEWEST_FIRST} LIMIT 1) a) AS replicas "
         "FROM serving_models m" + (" WHERE m.id = ANY(:ids)" if model_ids is not None else "") + " ORDER BY m.id"),
         {"ids": list(model_ids or ())}).all()

@@ -11,6 +11,12 @@ from forecaster.contracts.actions import Action, ActionKind
 class DryRunBackend:
     """Records intent only.
 
+    Its paper cluster keeps what it would have set: after a scale or release
+    a model's ``current`` is the level it reported, so the next release is
+    bounded from there (before, every release met 0 replicas and was dropped
+    as below the reactive ask, and the plan job went on reading the last
+    scale's level). The paper cluster lives as long as the backend object.
+
     Args:
         fleet: replica states by model id, when known (for example from the
             simulator or a read-only look at the cluster); unknown models count
@@ -37,4 +43,8 @@ class DryRunBackend:
             kind = model.labels.get("k8s_kind", "Deployment")
             name = model.labels.get("k8s_name", model.model_id)
             would = f"set {kind} {name} to {replicas} replicas ({action.kind}, planned {action.replicas})"
+            if replicas is not None:
+                was = self.replica_state(model)
+                self.fleet[action.model_id] = ReplicaState(current=int(replicas), reactive_ask=was.reactive_ask,
+                                                           floor_kind=was.floor_kind)
         return Outcome.ok(f"dry-run: would {would}; {why}", would=would, deadline_s=round(deadline_s, 3))
