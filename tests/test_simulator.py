@@ -118,6 +118,28 @@ def test_gpu_seconds_allocated_and_busy():
     assert result.summary()["wasted_gpu_seconds"] == pytest.approx(240.0 - 0.5, abs=0.5)
 
 
+class GraceSchedule(FloorSchedule):
+    """No floor; the serving layer's reactive path and a grace of ``idle_grace_s``, as the planner's policy has."""
+
+    reactive_overload = True
+    idle_grace_s = 60.0
+
+
+def test_the_grace_keeps_the_last_replica_not_a_burst_s_extra_ones():
+    """A 30-second burst at 1.5x one replica's rate starts a second replica; then a request every 20 s keeps the
+    model serving until 300 s. The grace keeps the last replica until 60 s after it served (360 s), but the
+    second stops once the burst's rate has passed: the model still serving is no reason to hold it (before, it was
+    held to 360 s as well, about twice the GPU-seconds)."""
+    mu = 10.0
+    burst = 10.0 + np.arange(450) / 15.0
+    times = np.concatenate([burst, np.arange(60.0, 301.0, 20.0)])
+    sim, result = simulate(workload(times, 500.0), one_model(mu), GraceSchedule(lambda t: 0))
+    assert result.replica_starts == 2
+    one_replica = 360.0 - 10.0  # from the burst's first request to 60 s after the last one served
+    assert one_replica < result.gpu_seconds < one_replica + 90.0
+    assert sim.ready[0] + sim.starting[0] == 0  # gone 60 s after the last request
+
+
 # --------------------------------------------------------------------------- policies on a tiny trace
 
 

@@ -877,9 +877,14 @@ class FleetSimulator:
                 for _ in range(int(need[m] - total[m])):
                     if not self.start_replica(int(m)):
                         break
-            # scale down: above the floor and what recent traffic uses, nothing queued, idle past the grace
-            surplus = (self.ready + self.starting) - np.maximum(self.floor, in_use)
-            idle = (queued <= 0) & (now - self.last_served_at >= grace)
+            # scale down: above the floor and what recent traffic uses, nothing queued; the policy's grace keeps
+            # a model's last replica that long after it served (an on-demand start waits for the next plan), as
+            # Knative's scale-to-zero grace does: replicas beyond it stop as soon as they are surplus
+            keep = np.maximum(self.floor, in_use)
+            if grace > 0:
+                keep = np.where(now - self.last_served_at < grace, np.maximum(keep, 1), keep)
+            surplus = (self.ready + self.starting) - keep
+            idle = queued <= 0
             for m in np.flatnonzero((surplus > 0) & idle):
                 for _ in range(int(surplus[m])):
                     self.stop_replica(int(m))

@@ -1,8 +1,9 @@
 """Policies the fleet simulator runs, all through one interface.
 
 A policy has ``name``, ``decide_every_s`` (how often ``decide`` is called),
-``idle_grace_s`` (the serving layer keeps an idle replica at least this long
-after its last request), ``reactive_overload`` (whether the serving layer adds
+``idle_grace_s`` (the serving layer keeps a model's last replica at least
+this long after it last served; replicas beyond the floor and the recent
+traffic's use stop as soon as nothing is queued, whatever the grace), ``reactive_overload`` (whether the serving layer adds
 replicas when a backlog outgrows the ready ones) and
 ``decide(view) -> Decision | None`` returning replicas wanted per model
 (``floor``) and/or planned actions. Every policy also gets the serving layer's
@@ -323,7 +324,7 @@ class PlannerPolicy:
 
     reactive_overload = True
     decide_every_s = 1.0  # the actuator runs due actions every tick; plans are made once a minute
-    idle_grace_s = 60.0  # keep an on-demand replica until the next plan decides
+    idle_grace_s = 60.0  # keep an on-demand start (the last replica) until the next plan decides
 
     def __init__(self, source: ForecastSource, latency: LatencyProvider, settings: PlannerSettings = PlannerSettings(),
                  *, name: str = "prewarm", cold_cost: float = 1.0, product: Settings | None = None, record_plans: bool = False, budget: WasteBudget | None = None,
