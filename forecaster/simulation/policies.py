@@ -3,8 +3,9 @@
 A policy has ``name``, ``decide_every_s`` (how often ``decide`` is called),
 ``idle_grace_s`` (the serving layer keeps a model's last replica at least
 this long after it last served; replicas beyond the floor and the recent
-traffic's use stop as soon as nothing is queued, whatever the grace), ``reactive_overload`` (whether the serving layer adds
-replicas when a backlog outgrows the ready ones) and
+traffic's use stop as soon as nothing is queued, whatever the grace),
+``reactive_overload`` (whether the serving layer adds replicas when a backlog
+outgrows the ready ones) and
 ``decide(view) -> Decision | None`` returning replicas wanted per model
 (``floor``) and/or planned actions. Every policy also gets the serving layer's
 activator: a request that finds no replica, ready or starting, starts one.
