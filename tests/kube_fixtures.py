@@ -11,6 +11,8 @@ with ``kubernetes-validate`` in strict mode; a custom resource is checked agains
 schema below. An invalid object fails the request with 422 and is kept in ``invalid`` for the test to see.
 
 A ``kubelet`` hook may change a Job when it is created (complete it, or give its pod an image pull error).
+:meth:`FakeKubeApi.sync_hpa` and :meth:`FakeKubeApi.sync_pod_autoscaler` play the autoscalers' controllers: the
+metrics' wish clamped to the floor and ceiling, in the status fields and conditions the real controllers write.
 
 :meth:`FakeKubeApi.rbac_calls` names every request in RBAC's terms, (API group, resource[/subresource], verb),
 so a test can hold the shipped Role to exactly the calls the code makes (``tests/test_deploy.py``).
@@ -221,6 +223,48 @@ class FakeKubeApi:
                     del self.objects[other]
             return _Response(200, {"kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {}})
         return _Response(405, {"kind": "Status", "code": 405, "message": method})
+
+    # --- the autoscalers' controllers ----------------------------------------------------------------------------
+
+    def sync_hpa(self, name: str, wants: int, namespace: str = "default") -> dict:
+        """One sync of kube-controller-manager's HPA controller whose metrics ask for ``wants`` replicas.
+
+        As the real controller: ``status.desiredReplicas`` is the wish clamped to [minReplicas, maxReplicas]
+        (``normalizeDesiredReplicas``), the ``ScalingLimited`` condition says which bound held it
+        (``TooFewReplicas``, ``TooManyReplicas``, else False / ``DesiredWithinRange``), and the Deployment's
+        replicas are set to it.
+        """
+        hpa = copy.deepcopy(self.get("HorizontalPodAutoscaler", name, namespace))
+        low, high = int(hpa["spec"].get("minReplicas", 1)), int(hpa["spec"]["maxReplicas"])
+        desired = min(max(wants, low), high)
+        reason = "TooFewReplicas" if wants < low else "TooManyReplicas" if wants > high else "DesiredWithinRange"
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        hpa["status"] = {"currentReplicas": desired, "desiredReplicas": desired, "conditions": [
+            {"type": "AbleToScale", "status": "True", "reason": "ReadyForNewScale", "lastTransitionTime": now,
+             "message": "recommended size matches current size"},
+            {"type": "ScalingLimited", "status": "False" if reason == "DesiredWithinRange" else "True",
+             "reason": reason, "lastTransitionTime": now, "message": f"the metrics ask for {wants}"}]}
+        self.put(hpa)
+        target = self.get("Deployment", hpa["spec"]["scaleTargetRef"]["name"], namespace)
+        if target is not None:
+            self.put(merge_patch(target, {"spec": {"replicas": desired}}))
+        return hpa
+
+    def sync_pod_autoscaler(self, isvc: str, wants: int, namespace: str = "default") -> dict:
+        """One decision of Knative's KPA for ``isvc`` whose metrics ask for ``wants`` replicas.
+
+        As the real scaler (``applyBounds`` before ``status.desiredScale`` is written): the wish bounded by the
+        revision's min and max scale, which KServe sets from the predictor's minReplicas and maxReplicas.
+        """
+        predictor = self.get("InferenceService", isvc, namespace)["spec"]["predictor"]
+        desired = max(wants, int(predictor.get("minReplicas") or 0))
+        if int(predictor.get("maxReplicas") or 0) > 0:
+            desired = min(desired, int(predictor["maxReplicas"]))
+        pa = next(o for (_, ns, r, _), o in self.objects.items() if (ns, r) == (namespace, "podautoscalers")
+                  and o["metadata"]["labels"].get("serving.kserve.io/inferenceservice") == isvc)
+        pa = merge_patch(pa, {"status": {"desiredScale": desired, "actualScale": desired}})
+        self.put(pa)
+        return pa
 
     def rbac_calls(self) -> set[tuple[str, str, str]]:
         """(apiGroup, resource, verb) of every request seen, as an RBAC rule names it ("" = the core group)."""

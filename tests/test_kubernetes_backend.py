@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import text
 
 from forecaster.actuation.actuator import Actuator
-from forecaster.actuation.backends.base import ModelTarget
+from forecaster.actuation.backends.base import ModelTarget, ReplicaState
 from forecaster.actuation.backends.kubernetes import KubernetesBackend, job_name, prepull_job_manifest
 from forecaster.actuation.kube_coldstarts import cold_starts_from_k8s, load_k8s_export, parse_go_duration
 from forecaster.store.actions import list_actions
@@ -162,8 +162,8 @@ def test_scale_deployment_without_hpa_through_the_actuator_within_gpu_budget(eng
     assert not api.invalid
 
 
-def test_deployment_with_hpa_raises_the_hpa_floor_and_never_releases_below_the_reactive_ask(engine, settings, api,
-                                                                                            backend):
+def test_deployment_with_hpa_raises_the_hpa_floor_and_releases_it_down_to_the_hpa_s_own_wish(engine, settings, api,
+                                                                                               backend):
     api.put(deployment("llama", replicas=4))
     api.put(hpa("llama-hpa", "llama", min_replicas=1, max_replicas=10, desired=4))
     _register(engine, "llama")
@@ -174,20 +174,40 @@ def test_deployment_with_hpa_raises_the_hpa_floor_and_never_releases_below_the_r
     assert patched["spec"]["minReplicas"] == 6
     assert patched["metadata"]["annotations"]["prewarm.io/base-min-replicas"] == "1"
     assert api.get("Deployment", "llama")["spec"]["replicas"] == 4  # the HPA, not prewarm, scales the Deployment
-    # Release 5 of 6: the HPA still asks for 4, so the floor goes to 4, not 1.
+    # The HPA's metrics now ask for 8, above the floor: its own wish, and a release may not go below it.
+    api.sync_hpa("llama-hpa", wants=8)
     _, reports = actuator.apply(Plan(planned_at=NOW, actions=(_scale("llama", 5, ActionKind.RELEASE),)),
                                 now=NOW + timedelta(seconds=1))
-    assert reports[0].status is ActionStatus.SUCCEEDED
-    assert reports[0].detail["guardrails"]["clamped_by"] == "below_reactive"
-    assert api.get("HorizontalPodAutoscaler", "llama-hpa")["spec"]["minReplicas"] == 4
-    # Nothing left above the reactive ask: a further release is dropped with its reason.
-    _, reports = actuator.apply(Plan(planned_at=NOW, actions=(_scale("llama", 1, ActionKind.RELEASE),)),
-                                now=NOW + timedelta(seconds=2))
     assert reports[0].status is ActionStatus.DROPPED and reports[0].reason is FailureReason.BELOW_REACTIVE
+    assert api.get("HorizontalPodAutoscaler", "llama-hpa")["spec"]["minReplicas"] == 6
+    # The metrics fall to 4: the HPA reports 6 (its wish clamped to the floor, ScalingLimited/TooFewReplicas).
+    # That 6 is prewarm's own floor, not an ask: the release goes through, down to the HPA's own floor.
+    api.sync_hpa("llama-hpa", wants=4)
+    assert api.get("HorizontalPodAutoscaler", "llama-hpa")["status"]["desiredReplicas"] == 6
+    _, reports = actuator.apply(Plan(planned_at=NOW, actions=(_scale("llama", 5, ActionKind.RELEASE),)),
+                                now=NOW + timedelta(seconds=2))
+    assert reports[0].status is ActionStatus.SUCCEEDED
+    assert reports[0].detail["guardrails"]["reactive_ask"] == 1
+    assert api.get("HorizontalPodAutoscaler", "llama-hpa")["spec"]["minReplicas"] == 1
+    api.sync_hpa("llama-hpa", wants=4)  # the HPA keeps what its metrics ask
+    assert api.get("Deployment", "llama")["spec"]["replicas"] == 4
     rows = list_actions(engine, model_id="llama")
-    assert [r["status"] for r in rows] == ["succeeded", "succeeded", "dropped"]
-    assert rows[2]["status_reason"] == "below_reactive"
+    assert sorted((r["kind"], r["status"], r["status_reason"]) for r in rows) == [
+        ("release", "dropped", "below_reactive"), ("release", "succeeded", None), ("scale", "succeeded", None)]
     assert not api.invalid
+
+
+def test_an_hpa_at_its_own_floor_or_exactly_at_prewarm_s_asks_what_it_reports(api, backend):
+    llama = ModelTarget("llama")
+    api.put(deployment("llama", replicas=2))
+    api.put(hpa("llama-hpa", "llama", min_replicas=2, max_replicas=10, desired=2))
+    api.sync_hpa("llama-hpa", wants=1)  # TooFewReplicas, but the floor is the HPA's own: it holds 2 itself
+    assert backend.replica_state(llama).reactive_ask == 2
+    backend.carry_out(_scale("llama", 5), model=llama, replicas=5, deadline_s=600)
+    api.sync_hpa("llama-hpa", wants=5)  # exactly the floor prewarm set, within range: a real wish of 5
+    assert backend.replica_state(llama) == ReplicaState(current=5, reactive_ask=5, floor_kind="min_replicas")
+    api.sync_hpa("llama-hpa", wants=3)
+    assert backend.replica_state(llama).reactive_ask == 2  # below the floor by an unknown amount: its own floor
 
 
 def _hpa_lists(api: FakeKubeApi) -> int:
@@ -286,7 +306,26 @@ def test_inference_service_min_replicas_by_merge_patch_with_knative_ask_as_floor
     # The plan asked for 2; Knative wants 3 already: never below the reactive ask.
     assert api.get("InferenceService", "qwen")["spec"]["predictor"]["minReplicas"] == 3
     patch = [b for m, p, b in api.requests if m == "PATCH" and p.endswith("/inferenceservices/qwen")]
-    assert patch == [{"spec": {"predictor": {"minReplicas": 3}}}]
+    assert patch == [{"metadata": {"annotations": {"prewarm.io/base-min-replicas": "0"}},
+                      "spec": {"predictor": {"minReplicas": 3}}}]
+    # Knative's wish falls to 1; its PodAutoscaler reports 3, bounded by the floor. The release goes through.
+    api.sync_pod_autoscaler("qwen", wants=1)
+    _, reports = actuator.apply(Plan(planned_at=NOW, actions=(_scale("qwen", 3, ActionKind.RELEASE),)),
+                                now=NOW + timedelta(seconds=1))
+    assert reports[0].status is ActionStatus.SUCCEEDED
+    assert api.get("InferenceService", "qwen")["spec"]["predictor"]["minReplicas"] == 0
+    assert not api.invalid
+
+
+def test_inference_service_keeps_its_own_min_replicas_and_max(api, backend):
+    qwen = ModelTarget("qwen", labels={"k8s_kind": "InferenceService"})
+    api.put(inference_service("qwen", min_replicas=1))  # maxReplicas 8
+    api.put(pod_autoscaler("qwen", desired=1))
+    outcome = backend.carry_out(_scale("qwen", 12), model=qwen, replicas=12, deadline_s=600)
+    assert outcome.detail["replicas"] == 8 and outcome.detail["capped_by_max"] is True
+    outcome = backend.carry_out(_scale("qwen", 8, ActionKind.RELEASE), model=qwen, replicas=0, deadline_s=600)
+    assert api.get("InferenceService", "qwen")["spec"]["predictor"]["minReplicas"] == 1
+    assert outcome.detail["base_min"] == 1
     assert not api.invalid
 
 

@@ -5,12 +5,19 @@ Scale and release:
 * a **Deployment** without an HPA: its ``/scale`` subresource gets the replicas;
 * a **Deployment** with an HPA: the HPA's ``minReplicas`` is raised (the HPA
   would undo a direct change), the HPA's own floor kept in an annotation and
-  restored on release; the HPA's ``status.desiredReplicas`` is the reactive ask.
-  Which HPA scales which Deployment is read from one LIST of the namespace's
-  HPAs every ``hpa_index_ttl_s`` (:class:`HpaIndex`), the HPA itself by a GET;
+  restored on release. Which HPA scales which Deployment is read from one LIST
+  of the namespace's HPAs every ``hpa_index_ttl_s`` (:class:`HpaIndex`), the
+  HPA itself by a GET;
 * a **KServe InferenceService**: ``spec.predictor.minReplicas`` (JSON merge
-  patch; custom resources take no strategic merge); the Knative
-  PodAutoscalers' ``status.desiredScale`` is the reactive ask.
+  patch; custom resources take no strategic merge), its own floor kept in the
+  same annotation and restored on release.
+
+The reactive ask is what the autoscaler wants on its own, without the floor
+prewarm set (:func:`own_ask`). Both autoscalers report their wish clamped to
+that floor (the HPA's ``status.desiredReplicas``, the PodAutoscaler's
+``status.desiredScale``): read as the ask, a raised floor would hold itself up
+and every release would be refused as below the ask. Lowering a floor below the
+autoscaler's real wish is safe, since the autoscaler keeps its wish itself.
 
 Pre-pull where no node agent runs, after kube-fledged: one Job per (image,
 node), named from the action's key (so the same work twice is one Job), pinned
@@ -42,6 +49,29 @@ BASE_MIN_ANNOTATION = "prewarm.io/base-min-replicas"
 KSERVE = ("serving.kserve.io", "v1beta1", "inferenceservices")
 KNATIVE_PA = ("autoscaling.internal.knative.dev", "v1alpha1", "podautoscalers")
 _LABEL_OK = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+
+
+def _base_min(metadata: dict | None, floor: int) -> int:
+    """The autoscaler's own floor: the annotation prewarm wrote when it first raised it, else the floor now."""
+    annotations = (metadata or {}).get("annotations") or {}
+    try:
+        return max(0, int(annotations[BASE_MIN_ANNOTATION]))
+    except (KeyError, TypeError, ValueError):
+        return floor
+
+
+def own_ask(desired: int, *, floor: int, base: int, clamped: bool | None) -> int:
+    """The replicas an autoscaler wants on its own, from the wish it reports clamped to the floor prewarm set.
+
+    ``desired`` above ``floor`` is the autoscaler's own wish. At the floor it may be clamped: the HPA says so
+    in its ``ScalingLimited`` condition (reason ``TooFewReplicas``; ``clamped`` True or False), a Knative
+    PodAutoscaler never does (``clamped`` None: taken as clamped). A clamped wish lies below the floor, by how
+    much the API does not say; the autoscaler's own floor ``base`` bounds it from below, and is what is
+    returned. A floor prewarm has not raised (``floor <= base``) is the autoscaler's own: its wish stands.
+    """
+    if desired > floor or floor <= base or clamped is False:
+        return max(0, desired)
+    return base
 
 
 def label_value(value: str) -> str:
@@ -241,15 +271,21 @@ class KubernetesBackend:
         kind, name, namespace = self._workload(model)
         if kind == "InferenceService":
             isvc = self.custom.get_namespaced_custom_object(*KSERVE[:2], namespace, KSERVE[2], name)
-            current = int(((isvc.get("spec") or {}).get("predictor") or {}).get("minReplicas") or 0)
+            floor = int(((isvc.get("spec") or {}).get("predictor") or {}).get("minReplicas") or 0)
             pas = self.custom.list_namespaced_custom_object(
                 *KNATIVE_PA[:2], namespace, KNATIVE_PA[2], label_selector=f"serving.kserve.io/inferenceservice={name}")
-            ask = max([int((pa.get("status") or {}).get("desiredScale") or 0) for pa in pas.get("items", [])] or [0])
-            return ReplicaState(current=current, reactive_ask=ask, floor_kind="min_replicas")
+            desired = max([int((pa.get("status") or {}).get("desiredScale") or 0) for pa in pas.get("items", [])],
+                          default=0)
+            ask = own_ask(desired, floor=floor, base=_base_min(isvc.get("metadata"), floor), clamped=None)
+            return ReplicaState(current=floor, reactive_ask=ask, floor_kind="min_replicas")
         hpa = self._hpa_for(name, namespace)
         if hpa is not None:
-            return ReplicaState(current=int(hpa.spec.min_replicas or 1),
-                                reactive_ask=int(hpa.status.desired_replicas or 0), floor_kind="min_replicas")
+            floor = int(hpa.spec.min_replicas or 1)
+            limited = next((c for c in (hpa.status.conditions or []) if c.type == "ScalingLimited"), None)
+            clamped = None if limited is None else (limited.status == "True" and limited.reason == "TooFewReplicas")
+            ask = own_ask(int(hpa.status.desired_replicas or 0), floor=floor,
+                          base=_base_min(hpa.metadata.to_dict(), floor), clamped=clamped)
+            return ReplicaState(current=floor, reactive_ask=ask, floor_kind="min_replicas")
         scale = self.apps.read_namespaced_deployment_scale(name, namespace)
         # No reactive autoscaler on this Deployment: nothing asks for a floor but the plan.
         return ReplicaState(current=int(scale.spec.replicas or 0), reactive_ask=0, floor_kind="replicas")
@@ -260,23 +296,30 @@ class KubernetesBackend:
         kind, name, namespace = self._workload(model)
         try:
             if kind == "InferenceService":
-                body = {"spec": {"predictor": {"minReplicas": replicas}}}
+                isvc = self.custom.get_namespaced_custom_object(*KSERVE[:2], namespace, KSERVE[2], name)
+                predictor = (isvc.get("spec") or {}).get("predictor") or {}
+                base = _base_min(isvc.get("metadata"), int(predictor.get("minReplicas") or 0))
+                floor = max(replicas, base)
+                ceiling = int(predictor.get("maxReplicas") or 0)  # 0: no upper bound (KServe's default)
+                if ceiling > 0:
+                    floor = min(floor, ceiling)
+                body = {"metadata": {"annotations": {BASE_MIN_ANNOTATION: str(base)}},
+                        "spec": {"predictor": {"minReplicas": floor}}}
                 self.custom.patch_namespaced_custom_object(*KSERVE[:2], namespace, KSERVE[2], name, body,
                                                            _content_type="application/merge-patch+json")
-                return Outcome.ok(f"InferenceService {namespace}/{name} minReplicas -> {replicas}",
+                return Outcome.ok(f"InferenceService {namespace}/{name} minReplicas -> {floor} (its own floor {base})",
                                   workload=f"InferenceService/{namespace}/{name}", field="spec.predictor.minReplicas",
-                                  replicas=replicas)
+                                  replicas=floor, base_min=base, capped_by_max=floor < replicas)
             hpa = self._hpa_for(name, namespace)
             if hpa is not None:
-                annotations = hpa.metadata.annotations or {}
-                base = int(annotations.get(BASE_MIN_ANNOTATION, hpa.spec.min_replicas or 1))
+                base = _base_min(hpa.metadata.to_dict(), int(hpa.spec.min_replicas or 1))
                 floor = min(max(replicas, base), int(hpa.spec.max_replicas))
                 body = {"metadata": {"annotations": {BASE_MIN_ANNOTATION: str(base)}},
                         "spec": {"minReplicas": floor}}
                 self.autoscaling.patch_namespaced_horizontal_pod_autoscaler(hpa.metadata.name, namespace, body)
                 return Outcome.ok(f"HPA {namespace}/{hpa.metadata.name} minReplicas -> {floor} (its own floor {base})",
                                   workload=f"HorizontalPodAutoscaler/{namespace}/{hpa.metadata.name}",
-                                  field="spec.minReplicas", replicas=floor, hpa_base_min=base,
+                                  field="spec.minReplicas", replicas=floor, base_min=base,
                                   capped_by_max=floor < replicas)
             self.apps.patch_namespaced_deployment_scale(name, namespace, {"spec": {"replicas": replicas}})
             return Outcome.ok(f"Deployment {namespace}/{name} replicas -> {replicas}",
