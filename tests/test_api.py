@@ -183,6 +183,12 @@ def test_plans_and_actions_listing(client, engine, tokens):
     reconcile_action_state(engine)  # written past the ledger: counted as the scheduler's start counts it
     plans = client.get("/v1/plans", headers=auth(tokens["read"])).json()
     assert plans["count"] == 1 and plans["data"][0]["actions"] == 1
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO plans (planned_at, summary) VALUES (:t, '{}')"), {"t": NOW + timedelta(hours=1)})
+    later = client.get("/v1/plans", params={"since": (NOW + timedelta(minutes=1)).isoformat(), "limit": 1},
+                       headers=auth(tokens["read"])).json()
+    assert later["count"] == 1 and later["data"][0]["actions"] == 0  # the count follows the filter, as actions'
+    assert client.get("/v1/plans?limit=1", headers=auth(tokens["read"])).json()["count"] == 2
     actions = client.get("/v1/actions?status=succeeded", headers=auth(tokens["read"])).json()
     assert actions["count"] == 1 and actions["data"][0]["kind"] == "prepull"
     assert client.get("/v1/actions?status=failed", headers=auth(tokens["read"])).json()["count"] == 0

@@ -40,14 +40,15 @@ class ActionPublic(ActionRecord):
 def list_plans(engine: EngineDep, _: ReadToken, limit: int = Query(50, ge=1, le=1000),
                since: UtcTime | None = Query(None, description="ISO 8601; no zone = UTC.")
                ) -> ListPublic[PlanPublic]:
+    """The newest plans first; ``count`` is how many match ``since`` (all of them without it), as on ``/v1/actions``."""
+    where = "WHERE (CAST(:since AS timestamptz) IS NULL OR p.planned_at >= :since)"
     with engine.connect() as conn:
         rows = conn.execute(
             text("SELECT p.id, p.planned_at, p.summary, (SELECT count(*) FROM actions a WHERE a.plan_id = p.id) "
-                 "FROM plans p WHERE (CAST(:since AS timestamptz) IS NULL OR p.planned_at >= :since) "
-                 "ORDER BY p.planned_at DESC, p.id DESC LIMIT :limit"),
+                 f"FROM plans p {where} ORDER BY p.planned_at DESC, p.id DESC LIMIT :limit"),
             {"since": since, "limit": limit},
         ).all()
-        count = conn.execute(text("SELECT count(*) FROM plans")).scalar()
+        count = conn.execute(text(f"SELECT count(*) FROM plans p {where}"), {"since": since}).scalar()
     return ListPublic(data=[PlanPublic(id=r[0], planned_at=r[1], summary=r[2], actions=r[3]) for r in rows],
                       count=count)
 
