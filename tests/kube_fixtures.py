@@ -33,8 +33,8 @@ _PATH = re.compile(r"^/(?P<prefix>api/v1|apis/(?P<group>[^/]+)/(?P<version>[^/]+
                    r"(?:/namespaces/(?P<ns>[^/]+))?/(?P<resource>[^/]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>[^/]+))?$")
 KINDS = {"deployments": "Deployment", "jobs": "Job", "pods": "Pod", "events": "Event",
          "horizontalpodautoscalers": "HorizontalPodAutoscaler", "inferenceservices": "InferenceService",
-         "podautoscalers": "PodAutoscaler"}
-CUSTOM_GROUPS = {"serving.kserve.io", "autoscaling.internal.knative.dev"}
+         "podautoscalers": "PodAutoscaler", "scaledobjects": "ScaledObject"}
+CUSTOM_GROUPS = {"serving.kserve.io", "autoscaling.internal.knative.dev", "keda.sh"}
 
 
 def validate_manifest(obj: dict) -> None:
@@ -45,6 +45,9 @@ def validate_manifest(obj: dict) -> None:
         _check_isvc(obj)
         return
     if obj.get("kind") == "PodAutoscaler":
+        return
+    if obj.get("kind") == "ScaledObject":
+        _check_scaled_object(obj)
         return
     kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
 
@@ -63,6 +66,19 @@ def _check_isvc(obj: dict) -> None:
         value = spec["predictor"].get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise ValueError(f"spec.predictor.{key} must be a non-negative integer, got {value!r}")
+
+
+def _check_scaled_object(obj: dict) -> None:
+    """KEDA's CRD schema is not in kubernetes-validate: check the parts prewarm writes and reads."""
+    if obj.get("apiVersion") != "keda.sh/v1alpha1":
+        raise ValueError(f"ScaledObject apiVersion {obj.get('apiVersion')!r}")
+    spec = obj.get("spec")
+    if not isinstance(spec, dict) or not (spec.get("scaleTargetRef") or {}).get("name"):
+        raise ValueError("ScaledObject needs spec.scaleTargetRef.name")
+    for key in ("minReplicaCount", "maxReplicaCount"):
+        value = spec.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"spec.{key} must be a non-negative integer, got {value!r}")
 
 
 def merge_patch(target, patch):
@@ -250,6 +266,15 @@ class FakeKubeApi:
             self.put(merge_patch(target, {"spec": {"replicas": desired}}))
         return hpa
 
+    def sync_keda(self, scaled_object: str, namespace: str = "default") -> dict:
+        """One reconcile of KEDA's operator: its HPA's spec rewritten from the ScaledObject (``updateHPAIfNeeded``:
+        ``minReplicas`` = ``minReplicaCount``, at least 1; ``maxReplicas`` = ``maxReplicaCount``, 100 by default),
+        undoing any other change to it."""
+        spec = self.get("ScaledObject", scaled_object, namespace)["spec"]
+        hpa = self.get("HorizontalPodAutoscaler", f"keda-hpa-{scaled_object}", namespace)
+        return self.put(merge_patch(hpa, {"spec": {"minReplicas": max(1, int(spec.get("minReplicaCount") or 0)),
+                                                   "maxReplicas": int(spec.get("maxReplicaCount") or 100)}}))
+
     def sync_pod_autoscaler(self, isvc: str, wants: int, namespace: str = "default") -> dict:
         """One decision of Knative's KPA for ``isvc`` whose metrics ask for ``wants`` replicas.
 
@@ -304,6 +329,23 @@ def hpa(name: str, target: str, *, min_replicas: int, max_replicas: int, desired
                      "metrics": [{"type": "Resource", "resource": {
                          "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}}}]},
             "status": {"currentReplicas": desired, "desiredReplicas": desired}}
+
+
+def scaled_object(name: str, target: str, *, min_replica_count: int = 0,
+                  max_replica_count: int = 8) -> tuple[dict, dict]:
+    """A KEDA ScaledObject and the HPA KEDA made for it (``keda-hpa-<name>``, owned and controlled by it)."""
+    obj = {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
+           "metadata": {"name": name, "namespace": "default", "uid": str(uuid.uuid4())},
+           "spec": {"scaleTargetRef": {"name": target}, "minReplicaCount": min_replica_count,
+                    "maxReplicaCount": max_replica_count,
+                    "triggers": [{"type": "prometheus", "metadata": {"query": "sum(rate(requests[1m]))"}}]}}
+    made = hpa(f"keda-hpa-{name}", target, min_replicas=max(1, min_replica_count), max_replicas=max_replica_count,
+               desired=max(1, min_replica_count))
+    made["metadata"]["labels"] = {"app.kubernetes.io/managed-by": "keda-operator"}
+    made["metadata"]["ownerReferences"] = [{"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "name": name,
+                                            "uid": obj["metadata"]["uid"], "controller": True,
+                                            "blockOwnerDeletion": True}]
+    return obj, made
 
 
 def inference_service(name: str, *, min_replicas: int = 0) -> dict:

@@ -36,6 +36,7 @@ from tests.kube_fixtures import (
     kubelet_event,
     pod_autoscaler,
     ready_pod,
+    scaled_object,
 )
 from tests.runtime_fixtures import require_binary
 
@@ -271,6 +272,9 @@ def _every_kubernetes_call() -> tuple[FakeKubeApi, set[tuple[str, str, str]]]:
     api.put(hpa("mistral", "mistral", min_replicas=1, max_replicas=6, desired=2))
     api.put(inference_service("qwen", min_replicas=0))
     api.put(pod_autoscaler("qwen", desired=1))
+    for obj in scaled_object("gemma", "gemma", min_replica_count=0):  # KEDA: the floor through the ScaledObject
+        api.put(obj)
+    api.put(deployment("gemma", replicas=1))
     api.put(ready_pod("llama-7d9f8b6c5d-x2x4z", "llama", "gpu-node-1", "2026-11-29T10:00:00Z",
                       "2026-11-29T10:00:31Z", "2026-11-29T10:01:05Z"))
     api.put(kubelet_event("llama-7d9f8b6c5d-x2x4z", "Pulled", 'Container image "x" already present on machine',
@@ -280,7 +284,7 @@ def _every_kubernetes_call() -> tuple[FakeKubeApi, set[tuple[str, str, str]]]:
     backend = KubernetesBackend.from_settings(settings, api_client=api.client(), clock=lambda: NOW,
                                               sleep=lambda s: None)
     targets = {m: ModelTarget(m, labels=labels) for m, labels in (
-        ("llama", {}), ("mistral", {}), ("qwen", {"k8s_kind": "InferenceService"}))}
+        ("llama", {}), ("mistral", {}), ("qwen", {"k8s_kind": "InferenceService"}), ("gemma", {}))}
     actuator = Actuator(MemoryLedger(targets), settings, backend)
 
     def action(kind, model, **kw):
@@ -292,6 +296,7 @@ def _every_kubernetes_call() -> tuple[FakeKubeApi, set[tuple[str, str, str]]]:
         action(ActionKind.SCALE, "llama", replicas=3),  # Deployment /scale
         action(ActionKind.SCALE, "mistral", replicas=4),  # HPA floor
         action(ActionKind.SCALE, "qwen", replicas=2),  # KServe minReplicas, Knative's ask
+        action(ActionKind.SCALE, "gemma", replicas=2),  # KEDA's HPA: the ScaledObject's minReplicaCount
         action(ActionKind.RELEASE, "llama", replicas=1),
         action(ActionKind.PREPULL, "llama", node_id="gpu-node-1", target="vllm/vllm-openai:v0.6.0"),  # Job
     ))

@@ -25,6 +25,7 @@ from tests.kube_fixtures import (
     kubelet_event as _event,
     pod_autoscaler,
     ready_pod as _pod,
+    scaled_object,
     validate_manifest,
 )
 
@@ -327,6 +328,47 @@ def test_inference_service_keeps_its_own_min_replicas_and_max(api, backend):
     assert api.get("InferenceService", "qwen")["spec"]["predictor"]["minReplicas"] == 1
     assert outcome.detail["base_min"] == 1
     assert not api.invalid
+
+
+def test_a_keda_hpa_gets_its_floor_through_the_scaled_object_that_keda_copies_it_from(engine, settings, api, backend):
+    scaled, keda_hpa = scaled_object("llama", "llama", min_replica_count=0, max_replica_count=8)
+    api.put(deployment("llama", replicas=1))
+    api.put(scaled)
+    api.put(keda_hpa)
+    _register(engine, "llama")
+    actuator = Actuator(engine, settings, backend)
+    _, reports = actuator.apply(Plan(planned_at=NOW, actions=(_scale("llama", 4),)), now=NOW)
+    assert reports[0].status is ActionStatus.SUCCEEDED
+    api.sync_keda("llama")  # KEDA rewrites its HPA from the ScaledObject: the floor survives it
+    assert api.get("HorizontalPodAutoscaler", "keda-hpa-llama")["spec"]["minReplicas"] == 4
+    assert reports[0].detail["workload"] == "ScaledObject/default/llama"
+    assert api.get("ScaledObject", "llama")["metadata"]["annotations"]["prewarm.io/base-min-replicas"] == "0"
+    assert not [p for m, p, _ in api.requests if m == "PATCH" and "horizontalpodautoscalers" in p]
+    # The metrics ask for 1: the HPA reports 4 (clamped, TooFewReplicas); the release goes to KEDA's own 0.
+    api.sync_hpa("keda-hpa-llama", wants=1)
+    _, reports = actuator.apply(Plan(planned_at=NOW, actions=(_scale("llama", 4, ActionKind.RELEASE),)),
+                                now=NOW + timedelta(seconds=1))
+    assert reports[0].status is ActionStatus.SUCCEEDED and reports[0].detail["guardrails"]["reactive_ask"] == 0
+    assert api.get("ScaledObject", "llama")["spec"]["minReplicaCount"] == 0
+    api.sync_keda("llama")
+    assert api.get("HorizontalPodAutoscaler", "keda-hpa-llama")["spec"]["minReplicas"] == 1  # KEDA's own
+    outcome = backend.carry_out(_scale("llama", 12), model=ModelTarget("llama"), replicas=12, deadline_s=600)
+    assert outcome.detail["replicas"] == 8 and outcome.detail["capped_by_max"] is True
+    assert not api.invalid
+
+
+def test_an_hpa_another_controller_owns_is_refused_naming_it(api, backend):
+    made = hpa("qwen-predictor", "qwen-predictor", min_replicas=1, max_replicas=4, desired=1)
+    made["metadata"]["ownerReferences"] = [{"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService",
+                                            "name": "qwen", "uid": "0f4c6f5e-1d1b-4c59-9d59-2f1f3b8e6c11",
+                                            "controller": True}]
+    api.put(deployment("qwen-predictor"))
+    api.put(made)
+    outcome = backend.carry_out(_scale("qwen-predictor", 3), model=ModelTarget("qwen-predictor"), replicas=3,
+                                deadline_s=600)
+    assert outcome.status is ActionStatus.FAILED and outcome.reason is FailureReason.UNSUPPORTED
+    assert outcome.temporary is False and "InferenceService qwen" in outcome.message
+    assert api.get("HorizontalPodAutoscaler", "qwen-predictor")["spec"]["minReplicas"] == 1
 
 
 def test_missing_workload_is_not_found(engine, settings, api, backend):

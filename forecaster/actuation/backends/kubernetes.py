@@ -8,6 +8,9 @@ Scale and release:
   restored on release. Which HPA scales which Deployment is read from one LIST
   of the namespace's HPAs every ``hpa_index_ttl_s`` (:class:`HpaIndex`), the
   HPA itself by a GET;
+  An HPA that KEDA controls (a ScaledObject owns it) gets its floor through the
+  ScaledObject's ``minReplicaCount``, which KEDA copies into it (a patch to the
+  HPA would be undone); an HPA another controller owns is refused, naming it;
 * a **KServe InferenceService**: ``spec.predictor.minReplicas`` (JSON merge
   patch; custom resources take no strategic merge), its own floor kept in the
   same annotation and restored on release.
@@ -48,16 +51,52 @@ MANAGED_BY = "prewarm"
 BASE_MIN_ANNOTATION = "prewarm.io/base-min-replicas"
 KSERVE = ("serving.kserve.io", "v1beta1", "inferenceservices")
 KNATIVE_PA = ("autoscaling.internal.knative.dev", "v1alpha1", "podautoscalers")
+KEDA_SCALED_OBJECT = ("keda.sh", "v1alpha1", "scaledobjects")
 _LABEL_OK = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
 
-def _base_min(metadata: dict | None, floor: int) -> int:
+def _base_min(annotations: dict | None, floor: int) -> int:
     """The autoscaler's own floor: the annotation prewarm wrote when it first raised it, else the floor now."""
-    annotations = (metadata or {}).get("annotations") or {}
     try:
-        return max(0, int(annotations[BASE_MIN_ANNOTATION]))
+        return max(0, int((annotations or {})[BASE_MIN_ANNOTATION]))
     except (KeyError, TypeError, ValueError):
         return floor
+
+
+def _floor_patch(replicas: int, *, own_min: int, annotations: dict | None, ceiling: int | None,
+                 field: str) -> tuple[int, int, dict]:
+    """The floor to set for ``replicas`` (never below the autoscaler's own, at most ``ceiling``), that own floor,
+    and the merge patch that sets ``field`` (a dotted path, ``spec.minReplicas``) to it and keeps the own floor."""
+    base = _base_min(annotations, own_min)
+    floor = max(replicas, base) if ceiling is None else min(max(replicas, base), ceiling)
+    body: dict = {"metadata": {"annotations": {BASE_MIN_ANNOTATION: str(base)}}}
+    *parents, leaf = field.split(".")
+    node = body
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = floor
+    return floor, base, body
+
+
+def _floor_set(kind: str, namespace: str, name: str, field: str, *, floor: int, base: int, replicas: int) -> Outcome:
+    return Outcome.ok(f"{kind} {namespace}/{name} {field.rsplit('.', 1)[-1]} -> {floor} (its own floor {base})",
+                      workload=f"{kind}/{namespace}/{name}", field=field, replicas=floor, base_min=base,
+                      capped_by_max=floor < replicas)
+
+
+def _controller(hpa):
+    """The object that controls ``hpa`` (its ownerReference with ``controller: true``), or None."""
+    return next((o for o in (hpa.metadata.owner_references or []) if o.controller), None)
+
+
+def _is_scaled_object(owner) -> bool:
+    return owner is not None and owner.kind == "ScaledObject" and owner.api_version.startswith("keda.sh/")
+
+
+def _clamped_by_min(hpa) -> bool | None:
+    """Whether the HPA says its wish was raised to ``minReplicas`` (``ScalingLimited``); None if it says nothing."""
+    limited = next((c for c in (hpa.status.conditions or []) if c.type == "ScalingLimited"), None)
+    return None if limited is None else (limited.status == "True" and limited.reason == "TooFewReplicas")
 
 
 def own_ask(desired: int, *, floor: int, base: int, clamped: bool | None) -> int:
@@ -267,6 +306,10 @@ class KubernetesBackend:
             # retargeted since the listing: list again
         return None
 
+    def _scaled_object(self, name: str, namespace: str) -> dict:
+        return self.custom.get_namespaced_custom_object(*KEDA_SCALED_OBJECT[:2], namespace, KEDA_SCALED_OBJECT[2],
+                                                        name)
+
     def replica_state(self, model: ModelTarget) -> ReplicaState | None:
         kind, name, namespace = self._workload(model)
         if kind == "InferenceService":
@@ -276,15 +319,19 @@ class KubernetesBackend:
                 *KNATIVE_PA[:2], namespace, KNATIVE_PA[2], label_selector=f"serving.kserve.io/inferenceservice={name}")
             desired = max([int((pa.get("status") or {}).get("desiredScale") or 0) for pa in pas.get("items", [])],
                           default=0)
-            ask = own_ask(desired, floor=floor, base=_base_min(isvc.get("metadata"), floor), clamped=None)
-            return ReplicaState(current=floor, reactive_ask=ask, floor_kind="min_replicas")
+            base = _base_min((isvc.get("metadata") or {}).get("annotations"), floor)
+            return ReplicaState(current=floor, reactive_ask=own_ask(desired, floor=floor, base=base, clamped=None),
+                                floor_kind="min_replicas")
         hpa = self._hpa_for(name, namespace)
         if hpa is not None:
-            floor = int(hpa.spec.min_replicas or 1)
-            limited = next((c for c in (hpa.status.conditions or []) if c.type == "ScalingLimited"), None)
-            clamped = None if limited is None else (limited.status == "True" and limited.reason == "TooFewReplicas")
-            ask = own_ask(int(hpa.status.desired_replicas or 0), floor=floor,
-                          base=_base_min(hpa.metadata.to_dict(), floor), clamped=clamped)
+            floor, annotations = int(hpa.spec.min_replicas or 1), hpa.metadata.annotations
+            owner = _controller(hpa)
+            if _is_scaled_object(owner):  # KEDA keeps its HPA's floor at the ScaledObject's minReplicaCount
+                scaled_object = self._scaled_object(owner.name, namespace)
+                floor = int((scaled_object.get("spec") or {}).get("minReplicaCount") or 0)
+                annotations = (scaled_object.get("metadata") or {}).get("annotations")
+            ask = own_ask(int(hpa.status.desired_replicas or 0), floor=floor, base=_base_min(annotations, floor),
+                          clamped=_clamped_by_min(hpa))
             return ReplicaState(current=floor, reactive_ask=ask, floor_kind="min_replicas")
         scale = self.apps.read_namespaced_deployment_scale(name, namespace)
         # No reactive autoscaler on this Deployment: nothing asks for a floor but the plan.
@@ -298,34 +345,58 @@ class KubernetesBackend:
             if kind == "InferenceService":
                 isvc = self.custom.get_namespaced_custom_object(*KSERVE[:2], namespace, KSERVE[2], name)
                 predictor = (isvc.get("spec") or {}).get("predictor") or {}
-                base = _base_min(isvc.get("metadata"), int(predictor.get("minReplicas") or 0))
-                floor = max(replicas, base)
-                ceiling = int(predictor.get("maxReplicas") or 0)  # 0: no upper bound (KServe's default)
-                if ceiling > 0:
-                    floor = min(floor, ceiling)
-                body = {"metadata": {"annotations": {BASE_MIN_ANNOTATION: str(base)}},
-                        "spec": {"predictor": {"minReplicas": floor}}}
+                floor, base, body = _floor_patch(
+                    replicas, own_min=int(predictor.get("minReplicas") or 0),
+                    annotations=(isvc.get("metadata") or {}).get("annotations"),
+                    ceiling=int(predictor.get("maxReplicas") or 0) or None,  # 0: no upper bound (KServe's default)
+                    field="spec.predictor.minReplicas")
                 self.custom.patch_namespaced_custom_object(*KSERVE[:2], namespace, KSERVE[2], name, body,
                                                            _content_type="application/merge-patch+json")
-                return Outcome.ok(f"InferenceService {namespace}/{name} minReplicas -> {floor} (its own floor {base})",
-                                  workload=f"InferenceService/{namespace}/{name}", field="spec.predictor.minReplicas",
-                                  replicas=floor, base_min=base, capped_by_max=floor < replicas)
+                return _floor_set("InferenceService", namespace, name, "spec.predictor.minReplicas", floor=floor,
+                                  base=base, replicas=replicas)
             hpa = self._hpa_for(name, namespace)
             if hpa is not None:
-                base = _base_min(hpa.metadata.to_dict(), int(hpa.spec.min_replicas or 1))
-                floor = min(max(replicas, base), int(hpa.spec.max_replicas))
-                body = {"metadata": {"annotations": {BASE_MIN_ANNOTATION: str(base)}},
-                        "spec": {"minReplicas": floor}}
-                self.autoscaling.patch_namespaced_horizontal_pod_autoscaler(hpa.metadata.name, namespace, body)
-                return Outcome.ok(f"HPA {namespace}/{hpa.metadata.name} minReplicas -> {floor} (its own floor {base})",
-                                  workload=f"HorizontalPodAutoscaler/{namespace}/{hpa.metadata.name}",
-                                  field="spec.minReplicas", replicas=floor, base_min=base,
-                                  capped_by_max=floor < replicas)
+                return self._set_hpa_floor(hpa, namespace, replicas)
             self.apps.patch_namespaced_deployment_scale(name, namespace, {"spec": {"replicas": replicas}})
             return Outcome.ok(f"Deployment {namespace}/{name} replicas -> {replicas}",
                               workload=f"Deployment/{namespace}/{name}", field="spec.replicas", replicas=replicas)
         except ApiException as exc:
             return _api_failure(exc, f"{kind} {namespace}/{name}")
+
+    def _set_hpa_floor(self, hpa, namespace: str, replicas: int) -> Outcome:
+        """Raise or restore an HPA's floor; where a controller writes the HPA's spec, set the floor it copies.
+
+        KEDA rewrites its HPA from the ScaledObject on every reconcile (and an HPA change triggers one), so a
+        patched ``minReplicas`` would be gone within seconds: the ScaledObject's ``minReplicaCount`` is set
+        instead. Any other controller (KServe's raw deployments, an operator's own HPA) is refused, naming it.
+        """
+        owner = _controller(hpa)
+        if _is_scaled_object(owner):
+            scaled_object = self._scaled_object(owner.name, namespace)
+            spec = scaled_object.get("spec") or {}
+            floor, base, body = _floor_patch(
+                replicas, own_min=int(spec.get("minReplicaCount") or 0),
+                annotations=(scaled_object.get("metadata") or {}).get("annotations"),
+                ceiling=int(spec.get("maxReplicaCount") or 100),  # KEDA's default maxReplicaCount
+                field="spec.minReplicaCount")
+            self.custom.patch_namespaced_custom_object(*KEDA_SCALED_OBJECT[:2], namespace, KEDA_SCALED_OBJECT[2],
+                                                       owner.name, body, _content_type="application/merge-patch+json")
+            return _floor_set("ScaledObject", namespace, owner.name, "spec.minReplicaCount", floor=floor, base=base,
+                              replicas=replicas)
+        if owner is not None:
+            return Outcome.failed(
+                FailureReason.UNSUPPORTED,
+                f"HPA {namespace}/{hpa.metadata.name} is controlled by {owner.kind} {owner.name}, which would undo a "
+                f"change to its minReplicas; set the floor on the {owner.kind} (an InferenceService: label the model "
+                "k8s_kind=InferenceService) or leave the model to prewarm's autoscaler metrics",
+                workload=f"HorizontalPodAutoscaler/{namespace}/{hpa.metadata.name}",
+                controlled_by=f"{owner.kind}/{owner.name}")
+        floor, base, body = _floor_patch(replicas, own_min=int(hpa.spec.min_replicas or 1),
+                                         annotations=hpa.metadata.annotations, ceiling=int(hpa.spec.max_replicas),
+                                         field="spec.minReplicas")
+        self.autoscaling.patch_namespaced_horizontal_pod_autoscaler(hpa.metadata.name, namespace, body)
+        return _floor_set("HorizontalPodAutoscaler", namespace, hpa.metadata.name, "spec.minReplicas", floor=floor,
+                          base=base, replicas=replicas)
 
     # --- pre-pull Jobs -----------------------------------------------------------------------------------------
 
