@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -266,11 +267,18 @@ def test_each_plan_predicts_what_it_would_spend_at_every_factor():
     # the next update reads it: the curve enters the window's sums and the factor comes from them
     updated = update_budget(after, WasteBudget(pct=100.0), spent_gpu_s=expected[12], reference_idle_gpu_s=30.0)
     assert len(updated.curve_sum) == 25 and updated.predicted == pytest.approx(expected[12])
-    # allowance 30 GPU-s a minute with the curve right (bias 1) and spend 60 over: the factor where the curve is
-    # 30 x 30 / 60 = 15 GPU-s, i.e. below model m2's threshold of 1 and above m3's (spend 4 x 60 x 0.1 = 24 > 15:
-    # nothing held meets it but the lowest factors)
-    assert updated.factor < 1.0 and np.interp(updated.log_factor, spend_curve_log_factors(1000.0),
-                                              np.maximum.accumulate(curve)) <= 24.0 + 1e-6
+    # allowance 30 GPU-s a minute with the curve right (bias 1) and spend 54 over it. After one minute of a
+    # 240-minute window the pace error counts for 1 - exp(-1/240) of its log: the factor where the curve is
+    # 30 x (30 / 54) ** 0.0042, just under 30
+    grid, rising = spend_curve_log_factors(1000.0), np.maximum.accumulate(curve)
+    fill = -np.expm1(-1.0 / 240.0)
+    assert np.interp(updated.log_factor, grid, rising) == pytest.approx(30.0 * (30.0 / 54.0) ** fill, rel=1e-3)
+    # with the window full (a state saved before its minutes were counted reads so), the whole pace error is repaid:
+    # the curve at 30 x 30 / 54 = 16.7 GPU-s, below model m2's threshold of 1 and above m3's (spend 4 x 60 x 0.1 =
+    # 24 > 16.7: nothing held meets it but the lowest factors)
+    full = update_budget(replace(after, elapsed_min=None), WasteBudget(pct=100.0), spent_gpu_s=expected[12],
+                         reference_idle_gpu_s=30.0)
+    assert full.factor < 1.0 and np.interp(full.log_factor, grid, rising) <= 24.0 + 1e-6
 
 
 def test_a_stored_curve_that_is_not_usable_is_dropped():
@@ -306,3 +314,28 @@ def test_each_update_keeps_its_interval_and_the_history_counts_each_once():
     assert [p.planned_at for p in points] == ["t1", "t3"]
     assert [p.spent_gpu_s for p in points] == [3.0, 50.0] and points[1].window_spent_pct == pytest.approx(
         100.0 * second.spent / second.allowed)
+
+
+def test_a_fleet_s_first_minutes_do_not_drive_the_factor_to_its_bound():
+    """A fresh fleet spends little at first (its replicas are still starting) while the allowance flows: the demo's
+    replay went to 1000 x at its second plan and overspent for hours. Read over two minutes of a 240-minute
+    window, neither the pace error nor the curves' bias is extrapolated to the whole window, and the allowance of
+    the minute no curve predicted is not asked of the curve."""
+    budget = WasteBudget(pct=100.0)
+    curve = np.linspace(3000.0, 21000.0, 25)  # idle GPU-s per minute; 12,000 at factor 1
+    state = update_budget(BudgetState(), budget, spent_gpu_s=0.0, reference_idle_gpu_s=15000.0).with_curve(curve)
+    after = update_budget(state, budget, spent_gpu_s=1680.0, reference_idle_gpu_s=15000.0)
+    grid = spend_curve_log_factors(budget.max_factor)
+    assert 14000.0 < np.interp(after.log_factor, grid, curve) < 16000.0  # the curve at about one minute's allowance
+    assert 5.0 < after.factor < 20.0
+    # the same sums read as a full window, every interval covered (the law before): the bound
+    old_law = update_budget(replace(state, elapsed_min=None, covered_spent=0.0, covered_allowed=15000.0), budget,
+                            spent_gpu_s=1680.0, reference_idle_gpu_s=15000.0)
+    assert old_law.factor == pytest.approx(budget.max_factor)
+    # a full window of steady spend at the allowance keeps the factor where the curve meets it
+    steady = after
+    for _ in range(600):
+        spent = float(np.interp(steady.log_factor, grid, curve))  # the curve is right
+        steady = update_budget(steady.with_curve(curve), budget, spent_gpu_s=spent, reference_idle_gpu_s=8000.0)
+    assert steady.status == "on_budget" and steady.elapsed_min == pytest.approx(602.0)
+    assert np.interp(steady.log_factor, grid, curve) == pytest.approx(8000.0, rel=0.05)

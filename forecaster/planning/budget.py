@@ -22,13 +22,19 @@ multiplies every model's cold cost by a factor ``f = exp(u)`` and moves ``u`` af
   (``curve``) to the next update.
 * **the controller** (feed-forward): exponentially discounted totals over a window of ``window_min`` minutes,
   ``S <- l S + spent``, ``A <- l A + allowed``, ``C(f) <- l C(f) + minutes x curve(f)`` and
-  ``P <- l P + minutes x curve(f_used)`` with ``l = exp(-dt / window_min)``. The curves' bias is
-  ``b = S / P`` (what was spent over what they predicted at the factors used, within 10x either way), the pace
-  error ``A / S`` (within 4x either way; ``eps = 1e-9 + 0.01 (A + S)`` on both sides). The new factor is the one
-  at which ``b C(f) = A x A / S``: the constant factor that would have met the window's allowance, spending
-  less after the window overspent (and more after it underspent) so that the total comes back to the budget.
-  Before the first curve (a fresh state, or one saved before curves) the factor takes an integral step instead,
-  ``u <- u + gain dt log(A / S)``.
+  ``P <- l P + minutes x curve(f_used)`` with ``l = exp(-dt / window_min)``, and ``S_c``, ``A_c`` the same sums
+  of spend and allowance over the intervals a curve predicted. The curves' bias is ``b = S_c / P`` (what was
+  spent over what they predicted at the factors used, within 10x either way), the pace error ``A / S`` (within
+  4x either way; ``eps = 1e-9 + 0.01 (A + S)`` on both sides). The new factor is the one at which
+  ``b^w C(f) = A_c x (A / S)^w``: the constant factor that would have met the allowance of the minutes the
+  curves cover, spending less after the window overspent (and more after it underspent) so that the total comes
+  back to the budget. ``w = 1 - exp(-t / window_min)``, ``t`` the minutes measured since the state began, is the
+  share of the window the sums have read: a ratio read over the first minutes is not extrapolated to the whole
+  window. (Without ``w``, and with the allowance of the first interval, which no curve predicted, on the right
+  hand side, the demo's fresh fleet, whose replicas were still starting, read 17x under budget at its second plan,
+  went to the bound ``max_factor`` for 17 minutes and overspent the next five hours: 108 % of the budget over six.)
+  A state saved before ``t`` was kept reads as a full window. Before the first curve (a fresh state, or one
+  saved before curves) the factor takes an integral step instead, ``u <- u + gain dt log(A / S)``.
 
 Why feed-forward: the factor the budget needs drifts through the day (on the Azure day from about 0.5 at night
 to about 0.3 by day, with the empirical source); an integral step only learns the drift from the spend it has
@@ -164,6 +170,10 @@ class BudgetState:
     interval_spent: float = 0.0
     interval_allowed: float = 0.0
     interval_predicted: float | None = None  # the previous plan's curve at its factor, x the minutes; None: no curve
+    # the discounted spend and allowance of the intervals a curve predicted (what the curves are compared with)
+    covered_spent: float = 0.0
+    covered_allowed: float = 0.0
+    elapsed_min: float | None = 0.0  # minutes measured since the state began; None: saved before it was kept
 
     @property
     def factor(self) -> float:
@@ -209,9 +219,14 @@ class BudgetState:
             fields[name] = _curve(values.get(name, ()))
         for name in ("interval_min", "interval_spent", "interval_allowed", "interval_predicted"):
             v = values.get(name)  # states saved before the interval fields have none
-            usable = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-            if usable:
+            if _usable(v):
                 fields[name] = float(v)
+        # states saved before these were kept: every interval counted as covered, the window as full (the old law)
+        for name, fallback in (("covered_spent", "spent"), ("covered_allowed", "allowed")):
+            v = values.get(name)
+            fields[name] = float(v) if _usable(v) else fields[fallback]
+        elapsed = values.get("elapsed_min")
+        fields["elapsed_min"] = float(elapsed) if _usable(elapsed) else None
         return cls(**fields)
 
     def predicted_next_minute(self) -> float | None:
@@ -224,6 +239,10 @@ class BudgetState:
     def with_curve(self, curve) -> "BudgetState":
         """The state with the spend curve of the plan just made (per minute, at :func:`spend_curve_log_factors`)."""
         return replace(self, curve=_curve(curve))
+
+
+def _usable(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 def _curve(values: object) -> tuple[float, ...]:
@@ -272,17 +291,25 @@ def update_budget(state: BudgetState, budget: WasteBudget, *, spent_gpu_s: float
     same_grid = abs(state.curve_span - bound) < 1e-9
     curve_sum = np.asarray(state.curve_sum, dtype="float64") * keep if state.curve_sum and same_grid else None
     predicted = keep * state.predicted if curve_sum is not None else 0.0
+    covered_s = keep * state.covered_spent if curve_sum is not None else 0.0
+    covered_a = keep * state.covered_allowed if curve_sum is not None else 0.0
     interval_predicted = None
     if state.curve and same_grid:  # the plan made at the start of this interval said what it would spend
         pending = np.asarray(state.curve, dtype="float64") * float(minutes)
         curve_sum = pending if curve_sum is None else curve_sum + pending
         interval_predicted = float(np.interp(state.log_factor, grid, pending))
         predicted += interval_predicted
+        covered_s += float(spent_gpu_s)
+        covered_a += allowed
+    elapsed = None if state.elapsed_min is None else state.elapsed_min + float(minutes)
+    fill = 1.0 if elapsed is None else -math.expm1(-elapsed / budget.window_min)
     if curve_sum is not None and predicted > 0 and curve_sum[-1] > 0:
-        # feed-forward: the factor that would have met the window's allowance, repaying the window's pace error
-        bias = min(max((s + eps) / (predicted + eps), 1.0 / MAX_CURVE_BIAS), MAX_CURVE_BIAS)
+        # feed-forward: the factor that would have met the allowance of the minutes the curves cover, repaying the
+        # window's pace error; bias and pace count in proportion to the share of the window they were read over
+        eps_c = 1e-9 + 0.01 * (covered_a + covered_s)
+        bias = min(max((covered_s + eps_c) / (predicted + eps_c), 1.0 / MAX_CURVE_BIAS), MAX_CURVE_BIAS)
         pace = min(max(math.exp(error), 1.0 / MAX_PACE_RATIO), MAX_PACE_RATIO)
-        log_factor = _solve_factor(grid, bias * curve_sum, a * pace)
+        log_factor = _solve_factor(grid, bias ** fill * curve_sum, covered_a * pace ** fill)
     else:  # no curve yet: the integral step
         log_factor = state.log_factor + budget.gain_per_min * minutes * error
     log_factor = min(max(log_factor, -bound), bound)
@@ -301,7 +328,8 @@ def update_budget(state: BudgetState, budget: WasteBudget, *, spent_gpu_s: float
                        over_minutes=over_minutes, status=status, curve_span=bound,
                        curve_sum=() if curve_sum is None else tuple(float(v) for v in curve_sum), predicted=predicted,
                        interval_min=float(minutes), interval_spent=float(spent_gpu_s), interval_allowed=allowed,
-                       interval_predicted=interval_predicted)
+                       interval_predicted=interval_predicted, covered_spent=covered_s, covered_allowed=covered_a,
+                       elapsed_min=elapsed)
 
 
 @dataclass(frozen=True)
