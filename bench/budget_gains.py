@@ -27,7 +27,9 @@ the budget, p75 cold 25.0 % (the static cold-cost curve reads about 24.2 % at 10
 at the 10th-90th percentiles over the day (0.47 at the end). On the fleet day (``--skip minute,llm,fleet-keepalive
 --no-grid``) it spent 100.2 % with p75 cold 37.5 %, overall cold 2.07 %, p99 wait 14.0 s, where the static
 default cold cost spent 101.4 % with 33.3 %, 2.23 % and 14.0 s: fewer cold starts overall, a worse p75; the
-spend curves' bias there was 1.04.
+spend curves' bias there was 1.04. Under the share-of-window weight and the covered-interval sums (2bbca5d; this
+script then reads 97.0 % at 240 minutes, still the longest within 5 %): minute protocol 101.90 % / p75 25.0 %, fleet
+day 100.69 % / p75 33.33 % / p99 14.15 s (after the serving layer's grace fix, 5f5edef).
 
 Usage: python bench/budget_gains.py [--functions N] [--json PATH]
 """
