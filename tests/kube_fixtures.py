@@ -275,6 +275,14 @@ class FakeKubeApi:
         return self.put(merge_patch(hpa, {"spec": {"minReplicas": max(1, int(spec.get("minReplicaCount") or 0)),
                                                    "maxReplicas": int(spec.get("maxReplicaCount") or 100)}}))
 
+    def sync_kserve_raw(self, isvc: str, namespace: str = "default") -> dict:
+        """One reconcile of KServe's controller in RawDeployment mode: the predictor's HPA (``<isvc>-predictor``)
+        gets the InferenceService's minReplicas (at least 1) and maxReplicas."""
+        predictor = self.get("InferenceService", isvc, namespace)["spec"]["predictor"]
+        hpa = self.get("HorizontalPodAutoscaler", f"{isvc}-predictor", namespace)
+        return self.put(merge_patch(hpa, {"spec": {"minReplicas": max(1, int(predictor.get("minReplicas") or 0)),
+                                                   "maxReplicas": int(predictor.get("maxReplicas") or 8)}}))
+
     def sync_pod_autoscaler(self, isvc: str, wants: int, namespace: str = "default") -> dict:
         """One decision of Knative's KPA for ``isvc`` whose metrics ask for ``wants`` replicas.
 

@@ -330,6 +330,31 @@ def test_inference_service_keeps_its_own_min_replicas_and_max(api, backend):
     assert not api.invalid
 
 
+def test_a_raw_deployment_inference_service_reads_its_ask_from_the_predictor_s_hpa(engine, settings, api, backend):
+    isvc = inference_service("qwen", min_replicas=1)
+    isvc["metadata"]["annotations"] = {"serving.kserve.io/deploymentMode": "RawDeployment"}
+    made = hpa("qwen-predictor", "qwen-predictor", min_replicas=1, max_replicas=8, desired=1)
+    made["metadata"]["ownerReferences"] = [{"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService",
+                                            "name": "qwen", "uid": "0f4c6f5e-1d1b-4c59-9d59-2f1f3b8e6c11",
+                                            "controller": True}]
+    api.put(isvc)
+    api.put(deployment("qwen-predictor"))
+    api.put(made)
+    api.sync_hpa("qwen-predictor", wants=3)  # KServe's HPA wants 3: its own wish, above the floor of 1
+    _register(engine, "qwen", k8s_kind="InferenceService")
+    actuator = Actuator(engine, settings, backend)
+    _, reports = actuator.apply(Plan(planned_at=NOW, actions=(_scale("qwen", 2),)), now=NOW)
+    assert reports[0].status is ActionStatus.SUCCEEDED and reports[0].detail["guardrails"]["reactive_ask"] == 3
+    assert api.get("InferenceService", "qwen")["spec"]["predictor"]["minReplicas"] == 3  # never below the ask
+    api.sync_kserve_raw("qwen")
+    api.sync_hpa("qwen-predictor", wants=1)  # clamped to the floor KServe copied: 3, TooFewReplicas
+    _, reports = actuator.apply(Plan(planned_at=NOW, actions=(_scale("qwen", 2, ActionKind.RELEASE),)),
+                                now=NOW + timedelta(seconds=1))
+    assert reports[0].status is ActionStatus.SUCCEEDED and reports[0].detail["guardrails"]["reactive_ask"] == 1
+    assert api.get("InferenceService", "qwen")["spec"]["predictor"]["minReplicas"] == 1
+    assert not api.invalid
+
+
 def test_a_keda_hpa_gets_its_floor_through_the_scaled_object_that_keda_copies_it_from(engine, settings, api, backend):
     scaled, keda_hpa = scaled_object("llama", "llama", min_replica_count=0, max_replica_count=8)
     api.put(deployment("llama", replicas=1))

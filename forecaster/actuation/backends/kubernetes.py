@@ -13,7 +13,8 @@ Scale and release:
   HPA would be undone); an HPA another controller owns is refused, naming it;
 * a **KServe InferenceService**: ``spec.predictor.minReplicas`` (JSON merge
   patch; custom resources take no strategic merge), its own floor kept in the
-  same annotation and restored on release.
+  same annotation and restored on release. Its reactive ask is the Knative
+  PodAutoscalers' (Serverless mode) or the predictor HPA's (RawDeployment).
 
 The reactive ask is what the autoscaler wants on its own, without the floor
 prewarm set (:func:`own_ask`). Both autoscalers report their wish clamped to
@@ -52,6 +53,9 @@ BASE_MIN_ANNOTATION = "prewarm.io/base-min-replicas"
 KSERVE = ("serving.kserve.io", "v1beta1", "inferenceservices")
 KNATIVE_PA = ("autoscaling.internal.knative.dev", "v1alpha1", "podautoscalers")
 KEDA_SCALED_OBJECT = ("keda.sh", "v1alpha1", "scaledobjects")
+#: The predictor Deployment (and its HPA) KServe's RawDeployment mode makes: ``<isvc>-predictor`` (0.9 and later),
+#: ``<isvc>-predictor-default`` before.
+KSERVE_RAW_PREDICTOR_SUFFIXES = ("-predictor", "-predictor-default")
 _LABEL_OK = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
 
@@ -315,12 +319,18 @@ class KubernetesBackend:
         if kind == "InferenceService":
             isvc = self.custom.get_namespaced_custom_object(*KSERVE[:2], namespace, KSERVE[2], name)
             floor = int(((isvc.get("spec") or {}).get("predictor") or {}).get("minReplicas") or 0)
+            base = _base_min((isvc.get("metadata") or {}).get("annotations"), floor)
             pas = self.custom.list_namespaced_custom_object(
                 *KNATIVE_PA[:2], namespace, KNATIVE_PA[2], label_selector=f"serving.kserve.io/inferenceservice={name}")
-            desired = max([int((pa.get("status") or {}).get("desiredScale") or 0) for pa in pas.get("items", [])],
-                          default=0)
-            base = _base_min((isvc.get("metadata") or {}).get("annotations"), floor)
-            return ReplicaState(current=floor, reactive_ask=own_ask(desired, floor=floor, base=base, clamped=None),
+            if pas.get("items"):  # Serverless: Knative's PodAutoscalers, which never say their wish was clamped
+                desired = max(int((pa.get("status") or {}).get("desiredScale") or 0) for pa in pas["items"])
+                clamped = None
+            else:  # RawDeployment: the HPA KServe made for the predictor's Deployment (or no autoscaler at all)
+                hpa = next(filter(None, (self._hpa_for(f"{name}{suffix}", namespace)
+                                         for suffix in KSERVE_RAW_PREDICTOR_SUFFIXES)), None)
+                desired = 0 if hpa is None else int(hpa.status.desired_replicas or 0)
+                clamped = None if hpa is None else _clamped_by_min(hpa)
+            return ReplicaState(current=floor, reactive_ask=own_ask(desired, floor=floor, base=base, clamped=clamped),
                                 floor_kind="min_replicas")
         hpa = self._hpa_for(name, namespace)
         if hpa is not None:
