@@ -12,7 +12,9 @@ schema below. An invalid object fails the request with 422 and is kept in ``inva
 
 A ``kubelet`` hook may change a Job when it is created (complete it, or give its pod an image pull error).
 :meth:`FakeKubeApi.sync_hpa` and :meth:`FakeKubeApi.sync_pod_autoscaler` play the autoscalers' controllers: the
-metrics' wish clamped to the floor and ceiling, in the status fields and conditions the real controllers write.
+metrics' wish clamped to the floor and ceiling, in the status fields and conditions the real controllers write;
+:meth:`FakeKubeApi.sync_keda` and :meth:`FakeKubeApi.sync_kserve_raw` play KEDA's operator and KServe's
+RawDeployment controller rewriting the HPA they own from their own object.
 
 :meth:`FakeKubeApi.rbac_calls` names every request in RBAC's terms, (API group, resource[/subresource], verb),
 so a test can hold the shipped Role to exactly the calls the code makes (``tests/test_deploy.py``).
@@ -271,17 +273,20 @@ class FakeKubeApi:
         ``minReplicas`` = ``minReplicaCount``, at least 1; ``maxReplicas`` = ``maxReplicaCount``, 100 by default),
         undoing any other change to it."""
         spec = self.get("ScaledObject", scaled_object, namespace)["spec"]
-        hpa = self.get("HorizontalPodAutoscaler", f"keda-hpa-{scaled_object}", namespace)
-        return self.put(merge_patch(hpa, {"spec": {"minReplicas": max(1, int(spec.get("minReplicaCount") or 0)),
-                                                   "maxReplicas": int(spec.get("maxReplicaCount") or 100)}}))
+        return self._copy_bounds(f"keda-hpa-{scaled_object}", namespace, int(spec.get("minReplicaCount") or 0),
+                                 int(spec.get("maxReplicaCount") or 100))
 
     def sync_kserve_raw(self, isvc: str, namespace: str = "default") -> dict:
         """One reconcile of KServe's controller in RawDeployment mode: the predictor's HPA (``<isvc>-predictor``)
         gets the InferenceService's minReplicas (at least 1) and maxReplicas."""
         predictor = self.get("InferenceService", isvc, namespace)["spec"]["predictor"]
-        hpa = self.get("HorizontalPodAutoscaler", f"{isvc}-predictor", namespace)
-        return self.put(merge_patch(hpa, {"spec": {"minReplicas": max(1, int(predictor.get("minReplicas") or 0)),
-                                                   "maxReplicas": int(predictor.get("maxReplicas") or 8)}}))
+        return self._copy_bounds(f"{isvc}-predictor", namespace, int(predictor.get("minReplicas") or 0),
+                                 int(predictor.get("maxReplicas") or 8))
+
+    def _copy_bounds(self, hpa_name: str, namespace: str, low: int, high: int) -> dict:
+        """A controller that owns an HPA writing its bounds from its own object (an HPA's floor is at least 1)."""
+        hpa = self.get("HorizontalPodAutoscaler", hpa_name, namespace)
+        return self.put(merge_patch(hpa, {"spec": {"minReplicas": max(1, low), "maxReplicas": high}}))
 
     def sync_pod_autoscaler(self, isvc: str, wants: int, namespace: str = "default") -> dict:
         """One decision of Knative's KPA for ``isvc`` whose metrics ask for ``wants`` replicas.
