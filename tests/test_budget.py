@@ -339,3 +339,16 @@ def test_a_fleet_s_first_minutes_do_not_drive_the_factor_to_its_bound():
         steady = update_budget(steady.with_curve(curve), budget, spent_gpu_s=spent, reference_idle_gpu_s=8000.0)
     assert steady.status == "on_budget" and steady.elapsed_min == pytest.approx(602.0)
     assert np.interp(steady.log_factor, grid, curve) == pytest.approx(8000.0, rel=0.05)
+
+
+def test_a_state_saved_before_the_window_share_was_kept_reads_as_a_full_window():
+    """Plans stored before 2bbca5d carry no covered sums and no elapsed minutes: the old law, not a fresh start."""
+    budget = WasteBudget(pct=100.0)
+    state = update_budget(BudgetState(), budget, spent_gpu_s=50.0, reference_idle_gpu_s=40.0).with_curve(
+        np.linspace(0.0, 100.0, 25))
+    saved = {k: v for k, v in state.as_dict().items() if k not in ("covered_spent", "covered_allowed", "elapsed_min")}
+    old = BudgetState.from_dict(saved)
+    assert old.elapsed_min is None and (old.covered_spent, old.covered_allowed) == (state.spent, state.allowed)
+    assert BudgetState.from_dict(old.as_dict()) == old  # None survives the plan summary's JSON
+    assert BudgetState.from_dict(state.as_dict()) == state and state.elapsed_min == 1.0
+    assert update_budget(old, budget, spent_gpu_s=50.0, reference_idle_gpu_s=40.0).elapsed_min is None
