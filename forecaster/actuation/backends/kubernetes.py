@@ -7,10 +7,11 @@ Scale and release:
   would undo a direct change), the HPA's own floor kept in an annotation and
   restored on release. Which HPA scales which Deployment is read from one LIST
   of the namespace's HPAs every ``hpa_index_ttl_s`` (:class:`HpaIndex`), the
-  HPA itself by a GET;
-  An HPA that KEDA controls (a ScaledObject owns it) gets its floor through the
-  ScaledObject's ``minReplicaCount``, which KEDA copies into it (a patch to the
-  HPA would be undone); an HPA another controller owns is refused, naming it;
+  HPA itself by a GET. An HPA that KEDA controls (a ScaledObject owns it) gets
+  its floor through the ScaledObject's ``minReplicaCount``, which KEDA copies
+  into it (a patch to the HPA would be undone); an HPA another controller owns
+  is refused, naming it. Each scale or release reads the object it patches
+  again (one GET), so the own floor it keeps is the one there now;
 * a **KServe InferenceService**: ``spec.predictor.minReplicas`` (JSON merge
   patch; custom resources take no strategic merge), its own floor kept in the
   same annotation and restored on release. Its reactive ask is the Knative
