@@ -8,9 +8,11 @@ fail instead under ``CI``.
 from __future__ import annotations
 
 import base64
+import ctypes
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -447,3 +449,72 @@ def test_actuator_agent_backend_end_to_end_records_actions_and_transfers(tmp_pat
     retry_now = now + timedelta(seconds=5)
     _, reports = gone.apply(Plan(planned_at=retry_now, actions=(actions[1],)), now=retry_now)
     assert reports[0].status is ActionStatus.PENDING and reports[0].reason is FailureReason.RUNTIME_UNAVAILABLE
+
+
+def _proc_status_kib(*fields: str) -> dict[str, int]:
+    rows = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return {f: int(rows[f].split()[0]) for f in fields}
+
+
+def test_host_tier_locks_the_files_page_cache_not_a_private_copy(tmp_path):
+    """The host tier exists so that a replica's load reads the weights from memory: the pinned pages must be the
+    file's page cache. A private writable mapping locked with ``mlock`` is faulted in for write, which gives the
+    agent an anonymous copy of the whole file (its own memory, charged to its cgroup) and leaves the page cache
+    evictable; that is what the tier did until it mapped the file shared and read-only."""
+    from forecaster.agent.service import _HostPin
+
+    size = 64 << 20
+    path = tmp_path / "data"
+    path.write_bytes(os.urandom(size))
+    before = _proc_status_kib("RssAnon", "RssFile", "VmLck")
+    pin = _HostPin(path, size)
+    try:
+        after = _proc_status_kib("RssAnon", "RssFile", "VmLck")
+        grew_kib = {f: after[f] - before[f] for f in after}
+        assert grew_kib["RssAnon"] < (size >> 10) // 4, grew_kib  # no copy of the file in the agent's memory
+        if pin.mode == "pinned":  # root here (CAP_IPC_LOCK): the file's own pages are mapped, resident and locked
+            assert grew_kib["VmLck"] >= size >> 10 and grew_kib["RssFile"] >= (size >> 10) * 9 // 10, grew_kib
+        with open(path, "rb") as handle:  # the mapping is the file's bytes
+            handle.seek(size - 4096)
+            assert ctypes.string_at(pin._address + size - 4096, 4096) == handle.read(4096)
+    finally:
+        pin.release()
+    assert _proc_status_kib("VmLck")["VmLck"] <= before["VmLck"]
+
+
+def _cache_entry(cache: WeightsCache, uri: str, size: int) -> None:
+    staging = cache.staging_dir(uri)
+    (staging / "data").write_bytes(os.urandom(size))
+    cache.commit(staging, uri=uri, size=size, sha256=None, fetched_at="2026-12-07T00:00:00+00:00")
+
+
+def test_space_a_download_has_allocated_is_not_counted_twice(tmp_path):
+    """A download reserves its size, then allocates it on disk (``posix_fallocate``): from then on the file
+    system's free space no longer holds those bytes, so a second reservation must not subtract them again. Counted
+    twice, a second pre-load beside a large one evicted the whole warm cache and then failed as ``no_space``
+    (permanent: never retried). A reservation not yet allocated still counts."""
+    mib = 1 << 20
+    cache = WeightsCache(tmp_path / "cache", reserve_bytes=0)
+    for name in ("warm-1", "warm-2"):
+        _cache_entry(cache, f"s3://b/{name}", 8 * mib)
+    cache.reserve("s3://b/big", 48 * mib)  # the large download in flight, its blocks allocated
+    staging = cache.staging_dir("s3://b/big")
+    fd = os.open(staging / "data", os.O_RDWR | os.O_CREAT)
+    try:
+        os.posix_fallocate(fd, 0, 48 * mib)
+        cache.allocated("s3://b/big")
+
+        def leave_free(n: int) -> None:  # a small disk: only n bytes free beyond the cache's reserve
+            cache.reserve_bytes = shutil.disk_usage(cache.root).free - n
+
+        leave_free(24 * mib)
+        cache.reserve("s3://b/second", 16 * mib)
+        assert cache.last_evicted == [] and len(cache.entries()) == 2
+        # "second" has not allocated yet: its 16 MiB are still owed, so a third needs one warm entry evicted.
+        leave_free(24 * mib)
+        cache.reserve("s3://b/third", 16 * mib)
+        assert cache.last_evicted == ["s3://b/warm-1"]
+    finally:
+        os.close(fd)
+        for uri in ("s3://b/big", "s3://b/second", "s3://b/third"):
+            cache.release(uri)

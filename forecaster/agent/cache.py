@@ -102,6 +102,7 @@ class WeightsCache:
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._reserved: dict[str, int] = {}  # space promised to downloads in flight
+        self._allocated: set[str] = set()  # of those, the ones whose file already holds its blocks (fallocate)
         self.protected: set[str] = set()  # keys held warm in host/GPU memory: not evicted by LRU
 
     # --- reading ---------------------------------------------------------------------------------------------
@@ -150,12 +151,14 @@ class WeightsCache:
         with self._lock:
             key = entry_key(uri)
             in_flight = sum(self._reserved.values())
+            # The free disk already excludes what in-flight downloads have allocated: only the rest is owed.
+            unallocated = sum(n for k, n in self._reserved.items() if k not in self._allocated)
             busy = self.in_use()
             victims = [e for e in self.entries() if e.key not in busy and e.key not in self.protected
                        and e.key != key]
 
             def short() -> int:
-                free = shutil.disk_usage(self.root).free - self.reserve_bytes - in_flight
+                free = shutil.disk_usage(self.root).free - self.reserve_bytes - unallocated
                 need = size - free
                 if self.max_bytes is not None:
                     need = max(need, self.used_bytes() + in_flight + size - self.max_bytes)
@@ -175,9 +178,17 @@ class WeightsCache:
             self._reserved[key] = size
             self.last_evicted = evicted
 
+    def allocated(self, uri: str) -> None:
+        """The download of ``uri`` has allocated its reserved bytes on disk (``posix_fallocate``): the file system's
+        free space counts them from now on, so :meth:`reserve` stops subtracting them a second time."""
+        with self._lock:
+            if entry_key(uri) in self._reserved:
+                self._allocated.add(entry_key(uri))
+
     def release(self, uri: str) -> None:
         with self._lock:
             self._reserved.pop(entry_key(uri), None)
+            self._allocated.discard(entry_key(uri))
 
     def staging_dir(self, uri: str) -> Path:
         path = self.tmp_dir / f"{entry_key(uri)}.{uuid.uuid4().hex[:8]}"

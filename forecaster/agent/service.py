@@ -86,43 +86,60 @@ class _Unit:
     phase: str = "queued"
 
 
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    for name in ("munmap", "mlock", "munlock"):
+        getattr(libc, name).argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
 class _HostPin:
-    """Weights kept in host memory: the file mapped and locked (``mlock``), or at least in page cache."""
+    """Weights kept in host memory: the file's page cache, mapped and locked (``mlock``), or at least read in.
+
+    The mapping is shared and read-only (``PROT_READ``, ``MAP_SHARED``): its pages *are* the file's page cache,
+    the pages a replica reads when it loads the weights. Python's ``mmap`` gives a ctypes address only for a
+    writable mapping, and locking a private writable one (``ACCESS_COPY``) makes the kernel fault every page in
+    for write, so it locked an anonymous copy of the file in the agent's own memory (counted against its cgroup)
+    and left the page cache evictable. Hence the mapping through libc.
+    """
 
     def __init__(self, path: Path, size: int) -> None:
         self.size = size
         self.mode = "page_cache"
-        self._mm: mmap.mmap | None = None
+        self._address: int | None = None
         self._locked = False
         if size == 0:
             return
+        self._libc = libc = _libc()
         with open(path, "rb") as handle:
-            # A private mapping is writable from Python's side (so ctypes can take its address) but is never
-            # written: its pages stay the page cache's.
-            self._mm = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY)
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        address = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
-        if libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(size)) == 0:
+            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, handle.fileno(), 0)
+        if address in (None, _MAP_FAILED):
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"mmap {path}: {os.strerror(errno)}")
+        self._address = address
+        if libc.mlock(address, size) == 0:
             self._locked = True
             self.mode = "pinned"
-            self._address, self._libc = address, libc
         else:
             # Not allowed to lock (RLIMIT_MEMLOCK without CAP_IPC_LOCK): read it through once so that it sits
             # in page cache, and ask the kernel to keep it there.
-            self._mm.madvise(mmap.MADV_WILLNEED)
+            libc.madvise(address, size, mmap.MADV_WILLNEED)
             for offset in range(0, size, mmap.PAGESIZE * 256):
-                self._mm[offset]
+                ctypes.c_char.from_address(address + offset).value
 
     def release(self) -> None:
-        if self._mm is None:
+        if self._address is None:
             return
         if self._locked:
-            self._libc.munlock(ctypes.c_void_p(self._address), ctypes.c_size_t(self.size))
-        try:
-            self._mm.close()
-        except BufferError:  # a ctypes view is still alive; the mapping goes with the object
-            pass
-        self._mm = None
+            self._libc.munlock(self._address, self.size)
+        self._libc.munmap(self._address, self.size)
+        self._address = None
 
 
 class NodeAgent:
@@ -479,6 +496,7 @@ class NodeAgent:
                         os.posix_fallocate(fd, 0, info.size_bytes)
                     except OSError as exc:
                         raise classify_s3_error(exc, f"allocate {info.size_bytes} bytes for {uri}") from None
+                self.cache.allocated(uri)
 
                 def progress(n: int) -> None:
                     unit.bytes_done = n
