@@ -137,7 +137,7 @@ def main() -> int:
             if can_pull:
                 registry = start_registry(workdir / "registry")
                 procs.append(registry.process)
-                containerd = start_containerd(workdir / "ctd", mirrors=[registry.host])
+                containerd = start_containerd(workdir / "ctd", mirrors={registry.host: registry.host})
                 procs.append(containerd.process)
             port = free_port()
             agent = _start_agent(workdir, s3, containerd.socket if containerd else None, port)

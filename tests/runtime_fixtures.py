@@ -208,8 +208,9 @@ class Containerd:
                               text=True, timeout=timeout)
 
 
-def start_containerd(workdir: Path, *, mirrors: list[str]) -> Containerd:
-    """containerd with its own root, state and socket; CRI with the native snapshotter and plain-HTTP mirrors."""
+def start_containerd(workdir: Path, *, mirrors: dict[str, str]) -> Containerd:
+    """containerd with its own root, state and socket; CRI with the native snapshotter and plain-HTTP mirrors
+    (``mirrors``: the registry host an image names -> the host:port containerd contacts for it)."""
     binary = shutil.which("containerd")
     if binary is None:
         raise FileNotFoundError("containerd")
@@ -232,8 +233,8 @@ def start_containerd(workdir: Path, *, mirrors: list[str]) -> Containerd:
         f"[{cri}.containerd]", '  snapshotter = "native"',
         f"[{cri}.cni]", f'  bin_dir = "{workdir / "cni-bin"}"', f'  conf_dir = "{workdir / "cni-conf"}"',
     ]
-    for host in mirrors:
-        lines += [f'[{cri}.registry.mirrors."{host}"]', f'  endpoint = ["http://{host}"]']
+    for host, endpoint in mirrors.items():
+        lines += [f'[{cri}.registry.mirrors."{host}"]', f'  endpoint = ["http://{endpoint}"]']
     (workdir / "config.toml").write_text("\n".join(lines) + "\n")
     log = workdir / "containerd.log"
     proc = start([binary, "--config", str(workdir / "config.toml")], log)
@@ -365,13 +366,17 @@ def test_images(registry: Registry, auth_registry: Registry) -> dict[str, str]:
     return refs
 
 
+MIRRORED_REGISTRY = "mirrored.registry.test:5000"  # a name containerd reaches only through its mirror, the auth registry
+
+
 @pytest.fixture(scope="session")
 def containerd(registry: Registry, auth_registry: Registry) -> Iterator[Containerd]:
     require_root("containerd")
     require_binary("containerd")
     require_binary("ctr")
     workdir = _short_tmp("pw-ctd-")
-    daemon = start_containerd(workdir, mirrors=[registry.host, auth_registry.host])
+    daemon = start_containerd(workdir, mirrors={registry.host: registry.host, auth_registry.host: auth_registry.host,
+                                                MIRRORED_REGISTRY: auth_registry.host})
     yield daemon
     stop_process(daemon.process, timeout=15)
     subprocess.run(["umount", "-R", str(workdir)], capture_output=True)

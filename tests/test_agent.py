@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -31,7 +32,8 @@ from forecaster.store.actions import list_actions
 from forecaster.agent.cache import WeightsCache
 from forecaster.agent.cri import CriImageService
 from forecaster.agent.service import NodeAgent
-from forecaster.agent.weights import S3WeightsSource
+from forecaster.agent.errors import AgentError
+from forecaster.agent.weights import PART_RESUMES, S3WeightsSource
 from forecaster.coldstart.service import load_latency_model, train_latency_model
 from forecaster.contracts.actions import Action, ActionKind, ActionStatus, FailureReason, Plan, Reason, Tier
 from tests import runtime_fixtures
@@ -147,6 +149,13 @@ def test_prepull_from_a_private_registry_uses_the_secret_file(tmp_path, containe
                                                                      "password": "s3cret-pull"}}}))
         right = agent.prepull(image, deadline_s=60)  # the file is read again: a rotated secret applies
         assert right.status == "succeeded", right.message
+        # A registry containerd reaches through a mirror (as docker.io through registry-1.docker.io): the
+        # credentials are the image's registry's, and containerd must not drop them for naming another host.
+        mirrored = image.replace(auth_registry.host, runtime_fixtures.MIRRORED_REGISTRY, 1)
+        secret.write_text(json.dumps({"auths": {runtime_fixtures.MIRRORED_REGISTRY: {
+            "username": "puller", "password": "s3cret-pull"}}}))
+        through_mirror = agent.prepull(mirrored, deadline_s=60)
+        assert through_mirror.status == "succeeded", through_mirror.message
     finally:
         agent.close()
 
@@ -518,3 +527,92 @@ def test_space_a_download_has_allocated_is_not_counted_twice(tmp_path):
         os.close(fd)
         for uri in ("s3://b/big", "s3://b/second", "s3://b/third"):
             cache.release(uri)
+
+
+class _CuttingS3(threading.Thread):
+    """An HTTP server answering S3's HEAD and ranged GET for one object, which closes the connection halfway
+    through the body of its first ``cuts`` GETs: a network that drops a long download, as routinely happens on
+    multi-GB reads. (The real S3 server cannot be made to do that.)"""
+
+    def __init__(self, data: bytes, cuts: int) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        super().__init__(daemon=True)
+        self.data, self.cuts, self.ranges = data, cuts, []
+        md5, outer = hashlib.md5(data).hexdigest(), self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(outer.data)))
+                self.send_header("ETag", f'"{md5}"')
+                self.end_headers()
+
+            def do_GET(self) -> None:
+                first, last = (int(v) for v in self.headers["Range"].split("=")[1].split("-"))
+                outer.ranges.append((first, last))
+                cut = len(outer.ranges) <= outer.cuts
+                self.send_response(206)
+                self.send_header("Content-Length", str(last - first + 1))
+                self.send_header("Content-Range", f"bytes {first}-{last}/{len(outer.data)}")
+                self.send_header("ETag", f'"{md5}"')
+                self.end_headers()
+                self.wfile.write(outer.data[first:first + (last - first + 1) // 2 if cut else last + 1])
+                self.wfile.flush()
+                if cut:
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    self.close_connection = True
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+
+    def run(self) -> None:
+        self.server.serve_forever()
+
+
+def test_a_download_whose_connection_drops_resumes_where_it_stopped_and_fails_temporarily_at_last(tmp_path):
+    data = os.urandom(2 << 20)
+    for cuts, succeeds in ((2, True), (100, False)):
+        server = _CuttingS3(data, cuts)
+        server.start()
+        source = S3WeightsSource(endpoint_url=f"http://127.0.0.1:{server.server.server_port}", access_key_id="k",
+                                 secret_access_key="s", streams=1, part_bytes=1 << 20)
+        fd = os.open(tmp_path / f"data-{cuts}", os.O_RDWR | os.O_CREAT)
+        try:
+            info = source.head("s3://b/k")
+            os.posix_fallocate(fd, 0, len(data))
+            if succeeds:  # two cuts: the first part read in three GETs, each from where the last stopped
+                digests = source.fetch_into("s3://b/k", info, fd, deadline=time.monotonic() + 30,
+                                            algorithms=("md5",))
+                assert digests["md5"] == info.md5 == hashlib.md5(data).hexdigest()
+                assert os.pread(fd, len(data), 0) == data
+                mib = 1 << 20
+                assert server.ranges[:3] == [(0, mib - 1), (mib // 2, mib - 1), (3 * mib // 4, mib - 1)]
+            else:  # the network keeps dropping it: a temporary failure (the actuator retries), never permanent
+                with pytest.raises(AgentError) as failed:
+                    source.fetch_into("s3://b/k", info, fd, deadline=time.monotonic() + 30)
+                assert failed.value.temporary and "connection dropped" in str(failed.value)
+                assert len([r for r in server.ranges if r[0] < 1 << 20]) == 1 + PART_RESUMES  # the first part's
+        finally:
+            os.close(fd)
+            server.server.shutdown()
+
+
+def test_an_etag_is_taken_as_the_md5_only_where_s3_says_it_is_one(s3_server, weights):
+    """SSE-KMS and SSE-C objects have ETags that are not the MD5 of their data: checked against them, every
+    pre-load from such a bucket failed as checksum_mismatch. The store here has no KMS, so the HEAD responses of
+    encrypted objects are the real one's with the encryption headers AWS adds."""
+    from forecaster.agent.weights import etag_md5
+
+    head = s3_server.client().head_object(Bucket="weights", Key="small-b.bin")
+    md5 = head["ETag"].strip('"')
+    assert _source(s3_server).head("s3://weights/small-b.bin").md5 == etag_md5(head) == md5
+    assert etag_md5({**head, "ServerSideEncryption": "AES256"}) == md5  # SSE-S3 keeps the MD5
+    assert etag_md5({**head, "ServerSideEncryption": "aws:kms"}) is None
+    assert etag_md5({**head, "ServerSideEncryption": "aws:kms:dsse"}) is None
+    assert etag_md5({**head, "SSECustomerAlgorithm": "AES256"}) is None
+    assert etag_md5({**head, "ETag": f'"{md5}-3"'}) is None  # multipart

@@ -101,8 +101,8 @@ def registry_auth(auth_file: Path | None, image: str) -> dict | None:
     The file is read on every call so that a rotated secret is picked up.
 
     Returns:
-        ``{"username", "password"}`` or ``{"auth"}`` (base64 ``user:password``),
-        plus ``server_address``; None when the file has no entry for the host.
+        ``{"username", "password"}`` (an ``auth`` entry decoded from base64 ``user:password``); None when the
+        file has no entry for the host.
     """
     if auth_file is None:
         return None
@@ -120,14 +120,14 @@ def registry_auth(auth_file: Path | None, image: str) -> dict | None:
         aliases |= {"https://index.docker.io/v1/", "index.docker.io", "registry-1.docker.io"}
     for key, entry in (config.get("auths") or {}).items():
         if key.rstrip("/") in {a.rstrip("/") for a in aliases} and isinstance(entry, dict):
-            # containerd matches the URL's host against the host it contacts; a bare host:port does not parse.
-            server = "https://index.docker.io/v1/" if host == "docker.io" else f"https://{host}"
+            # No server_address: containerd's CRI (ParseAuth) drops the credentials when that URL's host is not
+            # the host it contacts, which for docker.io is registry-1.docker.io and for a mirrored registry the
+            # mirror, so naming one made those pulls anonymous. Kubelet sends none either.
             if entry.get("username") is not None:
-                return {"username": entry["username"], "password": entry.get("password", ""),
-                        "server_address": server}
+                return {"username": entry["username"], "password": entry.get("password", "")}
             if entry.get("auth"):
                 user, _, password = base64.b64decode(entry["auth"]).decode().partition(":")
-                return {"username": user, "password": password, "server_address": server}
+                return {"username": user, "password": password}
     return None
 
 

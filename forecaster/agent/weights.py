@@ -16,6 +16,7 @@ and the result says so.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import threading
@@ -29,6 +30,9 @@ from forecaster.agent.errors import AgentError
 from forecaster.contracts.actions import FailureReason
 
 _MD5_ETAG = re.compile(r"^[0-9a-f]{32}$")
+PART_RESUMES = 3  # ranged GETs again from where a dropped body stopped, per part, before the pre-load fails
+
+log = logging.getLogger(__name__)
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
@@ -47,16 +51,26 @@ class ObjectInfo:
     md5: str | None  # from a single-part ETag
 
 
+def etag_md5(head: dict) -> str | None:
+    """The MD5 of an object's data from its HEAD response, where its ETag is one, else None.
+
+    A single-part upload's ETag is the MD5 of its data, unless the object is encrypted with SSE-KMS (or
+    DSSE-KMS) or SSE-C: then it is not (AWS S3 API reference, ``Object.ETag``), and checking a download against it
+    would refuse every object of such a bucket as a checksum mismatch. SSE-S3 (``AES256``) keeps the MD5.
+    A multipart ETag (``<hex>-<parts>``) is never one.
+    """
+    etag = str(head.get("ETag", "")).strip('"').lower()
+    encryption = str(head.get("ServerSideEncryption") or "AES256")
+    if not _MD5_ETAG.match(etag) or encryption != "AES256" or head.get("SSECustomerAlgorithm"):
+        return None
+    return etag
+
+
 def classify_s3_error(exc: BaseException, what: str) -> AgentError:
     """An S3/botocore error as an :class:`AgentError` with a reason from the fixed set."""
-    from botocore.exceptions import (
-        ClientError,
-        ConnectionClosedError,
-        ConnectTimeoutError,
-        EndpointConnectionError,
-        NoCredentialsError,
-        ReadTimeoutError,
-    )
+    from botocore.exceptions import ClientError, ConnectTimeoutError, HTTPClientError, IncompleteReadError
+    from botocore.exceptions import ConnectionError as BotocoreConnectionError
+    from botocore.exceptions import NoCredentialsError, ReadTimeoutError
 
     if isinstance(exc, AgentError):
         return exc
@@ -64,8 +78,12 @@ def classify_s3_error(exc: BaseException, what: str) -> AgentError:
         return AgentError(FailureReason.UNAUTHORISED, f"{what}: no S3 credentials configured", temporary=False)
     if isinstance(exc, (ReadTimeoutError, ConnectTimeoutError)):
         return AgentError(FailureReason.TIMEOUT, f"{what}: {exc}", temporary=True)
-    if isinstance(exc, (EndpointConnectionError, ConnectionClosedError, ConnectionError)):
+    if isinstance(exc, (BotocoreConnectionError, ConnectionError)):
         return AgentError(FailureReason.INTERNAL, f"{what}: S3 unreachable: {exc}", temporary=True)
+    # A response cut short: the connection closed or reset mid-body, fewer bytes than its Content-Length.
+    if isinstance(exc, (HTTPClientError, IncompleteReadError)):
+        return AgentError(FailureReason.INTERNAL, f"{what}: connection dropped: {type(exc).__name__}: {exc}",
+                          temporary=True)
     if isinstance(exc, ClientError):
         error = exc.response.get("Error", {})
         code = str(error.get("Code", ""))
@@ -164,7 +182,7 @@ class S3WeightsSource:
         meta = {k.lower(): v for k, v in (response.get("Metadata") or {}).items()}
         sha = (meta.get("sha256") or "").lower() or None
         return ObjectInfo(size_bytes=int(response["ContentLength"]), etag=etag, sha256=sha,
-                          md5=etag.lower() if _MD5_ETAG.match(etag.lower()) else None)
+                          md5=etag_md5(response))
 
     def fetch_into(self, uri: str, info: ObjectInfo, fd: int, *, deadline: float,
                    algorithms: tuple[str, ...] = ("sha256",),
@@ -192,40 +210,56 @@ class S3WeightsSource:
             if time.monotonic() > deadline:
                 raise AgentError(FailureReason.TIMEOUT, f"pre-load of {uri} did not finish before its deadline")
 
+        def read_into(body, pos: int, end: int) -> int:
+            """Copy ``body`` into the file from ``pos`` to ``end``; a read that fails says where it stopped."""
+            while pos < end:
+                check()
+                try:
+                    chunk = body.read(min(self.buffer_bytes, end - pos))
+                except Exception as exc:  # noqa: BLE001
+                    raise _BodyCut(classify_s3_error(exc, f"read {uri} at {pos}"), pos) from None
+                if not chunk:
+                    raise _BodyCut(AgentError(FailureReason.INTERNAL, f"{uri}: stream ended at {pos} of {end}",
+                                              temporary=True), pos)
+                view = memoryview(chunk)
+                while view:
+                    try:
+                        n = os.pwrite(fd, view, pos)
+                    except OSError as exc:
+                        raise classify_s3_error(exc, f"write {uri}") from None
+                    view = view[n:]
+                    pos += n
+                with progress_lock:
+                    written[0] += len(chunk)
+                    on_progress(written[0])
+            return pos
+
         def fetch_part(index: int) -> None:
             start, end = parts[index]
-            check()
-            # If-Match: a part of a newer object under the same key is refused, never mixed in.
-            extra = {"IfMatch": f'"{info.etag}"'} if info.etag else {}
-            try:
-                response = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **extra)
-            except Exception as exc:  # noqa: BLE001
-                raise classify_s3_error(exc, f"get {uri} bytes {start}-{end - 1}") from None
-            body = response["Body"]
-            pos = start
-            try:
-                while pos < end:
-                    check()
-                    try:
-                        chunk = body.read(min(self.buffer_bytes, end - pos))
-                    except Exception as exc:  # noqa: BLE001
-                        raise classify_s3_error(exc, f"read {uri} at {pos}") from None
-                    if not chunk:
-                        raise AgentError(FailureReason.INTERNAL, f"{uri}: stream ended at {pos} of {end}",
-                                         temporary=True)
-                    view = memoryview(chunk)
-                    while view:
-                        try:
-                            n = os.pwrite(fd, view, pos)
-                        except OSError as exc:
-                            raise classify_s3_error(exc, f"write {uri}") from None
-                        view = view[n:]
-                        pos += n
-                    with progress_lock:
-                        written[0] += len(chunk)
-                        on_progress(written[0])
-            finally:
-                body.close()
+            pos, resumes = start, 0
+            while pos < end:
+                check()
+                # If-Match: a part of a newer object under the same key is refused, never mixed in.
+                extra = {"IfMatch": f'"{info.etag}"'} if info.etag else {}
+                try:
+                    response = self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={pos}-{end - 1}",
+                                                      **extra)
+                except Exception as exc:  # noqa: BLE001
+                    raise classify_s3_error(exc, f"get {uri} bytes {pos}-{end - 1}") from None
+                body = response["Body"]
+                try:
+                    pos = read_into(body, pos, end)
+                except _BodyCut as cut:
+                    # A connection dropped mid-body (routine on multi-GB reads): ask again from where it stopped,
+                    # a few times, rather than fail the whole object and download it again from its first byte.
+                    error = cut.error
+                    if not error.temporary or resumes >= PART_RESUMES:
+                        raise error from None
+                    resumes += 1
+                    log.info("%s; resuming at byte %d (%d of %d)", error, cut.pos, resumes, PART_RESUMES)
+                    pos = cut.pos
+                finally:
+                    body.close()
             hasher.part_done(index)
 
         try:
@@ -251,6 +285,14 @@ class S3WeightsSource:
         if hasher.error is not None:
             raise classify_s3_error(hasher.error, f"hash {uri}")
         return {name: h.hexdigest() for name, h in hasher.hashes.items()}
+
+
+class _BodyCut(Exception):
+    """A part's response body failed at byte ``pos`` of the object (``error`` says how)."""
+
+    def __init__(self, error: AgentError, pos: int) -> None:
+        super().__init__(str(error))
+        self.error, self.pos = error, pos
 
 
 class _Stopped(Exception):
