@@ -616,3 +616,24 @@ def test_an_etag_is_taken_as_the_md5_only_where_s3_says_it_is_one(s3_server, wei
     assert etag_md5({**head, "ServerSideEncryption": "aws:kms:dsse"}) is None
     assert etag_md5({**head, "SSECustomerAlgorithm": "AES256"}) is None
     assert etag_md5({**head, "ETag": f'"{md5}-3"'}) is None  # multipart
+
+
+def test_weights_overwritten_in_s3_under_the_same_key_are_fetched_again(tmp_path, s3_server, weights):
+    """A model's weights replaced under the same URI (a re-published ``latest``): the cached copy is no longer
+    them, so a pre-load fetches the new object (its ETag changed), and the host tier holds the new file."""
+    client, uri = s3_server.client(), "s3://weights/mutable.bin"
+    old, new = os.urandom(2 << 20), os.urandom(3 << 20)
+    client.put_object(Bucket="weights", Key="mutable.bin", Body=old)
+    agent = _agent(tmp_path, s3_server)
+    try:
+        assert agent.preload(uri, tier=Tier.HOST, deadline_s=30).status == "succeeded"
+        assert agent.preload(uri, deadline_s=30).already_present  # unchanged: a no-op
+        client.put_object(Bucket="weights", Key="mutable.bin", Body=new)
+        again = agent.preload(uri, tier=Tier.HOST, deadline_s=30)
+        assert again.status == "succeeded" and not again.already_present, again.message
+        assert "changed in S3" in again.detail["replaced_stale"] and "weight_fetch_s" in again.timings
+        assert agent.cache.get(uri).path.read_bytes() == new and again.size_bytes == len(new)
+        assert agent.state()["memory"]["host_resident_bytes"] == len(new)
+        assert agent.preload(uri, deadline_s=30).already_present
+    finally:
+        agent.close()

@@ -42,6 +42,7 @@ class CacheEntry:
     sha256: str | None
     fetched_at: str
     last_used: float  # Unix seconds
+    etag: str | None = None  # the object's ETag when fetched (None: cached before the agent kept it)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -119,7 +120,8 @@ class WeightsCache:
         except (OSError, ValueError):
             return None
         return CacheEntry(key=key, uri=meta["uri"], path=entry_dir / "data", size_bytes=int(meta["size_bytes"]),
-                          sha256=meta.get("sha256"), fetched_at=meta.get("fetched_at", ""), last_used=last_used)
+                          sha256=meta.get("sha256"), fetched_at=meta.get("fetched_at", ""), last_used=last_used,
+                          etag=meta.get("etag"))
 
     def entries(self) -> list[CacheEntry]:
         found = (self._load(p.name) for p in self.weights_dir.iterdir() if p.is_dir())
@@ -195,10 +197,11 @@ class WeightsCache:
         path.mkdir()
         return path
 
-    def commit(self, staging: Path, *, uri: str, size: int, sha256: str | None, fetched_at: str) -> CacheEntry:
+    def commit(self, staging: Path, *, uri: str, size: int, sha256: str | None, fetched_at: str,
+               etag: str | None = None) -> CacheEntry:
         """Publish a verified download: fsync, then one rename makes it visible."""
         (staging / "meta.json").write_text(json.dumps({"uri": uri, "size_bytes": size, "sha256": sha256,
-                                                       "fetched_at": fetched_at}))
+                                                       "fetched_at": fetched_at, "etag": etag}))
         for name in ("data", "meta.json"):
             fd = os.open(staging / name, os.O_RDONLY)
             try:

@@ -1,7 +1,7 @@
 """The node agent's logic, without HTTP: pre-pull images, pre-load weights, report state, evict.
 
 Every request is idempotent (an image already present or weights already
-cached is a no-op that says so), has a deadline, and fails with a reason from
+cached and unchanged in S3 since is a no-op that says so), has a deadline, and fails with a reason from
 :class:`~forecaster.contracts.actions.FailureReason`. Requests for the same image,
 or the same weights, while one is in flight join it instead of starting a
 second transfer; a later joiner's deadline extends the transfer's. At most
@@ -417,9 +417,16 @@ class NodeAgent:
         started_at = self.clock()
         timings: dict[str, float] = {}
         entry = self.cache.get(uri)
+        detail: dict = {}
         if entry is not None and sha256 and entry.sha256 and entry.sha256 != sha256:
             entry = None  # a different content is asked for under the same URI: fetch it again
-        detail: dict = {}
+        stale_etag = None
+        if entry is not None and not sha256 and (changed := self._changed_upstream(entry)):
+            # The object was overwritten under the same key: what the node holds is no longer those weights.
+            stale_etag, detail["replaced_stale"] = entry.etag, changed
+            self.evict(uri, tier=Tier.HOST)
+            self.evict(uri, tier=Tier.GPU)
+            entry = None
         fetched = False
         if entry is None:
             # One transfer per URI, whatever tiers the concurrent requests ask for.
@@ -429,6 +436,8 @@ class NodeAgent:
             try:
                 entry = self.cache.get(uri)
                 if entry is not None and sha256 and entry.sha256 and entry.sha256 != sha256:
+                    entry = None
+                if entry is not None and stale_etag is not None and entry.etag == stale_etag:
                     entry = None
                 if entry is None:
                     unit.phase = "fetching"
@@ -466,6 +475,23 @@ class NodeAgent:
         return WorkResult(kind="preload", ref=uri, status="succeeded", node=self.node_name, tier=str(tier),
                           already_present=not fetched and not loaded, size_bytes=entry.size_bytes, timings=timings,
                           message=f"{uri} {verb} ({tier})", detail={"sha256": entry.sha256, **detail})
+
+    def _changed_upstream(self, entry) -> str | None:
+        """Why a cached entry no longer holds its object (its ETag changed in S3), or None.
+
+        An entry fetched before the cache kept ETags, or one whose HEAD fails (S3 unreachable, the object deleted),
+        is served as it is: the node holds what it held, and the warning says so.
+        """
+        if self.s3 is None or entry.etag is None:
+            return None
+        try:
+            info = self.s3.head(entry.uri)
+        except AgentError as exc:
+            log.warning("could not check cached %s against S3 (%s); serving the cached copy", entry.uri, exc)
+            return None
+        if info.etag == entry.etag:
+            return None
+        return f"{entry.uri} changed in S3 since it was cached (ETag {entry.etag} -> {info.etag})"
 
     def _uri_lock(self, uri: str) -> threading.Lock:
         with self._lock:
@@ -514,7 +540,7 @@ class NodeAgent:
             if time.monotonic() > unit.deadline:  # its last part landed after the caller was told "timeout"
                 raise AgentError(FailureReason.TIMEOUT, f"pre-load of {uri} finished after its deadline; not cached")
             entry = self.cache.commit(staging, uri=uri, size=info.size_bytes, sha256=digests["sha256"],
-                                      fetched_at=self.clock().isoformat())
+                                      fetched_at=self.clock().isoformat(), etag=info.etag)
             staging = None
         finally:
             self.cache.release(uri)
