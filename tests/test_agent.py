@@ -637,3 +637,23 @@ def test_weights_overwritten_in_s3_under_the_same_key_are_fetched_again(tmp_path
         assert agent.preload(uri, deadline_s=30).already_present
     finally:
         agent.close()
+
+
+def test_a_request_that_joins_a_transfer_extends_its_deadline(tmp_path, s3_server, weights):
+    """The first request for the big object gives up after 0.2 s, a second for the same object joins the transfer
+    with a minute: the transfer runs on to the later deadline (it used to stop at the first one, failing both)."""
+    agent = _agent(tmp_path, s3_server)
+    results = {}
+    try:
+        first = threading.Thread(target=lambda: results.update(first=agent.preload(weights["big"], deadline_s=0.2)))
+        first.start()
+        wait_until(lambda: any(u["bytes_done"] for u in agent.state()["in_flight"]), timeout=5,
+                   what="the first transfer's first bytes")
+        results["second"] = agent.preload(weights["big"], deadline_s=60)
+        first.join()
+        assert (results["first"].status, results["first"].reason) == ("failed", "timeout")
+        assert results["second"].status == "succeeded" and results["second"].deduplicated, results["second"].message
+        assert _sha256_file(agent.cache.get(weights["big"]).path) == weights["big_sha256"]
+        assert agent._uri_locks == {}  # a URI's lock lives while someone holds or waits for it
+    finally:
+        agent.close()

@@ -30,7 +30,8 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
@@ -183,7 +184,7 @@ class NodeAgent:
         self._host: dict[str, _HostPin] = {}  # entry key -> pin
         self._gpu: dict[str, tuple[object, str, int]] = {}  # entry key -> (tensor, device, bytes)
         self._observations: deque[dict] = deque(maxlen=OBSERVATIONS_KEPT)
-        self._uri_locks: dict[str, threading.Lock] = {}
+        self._uri_locks: dict[str, list] = {}  # uri -> [lock, holders and waiters]
         self._seq = itertools.count(1)
 
     @classmethod
@@ -430,10 +431,7 @@ class NodeAgent:
         fetched = False
         if entry is None:
             # One transfer per URI, whatever tiers the concurrent requests ask for.
-            lock = self._uri_lock(uri)
-            if not lock.acquire(timeout=max(0.0, unit.deadline - time.monotonic())):
-                raise AgentError(FailureReason.TIMEOUT, f"{uri}: another pre-load of it did not finish in time")
-            try:
+            with self._uri_locked(uri, unit):
                 entry = self.cache.get(uri)
                 if entry is not None and sha256 and entry.sha256 and entry.sha256 != sha256:
                     entry = None
@@ -447,8 +445,6 @@ class NodeAgent:
                     fetched = True
                 else:
                     detail["joined_concurrent_fetch"] = True
-            finally:
-                lock.release()
         if not fetched:
             self.cache.touch(entry)
         loaded = False
@@ -493,11 +489,26 @@ class NodeAgent:
             return None
         return f"{entry.uri} changed in S3 since it was cached (ETag {entry.etag} -> {info.etag})"
 
-    def _uri_lock(self, uri: str) -> threading.Lock:
+    @contextmanager
+    def _uri_locked(self, uri: str, unit: _Unit) -> Iterator[None]:
+        """Hold ``uri``'s lock (one transfer per URI, whatever tiers ask) until the block ends, waiting for it
+        within ``unit``'s deadline. A URI's lock exists while someone holds or waits for it, so the table stays
+        small and no waiter's lock is ever dropped from under it (two locks would mean two transfers)."""
         with self._lock:
-            if len(self._uri_locks) > 4096:  # bounded: drop the locks nobody holds
-                self._uri_locks = {k: v for k, v in self._uri_locks.items() if v.locked()}
-            return self._uri_locks.setdefault(uri, threading.Lock())
+            held = self._uri_locks.setdefault(uri, [threading.Lock(), 0])
+            held[1] += 1
+        try:
+            if not held[0].acquire(timeout=max(0.0, unit.deadline - time.monotonic())):
+                raise AgentError(FailureReason.TIMEOUT, f"{uri}: another pre-load of it did not finish in time")
+            try:
+                yield
+            finally:
+                held[0].release()
+        finally:
+            with self._lock:
+                held[1] -= 1
+                if held[1] == 0:
+                    del self._uri_locks[uri]
 
     def _fetch(self, unit: _Unit, uri: str, sha256: str | None):
         if self.s3 is None:
@@ -527,7 +538,7 @@ class NodeAgent:
                 def progress(n: int) -> None:
                     unit.bytes_done = n
 
-                digests = self.s3.fetch_into(uri, info, fd, deadline=unit.deadline, algorithms=algorithms,
+                digests = self.s3.fetch_into(uri, info, fd, deadline=lambda: unit.deadline, algorithms=algorithms,
                                              on_progress=progress)
             finally:
                 os.close(fd)

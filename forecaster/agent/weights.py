@@ -184,14 +184,15 @@ class S3WeightsSource:
         return ObjectInfo(size_bytes=int(response["ContentLength"]), etag=etag, sha256=sha,
                           md5=etag_md5(response))
 
-    def fetch_into(self, uri: str, info: ObjectInfo, fd: int, *, deadline: float,
+    def fetch_into(self, uri: str, info: ObjectInfo, fd: int, *, deadline: float | Callable[[], float],
                    algorithms: tuple[str, ...] = ("sha256",),
                    on_progress: Callable[[int], None] = lambda n: None,
                    cancelled: Callable[[], bool] = lambda: False) -> dict[str, str]:
         """Write the object into ``fd`` (already sized) and return its hex digests.
 
         Raises:
-            AgentError: timeout past ``deadline`` (monotonic), not found, unauthorised, no space, ...
+            AgentError: timeout past ``deadline`` (monotonic seconds, or a callable read at each check: a
+                request that joins the transfer extends it), not found, unauthorised, no space, ...
         """
         bucket, key = parse_s3_uri(uri)
         size = info.size_bytes
@@ -207,7 +208,7 @@ class S3WeightsSource:
                 raise _Stopped()
             if cancelled():
                 raise AgentError(FailureReason.TIMEOUT, f"pre-load of {uri} cancelled: nobody waits for it")
-            if time.monotonic() > deadline:
+            if time.monotonic() > (deadline() if callable(deadline) else deadline):
                 raise AgentError(FailureReason.TIMEOUT, f"pre-load of {uri} did not finish before its deadline")
 
         def read_into(body, pos: int, end: int) -> int:
