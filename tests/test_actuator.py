@@ -212,3 +212,128 @@ def test_lost_running_actions_are_failed_after_their_deadline(engine, settings, 
     actuator.run_due(now=NOW + timedelta(minutes=16))
     [row] = list_actions(engine)
     assert row["status"] == "failed" and row["status_reason"] == "timeout" and "lost" in row["detail"]
+
+
+@pytest.mark.parametrize("ledger_kind", ["store", "memory"])
+def test_a_merged_later_deadline_is_the_one_the_retry_and_the_backend_get(engine, settings, models, ledger_kind):
+    """A later plan asks for the same pre-pull with a later deadline while it waits to retry: the merge moves the
+    row's deadline, and the retry must run to it (it was dropped at the first plan's deadline, the spec's)."""
+    from forecaster.actuation.ledger import MemoryLedger
+
+    settings = settings.model_copy(update={"actuator_retry_base_delay_s": 90.0, "actuator_max_attempts": 4})
+    backend = ScriptedBackend([Outcome.failed(FailureReason.RUNTIME_UNAVAILABLE, "agent down", temporary=True),
+                               Outcome.ok("pulled")])
+    ledger = engine if ledger_kind == "store" else MemoryLedger({"m": ModelTarget(model_id="m")})
+    actuator = Actuator(ledger, settings, backend)
+    _, reports = actuator.apply(Plan(planned_at=NOW, actions=(prepull(minutes=2),)), now=NOW)
+    assert reports[0].status is ActionStatus.PENDING  # retry due at 12:01:30, before its deadline (12:02)
+    later = NOW + timedelta(minutes=1)
+    merged = actuator.submit(Plan(planned_at=later, actions=(prepull(not_before=later, minutes=20),)), now=later)
+    assert merged.merged  # the same unit, deadline now 12:21
+    reports = actuator.run_due(now=NOW + timedelta(seconds=150))  # the next run, at 12:02:30
+    assert [r.status for r in reports] == [ActionStatus.SUCCEEDED], reports
+    assert backend.calls[1][2] == 1110.0  # 12:21 - 12:02:30
+
+
+def test_a_running_action_whose_process_died_is_reaped_although_plans_keep_asking_for_it(engine, settings, models):
+    """The process died mid-call: the row stays running. Every plan asks for the same scale again and merges into
+    it; had each merge moved the deadline on, the reaper would never fail it, and the work (and its GPUs ahead)
+    would be held for good."""
+    actuator = Actuator(engine, settings, DryRunBackend())
+    submitted = actuator.submit(Plan(planned_at=NOW, actions=(scale("m", 3),)), now=NOW)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE actions SET status = 'running', started_at = :t, detail = '{\"ahead_gpus\": 2}' "
+                          "WHERE id = :i"), {"t": NOW, "i": submitted.action_ids[0]})
+    for minute in range(1, 17):
+        at = NOW + timedelta(minutes=minute)
+        again = Action(kind=ActionKind.SCALE, model_id="m", reason=Reason.FORECAST_SPIKE, not_before=at,
+                       deadline=at + timedelta(minutes=10), replicas=3)
+        actuator.apply(Plan(planned_at=at, actions=(again,)), now=at)
+    first = list_actions(engine)[0]
+    assert first["status"] == "failed" and first["status_reason"] == "timeout" and "lost" in first["detail"]
+    assert first["deadline"] == NOW + timedelta(minutes=10)
+
+
+class _StoreBlip:
+    """A store ledger whose ``fail_on`` call (a ledger method, or one of a session's) raises a database error the
+    first time: the store going away for a moment in the middle of a batch."""
+
+    def __init__(self, ledger, fail_on: str) -> None:
+        self.ledger, self.fail_on, self.failed = ledger, fail_on, False
+
+    def _fail(self, *args, **kwargs):
+        from sqlalchemy.exc import OperationalError
+
+        self.failed = True
+        raise OperationalError("SELECT", {}, Exception("server closed the connection unexpectedly"))
+
+    def _wrap(self, target):
+        blip = self
+
+        class Wrapped:
+            def __getattr__(self, attribute):
+                if attribute == blip.fail_on and not blip.failed:
+                    return blip._fail
+                return getattr(target, attribute)
+        return Wrapped()
+
+    def session(self):
+        from contextlib import contextmanager
+
+        @contextmanager
+        def session():
+            with self.ledger.session() as inner:
+                yield self._wrap(inner)
+        return session()
+
+    def __getattr__(self, attribute):
+        return getattr(self._wrap(self.ledger), attribute)
+
+
+@pytest.mark.parametrize("fail_on", ["model_targets", "ahead_gpus_total"])
+def test_a_store_error_before_the_backend_call_never_leaves_actions_running_unattended(engine, settings, models,
+                                                                                        fail_on):
+    """The catalogue read (after the batch is taken) or the GPU budget's read (per scale) fails once, as a database
+    blip would. Those actions are left pending, carried out on the job's rerun or at their retry time; never
+    stranded ``running`` (a rerun does not take running rows; only the reaper would, past their deadlines)."""
+    from forecaster.actuation.ledger import StoreLedger
+    from forecaster.jobs.runs import JobSpec, run_once
+
+    settings = settings.model_copy(update={"actuator_retry_base_delay_s": 10.0})
+    backend = ScriptedBackend([Outcome.ok("done")] * 10, state=ReplicaState(current=1, reactive_ask=1))
+    actuator = Actuator(_StoreBlip(StoreLedger(engine), fail_on), settings, backend)
+    plan = Plan(planned_at=NOW, actions=(prepull(node="n1"), prepull(node="n2"), scale("m", 3), scale("big", 2)))
+    job = JobSpec("plan", lambda e, s, now: {"reports": [str(r.status) for r in actuator.apply(plan, now=now)[1]]},
+                  every_s=60)
+    detail = run_once(engine, settings, job, now=NOW, sleep=lambda s: None, db_wait_s=5)
+    rows = list_actions(engine)
+    assert "running" not in {r["status"] for r in rows}
+    if fail_on == "model_targets":  # the whole batch rolled back and ran on the rerun
+        assert detail["attempts"] == 2 and detail["reports"] == ["succeeded"] * 4 and len(backend.calls) == 4
+    else:  # one scale waits for its retry, the rest went on
+        assert sorted(detail["reports"]) == ["pending", "succeeded", "succeeded", "succeeded"]
+        [waiting] = [r for r in rows if r["status"] == "pending"]
+        assert waiting["next_attempt_at"] == NOW + timedelta(seconds=10)
+        assert [r.status for r in actuator.run_due(now=NOW + timedelta(seconds=10))] == [ActionStatus.SUCCEEDED]
+    assert {r["status"] for r in list_actions(engine)} == {"succeeded"}
+
+
+def test_a_pause_stops_a_batch_already_under_way(engine, settings, models):
+    """The kill switch is thrown while a batch runs (during its first backend call): the actions not yet called
+    are dropped as kill_switch, not carried out."""
+
+    class PausingBackend(ScriptedBackend):
+        sequential = True
+
+        def carry_out(self, action, **kw):
+            if not self.calls:
+                set_paused(engine, True, now=NOW)
+            return super().carry_out(action, **kw)
+
+    backend = PausingBackend([Outcome.ok("pulled")] * 3)
+    actuator = Actuator(engine, settings, backend)
+    _, reports = actuator.apply(Plan(planned_at=NOW, actions=tuple(prepull(node=f"n{i}") for i in range(3))),
+                                now=NOW)
+    assert len(backend.calls) == 1
+    assert sorted((str(r.status), r.reason) for r in reports) == [
+        ("dropped", FailureReason.KILL_SWITCH), ("dropped", FailureReason.KILL_SWITCH), ("succeeded", None)]

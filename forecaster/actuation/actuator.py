@@ -132,6 +132,14 @@ class Actuator:
     # --- carrying out ------------------------------------------------------------------------------------------
 
     def run_due(self, *, now: datetime) -> list[ActionReport]:
+        """Carry out the due actions (see the module docstring).
+
+        What can fail before the backend is called (the catalogue read, the GPU budget's read, a mark) either
+        happens before the batch is marked running, in its transaction, or puts the action back to pending with
+        a retry time: an error there never leaves an action ``running`` with no one carrying it out (the job's
+        rerun would not see it, and only the reaper, past its deadline, would). Each action reads the kill switch
+        again just before its backend call, so a pause stops a batch already under way.
+        """
         reports: list[ActionReport] = []
         dispatched: list[tuple[dict, Action]] = []
         with self.ledger.session() as ledger:
@@ -157,15 +165,20 @@ class Actuator:
                 ledger.mark(row["id"], ActionStatus.RUNNING, now=now, start=True, reason=row["status_reason"])
                 started += 1
                 dispatched.append((row, action))
+            # read before the marks commit: failing here leaves the batch pending, as it was
+            models = self.ledger.model_targets({a.model_id for _, a in dispatched}) if dispatched else {}
         if not dispatched:
             return reports
-        models = self.ledger.model_targets({a.model_id for _, a in dispatched})
         # Scale and release are bounded one after another (they share the GPU budget); the rest run in parallel.
         ready: list[tuple[dict, Action, int | None, dict]] = []
         for row, action in dispatched:
             model = models.get(action.model_id) or ModelTarget(model_id=action.model_id)
             if action.kind in (ActionKind.SCALE, ActionKind.RELEASE):
-                bounded = self._bound(row, action, model, now)
+                try:
+                    bounded = self._bound(row, action, model, now)
+                except Exception as exc:  # noqa: BLE001 - the store failed under the bound: try it again later
+                    reports.append(self._requeue(row, now, exc))
+                    continue
                 if isinstance(bounded, ActionReport):
                     reports.append(bounded)
                     continue
@@ -230,8 +243,45 @@ class Actuator:
                         detail={"target_replicas": bound.target, **extra})
         return bound.target, extra
 
+    def _paused_now(self) -> bool:
+        """The kill switch, read again just before a backend call (one indexed read; calls take far longer)."""
+        if self.settings.actuator_kill_switch:
+            return True
+        with self.ledger.session() as ledger:
+            return ledger.is_paused()
+
+    def _requeue(self, row: dict, now: datetime, exc: BaseException) -> ActionReport:
+        """Put an action marked running but not carried out back to pending, due again after the retry delay
+        (the attempt it was marked with counts). If even that cannot be written, the reaper fails it past its
+        deadline."""
+        message = f"not carried out: {type(exc).__name__}: {exc}"
+        log.warning("action %s %s; pending again", row["id"], message)
+        next_at = now + timedelta(seconds=self.settings.actuator_retry_base_delay_s)
+        try:
+            with self.ledger.session() as ledger:
+                ledger.mark(row["id"], ActionStatus.PENDING, now=now, reason=FailureReason.INTERNAL,
+                            detail={"message": message, "temporary": True, "retry_at": next_at.isoformat()},
+                            next_attempt_at=next_at)
+        except Exception:  # noqa: BLE001 - logged; the row stays running until the reaper takes it
+            log.exception("could not put action %s back to pending", row["id"])
+        return ActionReport(row["id"], row["kind"], ActionStatus.PENDING, FailureReason.INTERNAL, message)
+
     def _carry_out(self, row: dict, action: Action, models: dict, replicas: int | None, extra: dict,
                    now: datetime) -> ActionReport:
+        try:
+            paused = self._paused_now()
+        except Exception as exc:  # noqa: BLE001 - the switch could not be read: do not act blind
+            return self._requeue(row, now, exc)
+        if paused:
+            message = "the actuator was paused (kill switch) before this action's turn"
+            self._refused(FailureReason.KILL_SWITCH)
+            try:
+                with self.ledger.session() as ledger:
+                    ledger.mark(row["id"], ActionStatus.DROPPED, now=now, reason=FailureReason.KILL_SWITCH,
+                                detail={"message": message})
+            except Exception as exc:  # noqa: BLE001
+                return self._requeue(row, now, exc)
+            return ActionReport(row["id"], row["kind"], ActionStatus.DROPPED, FailureReason.KILL_SWITCH, message)
         model = models.get(action.model_id) or ModelTarget(model_id=action.model_id)
         deadline_s = (action.deadline - now).total_seconds()
         try:
@@ -280,8 +330,16 @@ class Actuator:
 
 
 def action_from_row(row: dict) -> Action:
-    """The action a ledger row holds (its spec, less the idempotency key)."""
-    return Action.from_spec({k: v for k, v in row["spec"].items() if k != "key"})
+    """The action a ledger row holds: its spec, less the idempotency key, with the row's not-before and deadline.
+
+    A later plan asking for the same work merges into the open row by moving those two columns, not the spec
+    (:func:`forecaster.store.actions.submit_action`), so the columns are the unit's: the guardrails' deadline, the
+    retry cut-off and the ``deadline_s`` the backend gets."""
+    spec = {k: v for k, v in row["spec"].items() if k != "key"}
+    for column in ("not_before", "deadline"):
+        if row.get(column) is not None:
+            spec[column] = row[column].isoformat()
+    return Action.from_spec(spec)
 
 
 def _push_observations(engine: Engine, settings: Settings):

@@ -284,10 +284,11 @@ class MemoryLedger:
         open_id = self._open_by_key.get(key)
         if open_id is not None:
             r = self._records[open_id]
-            r.deadline = max(r.deadline, action.deadline)
-            if r.status is ActionStatus.PENDING and action.not_before < r.not_before:
-                r.not_before = action.not_before
-                self._schedule(r, now)
+            if r.status is ActionStatus.PENDING:  # a running unit keeps its deadline (see the store's)
+                r.deadline = max(r.deadline, action.deadline)
+                if action.not_before < r.not_before:
+                    r.not_before = action.not_before
+                    self._schedule(r, now)
             r.detail.setdefault("merged_plans", []).append(plan_id)
             return r.id, True
         r = _Record(id=next(self._ids), plan_id=plan_id, action=action, key=key, backend=backend,

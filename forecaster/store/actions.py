@@ -74,8 +74,12 @@ def submit_action(conn: Connection, plan_id: int | None, action: Action, *, back
                   now: datetime) -> tuple[int, bool]:
     """Record ``action`` as pending, or merge it into the open unit with the same key.
 
-    A merge keeps one unit of work: its deadline becomes the later of the two
-    and its not-before the earlier. A transaction-scoped advisory lock on the
+    A merge keeps one unit of work: while it is pending its deadline becomes the
+    later of the two and its not-before the earlier. A running unit keeps its
+    deadline: the backend call under way has it, and a unit whose process died
+    must still pass it, so that :func:`reap_lost` fails it (extended by every
+    plan that asks for the same work, it never would, and it would block that
+    work and hold its GPUs ahead for good). A transaction-scoped advisory lock on the
     key serialises concurrent submitters; the partial unique index
     ``actions_open_key`` backs it up.
 
@@ -87,7 +91,8 @@ def submit_action(conn: Connection, plan_id: int | None, action: Action, *, back
     open_row = conn.execute(text("SELECT id, deadline, not_before FROM actions WHERE key = :k "
                                  "AND status IN ('pending', 'running') FOR UPDATE"), {"k": key}).first()
     if open_row is not None:
-        conn.execute(text("UPDATE actions SET deadline = GREATEST(deadline, :d), "
+        conn.execute(text("UPDATE actions SET "
+                          "deadline = CASE WHEN status = 'pending' THEN GREATEST(deadline, :d) ELSE deadline END, "
                           "not_before = CASE WHEN status = 'pending' THEN LEAST(not_before, :nb) ELSE not_before END, "
                           "detail = detail || jsonb_build_object('merged_plans', "
                           "  COALESCE(detail->'merged_plans', '[]'::jsonb) || to_jsonb(CAST(:p AS bigint))), "
