@@ -20,11 +20,14 @@ Trigger metadata (``ScaledObjectRef.scalerMetadata``; KEDA passes the whole trig
 as ``scalerAddress`` are ignored): ``model`` (required, a registered model id) and ``quantile`` (optional, in
 (0, 1), default ``PREWARM_RECOMMENDATION_QUANTILE``; the stored level nearest to it is used, as in REST).
 
-Errors: a missing or malformed ``model`` or ``quantile``, or a metric name other than ours: ``INVALID_ARGUMENT``;
-a model not in the catalogue: ``NOT_FOUND``; no forecast yet, or the newest one does not reach the lead window:
-``FAILED_PRECONDITION`` from ``GetMetrics`` (KEDA then counts a failure and applies the ScaledObject's
-``fallback``), while ``IsActive`` answers false (the reactive triggers decide); the database away and the model
-not in memory: ``UNAVAILABLE``. While the database is away, answers keep coming from the snapshot held.
+Errors: a missing or malformed ``model`` or ``quantile``, or a metric name other than ours: ``INVALID_ARGUMENT``
+(from every RPC). The rest come from ``GetMetrics``, ``IsActive`` and ``StreamIsActive``, never from
+``GetMetricSpec``, which answers the spec for any well-formed trigger (KEDA asks for it once, to build the HPA:
+see :meth:`ExternalScalerService.GetMetricSpec`): a model not in the catalogue: ``NOT_FOUND``; no forecast yet, or
+the newest one does not reach the lead window: ``FAILED_PRECONDITION`` from ``GetMetrics`` (KEDA then counts a
+failure and applies the ScaledObject's ``fallback``), while ``IsActive`` answers false (the reactive triggers
+decide); the database away and the model not in memory: ``UNAVAILABLE``. While the database is away, answers keep
+coming from the snapshot held.
 
 The port carries no token: KEDA's external scaler authenticates only with TLS client certificates, which this
 server does not terminate; keep the port inside the cluster network (a NetworkPolicy admitting KEDA's operator).
@@ -201,9 +204,17 @@ class ExternalScalerService:
         return pb.IsActiveResponse(result=floor.active)
 
     async def GetMetricSpec(self, request: pb.ScaledObjectRef, context) -> pb.GetMetricSpecResponse:
+        """The one metric spec for any well-formed trigger; only malformed metadata is refused.
+
+        The model is not looked up here. KEDA asks for the spec when it builds the ScaledObject's HPA and, when the
+        call fails, logs the error and builds the HPA without this trigger's metric; it builds the HPA again only
+        when the ScaledObject or the HPA changes. A model registered a minute later, or a database that was away
+        during that one call, would leave the ScaledObject without prewarm's floor (and without ``fallback``,
+        which acts on the metric's errors) until someone edits it. ``GetMetrics`` and ``IsActive`` report an
+        unknown model or an unreachable database instead, on every poll, where KEDA counts them as failures.
+        """
         try:
-            query = self._query(request)
-            await self._floors.view(query.model_id)  # an unknown model fails here, when KEDA builds the HPA
+            self._query(request)
         except ScalerError as exc:
             await context.abort(exc.code, exc.message)
         return pb.GetMetricSpecResponse(metricSpecs=[pb.MetricSpec(metricName=METRIC_NAME, targetSize=1,

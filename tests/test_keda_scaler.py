@@ -4,6 +4,7 @@ forecasts stored in a real PostgreSQL and read through the API's forecast snapsh
 from __future__ import annotations
 
 import queue
+import socket
 import threading
 from datetime import datetime, timedelta, timezone
 
@@ -18,6 +19,7 @@ from api.proto import externalscaler_pb2 as pb
 from api.proto import externalscaler_rpc
 from api.snapshot import ForecastSnapshot
 from forecaster.store.catalog import ServingModelSpec, upsert_models
+from forecaster.store.db import make_engine
 from forecaster.store.forecasts import write_forecasts
 from forecaster.store.tokens import create_token
 
@@ -111,7 +113,6 @@ def test_floor_is_the_rest_recommendation_at_the_lead_time(stub, engine, scaler_
     ({}, grpc.StatusCode.INVALID_ARGUMENT, "scalerMetadata.model is required"),
     ({"model": "  "}, grpc.StatusCode.INVALID_ARGUMENT, "scalerMetadata.model is required"),
     ({"model": "bad\x07id"}, grpc.StatusCode.INVALID_ARGUMENT, "control character U+0007"),
-    ({"model": "nope"}, grpc.StatusCode.NOT_FOUND, "model 'nope' is not registered"),
     ({"model": "llama", "quantile": "abc"}, grpc.StatusCode.INVALID_ARGUMENT, "quantile must be a number in (0, 1)"),
     ({"model": "llama", "quantile": "1.5"}, grpc.StatusCode.INVALID_ARGUMENT, "quantile must be a number in (0, 1)"),
     ({"model": "llama", "quantile": "0"}, grpc.StatusCode.INVALID_ARGUMENT, "quantile must be a number in (0, 1)"),
@@ -128,6 +129,48 @@ def test_bad_metadata_is_a_precise_status_on_every_rpc(stub, engine, metadata, c
     for name, call in calls.items():
         got, details = status_of(call)
         assert got == code and words in details, (name, got, details)
+
+
+def test_an_unknown_model_gets_its_metric_spec_and_not_found_from_the_polled_rpcs(stub, engine):
+    """KEDA asks for the spec once, to build the HPA, and leaves a trigger whose spec failed out of it until the
+    ScaledObject changes: a model registered later must still get its floor, so only the polled RPCs say NOT_FOUND
+    (where KEDA counts failures and applies fallback)."""
+    spec = stub.GetMetricSpec(ref(model="nope"), timeout=10)
+    assert [(s.metricName, s.targetSize) for s in spec.metricSpecs] == [(METRIC_NAME, 1)]
+    calls = {
+        "GetMetrics": lambda: stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=ref(model="nope")), timeout=10),
+        "IsActive": lambda: stub.IsActive(ref(model="nope"), timeout=10),
+        "StreamIsActive": lambda: next(stub.StreamIsActive(ref(model="nope"), timeout=10)),
+    }
+    for name, call in calls.items():
+        got, details = status_of(call)
+        assert got == grpc.StatusCode.NOT_FOUND and "model 'nope' is not registered" in details, (name, got, details)
+    with engine.begin() as conn:  # registered after KEDA built the HPA: the same spec now has a value
+        upsert_models(conn, [ServingModelSpec(id="nope", replica_rps=2.0)])
+    store_run(engine, issued_at=START, q90=[150.0] * 60, model_id="nope")
+    assert floor_value(stub, model="nope") == 2
+
+
+def test_the_metric_spec_is_answered_while_the_database_is_away(scaler_settings, clock):
+    """A database unreachable at the moment KEDA builds the HPA must not leave prewarm's metric out of it: the spec
+    needs no database, and GetMetrics says UNAVAILABLE (a failure KEDA counts towards fallback)."""
+    with socket.socket() as probe:  # a loopback port nothing listens on: every connection is refused
+        probe.bind(("127.0.0.1", 0))
+        dead_port = probe.getsockname()[1]
+    away = make_engine(f"postgresql+psycopg://prewarm@127.0.0.1:{dead_port}/prewarm?connect_timeout=2")
+    snapshot = ForecastSnapshot(away, refresh_s=0, settings=scaler_settings, clock=clock)
+    server = KedaScalerServer(snapshot, scaler_settings, clock, host="127.0.0.1", port=0)
+    port = server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = externalscaler_rpc.Stub(channel)
+            spec = stub.GetMetricSpec(ref(model="llama"), timeout=10)
+            assert [s.metricName for s in spec.metricSpecs] == [METRIC_NAME]
+            got, details = status_of(lambda: floor_value(stub, model="llama"))
+            assert got == grpc.StatusCode.UNAVAILABLE and "database is unavailable" in details
+    finally:
+        server.stop()
+        away.dispose()
 
 
 def test_unknown_metric_name_and_missing_forecasts(stub, engine, clock):
