@@ -268,15 +268,20 @@ class KedaScalerServer:
         snapshot: the API's forecast snapshot (shared with REST; this server never replaces it).
         settings: ``recommendation_quantile``, ``default_cold_start_s``, ``keda_stream_check_s``.
         clock: the API's clock.
-        host, port: where to listen; port 0 picks a free one (:attr:`port` says which).
+        host, port: where to listen (the address ``prewarm serve`` binds for HTTP); port 0 picks a free one
+            (:attr:`port` says which).
+        reuse_port: share the port with other processes of this user that set it too (``SO_REUSEPORT``): each
+            worker of a multi-worker ``prewarm serve`` binds its own socket, as for HTTP (:mod:`api.workers`), and
+            answers from its own snapshot, so any worker can take a connection. Off, a port in use is an error.
     """
 
     def __init__(self, snapshot: ForecastSnapshot, settings: Settings, clock: Callable[[], datetime], *,
-                 host: str, port: int) -> None:
+                 host: str, port: int, reuse_port: bool = False) -> None:
         self._floors = ForecastFloor(snapshot, settings, clock)
         self._snapshot = snapshot
         self._settings = settings
-        self._address = f"{host}:{port}"
+        self._address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 literal in brackets
+        self._reuse_port = reuse_port
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
         self._grace_s = 1.0
@@ -304,7 +309,8 @@ class KedaScalerServer:
         self._stopping = asyncio.Event()
         ticker = StreamTicker(self._snapshot, self._settings.keda_stream_check_s,
                               refresh=self._settings.api_snapshot_refresh_s > 0)
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a port in use is an error, not shared
+        # gRPC sets SO_REUSEPORT unless told not to: without it a port in use is an error, not silently shared
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if self._reuse_port else 0)])
         externalscaler_rpc.add_to_server(ExternalScalerService(self._floors, ticker), server)
         try:
             self.port = server.add_insecure_port(self._address)

@@ -46,12 +46,16 @@ class PrewarmAPI(FastAPI):
 
 
 def create_app(settings: Settings, engine: Engine, *, clock: Callable[[], datetime] = utc_now,
-               owns_engine: bool = False) -> FastAPI:
+               owns_engine: bool = False, shared_port: bool = False) -> FastAPI:
     """Build the app around an open engine; the caller owns the engine's life (and migrations) unless ``owns_engine``.
 
     At start-up the app listens for token revocations (:class:`~forecaster.store.tokens.RevocationListener`)
     and, with a background refresh (``PREWARM_API_SNAPSHOT_REFRESH_S`` > 0), loads the forecast snapshot before
     it takes requests, so that a new worker process answers from memory from its first request.
+
+    With ``PREWARM_KEDA_GRPC_PORT`` set it also serves KEDA's external scaler, on ``settings.api_host`` (``prewarm
+    serve`` sets it to the address it binds for HTTP). ``shared_port``: this app is one of several worker processes
+    on the same ports, so the scaler binds its port with ``SO_REUSEPORT`` as the worker binds HTTP's.
     """
     snapshot = ForecastSnapshot(engine, refresh_s=settings.api_snapshot_refresh_s, settings=settings, clock=clock)
 
@@ -93,7 +97,7 @@ def create_app(settings: Settings, engine: Engine, *, clock: Callable[[], dateti
                 from api.keda_scaler import KedaScalerServer
 
                 scaler = KedaScalerServer(snapshot, settings, clock, host=settings.api_host,
-                                          port=settings.keda_grpc_port)
+                                          port=settings.keda_grpc_port, reuse_port=shared_port)
                 app.state.keda_scaler = scaler
                 scaler.start()
             yield
@@ -136,9 +140,10 @@ def app_from_environment() -> FastAPI:
     """The app of one ``prewarm serve`` worker process (``PREWARM_API_WORKERS`` > 1), as a uvicorn factory.
 
     Each worker opens its own engine from the environment (the parent process exported ``DATABASE_URL`` and
-    ran the migrations) and loads its own forecast snapshot at start-up.
+    ``PREWARM_API_HOST``, and ran the migrations) and loads its own forecast snapshot at start-up. Its KEDA scaler,
+    when one is served, shares the gRPC port with the other workers' (``SO_REUSEPORT``), as HTTP's is shared.
     """
     settings = Settings()
     if settings.database_url is None:
         raise RuntimeError("a worker process needs DATABASE_URL (prewarm serve sets it for its workers)")
-    return create_app(settings, make_engine(settings.database_url), owns_engine=True)
+    return create_app(settings, make_engine(settings.database_url), owns_engine=True, shared_port=True)

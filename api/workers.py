@@ -58,7 +58,10 @@ def _check_port_free(host: str, port: int) -> None:
     """Fail fast, in the caller, when the port is taken: bound by another program, or already accepting (another
     ``SO_REUSEPORT`` server of this user, which a bind alone would not notice and would share the connections with).
     """
-    reuse_port_socket(host, port).close()
+    try:
+        reuse_port_socket(host, port).close()
+    except OSError as error:
+        raise OSError(error.errno, f"{host}:{port}: {error.strerror}") from error
     target = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
     try:
         socket.create_connection((target, port), timeout=1.0).close()
@@ -80,14 +83,19 @@ def _run_worker(app: str, options: dict) -> None:
     uvicorn.Server(config).run(sockets=[sock])
 
 
-def serve_workers(app: str, workers: int, options: dict, *, graceful_s: float = 30.0, check_s: float = 0.5) -> None:
+def serve_workers(app: str, workers: int, options: dict, *, graceful_s: float = 30.0, check_s: float = 0.5,
+                  shared_ports: tuple[int, ...] = ()) -> None:
     """Run ``workers`` processes of the app factory ``app`` on ``options['host']:options['port']`` until a signal.
 
+    ``shared_ports``: other ports on the same host that every worker binds with ``SO_REUSEPORT`` itself (KEDA's
+    gRPC scaler), checked here as the HTTP port is, so that a taken one fails before any worker starts.
+
     Raises:
-        OSError: the port is taken (checked here before any worker starts).
+        OSError: a port is taken (checked here before any worker starts).
         SystemExit: a worker could not bind the port later (another program took it).
     """
-    _check_port_free(options["host"], options["port"])
+    for port in (options["port"], *shared_ports):
+        _check_port_free(options["host"], port)
     context = multiprocessing.get_context("spawn")
     stop = threading.Event()
     handlers = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -353,6 +353,8 @@ def serve_cmd(
             background = build_scheduler(engine, settings, BackgroundScheduler(timezone=timezone.utc))
             background.start()
         bind_host, bind_port = host or settings.api_host, port or settings.api_port
+        # KEDA's scaler (PREWARM_KEDA_GRPC_PORT) listens on the address HTTP binds, e.g. --host 0.0.0.0 in a pod
+        settings = settings.model_copy(update={"api_host": bind_host})
         typer.echo(f"prewarm API on http://{bind_host}:{bind_port} (OpenAPI at /docs), {worker_count} worker(s)")
         from api import workers as api_workers
 
@@ -361,13 +363,16 @@ def serve_cmd(
             if worker_count == 1:
                 uvicorn.run(create_app(settings, engine), **options)
             else:
-                # the workers are spawned: they read the database (embedded or not) from the environment
+                # the workers are spawned: they read the database (embedded or not) and the host from the environment
                 os.environ["DATABASE_URL"] = engine.url.render_as_string(hide_password=False)
+                os.environ["PREWARM_API_HOST"] = bind_host
                 if api_workers.supported():  # a socket per worker: the kernel spreads the connections
+                    shared = (settings.keda_grpc_port,) if settings.keda_grpc_port else ()
                     try:
-                        api_workers.serve_workers("api.main:app_from_environment", worker_count, options)
+                        api_workers.serve_workers("api.main:app_from_environment", worker_count, options,
+                                                  shared_ports=shared)
                     except OSError as error:
-                        typer.echo(f"prewarm serve: cannot listen on {bind_host}:{bind_port}: {error}", err=True)
+                        typer.echo(f"prewarm serve: cannot listen: {error.strerror or error}", err=True)
                         raise typer.Exit(api_workers.BIND_FAILURE) from None
                 else:
                     uvicorn.run("api.main:app_from_environment", factory=True, workers=worker_count, **options)

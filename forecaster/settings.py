@@ -206,7 +206,8 @@ class Settings(BaseSettings):
     # KEDA external scaler (gRPC, api/keda_scaler.py), served by the API process next to REST when a port is set
     keda_grpc_port: int | None = Field(
         default=None, ge=0, le=65535,
-        description="Port of KEDA's external scaler (gRPC) on PREWARM_API_HOST; unset = not served; 0 = any free port.")
+        description="Port of KEDA's external scaler (gRPC) on the address `prewarm serve` binds (--host, else "
+                    "PREWARM_API_HOST); unset = not served; 0 = any free port.")
     keda_stream_check_s: float = Field(
         default=5.0, gt=0, le=300,
         description="How often StreamIsActive re-evaluates each model (and picks up a new forecast snapshot).")

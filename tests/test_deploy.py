@@ -217,7 +217,11 @@ def test_commands_ports_probes_and_image_are_the_codes(rendered, tmp_path):
         args = container["args"]
         assert args[0] in commands
         port = int(args[args.index("--port") + 1])
-        assert [p["containerPort"] for p in container["ports"]] == [port]
+        grpc_port = _container_env(objects, container, "prewarm").get("PREWARM_KEDA_GRPC_PORT")
+        # the HTTP port, and KEDA's gRPC scaler's where the container serves it (on the same --host)
+        assert [p["containerPort"] for p in container["ports"]] == [port] + ([int(grpc_port)] if grpc_port else [])
+        if grpc_port:
+            assert container["ports"][1]["name"] == "grpc"
         paths = agent_paths if args[0] == "agent" else api_paths
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             assert container[probe]["httpGet"]["path"] in paths, (name, probe)
@@ -231,8 +235,16 @@ def test_commands_ports_probes_and_image_are_the_codes(rendered, tmp_path):
         else:
             assert port == defaults.api_port
     service = by_kind(objects, "Service")["prewarm"]
-    assert service["spec"]["selector"] == by_kind(objects, "Deployment")["prewarm-api"]["spec"]["selector"][
-        "matchLabels"]
+    api = by_kind(objects, "Deployment")["prewarm-api"]
+    assert service["spec"]["selector"] == api["spec"]["selector"]["matchLabels"]
+    # every port the API serves is reachable through the Service, the scaler at docs/autoscalers.md's address
+    [api_container] = api["spec"]["template"]["spec"]["containers"]
+    assert {p["targetPort"]: p["port"] for p in service["spec"]["ports"]} == {
+        p["name"]: p["containerPort"] for p in api_container["ports"]}
+    assert {p["name"] for p in api_container["ports"]} == {"http", "grpc"}
+    docs = (ROOT / "docs" / "autoscalers.md").read_text()
+    grpc_service_port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc")
+    assert f'scalerAddress: "prewarm.prewarm.svc:{grpc_service_port}"' in docs
 
 
 def test_the_prometheus_scrape_config_is_valid(rendered, tmp_path):

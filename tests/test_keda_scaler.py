@@ -3,9 +3,13 @@ forecasts stored in a real PostgreSQL and read through the API's forecast snapsh
 
 from __future__ import annotations
 
+import os
 import queue
 import socket
+import subprocess
+import sys
 import threading
+import time
 from datetime import datetime, timedelta, timezone
 
 import grpc
@@ -22,6 +26,8 @@ from forecaster.store.catalog import ServingModelSpec, upsert_models
 from forecaster.store.db import make_engine
 from forecaster.store.forecasts import write_forecasts
 from forecaster.store.tokens import create_token
+from tests.runtime_fixtures import free_port, start, stop_process, wait_until
+from tests.test_api_prepared import REPO, _listening_sockets
 
 START = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 #: No latency model, no sizes: the physics prior's start from nothing (12.3 s) with the planner's margins.
@@ -296,3 +302,59 @@ def test_every_rpc_of_the_proto_is_implemented_by_the_service():
 
     with pytest.raises(TypeError, match="StreamIsActive, GetMetricSpec, GetMetrics"):
         externalscaler_rpc.add_to_server(Partial(), grpc.aio.server())
+
+
+def _primary_address() -> str | None:
+    """A non-loopback IPv4 address of this machine (``hostname -I``'s first), or None when it has none."""
+    try:
+        out = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=10, check=False).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return next((a for a in out if "." in a and not a.startswith("127.")), None)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_serve_on_all_addresses_serves_the_scaler_there_from_every_worker(engine, db_url, tmp_path, workers):
+    """``prewarm serve --host 0.0.0.0`` (the Deployment's args) serves the scaler on that host too, not on
+    PREWARM_API_HOST's loopback default; with several workers each binds the gRPC port with SO_REUSEPORT, as it
+    binds the HTTP port, instead of the second failing and the supervisor stopping them all."""
+    address = _primary_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id="llama", replica_rps=2.0)])
+    store_run(engine, issued_at=datetime.now(timezone.utc), q90=[150.0] * 60)
+    http_port, grpc_port = free_port(), free_port()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}, "DATABASE_URL": db_url,
+           "PREWARM_DATA_DIR": str(tmp_path), "PYTHONPATH": str(REPO), "PREWARM_KEDA_GRPC_PORT": str(grpc_port)}
+    log = tmp_path / "serve.log"
+    server = start([sys.executable, "-m", "forecaster.cli", "serve", "--no-scheduler", "--host", "0.0.0.0",
+                    "--port", str(http_port), "--workers", str(workers)], log, env=env)
+    try:
+        wait_until(lambda: _listening_sockets(grpc_port) >= workers, timeout=90, what="prewarm serve's scaler",
+                   proc=server, log=log)
+        for _ in range(3 * workers):  # a new connection each: the kernel hands them to either worker
+            with grpc.insecure_channel(f"{address}:{grpc_port}") as channel:
+                assert floor_value(externalscaler_rpc.Stub(channel), model="llama") == 2
+        time.sleep(1.5)  # the supervisor checks its workers every 0.5 s: one that failed would have stopped it
+        assert server.poll() is None, log.read_text()[-3000:]
+        assert _listening_sockets(grpc_port) == workers  # one socket per worker, as for HTTP
+    finally:
+        stop_process(server, timeout=40)
+
+
+def test_serve_with_workers_refuses_a_grpc_port_already_taken(db_url, tmp_path):
+    """The supervisor checks the scaler's port as it checks HTTP's, before any worker starts: with SO_REUSEPORT a
+    worker's bind alone would not notice another server of this user there and would share its connections."""
+    taken = socket.create_server(("127.0.0.1", 0))
+    try:
+        grpc_port = taken.getsockname()[1]
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}, "DATABASE_URL": db_url,
+               "PREWARM_DATA_DIR": str(tmp_path), "PYTHONPATH": str(REPO), "PREWARM_KEDA_GRPC_PORT": str(grpc_port)}
+        done = subprocess.run([sys.executable, "-m", "forecaster.cli", "serve", "--no-scheduler", "--port",
+                               str(free_port()), "--workers", "2"], env=env, capture_output=True, text=True,
+                              check=False, timeout=120)
+    finally:
+        taken.close()
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert f"127.0.0.1:{grpc_port}" in done.stderr and "api.workers" not in done.stderr, done.stderr[-3000:]
