@@ -26,8 +26,10 @@ Errors: a missing or malformed ``model`` or ``quantile``, or a metric name other
 see :meth:`ExternalScalerService.GetMetricSpec`): a model not in the catalogue: ``NOT_FOUND``; no forecast yet, or
 the newest one does not reach the lead window: ``FAILED_PRECONDITION`` from ``GetMetrics`` (KEDA then counts a
 failure and applies the ScaledObject's ``fallback``), while ``IsActive`` answers false (the reactive triggers
-decide); the database away and the model not in memory: ``UNAVAILABLE``. While the database is away, answers keep
-coming from the snapshot held.
+decide); a forecast older than ``PREWARM_FORECAST_FRESH_S`` (the forecast job stopped): ``FAILED_PRECONDITION``
+from all three, ``IsActive`` included (an error, not "inactive", so that KEDA falls back instead of scaling to
+zero: :meth:`ForecastFloor.floor`); the database away and the model not in memory: ``UNAVAILABLE``. While the
+database is away, answers keep coming from the snapshot held, as long as its forecasts are that fresh.
 
 The port carries no token: KEDA's external scaler authenticates only with TLS client certificates, which this
 server does not terminate; keep the port inside the cluster network (a NetworkPolicy admitting KEDA's operator).
@@ -106,7 +108,6 @@ class Floor:
 
     recommendation: Recommendation
     active: bool
-    stale: bool
 
     @property
     def replicas(self) -> int | None:
@@ -140,17 +141,39 @@ class ForecastFloor:
         return view
 
     def evaluate(self, query: FloorQuery, view: ModelView) -> Floor:
-        """The floor and activity of ``query`` now (pure: reads ``view`` and the clock)."""
+        """The floor and activity of ``query`` now (pure: reads ``view`` and the clock).
+
+        A forecast older than ``PREWARM_FORECAST_FRESH_S`` gives reason ``forecast_stale``, no replicas and not
+        active; :meth:`floor` turns it into an error.
+        """
         now = self.clock()
         lead_time_s = float(view.lead_time_s or self.settings.default_cold_start_s)
         result = recommend(view.forecast, model_id=query.model_id, now=now, lead_time_s=lead_time_s,
-                           replica_rps=view.replica_rps, quantile=query.quantile)
+                           replica_rps=view.replica_rps, quantile=query.quantile,
+                           max_age_s=self.settings.forecast_fresh_s)
+        if result.reason == "forecast_stale":
+            return Floor(result, active=False)
         peak = demand_within_lead(view.forecast, now=now, lead_time_s=lead_time_s, quantile=query.quantile)
         active = peak is not None and replicas_for(peak, view.replica_rps) > 0
-        return Floor(result, active, stale=not self.snapshot.healthy)
+        return Floor(result, active)
 
     async def floor(self, query: FloorQuery) -> Floor:
-        return self.evaluate(query, await self.view(query.model_id))
+        """The floor of ``query`` now; ScalerError(FAILED_PRECONDITION) when the model's forecast is stale.
+
+        A stale forecast is an error for every RPC, ``IsActive`` and ``StreamIsActive`` included, not "inactive":
+        KEDA treats a trigger that errs as neither active nor idle, so it does not scale the target to zero on it,
+        and applies the ScaledObject's ``fallback`` replicas (after ``failureThreshold`` failures, from zero
+        too). An ``IsActive`` false would let KEDA scale to zero after ``cooldownPeriod`` on a forecast nobody
+        updates any more.
+        """
+        floor = self.evaluate(query, await self.view(query.model_id))
+        if floor.recommendation.reason == "forecast_stale":
+            raise ScalerError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"model {safe_repr(query.model_id, 260)}'s newest forecast is "
+                              f"{floor.recommendation.forecast_age_s:.0f} s old, older than "
+                              f"PREWARM_FORECAST_FRESH_S={self.settings.forecast_fresh_s:g} s (is the forecast job "
+                              f"running?); KEDA's fallback applies")
+        return floor
 
 
 class StreamTicker:

@@ -45,12 +45,14 @@ class PreparedRecommendation:
     lead_and_level: bytes  # ,"lead_time_s":...,"quantile":...
     issued_and_after: bytes  # ,"reason":"forecast","forecast_issued_at":...,"forecast_age_s":
     expired_issued: bytes  # the same for reason forecast_expired
+    stale_issued: bytes  # the same for reason forecast_stale
     version: bytes  # ,"model_version_id":...
     replica_rps: float | None
     issued_at_s: float | None
     first_minute_s: float
     demand: np.ndarray | None  # the default quantile's column (invocations per minute), one per target minute
     fixed: bytes | None  # the whole body less the stale flag, when no forecast
+    max_age_s: float | None = None  # older forecasts answer forecast_stale (recommend()'s max_age_s)
 
     def body(self, now_s: float, stale: bool) -> bytes:
         """The response body at ``now_s`` (epoch seconds), as :func:`recommend` and the schema would make it."""
@@ -58,7 +60,12 @@ class PreparedRecommendation:
             return self.fixed + _STALE[stale]
         demand = self.demand
         minutes = len(demand)
-        age = _json(now_s - self.issued_at_s)
+        age_s = now_s - self.issued_at_s
+        age = _json(age_s)
+        if self.max_age_s is not None and age_s > self.max_age_s:
+            return b"".join((self.head, b'null,"replicas_at_lead_time":null', self.lead_and_level,
+                             b',"demand_now_per_min":null,"demand_at_lead_time_per_min":null', self.stale_issued,
+                             age, self.version, _STALE[stale]))
         current = now_s // 60 * 60
         ready_at = (now_s + self.lead_time_s) // 60 * 60
         first = int((ready_at - self.first_minute_s) // 60)
@@ -98,7 +105,7 @@ class _Fragments:
     """JSON fragments shared by many models (one run's issue time and version, a lead time), made once each."""
 
     def __init__(self) -> None:
-        self.issued: dict[tuple, tuple[bytes, bytes, bytes]] = {}
+        self.issued: dict[tuple, tuple[bytes, bytes, bytes, bytes]] = {}
         self.numbers: dict[float | None, bytes] = {}
 
     def number(self, value: float | None) -> bytes:
@@ -107,7 +114,7 @@ class _Fragments:
             made = self.numbers[value] = _json(value)
         return made
 
-    def run(self, forecast: MinuteQuantiles) -> tuple[bytes, bytes, bytes]:
+    def run(self, forecast: MinuteQuantiles) -> tuple[bytes, bytes, bytes, bytes]:
         key = (forecast.issued_at, forecast.model_version_id)
         made = self.issued.get(key)
         if made is None:
@@ -115,12 +122,13 @@ class _Fragments:
             made = self.issued[key] = (
                 b',"reason":"forecast","forecast_issued_at":' + issued + b',"forecast_age_s":',
                 b',"reason":"forecast_expired","forecast_issued_at":' + issued + b',"forecast_age_s":',
+                b',"reason":"forecast_stale","forecast_issued_at":' + issued + b',"forecast_age_s":',
                 b',"model_version_id":' + _json(forecast.model_version_id))
         return made
 
 
 def prepare_recommendation(model_id: str, forecast: MinuteQuantiles | None, *, lead_time_s: float,
-                           replica_rps: float | None, quantile: float,
+                           replica_rps: float | None, quantile: float, max_age_s: float | None = None,
                            fragments: _Fragments | None = None) -> PreparedRecommendation | None:
     """The prepared body of ``model_id``'s default recommendation; None when only the full path can answer it.
 
@@ -129,6 +137,8 @@ def prepare_recommendation(model_id: str, forecast: MinuteQuantiles | None, *, l
         lead_time_s: seconds, as the route passes it to :func:`recommend`.
         replica_rps: requests per second one replica serves (None: unknown, one replica).
         quantile: the default demand quantile (``PREWARM_RECOMMENDATION_QUANTILE``).
+        max_age_s: the forecast's age past which the body says ``forecast_stale`` (``PREWARM_FORECAST_FRESH_S``,
+            as the route passes it to :func:`recommend`); None: no limit.
         fragments: shared fragments (:func:`fragments`) when preparing a whole fleet.
     """
     fragments = fragments or _Fragments()
@@ -139,18 +149,19 @@ def prepare_recommendation(model_id: str, forecast: MinuteQuantiles | None, *, l
         rest = (b',"quantile":null,"demand_now_per_min":null,"demand_at_lead_time_per_min":null,'
                 b'"reason":"no_forecast","forecast_issued_at":null,"forecast_age_s":null,"model_version_id":null')
         fixed = b"".join((head, b'null,"replicas_at_lead_time":null', lead, rest))
-        return PreparedRecommendation(head, lead_time_s, b"", b"", b"", b"", replica_rps, None, 0.0, None, fixed)
+        return PreparedRecommendation(head, lead_time_s, b"", b"", b"", b"", b"", replica_rps, None, 0.0, None, fixed,
+                                      max_age_s)
     minutes = forecast.minutes_s
     # target minutes ascend by construction (first_target + k * step, NULL elements left out): consecutive
     # whole minutes exactly when the span is 60 s per step
     if minutes[-1] - minutes[0] != 60 * (len(minutes) - 1):
         return None  # gaps, or another step: recommend()'s masks, on the full path
     level, demand = _column(forecast, quantile)
-    issued_and_after, expired_issued, version = fragments.run(forecast)
+    issued_and_after, expired_issued, stale_issued, version = fragments.run(forecast)
     return PreparedRecommendation(
         head, lead_time_s, lead + b',"quantile":' + fragments.number(None if level is None else float(level)),
-        issued_and_after, expired_issued, version, replica_rps, forecast.issued_at.timestamp(), float(minutes[0]),
-        np.ascontiguousarray(demand, dtype="float64"), None)
+        issued_and_after, expired_issued, stale_issued, version, replica_rps, forecast.issued_at.timestamp(),
+        float(minutes[0]), np.ascontiguousarray(demand, dtype="float64"), None, max_age_s)
 
 
 def fragments() -> _Fragments:

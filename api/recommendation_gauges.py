@@ -12,6 +12,10 @@ once with numpy, as :meth:`~api.prepared.PreparedRecommendation.body` does for o
 whose forecast a prepared body cannot answer (target minutes with gaps) take :func:`recommend` itself, as the REST
 route does. The values are :func:`recommend`'s (``tests/test_recommendation_gauges.py`` compares the two over
 clocks, forecasts and ids).
+
+A model whose forecast is older than ``PREWARM_FORECAST_FRESH_S`` has no samples, as one whose forecast has expired:
+an HPA reading it through prometheus-adapter then gets no value for the metric (an error) instead of an hour-old
+floor served as current: it scales up on its other metrics and skips scaling down while one fails.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class _Stacked:
 
     prefixes: list[tuple[str, str]]
     first_minute_s: np.ndarray  # (N,) epoch seconds of each run's first target minute
+    issued_at_s: np.ndarray  # (N,) epoch seconds each run was issued at
     lead_time_s: np.ndarray  # (N,)
     replica_rps: np.ndarray  # (N,) NaN: unknown (one replica serves any demand above the minimum)
     minutes: np.ndarray  # (N,) target minutes each run holds
@@ -63,6 +68,7 @@ def _stack(prepared: dict) -> _Stacked:
     return _Stacked(
         prefixes=[_prefixes(model_id) for model_id, _ in rows],
         first_minute_s=np.array([body.first_minute_s for _, body in rows], dtype="float64"),
+        issued_at_s=np.array([body.issued_at_s for _, body in rows], dtype="float64"),
         lead_time_s=np.array([body.lead_time_s for _, body in rows], dtype="float64"),
         replica_rps=np.array([np.nan if not body.replica_rps else body.replica_rps for _, body in rows],
                              dtype="float64"),
@@ -105,9 +111,10 @@ class RecommendationGauges:
         return text
 
     def exposition(self) -> bytes:
-        """``# HELP``/``# TYPE`` and two samples per model with a forecast that reaches the lead time."""
+        """``# HELP``/``# TYPE`` and two samples per model with a fresh forecast that reaches the lead time."""
         now = self._clock()
         now_s = now.timestamp()
+        max_age_s = self._settings.forecast_fresh_s
         s = self._arrays()
         lines = [HEADER]
         if len(s.prefixes):
@@ -125,7 +132,8 @@ class RecommendationGauges:
             at_now = np.where(inside, s.demand[rows, np.clip(index_now, 0, last)], s.demand[:, 0])
             # -inf: no target minute at the lead time (forecast expired, no sample, as recommend() says); NaN:
             # a NaN element, on which recommend() would raise: left out too
-            answered = np.isfinite(at_lead) & np.isfinite(at_now)
+            # and older than the freshness limit: recommend()'s forecast_stale, left out
+            answered = np.isfinite(at_lead) & np.isfinite(at_now) & ~(now_s - s.issued_at_s > max_age_s)
             now_replicas = replicas_for_array(at_now, s.replica_rps)
             lead_replicas = replicas_for_array(at_lead, s.replica_rps)
             for i in np.flatnonzero(answered):
@@ -138,7 +146,8 @@ class RecommendationGauges:
                 continue
             result = recommend(view.forecast, model_id=model_id, now=now,
                                lead_time_s=float(view.lead_time_s or self._settings.default_cold_start_s),
-                               replica_rps=view.replica_rps, quantile=self._settings.recommendation_quantile)
+                               replica_rps=view.replica_rps, quantile=self._settings.recommendation_quantile,
+                               max_age_s=max_age_s)
             if result.replicas_at_lead_time is not None:
                 prefix_now, prefix_lead = _prefixes(model_id)
                 lines += (prefix_now, self._value(float(result.replicas_now)), prefix_lead,

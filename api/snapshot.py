@@ -199,7 +199,7 @@ class ForecastSnapshot:
             else:
                 prepared[model_id] = prepare_recommendation(model_id, view.forecast, lead_time_s=lead_s,
                                                             replica_rps=view.replica_rps, quantile=quantile,
-                                                            fragments=shared)
+                                                            max_age_s=settings.forecast_fresh_s, fragments=shared)
             inputs[model_id] = key
             if i % 2000 == 1999:
                 time.sleep(0)  # let the event loop's thread take the GIL between slices of a big fleet

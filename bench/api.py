@@ -203,7 +203,8 @@ def _process(argv: list[str], env: dict, base: str, probe_path: str, token: str,
 def serving(url: str, token: str, probe_model: str, *, timeout_s: float = 120.0, workers: int | None = None):
     """``prewarm serve`` on a free port against ``url``; yields its base URL once a recommendation answers."""
     port = free_port()
-    env = {**os.environ, "DATABASE_URL": url}
+    # the fleet's one run is written once, before the server starts: keep it served as fresh for the whole benchmark
+    env = {**os.environ, "DATABASE_URL": url, "PREWARM_FORECAST_FRESH_S": "86400"}
     if workers is not None:
         env["PREWARM_API_WORKERS"] = str(workers)
     argv = [sys.executable, "-m", "forecaster.cli", "serve", "--port", str(port), "--no-scheduler"]

@@ -81,7 +81,9 @@ def prepare(admin_url: str, n_models: int) -> tuple[str, str]:
 def serving(url: str, token: str, probe_model: str, *, timeout_s: float = 180.0):
     """``prewarm serve`` with the KEDA scaler on; yields (REST base URL, gRPC address) once both answer."""
     http_port, grpc_port = free_port(), free_port()
-    env = {**os.environ, "DATABASE_URL": url, "PREWARM_KEDA_GRPC_PORT": str(grpc_port)}
+    # the fleet's one run is written once, before the server starts: keep it served as fresh for the whole benchmark
+    env = {**os.environ, "DATABASE_URL": url, "PREWARM_KEDA_GRPC_PORT": str(grpc_port),
+           "PREWARM_FORECAST_FRESH_S": "86400"}
     base, address = f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
     with open(os.environ.get("PREWARM_BENCH_SERVER_LOG", os.devnull), "w") as server_log:
         server = subprocess.Popen([sys.executable, "-m", "forecaster.cli", "serve", "--port", str(http_port),

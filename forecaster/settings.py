@@ -199,7 +199,10 @@ class Settings(BaseSettings):
     api_port: int = Field(default=8080, ge=1, le=65535)
     default_cold_start_s: float = Field(default=45.0, gt=0, description="Lead time when no cold start was observed.")
     recommendation_quantile: float = Field(default=0.9, gt=0, lt=1)
-    forecast_fresh_s: float = Field(default=180.0, gt=0, description="/readyz fails when forecasts are older.")
+    forecast_fresh_s: float = Field(
+        default=180.0, gt=0,
+        description="A model's forecast older than this is not served as a replica floor (REST reason "
+                    "forecast_stale, KEDA scaler FAILED_PRECONDITION, no gauge sample), and /readyz fails.")
     ingest_retry_after_s: int = Field(default=5, ge=1)
     api_snapshot_refresh_s: float = Field(
         default=2.0, ge=0, description="How often the API reloads new forecast runs; 0 = on every request.")

@@ -32,6 +32,7 @@ from api.prepared import prepare_recommendation
 from api.schemas import RecommendationPublic
 from forecaster.planning.recommendation import MinuteQuantiles, recommend
 from forecaster.settings import SettingsError, load_settings
+from forecaster.store.catalog import ServingModelSpec, upsert_models
 from forecaster.store.forecasts import write_forecasts
 from forecaster.store.tokens import create_token, revoke_in_database, revoke_token
 from tests.runtime_fixtures import stop_process
@@ -41,10 +42,10 @@ NOW = datetime(2026, 11, 29, 12, 0, 30, tzinfo=timezone.utc)
 SCHEMA = TypeAdapter(RecommendationPublic)
 
 
-def schema_bytes(forecast, *, model_id, now, lead_time_s, replica_rps, quantile, stale) -> bytes:
+def schema_bytes(forecast, *, model_id, now, lead_time_s, replica_rps, quantile, stale, max_age_s=None) -> bytes:
     """What FastAPI sends for the route's answer: the response model's JSON of recommend()'s result."""
     result = recommend(forecast, model_id=model_id, now=now, lead_time_s=lead_time_s, replica_rps=replica_rps,
-                       quantile=quantile)
+                       quantile=quantile, max_age_s=max_age_s)
     return SCHEMA.dump_json(RecommendationPublic(**result.as_dict(), stale=stale))
 
 
@@ -75,14 +76,15 @@ def test_prepared_bodies_are_the_schemas_bytes_for_any_clock_forecast_and_id():
         lead_time_s = float(rng.choice([45.0, 19.76, 0.001, 290.0 * 1.2 + 5.0, 3600.0, float(rng.uniform(1, 900))]))
         replica_rps = [None, 0.001, 2.0, float(rng.uniform(0.5, 20.0))][case % 4]
         quantile = float(rng.choice([0.9, 0.5, 0.93, 0.1, 0.999]))
+        max_age_s = [None, 180.0, 1800.0][case % 3]  # PREWARM_FORECAST_FRESH_S: none, the default, a longer one
         prepared = prepare_recommendation(model_id, run, lead_time_s=lead_time_s, replica_rps=replica_rps,
-                                          quantile=quantile)
+                                          quantile=quantile, max_age_s=max_age_s)
         assert prepared is not None
         for _ in range(8):  # clocks before, inside and past the run's minutes, and sub-second ones
             now = issued_at + timedelta(seconds=float(rng.uniform(-300, 5500)))
             stale = bool(rng.integers(0, 2))
             expected = schema_bytes(run, model_id=model_id, now=now, lead_time_s=lead_time_s,
-                                    replica_rps=replica_rps, quantile=quantile, stale=stale)
+                                    replica_rps=replica_rps, quantile=quantile, stale=stale, max_age_s=max_age_s)
             assert prepared.body(now.timestamp(), stale) == expected, (case, model_id, now)
             compared += 1
     assert compared == 3200
@@ -91,15 +93,17 @@ def test_prepared_bodies_are_the_schemas_bytes_for_any_clock_forecast_and_id():
 def test_every_reason_is_covered_and_gaps_take_the_full_path():
     rng = np.random.default_rng(3)
     run = random_run(rng, NOW - timedelta(seconds=30), (0.1, 0.5, 0.9))
-    prepared = prepare_recommendation("m", run, lead_time_s=45.0, replica_rps=2.0, quantile=0.9)
     reasons = set()
-    for offset_s in range(-600, 6000, 37):
-        now = NOW + timedelta(seconds=offset_s)
-        body = prepared.body(now.timestamp(), False)
-        assert body == schema_bytes(run, model_id="m", now=now, lead_time_s=45.0, replica_rps=2.0, quantile=0.9,
-                                    stale=False)
-        reasons.add(SCHEMA.validate_json(body).reason)
-    assert reasons == {"forecast", "forecast_expired"}
+    for max_age_s in (None, 180.0):  # no freshness limit: the run expires; the default: it goes stale first
+        prepared = prepare_recommendation("m", run, lead_time_s=45.0, replica_rps=2.0, quantile=0.9,
+                                          max_age_s=max_age_s)
+        for offset_s in range(-600, 6000, 37):
+            now = NOW + timedelta(seconds=offset_s)
+            body = prepared.body(now.timestamp(), False)
+            assert body == schema_bytes(run, model_id="m", now=now, lead_time_s=45.0, replica_rps=2.0, quantile=0.9,
+                                        stale=False, max_age_s=max_age_s)
+            reasons.add(SCHEMA.validate_json(body).reason)
+    assert reasons == {"forecast", "forecast_expired", "forecast_stale"}
     gappy = MinuteQuantiles(issued_at=run.issued_at, model_version_id=None, minutes_s=run.minutes_s[[0, 2, 3]],
                             levels=run.levels, values=run.values[[0, 2, 3]], point=run.point[[0, 2, 3]])
     assert prepare_recommendation("m", gappy, lead_time_s=45.0, replica_rps=2.0, quantile=0.9) is None
@@ -164,6 +168,40 @@ def test_the_hot_path_answers_byte_for_byte_as_the_route(served_app):
     metrics = client.get("/metrics").text
     assert ('prewarm_api_request_seconds_count{method="GET",route="/v1/models/{model_id}/recommendation",'
             'status="200"} 4.0') in metrics
+
+
+def test_a_stale_forecast_answers_no_replicas_on_the_hot_path_and_the_route(engine, settings):
+    """A run older than PREWARM_FORECAST_FRESH_S (the forecast job stopped) is not served as current for the rest of
+    its hour: 200 with the replica fields null and reason forecast_stale, its age given, from both paths alike
+    (KEDA's metrics-api scaler reads the null as a failure and applies fallback)."""
+    read = create_token(engine, name="keda", scopes=["read"])
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id="llama", replica_rps=2.0)])
+    store_forecast(engine, "llama", 150.0, issued_at=NOW)
+    clock = {"now": NOW + timedelta(minutes=1)}
+    app = create_app(settings.model_copy(update={"api_snapshot_refresh_s": 3600.0}), engine,
+                     clock=lambda: clock["now"])
+    answered: list[bool] = []
+    answer = app.hot_path.answer
+
+    async def noting(scope, send):
+        done = await answer(scope, send)
+        answered.append(done)
+        return done
+
+    app.hot_path.answer = noting
+    with TestClient(app) as client:
+        fresh = client.get("/v1/models/llama/recommendation", headers=auth(read)).json()
+        assert fresh["reason"] == "forecast" and fresh["replicas_at_lead_time"] == 2  # 150/min at 120 a replica
+        clock["now"] = NOW + timedelta(minutes=10)  # inside the run's hour, older than the 180 s default
+        route = client.get("/v1/models/llama/recommendation?quantile=0.9", headers=auth(read))
+        hot = client.get("/v1/models/llama/recommendation", headers=auth(read))
+    assert answered == [False, False, True]  # the first request caches the token; the last is the hot path's
+    assert route.status_code == hot.status_code == 200 and route.content == hot.content
+    body = hot.json()
+    assert body["reason"] == "forecast_stale" and body["forecast_age_s"] == 600.0
+    assert body["replicas_now"] is None and body["replicas_at_lead_time"] is None
+    assert body["demand_at_lead_time_per_min"] is None and body["stale"] is False  # the database is fine
 
 
 def test_a_token_revoked_here_is_refused_on_the_next_request_though_cached(served_app, engine):

@@ -49,7 +49,9 @@ def clock():
 
 @pytest.fixture
 def scaler_settings(settings):
-    return settings.model_copy(update={"keda_stream_check_s": 0.05})
+    """Fast stream checks, and a freshness limit past one run's hour: these tests move the clock along a run to
+    follow its floor (the default limit has tests of its own, test_a_stale_forecast_*)."""
+    return settings.model_copy(update={"keda_stream_check_s": 0.05, "forecast_fresh_s": 7200.0})
 
 
 @pytest.fixture
@@ -193,6 +195,62 @@ def test_unknown_metric_name_and_missing_forecasts(stub, engine, clock):
     got, details = status_of(lambda: floor_value(stub, model="llama"))
     assert got == grpc.StatusCode.FAILED_PRECONDITION and "expired" in details
     assert stub.IsActive(ref(model="llama"), timeout=10).result is False
+
+
+@pytest.fixture
+def fresh_limit_stub(engine, settings, clock):
+    """A scaler with the default freshness limit (PREWARM_FORECAST_FRESH_S, 180 s)."""
+    fresh_settings = settings.model_copy(update={"keda_stream_check_s": 0.05})
+    assert fresh_settings.forecast_fresh_s == 180.0
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id="llama", replica_rps=2.0)])
+    snapshot = ForecastSnapshot(engine, refresh_s=0, settings=fresh_settings, clock=clock)
+    server = KedaScalerServer(snapshot, fresh_settings, clock, host="127.0.0.1", port=0)
+    port = server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield externalscaler_rpc.Stub(channel)
+    finally:
+        channel.close()
+        server.stop()
+
+
+def test_a_stale_forecast_is_an_error_so_keda_falls_back(fresh_limit_stub, engine, clock):
+    """After the forecast job stops, its last run still covers the hour ahead; served past PREWARM_FORECAST_FRESH_S
+    it would hold the floor where it was and KEDA's fallback would never engage. Every polled RPC errs instead,
+    IsActive too: KEDA scales nothing to zero on a trigger in error, and applies fallback."""
+    stub = fresh_limit_stub
+    store_run(engine, issued_at=START, q90=[300.0] * 60)  # 300/min at 120 a replica: 3 replicas all hour
+    clock.now = START + timedelta(minutes=1)
+    assert floor_value(stub, model="llama") == 3
+    assert stub.IsActive(ref(model="llama"), timeout=10).result is True
+    clock.now = START + timedelta(minutes=10)  # the run reaches 13:00, but is 600 s old
+    calls = {
+        "GetMetrics": lambda: floor_value(stub, model="llama"),
+        "IsActive": lambda: stub.IsActive(ref(model="llama"), timeout=10),
+        "StreamIsActive": lambda: next(stub.StreamIsActive(ref(model="llama"), timeout=10)),
+    }
+    for name, call in calls.items():
+        got, details = status_of(call)
+        assert got == grpc.StatusCode.FAILED_PRECONDITION, (name, got, details)
+        assert "600 s old" in details and "PREWARM_FORECAST_FRESH_S=180 s" in details, (name, details)
+    assert stub.GetMetricSpec(ref(model="llama"), timeout=10).metricSpecs  # the HPA keeps the metric
+    store_run(engine, issued_at=START + timedelta(minutes=9, seconds=30), q90=[150.0] * 60)  # the job is back
+    assert floor_value(stub, model="llama") == 2
+
+
+def test_an_open_stream_ends_with_the_error_when_its_forecast_goes_stale(fresh_limit_stub, engine, clock):
+    """A stream that answered active must not go on (or turn inactive, which lets KEDA scale to zero) once the
+    forecast behind it is stale: it ends with FAILED_PRECONDITION, and KEDA reconnects and polls in the meantime."""
+    store_run(engine, issued_at=START, q90=[300.0] * 60)
+    clock.now = START + timedelta(minutes=1)
+    reader = StreamReader(fresh_limit_stub.StreamIsActive(ref(model="llama")))
+    try:
+        assert reader.next() is True
+        clock.now = START + timedelta(minutes=4)
+        assert reader.next() == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        reader.close()
 
 
 class StreamReader:

@@ -17,7 +17,7 @@ from api.snapshot import ModelView
 from forecaster.planning.recommendation import MinuteQuantiles, recommend
 from tests.test_api_prepared import NOW, random_run
 
-SETTINGS = SimpleNamespace(default_cold_start_s=45.0, recommendation_quantile=0.9)
+SETTINGS = SimpleNamespace(default_cold_start_s=45.0, recommendation_quantile=0.9, forecast_fresh_s=180.0)
 IDS = ["llama", "model-000042", 'quo"te\\back', "ünïcødé-模型", "tab\tnew\nline", "x" * 256]
 
 
@@ -25,17 +25,19 @@ class FakeSnapshot:
     """What the gauges read of :class:`api.snapshot.ForecastSnapshot`: ``models`` and ``prepared``, made as its
     ``_prepare`` makes them (the default lead time where the latency model gave none)."""
 
-    def __init__(self, models: dict[str, ModelView]):
+    def __init__(self, models: dict[str, ModelView], settings=SETTINGS):
         self.models = models
         self.prepared = {
             model_id: prepare_recommendation(model_id, view.forecast,
-                                             lead_time_s=float(view.lead_time_s or SETTINGS.default_cold_start_s),
-                                             replica_rps=view.replica_rps, quantile=SETTINGS.recommendation_quantile)
+                                             lead_time_s=float(view.lead_time_s or settings.default_cold_start_s),
+                                             replica_rps=view.replica_rps, quantile=settings.recommendation_quantile,
+                                             max_age_s=settings.forecast_fresh_s)
             for model_id, view in models.items()}
 
 
-def reference(snapshot: FakeSnapshot, now: datetime) -> bytes:
-    """The gauge as it was made before: recommend() per model through prometheus_client."""
+def reference(snapshot: FakeSnapshot, now: datetime, settings=SETTINGS) -> bytes:
+    """The gauge as it was made before: recommend() per model through prometheus_client (a model whose forecast is
+    stale or expired has no samples)."""
 
     class Collector:
         def collect(self):
@@ -44,8 +46,9 @@ def reference(snapshot: FakeSnapshot, now: datetime) -> bytes:
                                       labels=["model_id", "at"])
             for model_id, view in snapshot.models.items():
                 result = recommend(view.forecast, model_id=model_id, now=now,
-                                   lead_time_s=float(view.lead_time_s or SETTINGS.default_cold_start_s),
-                                   replica_rps=view.replica_rps, quantile=SETTINGS.recommendation_quantile)
+                                   lead_time_s=float(view.lead_time_s or settings.default_cold_start_s),
+                                   replica_rps=view.replica_rps, quantile=settings.recommendation_quantile,
+                                   max_age_s=settings.forecast_fresh_s)
                 if result.replicas_at_lead_time is not None:
                     gauge.add_metric([model_id, "now"], result.replicas_now)
                     gauge.add_metric([model_id, "lead_time"], result.replicas_at_lead_time)
@@ -80,8 +83,10 @@ def with_gaps(run: MinuteQuantiles, rng: np.random.Generator) -> MinuteQuantiles
 def test_the_gauge_is_recommends_answer_for_any_clock_forecast_and_id():
     rng = np.random.default_rng(23)
     level_sets = [(0.1, 0.5, 0.9, 0.95, 0.99), (0.5, 0.9), (0.1, 0.5, 0.95), (0.99,), ()]
-    compared = samples = full_path = 0
+    compared = samples = full_path = stale = 0
     for fleet in range(40):
+        # the default freshness limit in a third of the fleets (stale models), none to speak of in the rest
+        settings = SimpleNamespace(**{**vars(SETTINGS), "forecast_fresh_s": [180.0, 1e9, 1e9][fleet % 3]})
         models = {}
         for i in range(int(rng.integers(1, 25))):
             issued_at = NOW - timedelta(seconds=float(rng.uniform(0, 4000)))
@@ -91,16 +96,20 @@ def test_the_gauge_is_recommends_answer_for_any_clock_forecast_and_id():
             lead = [None, 45.0, 19.76, 0.001, 3600.0, float(rng.uniform(1, 900))][int(rng.integers(0, 6))]
             models[f"{IDS[i % len(IDS)]}-{i}"] = ModelView(replica_rps=[None, 0.0, 0.001, 2.0, 7.3][i % 5],
                                                           lead_time_s=lead, forecast=run)
-        snapshot = FakeSnapshot(models)
+        snapshot = FakeSnapshot(models, settings)
         for _ in range(5):
             now = NOW + timedelta(seconds=float(rng.uniform(-300, 4000)), microseconds=int(rng.integers(0, 10**6)))
-            gauges = RecommendationGauges(snapshot, SETTINGS, lambda now=now: now)
-            ours, theirs = gauges.exposition(), reference(snapshot, now)
+            gauges = RecommendationGauges(snapshot, settings, lambda now=now: now)
+            ours, theirs = gauges.exposition(), reference(snapshot, now, settings)
             assert lines(ours) == lines(theirs), (fleet, now)
             compared += 1
             samples += len(lines(theirs)[1])
             full_path += sum(snapshot.prepared[m] is None and _prefix(m) in ours for m in models)
-    assert compared == 200 and samples > 500 and full_path > 10  # many samples, the full path's among them
+            stale += sum(recommend(view.forecast, model_id=m, now=now, lead_time_s=45.0, replica_rps=None,
+                                   max_age_s=settings.forecast_fresh_s).reason == "forecast_stale"
+                         for m, view in models.items())
+    # many samples, the full path's among them, and many models left out as stale
+    assert compared == 200 and samples > 500 and full_path > 10 and stale > 100
 
 
 def test_the_gauge_follows_the_snapshot_and_the_clock():
@@ -120,3 +129,21 @@ def test_the_gauge_follows_the_snapshot_and_the_clock():
     assert b'prewarm_recommended_replicas{at="lead_time",model_id="m"} 5.0\n' in gauges.exposition()
     clock["now"] = NOW + timedelta(hours=2)  # past the run's last target minute: expired, no sample
     assert gauges.exposition().count(b"\n") == 2  # HELP and TYPE only
+
+
+def test_a_stale_forecast_has_no_samples():
+    """A run older than PREWARM_FORECAST_FRESH_S (the forecast job stopped) is not served as current for the rest
+    of its hour: its model leaves the gauge, so prometheus-adapter answers the HPA an error for it."""
+    minutes = int(NOW.timestamp()) // 60 * 60 + 60 * np.arange(60, dtype=np.int64)
+    values = np.full((60, 1), 120.0)
+    run = MinuteQuantiles(issued_at=NOW, model_version_id=None, minutes_s=minutes, levels=(0.9,), values=values,
+                          point=values[:, 0].copy())
+    gappy = with_gaps(run, np.random.default_rng(1))  # no prepared body: the full path
+    clock = {"now": NOW + timedelta(minutes=1)}
+    snapshot = FakeSnapshot({"m": ModelView(replica_rps=1.0, lead_time_s=30.0, forecast=run),
+                             "g": ModelView(replica_rps=1.0, lead_time_s=30.0, forecast=gappy)})
+    assert snapshot.prepared["m"] is not None and snapshot.prepared["g"] is None
+    gauges = RecommendationGauges(snapshot, SETTINGS, lambda: clock["now"])
+    assert b'prewarm_recommended_replicas{at="lead_time",model_id="m"} 2.0\n' in gauges.exposition()
+    clock["now"] = NOW + timedelta(minutes=10)  # inside the run's hour, older than the 180 s limit
+    assert lines(gauges.exposition())[1] == []

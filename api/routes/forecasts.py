@@ -89,7 +89,13 @@ async def get_recommendation(model_id: str, request: Request, settings: Settings
                        quantile: float | None = Query(None, gt=0, lt=1,
                                                       description="Demand quantile; default the setting.")
                        ) -> RecommendationPublic:
-    """Replicas to have ready now and at the cold-start lead time, from the newest forecast run in memory."""
+    """Replicas to have ready now and at the cold-start lead time, from the newest forecast run in memory.
+
+    A forecast older than ``PREWARM_FORECAST_FRESH_S`` answers 200 with the replica fields null and reason
+    ``forecast_stale`` (its issue time and age given), as ``no_forecast`` and ``forecast_expired`` do: KEDA's
+    metrics-api scaler then counts a failure and applies the ScaledObject's fallback. Not a 5xx: the service is up
+    and the body says why there is no number, in the schema clients already read.
+    """
     # async and in memory: the hot path takes no thread hop; refreshes run in a worker thread
     snapshot = request.app.state.snapshot
     if settings.api_snapshot_refresh_s == 0 or snapshot.newest_issued_at is None:
@@ -105,5 +111,6 @@ async def get_recommendation(model_id: str, request: Request, settings: Settings
                             headers={"Retry-After": str(settings.ingest_retry_after_s)})
     result = recommend(view.forecast, model_id=model_id, now=clock(),
                        lead_time_s=float(view.lead_time_s or settings.default_cold_start_s),
-                       replica_rps=view.replica_rps, quantile=quantile or settings.recommendation_quantile)
+                       replica_rps=view.replica_rps, quantile=quantile or settings.recommendation_quantile,
+                       max_age_s=settings.forecast_fresh_s)
     return RecommendationPublic(**result.as_dict(), stale=not snapshot.healthy)

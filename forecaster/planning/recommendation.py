@@ -31,7 +31,7 @@ class Recommendation:
     quantile: float | None
     demand_now_per_min: float | None
     demand_at_lead_time_per_min: float | None
-    reason: str  # forecast | no_forecast | forecast_expired
+    reason: str  # forecast | no_forecast | forecast_stale | forecast_expired
     forecast_issued_at: datetime | None
     forecast_age_s: float | None
     model_version_id: str | None
@@ -127,18 +127,28 @@ def recommend(
     lead_time_s: float,
     replica_rps: float | None,
     quantile: float = 0.9,
+    max_age_s: float | None = None,
 ) -> Recommendation:
     """Replicas to have ready now and at ``now + lead_time_s``.
 
     The demand at lead time is the largest forecast over the minute in which a
     replica started now would become ready and the one after, so a ramp there
     is covered.
+
+    A forecast issued more than ``max_age_s`` seconds before ``now`` (the API passes
+    ``PREWARM_FORECAST_FRESH_S``) gives no replicas, reason ``forecast_stale``: a run
+    covers an hour, so without the limit a forecast job that stopped would go on
+    being served as current for that hour, and autoscalers would never fall back.
+    None: no limit.
     """
     forecast = _as_minutes(forecast)
     if forecast is None or not len(forecast.minutes_s):
         return Recommendation(model_id, None, None, lead_time_s, None, None, None, "no_forecast", None, None, None)
     level, values = _demand_at(forecast, quantile)
     age_s = now.timestamp() - forecast.issued_at.timestamp()
+    if max_age_s is not None and age_s > max_age_s:
+        return Recommendation(model_id, None, None, lead_time_s, level, None, None, "forecast_stale",
+                              forecast.issued_at, age_s, forecast.model_version_id)
     current, ready_at = _minute_starts(now, lead_time_s)
     at_now = values[forecast.minutes_s == current]
     at_lead = values[(forecast.minutes_s >= ready_at) & (forecast.minutes_s <= ready_at + 60)]
