@@ -16,6 +16,7 @@ from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
+import numpy as np
 import pytest
 import yaml
 
@@ -363,3 +364,79 @@ def test_rbac_grants_exactly_the_calls_the_kubernetes_backend_makes(rendered, di
             "automountServiceAccountToken", True))
         assert token is (name == "prewarm-scheduler"), name
         assert (pod["serviceAccountName"] == "prewarm-scheduler") is (name == "prewarm-scheduler")
+
+
+# --- the HPA's prometheus-adapter rule (docs/autoscalers.md) ---------------------------------------------------
+
+
+def _documented_adapter_rule() -> tuple[dict, dict]:
+    """(the external rule, the HPA) of docs/autoscalers.md's prometheus-adapter example."""
+    text = (ROOT / "docs" / "autoscalers.md").read_text()
+    [block] = [b for b in text.split("```yaml\n")[1:] if b.startswith("# prometheus-adapter rules")]
+    rules, hpa_doc = yaml.safe_load_all(block.split("```")[0])
+    [rule] = rules["external"]
+    return rule, hpa_doc
+
+
+def test_the_documented_adapter_rule_reads_the_lead_time_floor_from_the_scraped_gauge(rendered, tmp_path):
+    """The rule's metricsQuery, with prometheus-adapter's template filled in as it fills it for the documented HPA,
+    evaluated by Prometheus (promtool) over the gauge as the base's ``prewarm`` scrape job stores it: the API's two
+    pods and the scheduler's, labelled job, instance, component and pod (no namespace label), each sample of the
+    real exposition. It must give the lead-time floor of the HPA's model alone: not the larger "now" sample (the
+    seriesQuery's matchers do not reach the metricsQuery), and not nothing (a namespace matcher the series lack)."""
+    from api.recommendation_gauges import RecommendationGauges
+    from api.snapshot import ModelView
+    from forecaster.planning.recommendation import MinuteQuantiles
+    from tests.test_recommendation_gauges import SETTINGS, FakeSnapshot
+
+    promtool = require_binary("promtool")
+    rule, hpa_doc = _documented_adapter_rule()
+    [metric] = hpa_doc["spec"]["metrics"]
+    assert metric["type"] == "External" and metric["external"]["metric"]["name"] == rule["name"]["as"]
+    selector = metric["external"]["metric"]["selector"]["matchLabels"]
+    model = selector["model_id"]
+    # the gauge: falling demand, so "now" (5 replicas) is above the lead time's (4); and a second model
+    minutes = int(NOW.timestamp()) // 60 * 60 + 60 * np.arange(60, dtype=np.int64)
+    demand = np.where(np.arange(60) < 1, 600.0, 480.0)[:, None]  # 120 per replica-minute at replica_rps 2
+    run = MinuteQuantiles(issued_at=NOW, model_version_id=None, minutes_s=minutes, levels=(0.9,), values=demand,
+                          point=demand[:, 0].copy())
+    snapshot = FakeSnapshot({model: ModelView(replica_rps=2.0, lead_time_s=90.0, forecast=run),
+                             "other-model": ModelView(replica_rps=0.5, lead_time_s=90.0, forecast=run)})
+    exposition = RecommendationGauges(snapshot, SETTINGS, lambda: NOW + timedelta(seconds=10)).exposition().decode()
+    samples = [line.rsplit(" ", 1) for line in exposition.splitlines() if not line.startswith("#")]
+    assert {s for s, _ in samples} >= {f'prewarm_recommended_replicas{{at="{at}",model_id="{model}"}}'
+                                       for at in ("now", "lead_time")}
+    assert dict(samples)[f'prewarm_recommended_replicas{{at="now",model_id="{model}"}}'] == "5.0"
+    assert dict(samples)[f'prewarm_recommended_replicas{{at="lead_time",model_id="{model}"}}'] == "4.0"
+    # the labels the prewarm scrape job gives a target: job, instance, and from the pod's metadata component and
+    # pod (its relabel_configs); no namespace
+    scrape = yaml.safe_load(by_kind(rendered["deploy/base"], "ConfigMap")["prewarm-prometheus-scrape"]["data"][
+        "scrape-configs.yml"])
+    [job] = [j for j in scrape["scrape_configs"] if j["job_name"] == "prewarm"]
+    target_labels = {r.get("target_label", "__") for r in job["relabel_configs"]}
+    assert {label for label in target_labels if not label.startswith("__")} == {"component", "pod"}
+    pods = [("api", "prewarm-api-7d9f8-a", "10.0.0.5:8080"), ("api", "prewarm-api-7d9f8-b", "10.0.0.6:8080"),
+            ("scheduler", "prewarm-scheduler-5c4b-x", "10.0.0.7:8080")]
+    series = [{"series": f'{s[:-1]},job="prewarm",instance="{instance}",component="{component}",pod="{pod}"}}',
+               "values": f"{value}x10"} for component, pod, instance in pods for s, value in samples]
+    # prometheus-adapter for an External metric of a namespaced rule (the default) adds the HPA's namespace to the
+    # selector's matchers; `namespaced: false` leaves it out (its docs/externalmetrics.md)
+    matchers = [f'{k}="{v}"' for k, v in selector.items()]
+    if rule.get("resources", {}).get("namespaced", True):
+        matchers.append('namespace="serving"')
+    series_name = rule["seriesQuery"].split("{")[0]
+    query = rule["metricsQuery"].replace("<<.Series>>", series_name).replace("<<.LabelMatchers>>", ",".join(matchers))
+    tests = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": series,
+        "promql_expr_test": [
+            {"expr": rule["seriesQuery"], "eval_time": "5m",  # the adapter's discovery finds the series
+             "exp_samples": [{"labels": s[:-1] + f',job="prewarm",instance="{i}",component="{c}",pod="{p}"}}',
+                              "value": float(v)}
+                             for c, p, i in pods for s, v in samples if 'at="lead_time"' in s]},
+            {"expr": query, "eval_time": "5m", "exp_samples": [{"labels": f'{{model_id="{model}"}}', "value": 4}]},
+        ]}]}
+    path = tmp_path / "adapter.test.yml"
+    path.write_text(yaml.safe_dump(tests, sort_keys=False))
+    out = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert out.returncode == 0, f"{query}\n{out.stdout}{out.stderr}"
