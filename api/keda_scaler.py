@@ -8,8 +8,11 @@ the one the REST recommendation reads), with the REST recommendation's own logic
 
 * the metric ``prewarm-replica-floor`` is ``replicas_at_lead_time``: the replicas needed when a replica started
   now would be ready (the planner's lead time for the model), at the trigger's quantile. ``targetSize`` is 1, so
-  KEDA's HPA asks for exactly that many replicas; KEDA takes the maximum over a ScaledObject's triggers, so beside
-  a reactive trigger this is a floor (prewarm only ever adds capacity early, never holds it below the reactive ask).
+  KEDA's HPA proposes that many replicas, except within its tolerance (10 % by default): it keeps the current count
+  while the floor is within 10 % of it (17 over 16 replicas is ignored), unless the ScaledObject sets
+  ``advanced.horizontalPodAutoscalerConfig.behavior.scaleUp.tolerance: 0`` (docs/autoscalers.md). The HPA takes the
+  maximum over a ScaledObject's triggers, so beside a reactive trigger this is a floor (prewarm only ever adds
+  capacity early, never holds it below the reactive ask).
 * active is "some minute from now to the end of the lead window needs a replica"
   (:func:`~forecaster.planning.recommendation.demand_within_lead`), so a ScaledObject that scales to zero wakes a
   cold-start lead time before a forecast spike arrives. ``StreamIsActive`` sends the current value at once, then
