@@ -173,6 +173,7 @@ BAD_EVENTS = [
     pytest.param(event(total_seconds=-3), "negative_duration", "total_seconds", id="negative-total"),
     pytest.param(event(total_seconds=float("nan")), "nan", "total_seconds", id="nan-total"),
     pytest.param(event(total_seconds=math.inf), "infinite", "total_seconds", id="inf-total"),
+    pytest.param(event(total_seconds=10**400), "duration_too_long", "total_seconds", id="int-past-any-float"),
     pytest.param(event(weight_load_s=float("inf")), "infinite", "weight_load_s", id="inf-phase"),
     pytest.param(event(total_seconds="slow"), "not_a_number", "total_seconds", id="text-total"),
     pytest.param(event(total_seconds=True), "not_a_number", "total_seconds", id="bool-total"),
@@ -192,6 +193,9 @@ BAD_EVENTS = [
     # the same (model, node, start) as the first good event, written differently
     pytest.param(event(node_id=" gpu-node-1 ", started_at="2026-11-29T11:00:00+01:00", total_seconds=1),
                  "duplicate", "started_at", id="duplicate-in-batch"),
+    # 100 ns later: the store keeps microseconds, so this is the first good event again
+    pytest.param(event(started_at="2026-11-29T10:00:00.0000001Z", total_seconds=1), "duplicate", "started_at",
+                 id="duplicate-within-a-microsecond"),
     pytest.param(["llama", "gpu-node-1", "2026-11-29T10:00:00Z", 4.0], "bad_row", None, id="non-object"),
     pytest.param(None, "bad_row", None, id="null-row"),
 ]

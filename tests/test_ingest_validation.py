@@ -400,6 +400,41 @@ def test_same_push_twice_is_a_duplicate(registered, settings, now):
     assert batch_count(registered) == 1
 
 
+def test_a_batch_sent_again_after_a_later_one_replaced_it_is_written_again(registered, settings, now):
+    """5, then 7, then 5 again (an operator undoing a wrong push): the last batch's content was seen before, but
+    the store no longer holds it, so it is written, not skipped as a duplicate (it was, and 7 stayed)."""
+    five, seven = [row("llama", at(0), 5)], [row("llama", at(0), 7)]
+    first = push_counts(registered, settings, five, now=now)
+    assert push_counts(registered, settings, seven, now=now).duplicate is False
+    again = push_counts(registered, settings, five, now=now)
+    assert (again.duplicate, again.batch_id, again.rows_written) == (False, first.batch_id, 1)
+    assert stored(registered) == [("llama", ts(0), 5)]
+    assert batch_count(registered) == 2
+    assert push_counts(registered, settings, five, now=now).duplicate is True  # held as it is now: a no-op
+
+
+def test_counts_of_one_step_adding_up_past_the_limit_are_refused_and_nothing_is_lost(registered, settings, now):
+    """Each row is within 2^53, but 1,024 of them in one minute add up to 2^63: summed in int64 they wrapped
+    negative, the minute was dropped as zero while the batch covered it, and the stored count was deleted."""
+    push_counts(registered, settings, [row("llama", at(0), 9)], now=now)
+    flood = [row("llama", f"2026-11-29T10:00:{i // 1000:02d}.{i % 1000:03d}Z", 2**53) for i in range(1024)]
+    with pytest.raises(IngestError) as refused:
+        push_counts(registered, settings, flood, now=now)
+    assert refused.value.reason == "count_too_large" and "add up" in str(refused.value)
+    with pytest.raises(IngestError) as two:  # two rows of one minute: 2^54, past the per-step limit
+        push_counts(registered, settings, flood[:2], now=now)
+    assert two.value.reason == "count_too_large"
+    assert stored(registered) == [("llama", ts(0), 9)]
+
+
+@pytest.mark.parametrize("count, reason", [(10**400, "count_too_large"), (-(10**400), "negative_count")],
+                         ids=["huge", "huge-negative"])
+def test_integers_no_float_can_hold_are_refused_not_a_crash(registered, settings, now, count, reason):
+    with pytest.raises(IngestError) as refused:
+        push_counts(registered, settings, [row("llama", at(0), count)], now=now)
+    assert refused.value.reason == reason and refused.value.row == 1 and len(str(refused.value.value)) < 200
+
+
 def test_resent_batch_with_a_corrected_minute_replaces(registered, settings, now):
     push_counts(registered, settings, [row("llama", at(0), 3), row("llama", at(1), 4), row("llama", at(2), 5)],
                 now=now)

@@ -29,6 +29,9 @@ def parse_seconds(row: int, field: str, value: object, *, required: bool) -> flo
         raise IngestError("not_a_number", f"expected seconds, got {value!r}", row=row, field=field, value=value)
     try:
         number = float(value)  # type: ignore[arg-type]
+    except OverflowError:  # a JSON integer of 310 digits or more
+        raise IngestError("duration_too_long", f"duration exceeds {MAX_COLD_START_S:g} s", row=row, field=field,
+                          value=safe_value(value)) from None
     except (TypeError, ValueError):
         raise IngestError("not_a_number", f"expected seconds, got {value!r}", row=row, field=field,
                           value=value) from None
@@ -98,6 +101,7 @@ def validate_cold_starts(
             raise IngestError("bad_timestamp", f"cannot read {safe_repr(raw_start)} as a timestamp",
                               row=position, field="started_at", value=safe_repr(raw_start))
         started = started.tz_localize("UTC") if started.tzinfo is None else started.tz_convert("UTC")
+        started = started.floor("us")  # what the store keeps: two starts within a microsecond are one event
         if started < pd.Timestamp(MIN_TIMESTAMP):
             raise IngestError("timestamp_too_early", f"start {started.isoformat()} is before "
                               f"{MIN_TIMESTAMP.date().isoformat()}, the earliest accepted", row=position,

@@ -165,7 +165,15 @@ def parse_counts(raw: pd.DataFrame) -> np.ndarray:
         is_bool = y.map(lambda v: isinstance(v, (bool, np.bool_))).to_numpy(dtype=bool)
     else:
         is_bool = np.zeros(len(y), dtype=bool)
-    numeric = pd.to_numeric(y.where(~is_bool), errors="coerce") if is_bool.any() else pd.to_numeric(y, errors="coerce")
+    source = y
+    if y.dtype == object:
+        # A JSON integer of 310 digits or more is a Python int that no float holds: converting it raised
+        # OverflowError (a 500). Past the limit its size does not matter: twice the limit, with its sign, fails
+        # the same checks below (the message shows the original).
+        source = y.map(lambda v: (2 * MAX_COUNT if v > 0 else -2 * MAX_COUNT)
+                       if isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_COUNT else v)
+    numeric = (pd.to_numeric(source.where(~is_bool), errors="coerce") if is_bool.any()
+               else pd.to_numeric(source, errors="coerce"))
     values = numeric.to_numpy(dtype="float64", na_value=np.nan)
     if y.dtype == object:
         # Python ints beyond 2^53 round on their way to float64 (2^53 + 1 became 2^53 and was stored off by one):
@@ -196,9 +204,31 @@ def parse_counts(raw: pd.DataFrame) -> np.ndarray:
         _, reason, text = checks[order]
         plain = _plain(y.iloc[position])
         raise IngestError(reason, f"{text}: {safe_repr(plain)}", row=_row_of(raw, position),
-                          field=_field_of(raw, position, "y"), value=plain if isinstance(plain, (int, float))
+                          field=_field_of(raw, position, "y"), value=plain if isinstance(plain, float) or (
+                              isinstance(plain, int) and abs(plain) <= MAX_COUNT)
                           else safe_value(plain))
     return values.astype("int64")
+
+
+def _check_step_totals(bucketed: pd.DataFrame, uniques: np.ndarray) -> None:
+    """Each step's summed count within :data:`MAX_COUNT`, and the batch's total within int64.
+
+    Rows are checked one by one, then summed per step in int64: rows of one step adding up past 2^63 wrapped
+    negative, the step was then dropped as zero while its window still covered it (the stored count deleted,
+    the batch answered 200). Sums in float64 are close enough to tell: only a batch whose whole sum reaches the
+    limit is grouped again."""
+    values = bucketed["y"].to_numpy(dtype="float64")
+    if not len(values) or values.sum() <= MAX_COUNT:
+        return
+    totals = bucketed.assign(y=values).groupby(["model", "ds"], sort=True)["y"].sum()
+    over = np.flatnonzero(totals.to_numpy() > MAX_COUNT)
+    if len(over):
+        model, step_ns = totals.index[int(over[0])]
+        raise IngestError("count_too_large", f"the rows of step {pd.Timestamp(step_ns, tz='UTC').isoformat()} of "
+                          f"model {safe_repr(uniques[model])} add up to more than {MAX_COUNT:,}",
+                          field="y", value=float(totals.iloc[int(over[0])]))
+    if values.sum() >= 2.0**63:
+        raise IngestError("count_too_large", "the batch's counts add up to more than 2^63", field="y")
 
 
 def _check_duplicates(raw: pd.DataFrame, codes: np.ndarray, ds_ns: np.ndarray, uniques: np.ndarray,
@@ -400,6 +430,7 @@ def build_count_batch(
     step_ns = step.value
     bucketed = pd.DataFrame({"model": codes, "ds": (ds_ns // step_ns) * step_ns, "y": y})
     summed = bucketed.groupby(["model", "ds"], sort=True, as_index=False)["y"].sum()
+    _check_step_totals(bucketed, uniques)
     if windows is None:
         windows = _default_windows(uniques, summed, step_ns)
     else:

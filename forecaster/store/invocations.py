@@ -105,6 +105,38 @@ def _window_days(batch: CountBatch) -> list[date]:
     return sorted(days)
 
 
+def _still_stored(conn: Connection, batch: CountBatch, arrays: dict[str, list]) -> bool:
+    """Whether the store holds exactly ``batch`` inside its windows: its non-zero steps with their counts, and no
+    other non-zero step. Then writing it again changes nothing, and it is answered as a duplicate.
+
+    A batch whose content was written once is not enough: a later batch may have replaced those windows since,
+    and a sender who re-sends the first (to undo a wrong push) must find it written, not skipped."""
+    counts = batch.counts
+    window = ("FROM invocations i JOIN unnest(CAST(:ids AS text[]), CAST(:starts AS timestamptz[]), "
+              "CAST(:ends AS timestamptz[])) AS w(model_id, s, e) ON i.model_id = w.model_id "
+              "AND i.minute >= w.s AND i.minute < w.e WHERE i.minute >= :lo AND i.minute < :hi AND i.count > 0")
+    held = conn.execute(text(f"SELECT count(*) {window}"),
+                        {**arrays, "lo": min(arrays["starts"]), "hi": max(arrays["ends"])}).scalar_one()
+    if held != len(counts):
+        return False
+    if not len(counts):
+        return True
+    same = conn.execute(
+        text("SELECT count(*) FROM unnest(CAST(:m AS text[]), CAST(:t AS timestamptz[]), CAST(:c AS bigint[])) "
+             "AS n(model_id, minute, count) JOIN invocations i ON i.model_id = n.model_id AND i.minute = n.minute "
+             "AND i.count = n.count WHERE i.minute >= :lo AND i.minute < :hi"),
+        {"m": counts["unique_id"].astype(str).tolist(), "t": list(counts["ds"].dt.to_pydatetime()),
+         "c": counts["y"].astype("int64").tolist(), "lo": min(arrays["starts"]), "hi": max(arrays["ends"])},
+    ).scalar_one()
+    return same == len(counts)
+
+
+def _touches_rollups(conn: Connection, batch: CountBatch) -> bool:
+    """Whether a day of ``batch``'s windows is rolled up to steps coarser than the batch's (it cannot be written
+    again there: a batch seen before stays answered as a duplicate)."""
+    return any(step > batch.step_seconds for step in rolled_up_steps(conn, _window_days(batch)).values())
+
+
 def _reject_finer_than_rollups(conn: Connection, batch: CountBatch) -> None:
     """Refuse a batch finer than the buckets a touched day was rolled up to (see forecaster.store.retention).
 
@@ -162,7 +194,8 @@ def _zeroed_warning(zeroed: list[tuple[str, int, int, datetime, datetime]]) -> s
 def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: bool = False,
                       report_zeroed: bool = False, lock_timeout_s: float | None = None,
                       then: Callable[[Connection], int] | None = None) -> WriteResult:
-    """Write one validated batch atomically; a batch seen before is a no-op.
+    """Write one validated batch atomically; a batch the store still holds as it is (the same content written
+    before, unchanged since in its windows) is a no-op.
 
     Args:
         engine: the store.
@@ -203,10 +236,12 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
         previous = conn.execute(
             text("SELECT id FROM ingest_batches WHERE content_sha256 = :fp"), {"fp": fingerprint}
         ).scalar()
-        if previous is not None:
+        if previous is not None and (_still_stored(conn, batch, arrays) or _touches_rollups(conn, batch)):
             stored = int(then(conn)) if then is not None else 0
             return WriteResult(previous, True, len(arrays["ids"]), 0, batch.total_invocations, batch.covered_steps,
                                burst_factors_stored=stored)
+        # Seen before, but a later write changed its windows since (an operator re-sending the batch that was
+        # right, after a wrong one): written again, as any batch is; its ledger row is the first one's.
 
         _reject_finer_than_rollups(conn, batch)
         _lock_models(conn, arrays["ids"])
@@ -256,7 +291,7 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
             ),
             {**arrays, "source": batch.source, "step": batch.step_seconds},
         )
-        batch_id = conn.execute(
+        batch_id = previous if previous is not None else conn.execute(
             text(
                 "INSERT INTO ingest_batches (source, kind, content_sha256, models, rows_written, invocations, "
                 "window_start, window_end) VALUES (:source, 'counts', :fp, :models, :rows, :inv, :lo, :hi) "
