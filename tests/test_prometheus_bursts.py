@@ -92,6 +92,7 @@ def test_the_template_reads_every_model_and_starts_from_the_declared_factor(engi
                          prometheus_burst_query_template='sum(label_replace(vector(30), "m", "{model_id}", "", ""))')
     summary = ingest_prometheus(engine, settings, now=past_now)
     assert summary["burst_factors_updated"] == 2
+    assert summary["peaks_clipped"] == 30  # every minute of "overshoot": 500 in 10 s of a minute of 60
     stored = _factors(engine)
     assert stored["declared"] == pytest.approx(_after(30, 3.0, prior=2.0))
     assert stored["overshoot"] == pytest.approx(_after(30, MAX_BURST_FACTOR))
@@ -131,6 +132,21 @@ def test_prometheus_gone_for_the_burst_query_writes_nothing_and_the_next_run_cat
     summary = ingest_prometheus(engine, settings, now=past_now)
     assert summary["rows_written"] == 30 and summary["burst_factors_updated"] == 1
     assert _factors(engine)["bursty"] == pytest.approx(_after(30, 3.0))
+
+
+def test_a_burst_in_the_last_seconds_of_a_minute_is_that_minutes_peak_only(prom_server):
+    """The example template evaluated at minute boundaries, with its 10-second buckets given as a function of their
+    end time: 30 requests in the bucket ending 12:30:00 (the last 10 s of 12:29) are the peak of 12:29 and of no
+    other minute. A ``[1m:10s]`` subquery on Prometheus 2.x (closed on the left) also evaluates that bucket at the
+    start of 12:30 and reads the burst again as 12:30's peak."""
+    bucket_query = 'sum(increase(vllm:request_success_total{{model_name="{model_id}"}}[10s]))'
+    assert bucket_query in EXAMPLE_BURST_QUERY_TEMPLATE
+    one_bucket = "(vector(30) * (vector(time() % 3600) == bool 1800))"  # the bucket ending at :30:00
+    hour = datetime(2024, 3, 1, 12, tzinfo=timezone.utc)
+    with PrometheusSource(prom_server.url, EXAMPLE_BURST_QUERY_TEMPLATE.replace(bucket_query, one_bucket)) as source:
+        peaks, _ = source.fetch(["m"], hour + timedelta(minutes=28), hour + timedelta(minutes=32))
+    by_minute = {ts.minute: int(y) for ts, y in zip(peaks["ds"], peaks["y"])}
+    assert by_minute == {28: 0, 29: 30, 30: 0, 31: 0}
 
 
 def test_smoothing_skips_quiet_minutes_and_keeps_an_unmeasured_prior():

@@ -66,8 +66,14 @@ DEFAULT_QUERY_TEMPLATE = 'sum(increase(vllm:request_success_total{{model_name="{
 #: overlap, so requests counted between the last scrape of one window and the first of the next fall in neither:
 #: with a scrape interval ``s``, a burst counted in one scrape is missed with probability about ``s / 10`` (the
 #: minute's count, from the default query, still has it; the burst factor is smoothed over many minutes).
+#:
+#: The subquery range is ``59s``, not ``1m``: its evaluation times are multiples of 10 s, so at a minute boundary
+#: ``t`` it evaluates the buckets ending at ``t - 50, ..., t``, the six buckets of ``[t - 60, t)``. Prometheus 2.x
+#: closes ranges on the left, so ``[1m:10s]`` also evaluates at ``t - 60``: the last bucket of the minute before,
+#: whose burst then becomes the peak of both minutes. Prometheus 3.x opens ranges on the left, where ``[1m:10s]``
+#: and ``[59s:10s]`` give the same six buckets; ``[50s:10s]`` would drop the first bucket there.
 EXAMPLE_BURST_QUERY_TEMPLATE = (
-    'max_over_time(sum(increase(vllm:request_success_total{{model_name="{model_id}"}}[10s]))[1m:10s])'
+    'max_over_time(sum(increase(vllm:request_success_total{{model_name="{model_id}"}}[10s]))[59s:10s])'
 )
 
 #: Prometheus refuses range queries of more than 11,000 points per series.

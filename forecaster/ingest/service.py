@@ -294,15 +294,17 @@ def ingest_prometheus(engine: Engine, settings: Settings, *, now: datetime, sour
     factor moves by the new minutes (:mod:`forecaster.contracts.bursts`) in the transaction that stores the
     counts. Both queries are asked before anything is written: Prometheus going away leaves the minutes for the
     next run. A burst query Prometheus rejects leaves that model's factor as it was and is reported in
-    ``burst_errors``; its counts are written.
+    ``burst_errors``; its counts are written. A peak above its minute's count is read as the count
+    (:func:`_clip_peaks`) and counted in ``peaks_clipped``.
 
     Args:
         source: a ``PrometheusSource``; built from the settings when omitted.
         burst_source: the ``PrometheusSource`` of the burst queries; built from the settings when omitted.
 
     Returns:
-        Summary with ``models``, ``rows_written``, ``invocations``, ``skipped``, ``burst_factors_updated`` and
-        ``burst_errors`` (model id -> Prometheus' message).
+        Summary with ``models``, ``rows_written``, ``invocations``, ``skipped``, ``burst_factors_updated``,
+        ``burst_errors`` (model id -> Prometheus' message) and ``peaks_clipped`` (minutes whose peak was above
+        their count).
     """
     from forecaster.ingest.prometheus import PrometheusSource
     from forecaster.store.catalog import list_models
@@ -313,7 +315,7 @@ def ingest_prometheus(engine: Engine, settings: Settings, *, now: datetime, sour
         source = PrometheusSource(settings.prometheus_url, settings.prometheus_query_template,
                                   timeout_s=settings.prometheus_timeout_s)
     summary: dict = {"models": 0, "rows_written": 0, "invocations": 0, "skipped": 0, "burst_factors_updated": 0,
-                     "burst_errors": {}}
+                     "burst_errors": {}, "peaks_clipped": 0}
     models = list_models(engine)
     if not models:
         return summary
@@ -341,6 +343,8 @@ def ingest_prometheus(engine: Engine, settings: Settings, *, now: datetime, sour
             continue
         peaks = _fetch_peaks(burst_source, [i for i in windows["unique_id"] if i in with_bursts], start, end,
                              burst_overrides, summary["burst_errors"])
+        peaks, clipped = _clip_peaks(raw, peaks)
+        summary["peaks_clipped"] += clipped
         result = ingest_frame(engine, settings, raw, source=PROMETHEUS_SOURCE, step_seconds=60, now=now,
                               windows=windows, register=False, then=_burst_writer(raw, peaks))
         summary["models"] += result.models
@@ -367,6 +371,28 @@ def _fetch_peaks(burst_source, model_ids: list[str], start: datetime, end: datet
             continue
         parts.append(peaks[["unique_id", "ds", "y"]])
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=["unique_id", "ds", "y"])
+
+
+def _clip_peaks(counts: pd.DataFrame, peaks: pd.DataFrame) -> tuple[pd.DataFrame, int]:
+    """``peaks`` (``unique_id, ds, y``) with each minute's peak at most that minute's count in ``counts``, and how
+    many peaks were above it.
+
+    A minute's busiest 10 seconds cannot hold more requests than the whole minute, but a sampled peak can read
+    more: ``increase()`` extrapolates to its window's edges, and a burst query whose range also takes in the last
+    bucket of the minute before (``[1m:10s]`` on Prometheus 2.x, see
+    :data:`~forecaster.ingest.prometheus.EXAMPLE_BURST_QUERY_TEMPLATE`) counts that bucket's burst again. Such a
+    peak is read as the count, all of the minute in one bucket; the count shows in the job's summary, so that a
+    burst query that keeps overshooting is seen."""
+    if peaks.empty:
+        return peaks, 0
+    count = peaks[["unique_id", "ds"]].merge(counts[["unique_id", "ds", "y"]], on=["unique_id", "ds"],
+                                             how="left")["y"].to_numpy(dtype="float64")  # NaN: no count
+    peak = peaks["y"].to_numpy(dtype="float64")
+    with np.errstate(invalid="ignore"):
+        over = peak > count
+    if not over.any():
+        return peaks, 0
+    return peaks.assign(y=np.where(over, count, peak).astype(peaks["y"].dtype)), int(over.sum())
 
 
 def _burst_writer(counts: pd.DataFrame, peaks: pd.DataFrame) -> Callable[[Connection], int] | None:
