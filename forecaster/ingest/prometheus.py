@@ -52,6 +52,7 @@ __all__ = [
     "PrometheusQueryError",
     "PrometheusSource",
     "PrometheusUnavailable",
+    "TRANSIENT_QUERY_ERROR_TYPES",
     "escape_promql_string",
 ]
 
@@ -94,10 +95,17 @@ class PrometheusUnavailable(PrometheusError):
     an answer that is not Prometheus JSON). Temporary: retry later."""
 
 
+#: Prometheus ``errorType`` values of a rejected query that may pass another time: ``execution`` covers "query
+#: processing would load too many samples" (it depends on the range asked and on the server's limits) as well as
+#: many-to-many matching, which the error type alone cannot tell apart.
+TRANSIENT_QUERY_ERROR_TYPES = frozenset({"execution"})
+
+
 class PrometheusQueryError(PrometheusError):
-    """Prometheus answered, but the query cannot give counts (bad PromQL, more
-    than one series, NaN/Inf values). Permanent: retrying will not help; fix the
-    query template or the model's override.
+    """Prometheus answered, but one model's query cannot give counts (bad PromQL,
+    more than one series, NaN/Inf values, an execution error). It concerns that
+    model's query only: :meth:`PrometheusSource.fetch` can report it per model
+    (``errors``) and go on with the others.
 
     Attributes:
         model_id: the model whose query failed.
@@ -112,6 +120,12 @@ class PrometheusQueryError(PrometheusError):
         self.query = query
         self.error_type = error_type
         super().__init__(message)
+
+    @property
+    def permanent(self) -> bool:
+        """True when asking again cannot help until the query (template or override) is fixed; False for
+        :data:`TRANSIENT_QUERY_ERROR_TYPES`, which may pass on a later run."""
+        return self.error_type not in TRANSIENT_QUERY_ERROR_TYPES
 
 
 _ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
@@ -263,6 +277,7 @@ class PrometheusSource:
         end: datetime,
         *,
         query_overrides: dict[str, str] | None = None,
+        errors: dict[str, PrometheusQueryError] | None = None,
     ) -> tuple[pd.DataFrame, pd.DataFrame]:
         """Counts per step of each model in ``[start, end)`` and what they cover.
 
@@ -274,6 +289,10 @@ class PrometheusSource:
             query_overrides: per model, a complete PromQL expression replacing
                 the template (see :meth:`query_for`); ids not in ``model_ids``
                 are ignored.
+            errors: when given, a model whose query raises
+                :class:`PrometheusQueryError` gets neither rows nor a window,
+                its error is stored here under its id, and the other models are
+                still asked; without it the first such error is raised.
 
         Evaluation times after the local clock are not asked for, so a range
         reaching into the future is covered at most up to now (floored to the
@@ -294,7 +313,8 @@ class PrometheusSource:
                 or an empty model id.
             PrometheusUnavailable: connection error, timeout, HTTP error status.
             PrometheusQueryError: Prometheus rejected a query, or it returned
-                more than one series, or a NaN/infinite value.
+                more than one series, or a NaN/infinite value (only without
+                ``errors``).
         """
         step = self.step_seconds
         start_ts = _as_utc(start, "start")
@@ -324,7 +344,13 @@ class PrometheusSource:
             if n_points == 0:
                 break
             query = self.query_for(model_id, query_overrides)
-            samples = self._fetch_model(model_id, query, start_s, n_points)
+            try:
+                samples = self._fetch_model(model_id, query, start_s, n_points)
+            except PrometheusQueryError as exc:
+                if errors is None:
+                    raise
+                errors[model_id] = exc
+                continue
             covered = self._first_run(samples, start_s, n_points)
             if covered is None:
                 continue
@@ -466,9 +492,9 @@ class PrometheusSource:
         if isinstance(body, dict) and body.get("status") == "error":
             error_type = str(body.get("errorType", ""))
             error = str(body.get("error", ""))
-            # bad_data (parse errors, too many points) and execution (e.g.
-            # many-to-many matching) will fail the same way next time; timeout,
-            # canceled, unavailable and internal errors may not.
+            # bad_data (parse errors, too many points) and execution (many-to-many
+            # matching, too many samples) concern this query only; timeout,
+            # canceled, unavailable and internal errors are the server's.
             if error_type in ("bad_data", "execution"):
                 raise PrometheusQueryError(
                     f"Prometheus rejected the query for model {model_id!r} ({error_type}): {error}. "

@@ -274,6 +274,9 @@ def push_transfers(engine: Engine, settings: Settings, events: Iterable[Mapping[
 
 
 PROMETHEUS_SOURCE = "prometheus"
+#: Failing models whose error the ingest's summary spells out (``query_errors``); ``query_error_models`` counts
+#: them all. A template that fails for every model of a large fleet would otherwise fill each job run's record.
+QUERY_ERRORS_SHOWN = 100
 
 
 def _prometheus_watermarks(engine: Engine, model_ids: list[str]) -> dict[str, datetime]:
@@ -297,14 +300,21 @@ def ingest_prometheus(engine: Engine, settings: Settings, *, now: datetime, sour
     ``burst_errors``; its counts are written. A peak above its minute's count is read as the count
     (:func:`_clip_peaks`) and counted in ``peaks_clipped``.
 
+    One model's query that Prometheus rejects (a ``prometheus_query`` label with a PromQL error, more than one
+    series, NaN) costs that model only: it is named in ``query_errors`` and logged, its watermark stays where it
+    was, so the next run asks for the same minutes again (after the label is fixed, for a permanent error), and
+    the other models are written. Prometheus itself unreachable (:class:`PrometheusUnavailable`) stops the run:
+    what is not written yet is left to the next run.
+
     Args:
         source: a ``PrometheusSource``; built from the settings when omitted.
         burst_source: the ``PrometheusSource`` of the burst queries; built from the settings when omitted.
 
     Returns:
         Summary with ``models``, ``rows_written``, ``invocations``, ``skipped``, ``burst_factors_updated``,
-        ``burst_errors`` (model id -> Prometheus' message) and ``peaks_clipped`` (minutes whose peak was above
-        their count).
+        ``burst_errors`` (model id -> Prometheus' message), ``peaks_clipped`` (minutes whose peak was above
+        their count), ``query_errors`` (model id -> ``error_type``, ``permanent`` and ``error``, the message; at
+        most :data:`QUERY_ERRORS_SHOWN` models) and ``query_error_models`` (how many models failed).
     """
     from forecaster.ingest.prometheus import PrometheusSource
     from forecaster.store.catalog import list_models
@@ -315,7 +325,7 @@ def ingest_prometheus(engine: Engine, settings: Settings, *, now: datetime, sour
         source = PrometheusSource(settings.prometheus_url, settings.prometheus_query_template,
                                   timeout_s=settings.prometheus_timeout_s)
     summary: dict = {"models": 0, "rows_written": 0, "invocations": 0, "skipped": 0, "burst_factors_updated": 0,
-                     "burst_errors": {}, "peaks_clipped": 0}
+                     "burst_errors": {}, "peaks_clipped": 0, "query_errors": {}, "query_error_models": 0}
     models = list_models(engine)
     if not models:
         return summary
@@ -338,7 +348,9 @@ def ingest_prometheus(engine: Engine, settings: Settings, *, now: datetime, sour
             by_start.setdefault(start, []).append(m.id)
     summary["skipped"] = len(models)
     for start, ids in sorted(by_start.items()):
-        raw, windows = source.fetch(ids, start, end, query_overrides=overrides)
+        errors: dict = {}
+        raw, windows = source.fetch(ids, start, end, query_overrides=overrides, errors=errors)
+        _record_query_errors(summary, errors)
         if windows.empty:
             continue
         peaks = _fetch_peaks(burst_source, [i for i in windows["unique_id"] if i in with_bursts], start, end,
@@ -352,7 +364,24 @@ def ingest_prometheus(engine: Engine, settings: Settings, *, now: datetime, sour
         summary["invocations"] += result.invocations
         summary["skipped"] -= result.models
         summary["burst_factors_updated"] += result.burst_factors_stored
+    if summary["query_error_models"] > len(summary["query_errors"]):
+        log.warning("Prometheus queries of %d more models failed (not named: the summary names %d)",
+                    summary["query_error_models"] - len(summary["query_errors"]), QUERY_ERRORS_SHOWN)
     return summary
+
+
+def _record_query_errors(summary: dict, errors: dict) -> None:
+    """Name the models whose query Prometheus rejected (``errors``: model id -> ``PrometheusQueryError``) in the
+    summary and the log; nothing of theirs is written, so their watermarks stay and the next run asks again."""
+    for model_id, exc in errors.items():
+        summary["query_error_models"] += 1
+        if len(summary["query_errors"]) >= QUERY_ERRORS_SHOWN:
+            continue
+        kind = "fix its query" if exc.permanent else "asked again next run"
+        log.warning("Prometheus query of model %r failed (%s; %s), its minutes are not written: %s", model_id,
+                    exc.error_type, kind, exc)
+        summary["query_errors"][model_id] = {"error_type": exc.error_type, "permanent": exc.permanent,
+                                             "error": str(exc)}
 
 
 def _fetch_peaks(burst_source, model_ids: list[str], start: datetime, end: datetime, overrides: dict[str, str],
