@@ -191,7 +191,14 @@ class Settings(BaseSettings):
                     "scrape interval of 5 s or less). Each minute's peak moves the model's burst factor. Unset: only "
                     "models labelled prometheus_burst_query have one read.")
     prometheus_lag_s: int = Field(default=120, ge=0, description="Wait this long before a minute is final.")
-    prometheus_backfill_minutes: int = Field(default=60, ge=1, le=10_080)
+    prometheus_backfill_minutes: int = Field(
+        default=60, ge=1, le=10_080, description="How far back a model never ingested from Prometheus starts.")
+    prometheus_max_catch_up_minutes: int = Field(
+        default=21_600, ge=1, le=527_040,
+        description="How far back a model with Prometheus coverage is caught up after an outage (prewarm, its "
+                    "database or scheduler down): it resumes at the end of its coverage, at most this many minutes "
+                    "before now (default 15 days, Prometheus' default retention); older minutes are reported as "
+                    "skipped.")
     prometheus_timeout_s: float = Field(default=10.0, gt=0)
 
     # --- API ------------------------------------------------------------

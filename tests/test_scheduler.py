@@ -96,7 +96,8 @@ def test_ingest_job_pulls_prometheus_and_advances_its_watermark(engine, settings
                                            "prometheus_backfill_minutes": 30})
     first = scheduler_module.ingest_job(engine, settings, now)
     assert first == {"models": 1, "rows_written": 30, "invocations": 120, "skipped": 1, "burst_factors_updated": 0,
-                     "burst_errors": {}, "peaks_clipped": 0, "query_errors": {}, "query_error_models": 0}
+                     "burst_errors": {}, "peaks_clipped": 0, "query_errors": {}, "query_error_models": 0,
+                     "catch_up_skipped_models": 0, "catch_up_skipped_minutes": 0}
     later = now + timedelta(minutes=5)
     second = scheduler_module.ingest_job(engine, settings, later)
     assert second["rows_written"] == 5 and second["invocations"] == 20

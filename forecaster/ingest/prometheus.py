@@ -48,11 +48,11 @@ import pandas as pd
 __all__ = [
     "DEFAULT_QUERY_TEMPLATE",
     "PROMETHEUS_MAX_POINTS",
+    "TRANSIENT_QUERY_ERROR_TYPES",
     "PrometheusError",
     "PrometheusQueryError",
     "PrometheusSource",
     "PrometheusUnavailable",
-    "TRANSIENT_QUERY_ERROR_TYPES",
     "escape_promql_string",
 ]
 

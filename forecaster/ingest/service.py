@@ -284,19 +284,30 @@ def _prometheus_watermarks(engine: Engine, model_ids: list[str]) -> dict[str, da
     return coverage_ends(engine, model_ids, source=PROMETHEUS_SOURCE, step_seconds=60)
 
 
+#: Most (model, minute) rows one Prometheus batch holds. The models that resume at one minute are written in
+#: batches of at most this many rows, each model's span in chunks of at most the source's points per query, so a
+#: catch-up of 100,000 models after a day's outage keeps memory (about 50 MB of frames) and transactions bounded.
+PROMETHEUS_BATCH_ROWS = 500_000
+
+
 def ingest_prometheus(engine: Engine, settings: Settings, *, now: datetime, source=None, burst_source=None
                       ) -> dict:
     """Pull the minutes since each model's watermark from Prometheus and write them.
 
     Minutes newer than ``now - prometheus_lag_s`` are left for the next run, so
     late scrapes are not frozen in as zeros; a model never ingested starts
-    ``prometheus_backfill_minutes`` back.
+    ``prometheus_backfill_minutes`` back. A model with a watermark resumes there, however long prewarm, its
+    database or the scheduler was down, but at most ``prometheus_max_catch_up_minutes`` back (Prometheus keeps
+    15 days by default) and never in a day the retention job has rolled up (:func:`_catch_up_floor`); the minutes
+    before that are given up, and those no earlier run asked for are counted in ``catch_up_skipped_minutes``
+    (model-minutes) and ``catch_up_skipped_models``, and logged. A long span is read and written in bounded
+    batches (:data:`PROMETHEUS_BATCH_ROWS`, :func:`_ingest_prometheus_span`).
 
     Models with a burst query (``PREWARM_PROMETHEUS_BURST_QUERY_TEMPLATE``, or the label
     ``prometheus_burst_query``) also have each minute's busiest 10-second count read, and their stored burst
     factor moves by the new minutes (:mod:`forecaster.contracts.bursts`) in the transaction that stores the
-    counts. Both queries are asked before anything is written: Prometheus going away leaves the minutes for the
-    next run. A burst query Prometheus rejects leaves that model's factor as it was and is reported in
+    counts. Both queries are asked before a batch is written: Prometheus going away leaves the minutes not written
+    yet for the next run. A burst query Prometheus rejects leaves that model's factor as it was and is reported in
     ``burst_errors``; its counts are written. A peak above its minute's count is read as the count
     (:func:`_clip_peaks`) and counted in ``peaks_clipped``.
 
@@ -314,9 +325,10 @@ def ingest_prometheus(engine: Engine, settings: Settings, *, now: datetime, sour
         Summary with ``models``, ``rows_written``, ``invocations``, ``skipped``, ``burst_factors_updated``,
         ``burst_errors`` (model id -> Prometheus' message), ``peaks_clipped`` (minutes whose peak was above
         their count), ``query_errors`` (model id -> ``error_type``, ``permanent`` and ``error``, the message; at
-        most :data:`QUERY_ERRORS_SHOWN` models) and ``query_error_models`` (how many models failed).
+        most :data:`QUERY_ERRORS_SHOWN` models), ``query_error_models`` (how many models failed),
+        ``catch_up_skipped_models`` and ``catch_up_skipped_minutes``.
     """
-    from forecaster.ingest.prometheus import PrometheusSource
+    from forecaster.ingest.prometheus import PROMETHEUS_MAX_POINTS, PrometheusSource
     from forecaster.store.catalog import list_models
 
     if source is None:
@@ -325,13 +337,13 @@ def ingest_prometheus(engine: Engine, settings: Settings, *, now: datetime, sour
         source = PrometheusSource(settings.prometheus_url, settings.prometheus_query_template,
                                   timeout_s=settings.prometheus_timeout_s)
     summary: dict = {"models": 0, "rows_written": 0, "invocations": 0, "skipped": 0, "burst_factors_updated": 0,
-                     "burst_errors": {}, "peaks_clipped": 0, "query_errors": {}, "query_error_models": 0}
+                     "burst_errors": {}, "peaks_clipped": 0, "query_errors": {}, "query_error_models": 0,
+                     "catch_up_skipped_models": 0, "catch_up_skipped_minutes": 0}
     models = list_models(engine)
     if not models:
         return summary
     end = (now - timedelta(seconds=settings.prometheus_lag_s)).replace(second=0, microsecond=0)
-    backfill_start = end - timedelta(minutes=settings.prometheus_backfill_minutes)
-    marks = _prometheus_watermarks(engine, [m.id for m in models])
+    by_start = _prometheus_starts(engine, settings, [m.id for m in models], end, summary)
     overrides = {m.id: m.labels["prometheus_query"] for m in models if m.labels.get("prometheus_query")}
     burst_overrides = {m.id: m.labels["prometheus_burst_query"] for m in models
                        if m.labels.get("prometheus_burst_query")}
@@ -340,34 +352,118 @@ def ingest_prometheus(engine: Engine, settings: Settings, *, now: datetime, sour
     if with_bursts and burst_source is None:
         burst_source = PrometheusSource(source.base_url, template or source.query_template,
                                         timeout_s=settings.prometheus_timeout_s)
-    # Group models by start minute so that one fetch serves many models.
-    by_start: dict[datetime, list[str]] = {}
-    for m in models:
-        start = max(marks.get(m.id, backfill_start), backfill_start).astimezone(timezone.utc)
-        if start < end:
-            by_start.setdefault(start, []).append(m.id)
-    summary["skipped"] = len(models)
+    chunk_minutes = int(getattr(source, "max_points_per_query", PROMETHEUS_MAX_POINTS))
+    written: set[str] = set()
     for start, ids in sorted(by_start.items()):
-        errors: dict = {}
-        raw, windows = source.fetch(ids, start, end, query_overrides=overrides, errors=errors)
-        _record_query_errors(summary, errors)
-        if windows.empty:
-            continue
-        peaks = _fetch_peaks(burst_source, [i for i in windows["unique_id"] if i in with_bursts], start, end,
-                             burst_overrides, summary["burst_errors"])
-        peaks, clipped = _clip_peaks(raw, peaks)
-        summary["peaks_clipped"] += clipped
-        result = ingest_frame(engine, settings, raw, source=PROMETHEUS_SOURCE, step_seconds=60, now=now,
-                              windows=windows, register=False, then=_burst_writer(raw, peaks))
-        summary["models"] += result.models
-        summary["rows_written"] += result.rows_written
-        summary["invocations"] += result.invocations
-        summary["skipped"] -= result.models
-        summary["burst_factors_updated"] += result.burst_factors_stored
+        span_minutes = min(int((end - start).total_seconds()) // 60, chunk_minutes)
+        per_batch = max(1, PROMETHEUS_BATCH_ROWS // span_minutes)
+        for first in range(0, len(ids), per_batch):
+            _ingest_prometheus_span(
+                engine, settings, source, ids[first:first + per_batch], start, end, now=now,
+                chunk_minutes=chunk_minutes, overrides=overrides, burst_source=burst_source,
+                burst_ids=with_bursts, burst_overrides=burst_overrides, summary=summary, written=written)
+    summary["models"] = len(written)
+    summary["skipped"] = len(models) - len(written)
     if summary["query_error_models"] > len(summary["query_errors"]):
         log.warning("Prometheus queries of %d more models failed (not named: the summary names %d)",
                     summary["query_error_models"] - len(summary["query_errors"]), QUERY_ERRORS_SHOWN)
     return summary
+
+
+def _catch_up_floor(engine: Engine, settings: Settings, end: datetime) -> datetime:
+    """The earliest minute a run asks Prometheus for: ``prometheus_max_catch_up_minutes`` before ``end``, and
+    after the newest day the retention job rolled up (it keeps no per-minute counts, and refuses them)."""
+    from forecaster.store.retention import last_rolled_up_day
+
+    floor = end - timedelta(minutes=settings.prometheus_max_catch_up_minutes)
+    rolled = last_rolled_up_day(engine)
+    if rolled is not None:
+        after = datetime(rolled.year, rolled.month, rolled.day, tzinfo=timezone.utc) + timedelta(days=1)
+        floor = max(floor, after)
+    return floor
+
+
+def _prometheus_starts(engine: Engine, settings: Settings, model_ids: list[str], end: datetime, summary: dict
+                       ) -> dict[datetime, list[str]]:
+    """The models to read, grouped by the minute each starts at (so that one fetch serves many models).
+
+    A model resumes at its watermark, a model never ingested ``prometheus_backfill_minutes`` before ``end``,
+    neither before :func:`_catch_up_floor`. Minutes of a watermark older than the floor are given up; those
+    after the newest watermark of all models were never asked for by an earlier run (prewarm was down), and are
+    counted in ``summary`` and logged. A model idle for weeks has an old watermark too, but the runs since asked
+    for its minutes and found no sample: they are not counted again every run."""
+    floor = _catch_up_floor(engine, settings, end)
+    backfill_start = end - timedelta(minutes=settings.prometheus_backfill_minutes)
+    marks = {m: t.astimezone(timezone.utc) for m, t in _prometheus_watermarks(engine, model_ids).items()}
+    newest = max(marks.values(), default=floor)
+    by_start: dict[datetime, list[str]] = {}
+    for model_id in model_ids:
+        start = marks.get(model_id, backfill_start)
+        if start < floor:
+            never_asked = floor - max(start, newest) if model_id in marks else timedelta(0)
+            if never_asked > timedelta(0):
+                summary["catch_up_skipped_models"] += 1
+                summary["catch_up_skipped_minutes"] += int(never_asked.total_seconds()) // 60
+            start = floor
+        if start < end:
+            by_start.setdefault(start, []).append(model_id)
+    if summary["catch_up_skipped_models"]:
+        log.warning("Prometheus ingest resumes %d models at %s, the catch-up bound "
+                    "(PREWARM_PROMETHEUS_MAX_CATCH_UP_MINUTES=%d, or after the newest rolled-up day): %d model-minutes "
+                    "before it are not read", summary["catch_up_skipped_models"], floor.isoformat(),
+                    settings.prometheus_max_catch_up_minutes, summary["catch_up_skipped_minutes"])
+    return by_start
+
+
+def _ingest_prometheus_span(engine: Engine, settings: Settings, source, ids: list[str], start: datetime,
+                            end: datetime, *, now: datetime, chunk_minutes: int, overrides: dict[str, str],
+                            burst_source, burst_ids: set[str], burst_overrides: dict[str, str], summary: dict,
+                            written: set[str]) -> None:
+    """Read ``ids`` from ``start`` to ``end`` and write them, ``chunk_minutes`` at a time, one batch per chunk.
+
+    The chunks read what one fetch of the whole span would (:meth:`PrometheusSource.fetch`: a model's first
+    contiguous run of sampled minutes, a leading gap skipped): a model without a sample yet goes on to the next
+    chunk, a model covered to a chunk's end goes on from there, and a model whose coverage stops inside a chunk,
+    or would start a chunk late, stops; the next run resumes it at the end of its coverage. ``written`` collects
+    the models written."""
+    pending = list(ids)
+    reached: set[str] = set()  # covered from their first sample in this run up to the chunk's start
+    lo = start
+    while pending and lo < end:
+        hi = min(lo + timedelta(minutes=chunk_minutes), end)
+        errors: dict = {}
+        raw, windows = source.fetch(pending, lo, hi, query_overrides=overrides, errors=errors)
+        _record_query_errors(summary, errors)
+        late = (windows["unique_id"].isin(reached) & (windows["start"] != lo)).to_numpy()
+        if late.any():  # written, such a window would hide the gap before it inside the coverage: stop there
+            stopped = set(windows["unique_id"][late])
+            windows = windows[~late].reset_index(drop=True)
+            raw = raw[~raw["unique_id"].isin(stopped)].reset_index(drop=True)
+            raw["row"] = np.arange(1, len(raw) + 1, dtype="int64")
+        if not windows.empty:
+            peaks = _fetch_peaks(burst_source, [i for i in windows["unique_id"] if i in burst_ids], lo, hi,
+                                 burst_overrides, summary["burst_errors"])
+            peaks, clipped = _clip_peaks(raw, peaks)
+            summary["peaks_clipped"] += clipped
+            result = ingest_frame(engine, settings, raw, source=PROMETHEUS_SOURCE, step_seconds=60, now=now,
+                                  windows=windows, register=False, then=_burst_writer(raw, peaks))
+            summary["rows_written"] += result.rows_written
+            summary["invocations"] += result.invocations
+            summary["burst_factors_updated"] += result.burst_factors_stored
+            written.update(windows["unique_id"])
+        ends = dict(zip(windows["unique_id"], windows["end"]))
+        going_on = []
+        for model_id in pending:
+            if model_id in errors:
+                continue
+            if model_id in ends:
+                if ends[model_id] == hi:
+                    going_on.append(model_id)
+                    reached.add(model_id)
+            elif model_id not in reached:
+                going_on.append(model_id)
+        pending = going_on
+        lo = hi
 
 
 def _record_query_errors(summary: dict, errors: dict) -> None:

@@ -95,6 +95,14 @@ def lock_days_for_write(conn: Connection, days: list[date]) -> None:
         )
 
 
+def last_rolled_up_day(engine: Engine) -> date | None:
+    """The newest day rolled up to a step coarser than a minute (None: none). Per-minute counts of a rolled-up
+    day are refused (``IngestError("rolled_up")``) and days roll up oldest first, so a writer that goes back in
+    time (the Prometheus catch-up) starts after this day."""
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT max(day) FROM rollups WHERE step_seconds > 60")).scalar()
+
+
 def rolled_up_steps(conn: Connection, days: list[date]) -> dict[date, int]:
     """Bucket width (seconds) of each of ``days`` that has been rolled up."""
     if not days:
