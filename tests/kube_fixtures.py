@@ -413,9 +413,22 @@ def ready_pod(name: str, model: str, node: str, created: str, started: str, read
                                               "state": {"running": {"startedAt": started}}}]}}
 
 
-def kubelet_event(pod: str, reason: str, message: str, when: str, node: str = "gpu-node-1") -> dict:
-    return {"apiVersion": "v1", "kind": "Event",
-            "metadata": {"name": f"{pod}.{reason.lower()}", "namespace": "default"},
-            "involvedObject": {"kind": "Pod", "name": pod, "namespace": "default"},
+def kubelet_event(pod: str, reason: str, message: str, when: str, node: str = "gpu-node-1", *,
+                  uid: str | None = None, field_path: str | None = None) -> dict:
+    """An event about ``pod`` as kubelet records it.
+
+    ``uid``: the pod's ``metadata.uid`` (kubelet always sets it; the older tests leave it out, as an exported
+    file edited by hand may); ``field_path``: the container it is about, ``spec.containers{server}`` or
+    ``spec.initContainers{storage-initializer}`` (kubelet sets it on every container event: Pulling, Pulled,
+    Created, Started).
+    """
+    involved = {"kind": "Pod", "name": pod, "namespace": "default", "apiVersion": "v1"}
+    if uid is not None:
+        involved["uid"] = uid
+    if field_path is not None:
+        involved["fieldPath"] = field_path
+    return {"apiVersion": "v1", "kind": "Event",  # named as kubelet names them: the pod and a unique hex suffix
+            "metadata": {"name": f"{pod}.{uuid.uuid4().hex[:16]}", "namespace": "default"},
+            "involvedObject": involved,
             "reason": reason, "message": message, "firstTimestamp": when, "lastTimestamp": when,
             "source": {"component": "kubelet", "host": node}, "type": "Normal"}

@@ -458,6 +458,118 @@ def test_cold_starts_from_an_exported_events_file(tmp_path):
     path.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": events}))
     pods, loaded = load_k8s_export(path)
     assert pods == [] and len(loaded) == 4
-    rows = cold_starts_from_k8s(pods, loaded)
+    rows = cold_starts_from_k8s(pods, loaded, pods_from_events=True)
     assert rows == [{"model_id": "mistral", "node_id": "gpu-node-3", "started_at": "2026-11-29T09:00:00+00:00",
                      "total_seconds": 64.0, "image_pull_s": 62.5, "cache_state": "none"}]
+    assert cold_starts_from_k8s(pods, loaded) == []  # counting pods from their events alone is the file's option
+
+
+def test_events_of_pods_not_listed_never_become_cold_starts(api, backend):
+    """The live collector counts listed pods only: a deleted replica, prewarm's own pre-pull pod and a listed pod
+    that a watermark leaves out are no cold starts of their own (the events-only path is for exported files)."""
+    listed = api.put(_pod("llama-7d9f8b6c5d-x2x4z", "llama", "gpu-node-1", "2026-11-29T10:00:00Z",
+                          "2026-11-29T10:00:31Z", "2026-11-29T10:01:05Z"))
+    old = api.put(_pod("llama-7d9f8b6c5d-q8w7e", "llama", "gpu-node-2", "2026-11-29T09:00:00Z",
+                       "2026-11-29T09:00:20Z", "2026-11-29T09:00:40Z"))
+    for pod, uid, node, t0 in (("llama-7d9f8b6c5d-gone1", "0b7e3f1c-0000-4000-8000-000000000001", "gpu-node-3",
+                                "2026-11-29T10:02"),  # deleted since
+                               ("prewarm-pull-0123456789abcdef-k2j4x", "0b7e3f1c-0000-4000-8000-000000000002",
+                                "gpu-node-1", "2026-11-29T10:03"),  # a pre-pull Job's pod, gone with its Job
+                               (old["metadata"]["name"], old["metadata"]["uid"], "gpu-node-2", "2026-11-29T09:00"),
+                               (listed["metadata"]["name"], listed["metadata"]["uid"], "gpu-node-1",
+                                "2026-11-29T10:00")):
+        api.put({**_event(pod, "Scheduled", f"Successfully assigned default/{pod} to {node}", f"{t0}:00Z",
+                          node=node, uid=uid),  # the scheduler's: a MicroTime, no first or last timestamp
+                 "eventTime": f"{t0}:00.412331Z", "firstTimestamp": None, "lastTimestamp": None,
+                 "source": {"component": "default-scheduler"}, "reportingComponent": "default-scheduler",
+                 "reportingInstance": "default-scheduler-control-plane", "action": "Binding"})
+        api.put(_event(pod, "Started", "Started container server", f"{t0}:30Z", node=node, uid=uid,
+                       field_path="spec.containers{server}"))
+    rows = backend.observe_cold_starts(since=datetime(2026, 11, 29, 9, 30, tzinfo=timezone.utc))
+    assert [(r["model_id"], r["node_id"], r["started_at"], r["total_seconds"]) for r in rows] == [
+        ("llama", "gpu-node-1", "2026-11-29T10:00:00+00:00", 65.0)]
+
+
+def test_the_watermark_counts_pods_by_when_they_became_ready(api, backend):
+    """A pod created before the watermark but ready after it is a cold start the last run could not see yet."""
+    api.put(_pod("llama-7d9f8b6c5d-x2x4z", "llama", "gpu-node-1", "2026-11-29T10:00:00Z", "2026-11-29T10:14:00Z",
+                 "2026-11-29T10:20:00Z"))  # 20 minutes: pending for a GPU, then loading
+    api.put(_pod("llama-7d9f8b6c5d-q8w7e", "llama", "gpu-node-2", "2026-11-29T10:00:00Z", "2026-11-29T10:01:00Z",
+                 "2026-11-29T10:02:00Z"))  # ready before the watermark: an earlier run stored it
+    rows = backend.observe_cold_starts(since=datetime(2026, 11, 29, 10, 10, tzinfo=timezone.utc))
+    assert [(r["node_id"], r["total_seconds"]) for r in rows] == [("gpu-node-1", 1200.0)]
+
+
+def test_a_pod_whose_containers_restarted_is_left_out(api, backend):
+    """After a restart, Ready's lastTransitionTime and the container's startedAt are the restart's: 65 s would
+    read as 6,000 s. Such a pod is no cold-start observation (the one stored while it was fresh stays)."""
+    fresh = _pod("llama-7d9f8b6c5d-x2x4z", "llama", "gpu-node-1", "2026-11-29T10:00:00Z", "2026-11-29T10:00:31Z",
+                 "2026-11-29T10:01:05Z")
+    flapped = _pod("llama-7d9f8b6c5d-q8w7e", "llama", "gpu-node-2", "2026-11-29T10:00:00Z", "2026-11-29T11:39:00Z",
+                   "2026-11-29T11:40:00Z")
+    flapped["status"]["containerStatuses"][0].update(restartCount=1, lastState={"terminated": {
+        "exitCode": 137, "reason": "OOMKilled", "startedAt": "2026-11-29T10:00:31Z",
+        "finishedAt": "2026-11-29T11:38:50Z"}})
+    api.put(fresh)
+    api.put(flapped)
+    rows = backend.observe_cold_starts()
+    assert [(r["node_id"], r["total_seconds"]) for r in rows] == [("gpu-node-1", 65.0)]
+
+
+def test_the_pull_is_the_serving_containers_of_this_very_pod(api, backend):
+    """A KServe predictor pod recreated under the same name: the storage-initializer's pull, a sidecar's and the
+    earlier pod's (grouped by uid, and before this pod's creation) are not the serving container's."""
+    name = "qwen-predictor-0"  # a StatefulSet-style name the new pod reuses
+    pod = _pod(name, "qwen", "gpu-node-1", "2026-11-29T10:00:00Z", "2026-11-29T10:00:20Z", "2026-11-29T10:01:20Z")
+    pod["metadata"]["annotations"] = {"kubectl.kubernetes.io/default-container": "kserve-container"}
+    pod["spec"]["containers"] = [{"name": "istio-proxy", "image": "istio/proxyv2:1.22.0"},
+                                 {"name": "kserve-container", "image": "kserve/huggingfaceserver:v0.14"}]
+    pod["spec"]["initContainers"] = [{"name": "storage-initializer", "image": "kserve/storage-initializer:v0.14"}]
+    pod["status"]["containerStatuses"] = [
+        {"name": "istio-proxy", "image": "docker.io/istio/proxyv2:1.22.0", "imageID": "", "ready": True,
+         "restartCount": 0, "state": {"running": {"startedAt": "2026-11-29T10:00:02Z"}}},
+        {"name": "kserve-container", "image": "docker.io/kserve/huggingfaceserver:v0.14", "imageID": "",
+         "ready": True, "restartCount": 0, "state": {"running": {"startedAt": "2026-11-29T10:00:20Z"}}}]
+    uid = api.put(pod)["metadata"]["uid"]
+    earlier = "5d1c2b3a-0000-4000-8000-00000000e411"
+    api.put(_event(name, "Pulled", 'Successfully pulled image "kserve/huggingfaceserver:v0.14" in 4m10s '
+                   "(4m11s including waiting)", "2026-11-29T09:10:00Z", uid=earlier,
+                   field_path="spec.containers{kserve-container}"))
+    api.put(_event(name, "Pulled", 'Successfully pulled image "kserve/storage-initializer:v0.14" in 6.2s '
+                   "(6.2s including waiting)", "2026-11-29T10:00:07Z", uid=uid,
+                   field_path="spec.initContainers{storage-initializer}"))
+    api.put(_event(name, "Pulled", 'Container image "istio/proxyv2:1.22.0" already present on machine',
+                   "2026-11-29T10:00:01Z", uid=uid, field_path="spec.containers{istio-proxy}"))
+    api.put(_event(name, "Pulled", 'Successfully pulled image "kserve/huggingfaceserver:v0.14" in 12.5s '
+                   "(12.9s including waiting)", "2026-11-29T10:00:19Z", uid=uid,
+                   field_path="spec.containers{kserve-container}"))
+    [row] = backend.observe_cold_starts()
+    assert (row["total_seconds"], row["image_pull_s"], row["cache_state"], row["weight_load_s"]) == \
+        (80.0, 12.5, "none", 60.0)
+
+
+def test_a_recreated_pods_pull_is_not_taken_from_the_earlier_pods_event_without_a_uid(api, backend):
+    """Events without a uid fall back to the pod's name, and then only those at or after its creation count."""
+    pod = api.put(_pod("llama-0", "llama", "gpu-node-1", "2026-11-29T10:00:00Z", "2026-11-29T10:00:31Z",
+                       "2026-11-29T10:01:05Z"))
+    api.put(_event("llama-0", "Pulled", 'Successfully pulled image "vllm/vllm-openai:v0.6.0" in 50s (50s '
+                   "including waiting)", "2026-11-29T09:00:50Z"))  # the earlier llama-0
+    api.put(_event("llama-0", "Pulled", 'Container image "vllm/vllm-openai:v0.6.0" already present on machine',
+                   "2026-11-29T10:00:30Z"))
+    api.put(_event("llama-0", "Pulled", 'Successfully pulled image "fluent/fluent-bit:3.0" in 2s (2s including '
+                   "waiting)", "2026-11-29T10:00:01Z"))  # another image: a sidecar's, were there a field path
+    [row] = backend.observe_cold_starts()
+    assert pod["metadata"]["uid"] and (row["image_pull_s"], row["cache_state"]) == (0.0, "image")
+
+
+def test_a_pull_longer_than_the_whole_cold_start_is_dropped(api, backend):
+    """Such a pull is not this start's (kubelet waited on another pod's pull of the image): the row keeps its total
+    and load, never a phase the validator would reject the row for."""
+    pod = api.put(_pod("llama-7d9f8b6c5d-x2x4z", "llama", "gpu-node-1", "2026-11-29T10:00:00Z",
+                       "2026-11-29T10:00:31Z", "2026-11-29T10:01:05Z"))
+    api.put(_event(pod["metadata"]["name"], "Pulled", 'Successfully pulled image "vllm/vllm-openai:v0.6.0" in '
+                   "1m30s (1m31s including waiting)", "2026-11-29T10:00:30Z", uid=pod["metadata"]["uid"],
+                   field_path="spec.containers{server}"))
+    [row] = backend.observe_cold_starts()
+    assert (row["total_seconds"], row["weight_load_s"]) == (65.0, 34.0)
+    assert "image_pull_s" not in row and "cache_state" not in row

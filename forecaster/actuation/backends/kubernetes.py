@@ -524,7 +524,11 @@ class KubernetesBackend:
     # --- cold starts observed in the cluster ---------------------------------------------------------------------
 
     def observe_cold_starts(self, *, since: datetime | None = None) -> list[dict]:
-        """Cold starts of model replicas from pod status and kubelet events (see :mod:`..kube_coldstarts`)."""
+        """Cold starts of the listed model replicas from pod status and kubelet events (see :mod:`..kube_coldstarts`).
+
+        ``since``: pods that became Ready before it are left out (the collector's watermark). Only listed pods
+        count: the events of a pod not in the list (deleted, or not a model's) are never a cold start of their own.
+        """
         from forecaster.actuation.kube_coldstarts import cold_starts_from_k8s
 
         pods = self.core.list_namespaced_pod(self.namespace, label_selector=self.model_label).items
