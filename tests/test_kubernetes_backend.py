@@ -434,12 +434,52 @@ def test_cold_starts_from_the_api_are_stored(engine, settings, api, backend):
                    node="gpu-node-2"))
     _register(engine, "llama")
     summary = Actuator(engine, settings, backend).collect_observations(now=NOW)
-    assert summary == {"inserted": 2, "updated": 0}
+    assert summary == {"inserted": 2, "already_stored": 0, "rejected": 0}
     with engine.connect() as conn:
         rows = conn.execute(text("SELECT node_id, total_seconds, image_pull_s, weight_load_s, cache_state, source "
                                  "FROM cold_starts ORDER BY started_at")).all()
     assert rows[0] == ("gpu-node-1", 65.0, 28.5, 34.0, "none", "actuator-kubernetes")
     assert rows[1] == ("gpu-node-2", 40.0, 0.0, 38.0, "image", "actuator-kubernetes")
+
+
+def test_one_bad_pod_does_not_keep_the_others_out_of_the_store(engine, settings, api, backend):
+    """Rows are validated one by one: a pod of a model the catalogue does not know, one pending for two days and
+    the second of two replicas created in the same second on one node (the table's key has whole seconds) are
+    rejected and reported; the good ones are stored."""
+    api.put(_pod("llama-7d9f8b6c5d-x2x4z", "llama", "gpu-node-1", "2026-11-29T10:00:00Z", "2026-11-29T10:00:31Z",
+                 "2026-11-29T10:01:05Z"))
+    api.put(_pod("llama-7d9f8b6c5d-y3y5a", "llama", "gpu-node-1", "2026-11-29T10:00:00Z", "2026-11-29T10:00:33Z",
+                 "2026-11-29T10:01:10Z"))  # the same second, the same node
+    api.put(_pod("ghost-5f6d7c8b9a-k2k3m", "ghost", "gpu-node-2", "2026-11-29T10:05:00Z", "2026-11-29T10:05:10Z",
+                 "2026-11-29T10:06:00Z"))
+    api.put(_pod("llama-7d9f8b6c5d-p4p5q", "llama", "gpu-node-3", "2026-11-27T09:00:00Z", "2026-11-29T09:59:00Z",
+                 "2026-11-29T10:00:00Z"))  # pending two days for a GPU: longer than a cold start may be
+    api.put(_pod("llama-7d9f8b6c5d-q8w7e", "llama", "gpu-node-2", "2026-11-29T10:05:00Z", "2026-11-29T10:05:02Z",
+                 "2026-11-29T10:05:40Z"))
+    _register(engine, "llama")
+    summary = Actuator(engine, settings, backend).collect_observations(now=NOW)
+    assert (summary["inserted"], summary["already_stored"], summary["rejected"]) == (2, 0, 3)
+    assert summary["rejected_reasons"] == {"duplicate": 1, "duration_too_long": 1, "unknown_model": 1}
+    assert {(r["row"], r["reason"]) for r in summary["rejected_rows"]} == {
+        (2, "duplicate"), (3, "unknown_model"), (4, "duration_too_long")}
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT node_id, total_seconds FROM cold_starts ORDER BY started_at")).all()
+    assert [tuple(r) for r in rows] == [("gpu-node-1", 65.0), ("gpu-node-2", 40.0)]
+
+
+def test_the_first_observation_of_a_cold_start_wins(engine, settings, api, backend):
+    """A pod whose Ready condition moved later (a readiness flap) is seen again: the stored cold start stays."""
+    pod = api.put(_pod("llama-7d9f8b6c5d-x2x4z", "llama", "gpu-node-1", "2026-11-29T10:00:00Z",
+                       "2026-11-29T10:00:31Z", "2026-11-29T10:01:05Z"))
+    _register(engine, "llama")
+    actuator = Actuator(engine, settings, backend)
+    assert actuator.collect_observations(now=NOW)["inserted"] == 1
+    pod["status"]["conditions"][1]["lastTransitionTime"] = "2026-11-29T11:40:00Z"
+    api.put(pod)
+    summary = actuator.collect_observations(now=NOW + timedelta(minutes=1))
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT total_seconds, weight_load_s FROM cold_starts")).all() == [(65.0, 34.0)]
+    assert summary == {"inserted": 0, "already_stored": 1, "rejected": 0}
 
 
 def test_cold_starts_from_an_exported_events_file(tmp_path):

@@ -94,7 +94,7 @@ def test_the_actuator_routes_observations_by_kind(engine, settings):
     action = Action(kind=ActionKind.PRELOAD, model_id="m", reason=Reason.CACHE_WARM, not_before=NOW,
                     deadline=NOW + timedelta(minutes=5), node_id="n1", target="s3://w/m.bin", tier=Tier.DISK)
     _, reports = Actuator(engine, settings, ObservingBackend()).apply(Plan(planned_at=NOW, actions=(action,)), now=NOW)
-    assert reports[0].detail["observations"] == {"inserted": 1, "updated": 0,
+    assert reports[0].detail["observations"] == {"inserted": 1, "already_stored": 0, "rejected": 0,
                                                  "transfers": {"inserted": 1, "updated": 0}}
     with engine.connect() as conn:
         assert conn.execute(text("SELECT node_id, total_seconds FROM cold_starts")).all() == [("n2", 40.0)]

@@ -348,25 +348,26 @@ def _push_observations(engine: Engine, settings: Settings):
     ``prepull`` / ``preload`` events are transfers the backend carried out (``transfers`` table, never
     ``cold_starts``); events without a kind, or with kind ``cold_start``, are replica cold starts. The sink
     returns the cold-start write's counts, with the transfers' under ``"transfers"`` when there were any.
+
+    Cold starts are stored row by row (:func:`~forecaster.ingest.service.store_observed_cold_starts`): a bad row
+    is rejected and counted with its reason, never the whole batch, and the first observation of a cold start
+    wins (a pod seen again, or restarted, does not rewrite it); the REST push stays all or nothing, re-sends
+    updating.
     """
 
     def push(events: list[dict], *, now: datetime, source: str) -> dict:
         from forecaster.contracts.batches import IngestError
-        from forecaster.ingest.service import push_cold_starts, push_transfers
+        from forecaster.ingest.service import push_transfers, store_observed_cold_starts
 
         transfers = [e for e in events if e.get("kind") in ("prepull", "preload")]
         cold_starts = [{k: v for k, v in e.items() if k != "kind"} for e in events
                        if e.get("kind") in (None, "cold_start")]
-        result: dict = {"inserted": 0, "updated": 0}
+        result: dict = {"inserted": 0, "already_stored": 0, "rejected": 0}
         if len(transfers) + len(cold_starts) < len(events):
             log.warning("%d observations of an unknown kind not stored",
                         len(events) - len(transfers) - len(cold_starts))
         if cold_starts:
-            try:
-                result = push_cold_starts(engine, settings, cold_starts, now=now, source=source)
-            except IngestError as exc:
-                log.warning("cold-start observations not stored: %s", exc)
-                result = {"error": str(exc)}
+            result = store_observed_cold_starts(engine, settings, cold_starts, now=now, source=source)
         if transfers:
             try:
                 result["transfers"] = push_transfers(engine, settings, transfers, now=now, source=source)

@@ -262,6 +262,75 @@ def push_cold_starts(engine: Engine, settings: Settings, events: Iterable[Mappin
                         validate=validate_cold_starts, write=write_cold_starts, what="cold starts")
 
 
+#: How many rejected rows :func:`store_observed_cold_starts` describes one by one (the rest are counted).
+REJECTED_ROWS_SHOWN = 10
+
+
+def store_observed_cold_starts(engine: Engine, settings: Settings, events: Iterable[Mapping[str, object]], *,
+                               now: datetime, source: str, register: bool | None = None) -> dict:
+    """Store the cold starts a backend observed: each row on its own merits, the first observation of each kept.
+
+    Unlike :func:`push_cold_starts` (the REST route: all or nothing, a re-send updates), one bad row (a pod of a
+    model not in the catalogue, an impossible duration) must not keep the others of a collector run out of the
+    store: rows are validated one by one, the good ones written in one retried transaction, the rejected ones
+    counted by reason. Two rows with the same (model, node, start) -- two replicas created in the same second on
+    one node, since ``creationTimestamp`` has whole seconds -- cannot both be stored under the table's key: the
+    first is kept and the other rejected as ``duplicate``. A row already stored is left as it is (first observation
+    wins): the collector sees each pod on every run, and a restarted pod's later figures are not its cold start.
+
+    Returns:
+        ``{"inserted", "already_stored", "rejected"}`` and, when rows were rejected, ``rejected_reasons``
+        (reason -> count) and ``rejected_rows`` (the first :data:`REJECTED_ROWS_SHOWN`: 1-based row, reason,
+        field, message).
+    """
+    events = list(events)
+    register_models = _register(settings, register)
+    known = None if register_models else known_model_ids(engine)
+
+    def validate(batch: list) -> pd.DataFrame:
+        return validate_cold_starts(batch, now=now, max_future_skew_s=settings.max_future_skew_s, known_models=known)
+
+    rejected: list[dict] = []
+    try:
+        frame = validate(events)  # the usual case: every row good, validated at once
+    except IngestError:
+        frames: list[pd.DataFrame] = []
+        first_row: dict[tuple, int] = {}
+        for position, event in enumerate(events, start=1):
+            try:
+                one = validate([event])
+            except IngestError as exc:
+                message = str(exc).split(": ", 1)[-1] if exc.row is not None else str(exc)
+                rejected.append({"row": position, "reason": exc.reason, "field": exc.field, "message": message})
+                continue
+            key = (one.at[0, "model_id"], one.at[0, "node_id"], one.at[0, "started_at"])
+            if key in first_row:
+                rejected.append({"row": position, "reason": "duplicate", "field": "started_at",
+                                 "message": f"same model, node and start second as row {first_row[key]} (replicas "
+                                            "created in the same second on one node); the first is kept"})
+                continue
+            first_row[key] = position
+            frames.append(one)
+        frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    result = {"inserted": 0, "already_stored": 0}
+    if not frame.empty:
+        result = run_with_retry(
+            lambda: write_cold_starts(engine, frame, source=source, register_models=register_models,
+                                      keep_stored=True),
+            attempts=settings.db_retry_attempts, base_delay_s=settings.db_retry_base_delay_s,
+            what="store observed cold starts")
+    result["rejected"] = len(rejected)
+    if rejected:
+        reasons: dict[str, int] = {}
+        for row in rejected:
+            reasons[row["reason"]] = reasons.get(row["reason"], 0) + 1
+        result["rejected_reasons"] = reasons
+        result["rejected_rows"] = rejected[:REJECTED_ROWS_SHOWN]
+        log.warning("%d of %d observed cold starts (%s) rejected: %s", len(rejected), len(events), source,
+                    ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())))
+    return result
+
+
 def push_transfers(engine: Engine, settings: Settings, events: Iterable[Mapping[str, object]], *, now: datetime,
                    source: str = "push", register: bool | None = None) -> dict:
     """Validate and store transfer observations (pre-pulls, pre-loads); re-sending one updates it in place.

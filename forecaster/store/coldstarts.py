@@ -1,4 +1,4 @@
-"""Writing observed cold starts; the (model, node, start) key makes re-sends harmless."""
+"""Writing observed cold starts; the (model, node, start) key makes re-sends harmless (an update, or kept)."""
 
 from __future__ import annotations
 
@@ -11,24 +11,35 @@ from forecaster.contracts.phases import PHASES
 from forecaster.store.catalog import require_models
 
 
-def write_cold_starts(engine: Engine, events: pd.DataFrame, *, source: str, register_models: bool = False) -> dict:
+def write_cold_starts(engine: Engine, events: pd.DataFrame, *, source: str, register_models: bool = False,
+                      keep_stored: bool = False) -> dict:
     """Insert validated events in one transaction; an event already stored is updated, not duplicated.
 
+    Args:
+        keep_stored: the first observation of an event wins: one already stored is left as it is (the actuator's
+            collector, which sees a pod again on every run, and after a restart with a later Ready time); without
+            it a re-sent event updates the stored one (the REST push: a sender corrects what it sent).
+
     Returns:
-        ``{"inserted": n, "updated": m}``.
+        ``{"inserted": n, "updated": m}``; with ``keep_stored``, ``{"inserted": n, "already_stored": m}``.
     """
     if events.empty:
-        return {"inserted": 0, "updated": 0}
+        return {"inserted": 0, "already_stored" if keep_stored else "updated": 0}
     columns = ["model_id", "node_id", "started_at", "total_seconds", *PHASES, "cache_state"]
     records = events[columns].astype(object).where(events[columns].notna(), None).to_dict("records")
     with engine.begin() as conn:
         require_models(conn, events["model_id"], register=register_models, source=source)
         placeholders = ", ".join(f":{c}" for c in columns)
         updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in columns[3:])
+        insert = f"INSERT INTO cold_starts ({', '.join(columns)}, source) VALUES ({placeholders}, :source) "
+        if keep_stored:
+            stmt = text(insert + "ON CONFLICT ON CONSTRAINT cold_starts_event_key DO NOTHING RETURNING true")
+            inserted = sum(conn.execute(stmt, {**record, "source": source}).first() is not None
+                           for record in records)
+            return {"inserted": inserted, "already_stored": len(records) - inserted}
         stmt = text(
-            f"INSERT INTO cold_starts ({', '.join(columns)}, source) VALUES ({placeholders}, :source) "
-            f"ON CONFLICT ON CONSTRAINT cold_starts_event_key DO UPDATE SET {updates}, source = EXCLUDED.source "
-            "RETURNING (xmax = 0) AS inserted"
+            insert + f"ON CONFLICT ON CONSTRAINT cold_starts_event_key DO UPDATE SET {updates}, "
+            "source = EXCLUDED.source RETURNING (xmax = 0) AS inserted"
         )
         inserted = 0
         for record in records:
