@@ -242,7 +242,7 @@ def test_one_plan_through_the_agent_and_kubernetes_leaves_one_audit_trail(
                                   "on machine", "2026-11-29T10:00:30Z", node="node-a", uid=uid,
                                   field_path="spec.containers{server}"))
         summary = Actuator(engine, settings, backend).collect_observations(now=now)
-        assert summary == {"inserted": 1, "already_stored": 0, "rejected": 0}
+        assert summary == {"observed": 1, "inserted": 1, "already_stored": 0, "rejected": 0}
         with engine.connect() as conn:
             cold = conn.execute(text("SELECT model_id, node_id, total_seconds, cache_state, source "
                                      "FROM cold_starts")).all()

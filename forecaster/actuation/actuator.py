@@ -319,14 +319,23 @@ class Actuator:
         return ActionReport(row["id"], row["kind"], status, reason, outcome.message, detail)
 
     def collect_observations(self, *, now: datetime, since: datetime | None = None) -> dict:
-        """Store cold starts the backend can observe in the cluster (Kubernetes: pod status and events)."""
+        """Store cold starts the backend can observe in the cluster (Kubernetes: pod status and events).
+
+        The scheduler's ``coldstarts`` job calls it every minute (:mod:`forecaster.jobs.coldstarts`) with ``since``,
+        its watermark: pods that became Ready before it are not pushed again.
+
+        Returns:
+            The sink's counts with ``observed`` (rows the backend returned); ``{"skipped": why}`` when the
+            backend cannot observe cold starts (``dry-run``, ``agent``, a composite whose scale backend is one).
+        """
         observe = getattr(self.backend, "observe_cold_starts", None)
-        if observe is None:
-            return {"inserted": 0, "updated": 0}
-        events = observe(since=since)
+        events = None if observe is None else observe(since=since)
+        if events is None:
+            return {"skipped": f"the {self.backend.name} backend cannot observe cold starts"}
         if not events:
-            return {"inserted": 0, "updated": 0}
-        return self.ledger.store_observations(events, now=now, source=f"actuator-{self._carrier(ActionKind.SCALE)}")
+            return {"observed": 0, "inserted": 0, "already_stored": 0, "rejected": 0}
+        stored = self.ledger.store_observations(events, now=now, source=f"actuator-{self._carrier(ActionKind.SCALE)}")
+        return {"observed": len(events), **stored}
 
 
 def action_from_row(row: dict) -> Action:

@@ -3,8 +3,10 @@
 Jobs live in :data:`JOBS`, keyed by name: ingest (every minute), partition
 maintenance (hourly), retention (hourly: forecasts, plans, actions, job runs,
 invocations), forecast (every minute), plan (every
-minute), forecast_errors (every minute: the dashboard's error rollup), nightly
-retrain; more can be added with :func:`register_job`.
+minute), coldstarts (every minute: replica cold starts observed in the cluster,
+see :mod:`forecaster.jobs.coldstarts`), forecast_errors (every minute: the
+dashboard's error rollup), nightly retrain; more can be added with
+:func:`register_job`.
 
 APScheduler stores jobs as pickled references, so the stored job is the
 module-level :func:`fire` with the job's name; the engine and settings are
@@ -109,6 +111,14 @@ def error_rollup_job(engine: Engine, settings: Settings, now: datetime) -> dict:
     return score_errors_job(engine, settings, now)
 
 
+def coldstarts_job(engine: Engine, settings: Settings, now: datetime) -> dict:
+    """Every minute: store the cold starts of new replicas the actuator's backend observes in the cluster (a job
+    of its own: a failing collector never fails a plan); skipped for a backend that cannot see them."""
+    from forecaster.jobs.coldstarts import coldstarts_job as run
+
+    return run(engine, settings, now)
+
+
 def default_jobs(settings: Settings) -> list[JobSpec]:
     return [
         JobSpec("ingest", ingest_job, every_s=settings.ingest_interval_s),
@@ -116,6 +126,7 @@ def default_jobs(settings: Settings) -> list[JobSpec]:
         JobSpec("retention", retention_job, every_s=settings.retention_interval_s),
         JobSpec("forecast", forecast_job, every_s=settings.forecast_interval_s),
         JobSpec("plan", plan_job, every_s=settings.forecast_interval_s),
+        JobSpec("coldstarts", coldstarts_job, every_s=60),
         JobSpec("forecast_errors", error_rollup_job, every_s=60),
         JobSpec("retrain", retrain_job, every_s=86_400, offset_s=settings.retrain_hour_utc * 3600),
     ]

@@ -46,5 +46,19 @@ def finish_slot(engine: Engine, job_name: str, slot: datetime, *, status: str, d
         )
 
 
+def last_ok_slot(engine: Engine, job_name: str) -> datetime | None:
+    """The slot of ``job_name``'s newest successful run that did its work (None when there is none).
+
+    A run whose detail says ``skipped`` (nothing it could do, e.g. a backend that cannot observe) does not count.
+    One walk down the primary key ``(job_name, slot)`` from the newest slot.
+    """
+    with engine.connect() as conn:
+        return conn.execute(
+            text("SELECT slot FROM job_runs WHERE job_name = :n AND status = 'ok' AND detail->'skipped' IS NULL "
+                 "ORDER BY slot DESC LIMIT 1"),
+            {"n": job_name},
+        ).scalar()
+
+
 def _json(detail: dict) -> str:
     return json.dumps(detail, default=str)

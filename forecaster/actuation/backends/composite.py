@@ -91,10 +91,11 @@ class CompositeBackend:
                        message=outcome.message, detail={**outcome.detail, "carried_by": self.carrier(action.kind)},
                        observations=outcome.observations)
 
-    def observe_cold_starts(self, *, since: datetime | None = None) -> list[dict]:
-        """Replica cold starts, from the scale backend when it can see them (Kubernetes); else none."""
+    def observe_cold_starts(self, *, since: datetime | None = None) -> list[dict] | None:
+        """Replica cold starts, from the scale backend when it can see them (Kubernetes); None when it cannot (the
+        collector then reports the run skipped, not an empty cluster)."""
         observe = getattr(self.backend_for(ActionKind.SCALE), "observe_cold_starts", None)
-        return [] if observe is None else observe(since=since)
+        return None if observe is None else observe(since=since)
 
     def cleanup(self, *, now: datetime) -> list[str]:
         """The pre-pull backend's cleanup of finished or expired pre-pull Jobs (Kubernetes); else nothing."""
