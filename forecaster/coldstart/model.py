@@ -858,10 +858,39 @@ class ColdStartModel:
         model.trees_ = None
         if meta["targets"]:
             trees = TreePhaseMember()
-            trees.boosters_ = {t: lgb.Booster(model_file=str(folder / FILE_NAMES["booster"].format(target=t)))
+            trees.boosters_ = {t: read_booster(folder / FILE_NAMES["booster"].format(target=t))
                                for t in meta["targets"]}
             model.trees_ = trees
         return model
+
+
+def read_booster(path: str | Path) -> lgb.Booster:
+    """A LightGBM booster from its saved model text, refused with ``ValueError`` unless the text is complete.
+
+    LightGBM does not raise on every damaged model file: on many texts cut short (a crash before the file's data
+    reached the disk) its parser calls ``std::terminate`` and SIGABRT ends the whole process (the scheduler, the
+    API), or it loads the trees it got to. So the text is read here and checked (:func:`model_text_complete`)
+    before LightGBM sees it, and handed over as ``model_str``: a file cut anywhere is a Python error the caller
+    can answer with its fallback.
+    """
+    path = Path(path)
+    model_text = path.read_text(encoding="utf-8")
+    if not model_text_complete(model_text):
+        raise ValueError(f"LightGBM model file {path} is incomplete ({len(model_text)} characters; a complete one "
+                         "ends with its 'end of trees' section, parameters and pandas_categorical line)")
+    return lgb.Booster(model_str=model_text)
+
+
+def model_text_complete(model_text: str) -> bool:
+    """Whether ``model_text`` is a whole ``Booster.save_model`` text (not empty, not cut short, no zeroed block).
+
+    ``save_model`` writes the trees, an ``end of trees`` line, the feature importances and the parameters, and the
+    Python package appends a last line ``pandas_categorical:<json>`` and a newline: only the whole text ends so.
+    """
+    if "\x00" in model_text or "\nend of trees\n" not in model_text or not model_text.endswith("\n"):
+        return False
+    last_line = model_text[model_text.rstrip("\n").rfind("\n") + 1:]
+    return last_line.startswith("pandas_categorical:")
 
 
 def _unused_id(stem: str, taken: set[str]) -> str:

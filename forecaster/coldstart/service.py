@@ -44,6 +44,7 @@ from forecaster.coldstart.model import ColdStartModel, load_cold_starts
 from forecaster.contracts.fleetconfig import FleetConfig
 from forecaster.contracts.latency import NodeLatencyTable
 from forecaster.settings import Settings
+from forecaster.store.files import publish_dir
 from forecaster.store.registry import champion_version, insert_version, promote_version
 from forecaster.store.transfers import read_transfers
 
@@ -52,6 +53,12 @@ log = logging.getLogger(__name__)
 KIND = "latency"
 _lock = threading.Lock()
 _models: dict[str, tuple[str | None, ColdStartModel]] = {}  # database#models_dir -> (version, model)
+#: database#models_dir -> (champion version whose files could not be loaded, monotonic seconds of the attempt):
+#: the prior stands in for it until :data:`LOAD_RETRY_S` later, so a damaged version is not re-read every call
+_failed_loads: dict[str, tuple[str, float]] = {}
+#: seconds before a champion that could not be loaded is read again (a volume mounted late heals; a damaged file
+#: is only logged again at debug level)
+LOAD_RETRY_S = 600.0
 #: (database, version, hour, sizes, nodes) -> table, in use order (least recently used first)
 _tables: "OrderedDict[tuple, pd.DataFrame | NodeLatencyTable]" = OrderedDict()
 _building: dict[tuple, "_Build"] = {}  # key -> its build in flight (single-flight: callers wait on it)
@@ -113,7 +120,7 @@ def train_latency_model(engine: Engine, settings: Settings, now: datetime, *,
     staging = Path(settings.models_dir) / f".{version_id}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     model.save(staging)
-    staging.rename(final)
+    publish_dir(staging, final)  # on disk before the row below names it: a power loss leaves no empty booster
     train_start = pd.to_datetime(events["started_at"], utc=True, errors="coerce").min() if len(events) else None
     scores = {"n_events": model.n_events_, "n_transfers": model.n_transfers_, "skipped": model.skipped_,
               "train_days": settings.latency_train_days, "max_events": settings.latency_train_max_events,
@@ -143,7 +150,10 @@ def load_latency_model(engine: Engine, settings: Settings, *, config: FleetConfi
     """The latency champion, loaded once per version; the physics prior when none is saved (or it cannot be read).
 
     Cheap per call: one index probe on ``model_versions``; the model is read
-    from ``models/<version>/`` only when the champion changed.
+    from ``models/<version>/`` only when the champion changed. A champion whose
+    files cannot be loaded (missing, empty, cut short by a crash, not parseable)
+    is answered with the prior; the failure is logged and remembered, and the
+    files are read again only :data:`LOAD_RETRY_S` later, not every call.
     """
     return _current(engine, settings, config)[1]
 
@@ -159,21 +169,30 @@ def _current(engine: Engine, settings: Settings, config: FleetConfig) -> tuple[s
     version = None if info is None else info.id
     with _lock:
         held = _models.get(key)
+        failed = _failed_loads.get(key)
     if held is not None and held[0] == version:
         return held
+    retry = failed is not None and failed[0] == version
+    if held is not None and held[0] is None and retry and time.monotonic() - failed[1] < LOAD_RETRY_S:
+        return held  # this champion could not be loaded a moment ago: the prior goes on standing in
     model = None
     if info is not None:
         try:
             model = ColdStartModel.load(info.path, config=config)
             log.info("loaded latency model %s from %s", info.id, info.path)
-        except (OSError, ValueError, KeyError) as exc:
-            log.warning("latency model %s at %s cannot be read (%s); using the physics prior", info.id, info.path,
-                        exc)
+        except Exception as exc:  # noqa: BLE001 - whatever is wrong with the files, plan with the prior
+            log.log(logging.DEBUG if retry else logging.WARNING,
+                    "latency model %s at %s cannot be loaded (%s: %s); using the physics prior, trying again in "
+                    "%.0f s", info.id, info.path, type(exc).__name__, exc, LOAD_RETRY_S)
+            with _lock:
+                _failed_loads[key] = (info.id, time.monotonic())
             version = None
     if model is None:
         model = ColdStartModel(config=config).fit(_no_events())
     with _lock:
         _models[key] = (version, model)
+        if version is not None:
+            _failed_loads.pop(key, None)
     return version, model
 
 
