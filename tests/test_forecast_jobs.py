@@ -86,6 +86,42 @@ def test_a_worse_challenger_is_not_promoted(engine, ingested):
     assert latency == {good["latency_model"]: "retired", worse["latency_model"]: "champion"}
 
 
+def test_a_holdout_with_no_known_minute_keeps_the_champion(engine, ingested):
+    """The same worse challenger, retrained two hours past the data (an ingest outage before the nightly run): its
+    holdout has no known minute, neither candidate can be scored, and the champion stays."""
+    good = retrain_job(engine, ingested, DAY_END, cache=registry.ChampionCache(),
+                       ensemble_factory=small(SeasonalNaive(15)))
+    blind = retrain_job(engine, ingested, DAY_END + timedelta(hours=2), cache=registry.ChampionCache(),
+                        ensemble_factory=small(MovingAverage(1440), fallback=False))
+    assert blind["scores"]["challenger"]["wql"] is None and blind["scores"]["champion"]["wql"] is None
+    assert not blind["promoted"] and "not comparable" in blind["decision"]
+    assert registry.champion(engine).id == good["version"]
+
+
+def test_an_all_zero_holdout_does_not_promote_a_challenger_scored_inf():
+    """Every holdout actual 0: a champion forecasting 0 scores 0/0 (None), any other forecast x/0 (inf)."""
+    import numpy as np
+
+    from forecaster.forecast.backtest import MethodForecasts, evaluate
+    from forecaster.forecast.panel import Panel
+    from forecaster.jobs.forecasting import _holdout_protocol, _promotion, _scores
+
+    values = np.random.default_rng(0).poisson(5, (5, 600)).astype(float)
+    values[:, -120:] = 0.0
+    panel = Panel(np.array(list("abcde"), dtype=object), DAY_END, timedelta(minutes=1), values)
+    protocol = _holdout_protocol(panel.n_steps, 120, 15)
+    shape = (5, len(protocol.origins), 15)
+    zeros, awful = np.zeros(shape), np.full(shape, 1e6)
+    result = evaluate(panel, protocol, {"challenger": MethodForecasts(awful, awful, awful),
+                                        "champion": MethodForecasts(zeros, zeros, zeros)})
+    scores = {name: _scores(result, name) for name in ("challenger", "champion")}
+    assert scores["challenger"]["wql"] == float("inf") and scores["champion"]["wql"] is None
+    promoted, decision = _promotion(scores, champion_id="v1")
+    assert not promoted and "not comparable" in decision
+    assert _promotion({"challenger": scores["challenger"]}, champion_id="v1")[0]  # a champion that could not forecast
+    assert _promotion({"challenger": scores["challenger"]}, champion_id=None)[0]  # no champion yet
+
+
 def test_forecast_job_without_champion_falls_back(engine, ingested):
     result = forecast_job(engine, ingested, DAY_END, cache=registry.ChampionCache())
     assert result["models"] == 100 and result["model_version"] is None and result["rows"] == 6000

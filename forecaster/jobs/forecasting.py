@@ -7,7 +7,8 @@
 * :func:`retrain_job` trains a challenger on the history up to a held-out
   tail, scores challenger and champion on the same held-out origins, saves the
   challenger under ``models/<version>/`` and promotes it only if its weighted
-  quantile loss is not worse.
+  quantile loss is not worse (a holdout that cannot score the champion, with
+  no known minute or only zeros, keeps the champion: :func:`_promotion`).
 """
 
 from __future__ import annotations
@@ -143,6 +144,8 @@ def retrain_job(engine: Engine, settings: Settings, now: datetime, *, cache: Cha
                 ensemble_factory=None) -> dict:
     """Train a challenger, compare it with the champion on held-out origins, promote if not worse.
 
+    The summary's ``decision`` says why it was promoted or not (:func:`_promotion`).
+
     Args:
         ensemble_factory: builds the unfitted challenger (tests pass small ones);
             default: the full default ensemble.
@@ -179,17 +182,43 @@ def retrain_job(engine: Engine, settings: Settings, now: datetime, *, cache: Cha
     register(engine, version_id=version_id, path=path, status="challenger", train_start=panel.start.to_pydatetime(),
              train_end=(panel.start + protocol.fit_steps * panel.step).to_pydatetime(),
              members=[m["name"] for m in _members(challenger)], scores=scores)
-    ours = scores["challenger"]["wql"]
-    theirs = scores.get("champion", {}).get("wql")
-    promoted = theirs is None or (ours is not None and ours <= theirs)
+    promoted, decision = _promotion(scores, champion_id=champion_id if champion is not None else None)
+    log.info("retrain: challenger %s %s: %s", version_id, "promoted" if promoted else "not promoted", decision)
     if promoted:
         promote(engine, version_id)
     else:
         set_status(engine, version_id, "retired")
-    return {"version": version_id, "promoted": promoted, "previous_champion": champion_id, "scores": scores,
-            "failures": dict(getattr(challenger, "failures_", {})), "series": panel.n_series,
+    return {"version": version_id, "promoted": promoted, "decision": decision, "previous_champion": champion_id,
+            "scores": scores, "failures": dict(getattr(challenger, "failures_", {})), "series": panel.n_series,
             "shards": getattr(challenger, "fit_run_", None), "latency_model": latency_model,
             "seconds": round(time.perf_counter() - started, 1)}
+
+
+def _promotion(scores: dict, *, champion_id: str | None) -> tuple[bool, str]:
+    """Whether the challenger replaces the champion, and why (the retrain's ``decision``).
+
+    Without a champion, or with one that could not forecast the holdout (no ``champion`` scores), the challenger
+    is promoted whatever it scored: something must forecast. Otherwise only a finite challenger wQL not above a
+    finite champion wQL promotes it. A missing or infinite score is no comparison: a holdout with no known minute
+    (an ingest outage before the retrain) scores both None, one whose actuals are all 0 scores NaN (None) for a
+    perfect forecast and inf for any other; the champion, which already forecast well enough to be kept, stays.
+
+    Args:
+        scores: :func:`_scores` per candidate (``challenger``, and ``champion`` when it forecast the holdout).
+        champion_id: the champion's version, None when there is none (or none could be loaded).
+    """
+    ours = scores["challenger"]["wql"]
+    if champion_id is None:
+        return True, "no champion to compare with"
+    if "champion" not in scores:
+        return True, f"champion {champion_id} could not forecast the holdout"
+    theirs = scores["champion"]["wql"]
+    if ours is None or theirs is None or not (np.isfinite(ours) and np.isfinite(theirs)):
+        return False, (f"holdout wQL not comparable (challenger {ours}, champion {theirs}: no known minute in the "
+                       f"holdout, or its actuals sum to 0); champion {champion_id} kept")
+    if ours <= theirs:
+        return True, f"challenger wQL {ours:.4f} <= champion {champion_id}'s {theirs:.4f}"
+    return False, f"challenger wQL {ours:.4f} > champion {champion_id}'s {theirs:.4f}"
 
 
 def _retrain_latency_model(engine: Engine, settings: Settings, now: datetime) -> str | None:
