@@ -23,6 +23,7 @@ from pathlib import Path
 from sqlalchemy import Engine
 
 from forecaster import __version__
+from forecaster.store.files import publish_dir
 from forecaster.store.registry import VersionInfo, champion_version, insert_version, promote_version, set_version_status
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,13 @@ def save_version(
     train_end: datetime | None,
     scores: dict,
 ) -> Path:
-    """Write ``ensemble`` and its metadata atomically (a temp folder renamed into place)."""
+    """Write ``ensemble`` and its metadata atomically (a temp folder renamed into place) and durably.
+
+    Every file (``ensemble.pkl``, ``metadata.json``, a sharded ensemble's ``shards/*.pkl``) and the folders are
+    synced to disk before the rename, and the rename before this returns (:func:`~forecaster.store.files.publish_dir`):
+    the caller then registers and promotes the version in PostgreSQL, durable at once, and a power loss must not
+    leave that row naming empty or partly written files.
+    """
     final = Path(models_dir) / version_id
     if final.exists():
         raise FileExistsError(f"model version {version_id!r} already exists at {final}")
@@ -76,8 +83,7 @@ def save_version(
         "code_version": code_version(),
     }
     (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, default=str) + "\n")
-    staging.rename(final)
-    return final
+    return publish_dir(staging, final)
 
 
 def member_report(ensemble) -> list[dict]:
