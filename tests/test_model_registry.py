@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import functools
 import os
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+from sqlalchemy import text
 
 import forecaster.forecast.registry as registry
 from forecaster.forecast.ensemble import Ensemble
 from forecaster.forecast.members import MovingAverage
 from forecaster.forecast.panel import Panel
 from forecaster.forecast.sharded import ShardedEnsemble
+from forecaster.store.catalog import ServingModelSpec, upsert_models
+from forecaster.store.forecasts import ensure_forecast_partitions, write_forecast_arrays
+from forecaster.store.model_retention import prune_model_versions
+from forecaster.store.registry import insert_version, promote_version
 
 
 @pytest.fixture
@@ -63,3 +69,98 @@ def test_the_latency_model_is_synced_before_its_row_names_it(engine, settings, n
     assert "metadata.json" in files
     assert {staging / f for f in files} | {staging} <= {Path(path) for path, _ in fsyncs}
     assert (str(settings.models_dir), [version]) in fsyncs
+
+
+def _version(engine, models: Path, version_id: str, *, kind: str = "forecast", status: str = "retired",
+             age: timedelta, now: datetime, folder: Path | None = None) -> Path:
+    """A saved version: a folder with a file, and its row created ``age`` before ``now``."""
+    folder = folder or models / version_id
+    folder.mkdir(parents=True)
+    (folder / "metadata.json").write_text("{}")
+    insert_version(engine, version_id=version_id, path=folder, status=status, train_start=None, train_end=None,
+                   members=[], scores={}, code_version="test", kind=kind)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE model_versions SET created_at = :t WHERE id = :id"),
+                     {"t": now - age, "id": version_id})
+    return folder
+
+
+def test_retention_deletes_old_versions_but_champions_the_newest_and_those_forecasts_name(engine, settings, now,
+                                                                                         tmp_path):
+    models, days = settings.models_dir, timedelta(days=1)
+    for k in range(1, 6):  # f1 oldest; f3 the champion; f4, f5 the newest two
+        _version(engine, models, f"f{k}", status="champion" if k == 3 else "retired", age=(10 - k) * days, now=now)
+    for k in range(1, 4):
+        _version(engine, models, f"l{k}", kind="latency", age=(10 - k) * days, now=now)
+    _version(engine, models, "elsewhere", age=20 * days, now=now, folder=tmp_path / "other" / "elsewhere")
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id="m")])
+    ensure_forecast_partitions(engine, [now.date()])
+    write_forecast_arrays(engine, ["m"], now, {"point": np.ones((1, 3))}, issued_at=now, model_version_id="f1")
+
+    detail = prune_model_versions(engine, models, now=now, retention_days=2, kept=2)
+
+    assert sorted(detail["deleted"]) == ["f2", "l1"]
+    assert detail["referenced"] == ["f1"] and detail["elsewhere"] == ["elsewhere"]
+    with engine.connect() as conn:
+        rows = set(conn.execute(text("SELECT id FROM model_versions")).scalars())
+    assert rows == {"f1", "f3", "f4", "f5", "l2", "l3", "elsewhere"}
+    assert sorted(p.name for p in models.iterdir()) == [".trash", "f1", "f3", "f4", "f5", "l2", "l3"]
+    assert not any((models / ".trash").iterdir()) and (tmp_path / "other" / "elsewhere").is_dir()
+    # younger than the retention: nothing more goes, whatever their number
+    assert prune_model_versions(engine, models, now=now, retention_days=9, kept=1)["deleted"] == []
+
+
+def test_retention_resolves_what_an_interrupted_run_left_in_the_trash(engine, settings, now):
+    models = settings.models_dir
+    _version(engine, models, "v1", age=timedelta(0), now=now)
+    _version(engine, models, "v2", age=timedelta(0), now=now)
+    (models / ".trash").mkdir()
+    (models / "v1").rename(models / ".trash" / "v1")  # moved, but its row's delete never committed
+    (models / "v2").rename(models / ".trash" / "v2")  # moved and its row's delete committed
+    with engine.begin() as conn:
+        conn.execute(text("DELETE FROM model_versions WHERE id = 'v2'"))
+
+    detail = prune_model_versions(engine, models, now=now, retention_days=2, kept=1)
+
+    assert (detail["trash_restored"], detail["trash_removed"]) == (1, 1)
+    assert (models / "v1" / "metadata.json").is_file() and not any((models / ".trash").iterdir())
+
+
+def test_a_version_deleted_while_its_promotion_waits_leaves_the_champion_in_place(engine, settings, now):
+    import threading
+
+    models = settings.models_dir
+    _version(engine, models, "old", status="champion", age=timedelta(0), now=now)
+    _version(engine, models, "new", age=timedelta(0), now=now)
+    errors = []
+    with engine.connect() as conn:
+        tx = conn.begin()  # as the retention job does: the row locked and deleted, the commit still to come
+        conn.execute(text("SELECT 1 FROM model_versions WHERE id = 'new' FOR UPDATE"))
+        conn.execute(text("DELETE FROM model_versions WHERE id = 'new'"))
+        promoting = threading.Thread(target=lambda: _catch(errors, promote_version, engine, "new"))
+        promoting.start()
+        promoting.join(1.0)
+        assert promoting.is_alive()  # waiting for the row
+        tx.commit()
+    promoting.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], LookupError)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT id FROM model_versions WHERE status = 'champion'")).scalars().all() == ["old"]
+
+
+def _catch(errors: list, function, *args) -> None:
+    try:
+        function(*args)
+    except Exception as error:  # noqa: BLE001 - the test looks at it
+        errors.append(error)
+
+
+def test_the_hourly_retention_job_prunes_model_versions_with_the_settings(engine, settings, now):
+    from forecaster.jobs.scheduler import retention_job
+
+    for k in range(5):  # defaults: older than 2 days, beyond the newest 3
+        _version(engine, settings.models_dir, f"v{k}", age=timedelta(days=10 - k), now=now)
+    detail = retention_job(engine, settings, now)["model_versions"]
+    assert detail["deleted"] == ["v0", "v1"]
+    assert sorted(p.name for p in settings.models_dir.iterdir()) == [".trash", "v2", "v3", "v4"]

@@ -56,19 +56,29 @@ def partition_job(engine: Engine, settings: Settings, now: datetime) -> dict:
 
 
 def retention_job(engine: Engine, settings: Settings, now: datetime) -> dict:
-    """Hourly: keep forecast partitions ahead and pruned; delete old plans, finished actions and job runs; roll
-    old invocation days up, drop the oldest.
+    """Hourly: keep forecast partitions ahead and pruned; delete old model versions, plans, finished actions and job
+    runs; roll old invocation days up, drop the oldest.
 
     Forecast partitions go first: they are cheap and the forecast job needs the
-    coming days' partitions even when an invocation day fails to roll up; the
-    history next, before the invocation days that may fail.
+    coming days' partitions even when an invocation day fails to roll up; then
+    the model versions their dropped days no longer name (a failure there is
+    logged and reported, and the store's retention still runs); the history
+    next, before the invocation days that may fail.
     """
     from forecaster.store.forecasts import maintain_forecast_partitions
     from forecaster.store.history_retention import apply_history_retention
+    from forecaster.store.model_retention import prune_model_versions
     from forecaster.store.retention import apply_retention
 
     detail: dict = {"forecasts": maintain_forecast_partitions(
         engine, now=now, days_ahead=settings.partition_days_ahead, retention_days=settings.forecast_retention_days)}
+    try:
+        detail["model_versions"] = prune_model_versions(
+            engine, settings.models_dir, now=now, retention_days=settings.model_versions_retention_days,
+            kept=settings.model_versions_kept)
+    except Exception as error:  # noqa: BLE001 - old model files must not hold back the tables' retention
+        log.exception("retention: model versions not pruned")
+        detail["model_versions"] = {"error": f"{type(error).__name__}: {error}"}
     detail["history"] = apply_history_retention(engine, now=now, settings=settings)
     detail["invocations"] = apply_retention(engine, now=now, settings=settings)
     return detail

@@ -2,7 +2,8 @@
 
 Kinds: ``forecast`` (the forecasting ensemble, see :mod:`forecaster.forecast.registry`) and ``latency`` (the
 cold-start latency model, see :mod:`forecaster.coldstart.service`). The files of a version live under
-``models/<version>/``; this module only keeps the rows.
+``models/<version>/``; this module only keeps the rows (:mod:`forecaster.store.model_retention` deletes old
+versions, folder and row).
 """
 
 from __future__ import annotations
@@ -59,14 +60,22 @@ def champion_version(engine: Engine, *, kind: str = "forecast") -> VersionInfo |
 
 
 def promote_version(engine: Engine, version_id: str) -> None:
-    """Make ``version_id`` the champion of its kind and retire the previous one, in one transaction."""
+    """Make ``version_id`` the champion of its kind and retire the previous one, in one transaction.
+
+    A version deleted meanwhile (the retention job, :mod:`forecaster.store.model_retention`, holds its row locked
+    while it moves the folder away) raises ``LookupError`` and leaves the previous champion in place: a champion
+    row is never left naming a deleted folder, nor a kind without a champion.
+    """
     with engine.begin() as conn:
         kind = conn.execute(text("SELECT kind FROM model_versions WHERE id = :id"), {"id": version_id}).scalar()
         if kind is None:
             raise LookupError(f"no model version {version_id!r}")
         conn.execute(text("UPDATE model_versions SET status = 'retired' WHERE status = 'champion' AND kind = :k"),
                      {"k": kind})
-        conn.execute(text("UPDATE model_versions SET status = 'champion' WHERE id = :id"), {"id": version_id})
+        promoted = conn.execute(text("UPDATE model_versions SET status = 'champion' WHERE id = :id"),
+                                {"id": version_id}).rowcount
+        if promoted != 1:
+            raise LookupError(f"model version {version_id!r} was deleted while being promoted")
 
 
 def set_version_status(engine: Engine, version_id: str, status: str) -> None:
