@@ -129,10 +129,10 @@ class Settings(BaseSettings):
                     "(about 110 MB and 33-90 s of CPU each at 100,000 models x 64 nodes); 0: none written or read.")
     model_versions_retention_days: int = Field(
         default=2, ge=1, le=3650,
-        description="Days a saved model version (models_dir/<version>/ and its model_versions row) is kept: the "
-                    "retention job deletes older ones unless a champion, among the newest "
-                    "PREWARM_MODEL_VERSIONS_KEPT of their kind, or named by a stored forecast (a nightly forecast "
-                    "version pickles its fit panel: about 94 KB per series).")
+        description="Days a saved model version's files (models_dir/<version>/) are kept: the retention job "
+                    "deletes older ones and marks their rows deleted, unless a champion, the last former champion "
+                    "or among the newest PREWARM_MODEL_VERSIONS_KEPT of their kind (a nightly forecast version "
+                    "pickles its fit panel: about 94 KB per series).")
     model_versions_kept: int = Field(
         default=3, ge=1, le=1000,
         description="Newest model versions of each kind (forecast, latency) kept whatever their age, to roll "

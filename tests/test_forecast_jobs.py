@@ -81,7 +81,7 @@ def test_a_worse_challenger_is_not_promoted(engine, ingested):
     with engine.connect() as conn:
         statuses = dict(conn.execute(text("SELECT id, status FROM model_versions WHERE kind = 'forecast'")).all())
         latency = dict(conn.execute(text("SELECT id, status FROM model_versions WHERE kind = 'latency'")).all())
-    assert statuses == {good["version"]: "champion", worse["version"]: "retired"}
+    assert statuses == {good["version"]: "champion", worse["version"]: "rejected"}
     # each nightly retrain also refits the latency model; the newest is its champion
     assert latency == {good["latency_model"]: "retired", worse["latency_model"]: "champion"}
 

@@ -85,13 +85,19 @@ def _version(engine, models: Path, version_id: str, *, kind: str = "forecast", s
     return folder
 
 
-def test_retention_deletes_old_versions_but_champions_the_newest_and_those_forecasts_name(engine, settings, now,
-                                                                                         tmp_path):
+def _statuses(engine) -> dict[str, str]:
+    with engine.connect() as conn:
+        return dict(conn.execute(text("SELECT id, status FROM model_versions")).all())
+
+
+def test_retention_deletes_the_files_of_old_versions_but_champions_the_newest_and_the_last_champion(
+        engine, settings, now, tmp_path):
     models, days = settings.models_dir, timedelta(days=1)
-    for k in range(1, 6):  # f1 oldest; f3 the champion; f4, f5 the newest two
-        _version(engine, models, f"f{k}", status="champion" if k == 3 else "retired", age=(10 - k) * days, now=now)
+    # f1, f2 former champions (f2 the last one), f3 the champion, f4 a rejected challenger, f5, f6 the newest two
+    for k, status in enumerate(("retired", "retired", "champion", "rejected", "rejected", "challenger"), start=1):
+        _version(engine, models, f"f{k}", status=status, age=(10 - k) * days, now=now)
     for k in range(1, 4):
-        _version(engine, models, f"l{k}", kind="latency", age=(10 - k) * days, now=now)
+        _version(engine, models, f"l{k}", kind="latency", status="rejected", age=(10 - k) * days, now=now)
     _version(engine, models, "elsewhere", age=20 * days, now=now, folder=tmp_path / "other" / "elsewhere")
     with engine.begin() as conn:
         upsert_models(conn, [ServingModelSpec(id="m")])
@@ -100,15 +106,20 @@ def test_retention_deletes_old_versions_but_champions_the_newest_and_those_forec
 
     detail = prune_model_versions(engine, models, now=now, retention_days=2, kept=2)
 
-    assert sorted(detail["deleted"]) == ["f2", "l1"]
-    assert detail["referenced"] == ["f1"] and detail["elsewhere"] == ["elsewhere"]
-    with engine.connect() as conn:
-        rows = set(conn.execute(text("SELECT id FROM model_versions")).scalars())
-    assert rows == {"f1", "f3", "f4", "f5", "l2", "l3", "elsewhere"}
-    assert sorted(p.name for p in models.iterdir()) == [".trash", "f1", "f3", "f4", "f5", "l2", "l3"]
+    # f1 goes although a stored forecast names it: its row stays (marked), so the forecast keeps its provenance
+    assert sorted(detail["deleted"]) == ["f1", "f4", "l1"] and detail["elsewhere"] == ["elsewhere"]
+    statuses = _statuses(engine)
+    assert {v for v, status in statuses.items() if status == "deleted"} == {"f1", "f4", "l1"}
+    assert len(statuses) == 10  # every row kept
+    assert sorted(p.name for p in models.iterdir()) == [".trash", "f2", "f3", "f5", "f6", "l2", "l3"]
     assert not any((models / ".trash").iterdir()) and (tmp_path / "other" / "elsewhere").is_dir()
-    # younger than the retention: nothing more goes, whatever their number
+    # a deleted version cannot be promoted: its files are gone
+    with pytest.raises(LookupError):
+        promote_version(engine, "f4")
+    assert _statuses(engine)["f3"] == "champion"
+    # younger than the retention: nothing more goes, whatever their number; deleted ones are not counted again
     assert prune_model_versions(engine, models, now=now, retention_days=9, kept=1)["deleted"] == []
+    assert prune_model_versions(engine, models, now=now, retention_days=2, kept=2)["deleted"] == []
 
 
 def test_retention_resolves_what_an_interrupted_run_left_in_the_trash(engine, settings, now):
@@ -117,9 +128,9 @@ def test_retention_resolves_what_an_interrupted_run_left_in_the_trash(engine, se
     _version(engine, models, "v2", age=timedelta(0), now=now)
     (models / ".trash").mkdir()
     (models / "v1").rename(models / ".trash" / "v1")  # moved, but its row's delete never committed
-    (models / "v2").rename(models / ".trash" / "v2")  # moved and its row's delete committed
+    (models / "v2").rename(models / ".trash" / "v2")  # moved and its row's mark committed
     with engine.begin() as conn:
-        conn.execute(text("DELETE FROM model_versions WHERE id = 'v2'"))
+        conn.execute(text("UPDATE model_versions SET status = 'deleted' WHERE id = 'v2'"))
 
     detail = prune_model_versions(engine, models, now=now, retention_days=2, kept=1)
 
@@ -135,9 +146,8 @@ def test_a_version_deleted_while_its_promotion_waits_leaves_the_champion_in_plac
     _version(engine, models, "new", age=timedelta(0), now=now)
     errors = []
     with engine.connect() as conn:
-        tx = conn.begin()  # as the retention job does: the row locked and deleted, the commit still to come
-        conn.execute(text("SELECT 1 FROM model_versions WHERE id = 'new' FOR UPDATE"))
-        conn.execute(text("DELETE FROM model_versions WHERE id = 'new'"))
+        tx = conn.begin()  # as the retention job does: the row locked and marked, the commit still to come
+        conn.execute(text("UPDATE model_versions SET status = 'deleted' WHERE id = 'new'"))
         promoting = threading.Thread(target=lambda: _catch(errors, promote_version, engine, "new"))
         promoting.start()
         promoting.join(1.0)

@@ -187,7 +187,7 @@ def retrain_job(engine: Engine, settings: Settings, now: datetime, *, cache: Cha
     if promoted:
         promote(engine, version_id)
     else:
-        set_status(engine, version_id, "retired")
+        set_status(engine, version_id, "rejected")  # never champion; "retired" is a former champion
     return {"version": version_id, "promoted": promoted, "decision": decision, "previous_champion": champion_id,
             "scores": scores, "failures": dict(getattr(challenger, "failures_", {})), "series": panel.n_series,
             "shards": getattr(challenger, "fit_run_", None), "latency_model": latency_model,

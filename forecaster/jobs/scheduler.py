@@ -61,9 +61,9 @@ def retention_job(engine: Engine, settings: Settings, now: datetime) -> dict:
 
     Forecast partitions go first: they are cheap and the forecast job needs the
     coming days' partitions even when an invocation day fails to roll up; then
-    the model versions their dropped days no longer name (a failure there is
-    logged and reported, and the store's retention still runs); the history
-    next, before the invocation days that may fail.
+    old model versions' files (a failure there is logged and reported, and the
+    store's retention still runs); the history next, before the invocation days
+    that may fail.
     """
     from forecaster.store.forecasts import maintain_forecast_partitions
     from forecaster.store.history_retention import apply_history_retention

@@ -1,30 +1,28 @@
-"""Retention of saved model versions: the ``models/<version>/`` folders and their ``model_versions`` rows.
+"""Retention of saved model versions: the ``models/<version>/`` folders (their ``model_versions`` rows stay).
 
 Every nightly retrain saves a forecasting challenger, promoted or not (each pickles its fit panel: about 94 KB
-per series), and a latency model; nothing else ever deletes one. The hourly retention job deletes a version, its
-folder and its row, when all of these hold:
+per series), and a latency model; nothing else ever deletes one. The hourly retention job deletes a version's
+folder and marks its row ``deleted`` when all of these hold:
 
-* it is not the champion of its kind;
+* it is not the champion of its kind, nor the newest ``retired`` one of its kind (the champion before the
+  current one: the forecast job keeps forecasting with it, from memory and its shard files, while a new champion
+  cannot be loaded; a challenger that lost is ``rejected``, not ``retired``);
 * its row is older than ``PREWARM_MODEL_VERSIONS_RETENTION_DAYS`` (``created_at``, against the job's ``now``: a
   clock that has not reached it, as in a replay, deletes nothing);
 * it is not among the newest ``PREWARM_MODEL_VERSIONS_KEPT`` of its kind (what a rollback would promote);
-* no stored forecast names it (``forecasts.model_version_id``, a foreign key: the delete itself is refused while
-  one does, so a former champion goes once the forecast partitions' retention,
-  ``PREWARM_FORECAST_RETENTION_DAYS``, has dropped its days; also a previous champion the forecast job still
-  forecasts with because the new one cannot be loaded, whose shard files it reads);
 * its row names a folder directly in ``models_dir`` (or a folder already gone): a path elsewhere is not this
-  job's to delete, and the row stays with it.
+  job's to delete.
 
-Crash safety, per version: one transaction locks the row (still not the champion), deletes it, and renames the
-folder into ``models_dir/.trash/<version>`` before it commits; the trash entry is removed after the commit. A
-crash or a failed commit leaves at most a trash entry, which the next run resolves first (:func:`sweep_trash`):
-its row gone, it is removed; its row still there (the delete never committed), it is renamed back. A champion row
-never names a missing folder: its row is never deleted, and :func:`~forecaster.store.registry.promote_version`
-refuses a version whose row was deleted while it waited for the lock.
+The row stays, with status ``deleted``: stored forecasts name their version (a foreign key), and deleting the row
+would have PostgreSQL check that key across every forecast partition (``forecasts`` has no index on
+``model_version_id``: at 100,000 models a scan of days of forecasts per version). A row is a few hundred bytes.
 
-Cost: ``forecasts`` has no index on ``model_version_id``, so PostgreSQL's check of the foreign key reads the
-forecast partitions for each deleted row (stopping at the first row that names it). A few versions a day become
-deletable; the first run on a store with a long backlog stops after ``budget_s`` and leaves the rest to the next.
+Crash safety, per version: one transaction locks the row (still not the champion), marks it ``deleted`` and
+renames the folder into ``models_dir/.trash/<version>`` before it commits; the trash entry is removed after the
+commit. A crash or a failed commit leaves at most a trash entry, which the next run resolves first
+(:func:`sweep_trash`): its row ``deleted``, it is removed; not (the mark never committed), it is renamed back. A
+champion row never names a missing folder: :func:`~forecaster.store.registry.promote_version` refuses a version
+marked deleted while it waited for the lock.
 """
 
 from __future__ import annotations
@@ -38,7 +36,6 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from sqlalchemy import Engine, text
-from sqlalchemy.exc import IntegrityError
 
 from forecaster.store.files import fsync_path
 
@@ -48,7 +45,6 @@ log = logging.getLogger(__name__)
 TRASH_DIR = ".trash"
 #: Seconds a run spends deleting before it leaves the rest to the next run.
 RUN_BUDGET_S = 300.0
-_FOREIGN_KEY_VIOLATION = "23503"
 
 
 @dataclass
@@ -56,7 +52,6 @@ class PrunedVersions:
     """What one run did: versions deleted, and why the other old ones stayed."""
 
     deleted: list[str] = field(default_factory=list)
-    referenced: list[str] = field(default_factory=list)  # named by a stored forecast
     elsewhere: list[str] = field(default_factory=list)  # folder outside models_dir: left alone
     failed: list[str] = field(default_factory=list)  # the folder could not be moved (logged); tried next run
     trash_removed: int = 0  # leftovers of an interrupted run removed
@@ -76,9 +71,12 @@ def prune_model_versions(engine: Engine, models_dir: str | Path, *, now: datetim
     result.trash_removed, result.trash_restored = sweep_trash(engine, models_dir)
     with engine.connect() as conn:
         candidates = conn.execute(text(
-            "SELECT id, path FROM (SELECT id, path, status, created_at, row_number() OVER "
-            "(PARTITION BY kind ORDER BY created_at DESC, id DESC) AS newest FROM model_versions) v "
-            "WHERE newest > :kept AND status <> 'champion' AND created_at < :before ORDER BY created_at, id"),
+            "SELECT id, path FROM (SELECT id, path, status, created_at, "
+            "row_number() OVER (PARTITION BY kind ORDER BY created_at DESC, id DESC) AS newest, "
+            "row_number() OVER (PARTITION BY kind, status ORDER BY created_at DESC, id DESC) AS newest_of_status "
+            "FROM model_versions WHERE status <> 'deleted') v "
+            "WHERE newest > :kept AND status <> 'champion' AND NOT (status = 'retired' AND newest_of_status = 1) "
+            "AND created_at < :before ORDER BY created_at, id"),
             {"kept": kept, "before": now - timedelta(days=retention_days)}).all()
     for version_id, path in candidates:
         if time.monotonic() > deadline:
@@ -92,14 +90,15 @@ def prune_model_versions(engine: Engine, models_dir: str | Path, *, now: datetim
         if outcome is not None:
             getattr(result, outcome).append(version_id)
     if result.deleted:
-        log.info("retention: deleted %d model versions older than %d days (%s); %d named by stored forecasts kept",
-                 len(result.deleted), retention_days, ", ".join(result.deleted), len(result.referenced))
+        log.info("retention: deleted the files of %d model versions older than %d days (%s)",
+                 len(result.deleted), retention_days, ", ".join(result.deleted))
     return asdict(result)
 
 
 def sweep_trash(engine: Engine, models_dir: Path) -> tuple[int, int]:
-    """Resolve what an interrupted run left in the trash: remove entries whose row is gone, put back those whose
-    row is still there (its delete never committed). An entry whose row another run holds locked is its business.
+    """Resolve what an interrupted run left in the trash: remove entries whose row is marked deleted (or gone), put
+    back those whose row is not (the mark never committed). An entry whose row another run holds locked is its
+    business.
 
     Returns:
         (entries removed, entries restored).
@@ -112,10 +111,11 @@ def sweep_trash(engine: Engine, models_dir: Path) -> tuple[int, int]:
     removed = restored = 0
     for entry in entries:
         with engine.begin() as conn:
-            path = conn.execute(text("SELECT path FROM model_versions WHERE id = :id"), {"id": entry.name}).scalar()
+            path = conn.execute(text("SELECT path FROM model_versions WHERE id = :id AND status <> 'deleted'"),
+                                {"id": entry.name}).scalar()
             if path is not None:
-                mine = conn.execute(text("SELECT path FROM model_versions WHERE id = :id FOR UPDATE SKIP LOCKED"),
-                                    {"id": entry.name}).scalar()
+                mine = conn.execute(text("SELECT path FROM model_versions WHERE id = :id AND status <> 'deleted' "
+                                         "FOR UPDATE SKIP LOCKED"), {"id": entry.name}).scalar()
                 if mine is None or Path(path).exists():
                     continue  # being deleted by another run; or its folder is back already (left for a person)
                 try:
@@ -125,7 +125,7 @@ def sweep_trash(engine: Engine, models_dir: Path) -> tuple[int, int]:
                               error)
                     continue
                 restored += 1
-                log.warning("retention: model version %s put back from the trash (its delete did not commit)",
+                log.warning("retention: model version %s put back from the trash (its deletion did not commit)",
                             entry.name)
                 continue
         _remove(entry)
@@ -150,29 +150,23 @@ def _owned(models_dir: Path, version_id: str, folder: Path) -> bool:
 
 
 def _delete_version(engine: Engine, models_dir: Path, version_id: str, folder: Path) -> str | None:
-    """Delete one version's row and move its folder to the trash in one transaction; then remove the trash entry.
+    """Mark one version's row deleted and move its folder to the trash in one transaction; then remove the entry.
 
-    Returns the :class:`PrunedVersions` list it goes to (``deleted``, ``referenced``, ``failed``), or None when
-    the version was promoted or deleted since the candidates were read (not this run's to prune).
+    Returns the :class:`PrunedVersions` list it goes to (``deleted``, ``failed``), or None when the version was
+    promoted or deleted since the candidates were read (not this run's to prune).
     """
     entry = models_dir / TRASH_DIR / version_id
     try:
         with engine.begin() as conn:
-            still = conn.execute(text("SELECT 1 FROM model_versions WHERE id = :id AND status <> 'champion' "
-                                      "FOR UPDATE"), {"id": version_id}).first()
-            if still is None:
+            marked = conn.execute(text("UPDATE model_versions SET status = 'deleted' WHERE id = :id "
+                                       "AND status NOT IN ('champion', 'deleted') RETURNING id"),
+                                  {"id": version_id}).first()
+            if marked is None:
                 return None
-            try:
-                with conn.begin_nested():
-                    conn.execute(text("DELETE FROM model_versions WHERE id = :id"), {"id": version_id})
-            except IntegrityError as error:
-                if getattr(error.orig, "sqlstate", None) != _FOREIGN_KEY_VIOLATION:
-                    raise
-                return "referenced"
             if folder.exists():
                 entry.parent.mkdir(exist_ok=True)
-                os.rename(folder, entry)  # an error rolls the delete back: the row keeps its folder
-                fsync_path(models_dir)  # the move durable before the delete is: a power loss brings back no orphan
+                os.rename(folder, entry)  # an error rolls the mark back: the row keeps its folder
+                fsync_path(models_dir)  # the move durable before the mark is: a power loss brings back no orphan
                 fsync_path(entry.parent)
     except OSError as error:
         log.error("retention: model version %s kept: its folder %s could not be moved to the trash (%s)",

@@ -3,7 +3,7 @@
 Kinds: ``forecast`` (the forecasting ensemble, see :mod:`forecaster.forecast.registry`) and ``latency`` (the
 cold-start latency model, see :mod:`forecaster.coldstart.service`). The files of a version live under
 ``models/<version>/``; this module only keeps the rows (:mod:`forecaster.store.model_retention` deletes old
-versions, folder and row).
+versions' folders and marks their rows ``deleted``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ class VersionInfo:
 
 def insert_version(engine: Engine, *, version_id: str, path: Path, status: str, train_start, train_end,
                    members: list, scores: dict, code_version: str, kind: str = "forecast") -> None:
-    """Add one version row (``status``: challenger, champion, retired, failed)."""
+    """Add one version row (``status``: challenger, champion, retired (a former champion), rejected (a challenger
+    that lost), failed; the retention job marks old ones deleted)."""
     if kind not in KINDS:
         raise ValueError(f"unknown model kind {kind!r}; expected one of {KINDS}")
     with engine.begin() as conn:
@@ -62,9 +63,10 @@ def champion_version(engine: Engine, *, kind: str = "forecast") -> VersionInfo |
 def promote_version(engine: Engine, version_id: str) -> None:
     """Make ``version_id`` the champion of its kind and retire the previous one, in one transaction.
 
-    A version deleted meanwhile (the retention job, :mod:`forecaster.store.model_retention`, holds its row locked
-    while it moves the folder away) raises ``LookupError`` and leaves the previous champion in place: a champion
-    row is never left naming a deleted folder, nor a kind without a champion.
+    A version whose files the retention job deleted (:mod:`forecaster.store.model_retention`: it marks the row
+    ``deleted`` under a row lock while it moves the folder away), before or while this waits, raises
+    ``LookupError`` and leaves the previous champion in place: a champion row never names a deleted folder, and
+    a kind is never left without a champion.
     """
     with engine.begin() as conn:
         kind = conn.execute(text("SELECT kind FROM model_versions WHERE id = :id"), {"id": version_id}).scalar()
@@ -72,10 +74,10 @@ def promote_version(engine: Engine, version_id: str) -> None:
             raise LookupError(f"no model version {version_id!r}")
         conn.execute(text("UPDATE model_versions SET status = 'retired' WHERE status = 'champion' AND kind = :k"),
                      {"k": kind})
-        promoted = conn.execute(text("UPDATE model_versions SET status = 'champion' WHERE id = :id"),
-                                {"id": version_id}).rowcount
+        promoted = conn.execute(text("UPDATE model_versions SET status = 'champion' WHERE id = :id "
+                                     "AND status <> 'deleted'"), {"id": version_id}).rowcount
         if promoted != 1:
-            raise LookupError(f"model version {version_id!r} was deleted while being promoted")
+            raise LookupError(f"model version {version_id!r} is deleted (its files are gone)")
 
 
 def set_version_status(engine: Engine, version_id: str, status: str) -> None:

@@ -205,7 +205,7 @@ class ModelVersion(Base):
     __tablename__ = "model_versions"
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    status: Mapped[str] = mapped_column(String(16))  # challenger | champion | retired | failed
+    status: Mapped[str] = mapped_column(String(16))  # challenger | champion | retired (a former champion) | rejected | failed | deleted
     path: Mapped[str] = mapped_column(Text)
     train_start: Mapped[datetime | None] = mapped_column(TZ)
     train_end: Mapped[datetime | None] = mapped_column(TZ)
