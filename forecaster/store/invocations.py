@@ -241,7 +241,10 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
             return WriteResult(previous, True, len(arrays["ids"]), 0, batch.total_invocations, batch.covered_steps,
                                burst_factors_stored=stored)
         # Seen before, but a later write changed its windows since (an operator re-sending the batch that was
-        # right, after a wrong one): written again, as any batch is; its ledger row is the first one's.
+        # right, after a wrong one): written again, as any batch is, under a new ledger row (readers that cache
+        # history follow the ledger's ids: the first row's id is behind their watermarks).
+        if previous is not None:
+            conn.execute(text("DELETE FROM ingest_batches WHERE id = :id"), {"id": previous})
 
         _reject_finer_than_rollups(conn, batch)
         _lock_models(conn, arrays["ids"])
@@ -291,7 +294,7 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
             ),
             {**arrays, "source": batch.source, "step": batch.step_seconds},
         )
-        batch_id = previous if previous is not None else conn.execute(
+        batch_id = conn.execute(
             text(
                 "INSERT INTO ingest_batches (source, kind, content_sha256, models, rows_written, invocations, "
                 "window_start, window_end) VALUES (:source, 'counts', :fp, :models, :rows, :inv, :lo, :hi) "
