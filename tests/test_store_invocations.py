@@ -130,3 +130,57 @@ def test_many_models_read_as_text_blocks_equal_a_row_fetch(engine, now, monkeypa
     _, _, fetched = invocations.read_grid(engine, ids, _minute(0), _minute(30), step_seconds=step)
     assert np.nansum(blocks) == sum(r[2] for r in rows) and not np.isnan(blocks).any()
     np.testing.assert_array_equal(blocks, fetched)
+
+
+# --- writes at different step widths ---------------------------------------------------------------------------
+
+TEN = datetime(2026, 11, 28, 10, 0, tzinfo=timezone.utc)
+
+
+def _ten(minute: int) -> datetime:
+    return TEN + timedelta(minutes=minute)
+
+
+def _window(model_id: str, first: int, end: int) -> pd.DataFrame:
+    return pd.DataFrame({"unique_id": [model_id], "start": [_ten(first)], "end": [_ten(end)]})
+
+
+def _read_ten(engine, model_id: str, step: int) -> list[float]:
+    return read_counts(engine, [model_id], _ten(0), _ten(15), step_seconds=step)["y"].tolist()
+
+
+@pytest.mark.parametrize("first, end", [(2, 8), (0, 2), (3, 12)])
+def test_minutes_over_five_minute_data_never_double_count_or_invent(registered, now, first, end):
+    """The audit's case: a 5-minute trace of 50/50/50 for 10:00-10:15, then the same traffic per minute (10 a
+    minute) for part of it. The 60 s window used to leave the 300 s row of a bucket it starts inside (stored 160,
+    read [80, 30, 50]) or delete a bucket's whole count while the bucket still read as known. Every read is now
+    the truth or unknown; the per-minute model beside it in the same batch is written as usual."""
+    write_count_batch(registered, _batch([("llama", _ten(m), 50) for m in (0, 5, 10)], now,
+                                         windows=_window("llama", 0, 15), source="trace", step=300))
+    windows = pd.concat([_window("llama", first, end), _window("mistral", 0, 15)], ignore_index=True)
+    rows = [("llama", _ten(m), 10) for m in range(first, end)] + [("mistral", _ten(m), 1) for m in range(15)]
+    result = write_count_batch(registered, _batch(rows, now, windows=windows))
+
+    with registered.connect() as conn:
+        assert conn.execute(text("SELECT sum(count) FROM invocations WHERE model_id = 'llama'")).scalar() <= 150
+    five, minutes = _read_ten(registered, "llama", 300), _read_ten(registered, "llama", 60)
+    assert all(np.isnan(y) or y == 50 for y in five), five
+    assert all(np.isnan(y) or y == 10 for y in minutes), minutes
+    assert minutes[first:end] == [10.0] * (end - first)  # the window is known
+    untouched = [b for b in range(3) if 5 * (b + 1) <= first or 5 * b >= end]
+    assert [five[b] for b in untouched] == [50.0] * len(untouched)  # buckets the window does not touch stay
+    assert any("unknown now" in w for w in result.warnings) == (first % 5 != 0 or end % 5 != 0)
+    assert _read_ten(registered, "mistral", 60) == [1.0] * 15
+
+
+def test_five_minute_data_over_minutes_is_unknown_at_one_minute(registered, now):
+    """A 300 s batch over per-minute coverage used to leave the minutes covered: a minute read showed the bucket's
+    total at its first minute and zeros after it."""
+    write_count_batch(registered, _batch([("llama", _ten(m), 10) for m in range(15)], now))
+    write_count_batch(registered, _batch([("llama", _ten(0), 50), ("llama", _ten(5), 50)], now,
+                                         windows=_window("llama", 0, 10), step=300))
+    minutes = _read_ten(registered, "llama", 60)
+    assert all(np.isnan(y) for y in minutes[:10]), minutes
+    assert minutes[10:] == [10.0] * 5
+    assert _read_ten(registered, "llama", 300) == [50.0, 50.0, 50.0]
+    assert _total(registered) == 150

@@ -240,6 +240,21 @@ def test_ingest_finer_than_a_rolled_day_is_rejected(store, now):
     _write(store, now, [("llama", _at(NEXT, 2), 1)], windows=[("llama", _at(NEXT, 2), _at(NEXT, 3))])
 
 
+def test_ingest_at_a_step_that_cuts_rolled_buckets_is_rejected(store, now):
+    """A 420 s batch is coarser than a day rolled up to 300 s but cuts its buckets (the check compared sizes
+    only, and the batch was written); a multiple of 300 s is still accepted."""
+    rollup_day(store, DAY, 300)
+    totals, coverage = _totals(store), _coverage(store)
+    start = pd.Timestamp(_at(DAY, 5)).floor("420s").to_pydatetime()
+    with pytest.raises(IngestError) as info:
+        _write(store, now, [("llama", start, 7)], windows=[("llama", start, start + timedelta(seconds=840))],
+               step=420)
+    assert info.value.reason == "rolled_up" and "cuts its 300 s buckets" in str(info.value)
+    assert _totals(store) == totals and _coverage(store) == coverage
+    _write(store, now, [("llama", _at(DAY, 5), 7)], windows=[("llama", _at(DAY, 5), _at(DAY, 5, 20))], step=600)
+    assert _bucket(_read(store, DAY, 600), "llama", _at(DAY, 5, 10)) == 0.0
+
+
 def test_rollup_waits_for_a_writer_of_the_same_day(store):
     """A roll-up started while a batch writes the day waits for its commit (no count lost in between)."""
     done: list = []

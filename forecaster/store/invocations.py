@@ -6,6 +6,13 @@ models inside its windows, copies its non-zero counts in with PostgreSQL
 batch, all in one transaction. Ingesting the same data twice therefore never
 double-counts, and a batch that fails leaves nothing behind.
 
+Rows have no step column (a 300 s row sits at its bucket's start); ``coverage``
+says which step width a stretch holds. A window over data of another step
+width replaces that data in whole buckets of it: the rest of a bucket the
+window cuts is deleted and becomes unknown, and the other width's coverage
+loses the window, so a stretch of a model is covered at one step width only
+and no read adds a bucket's count to the minutes inside it.
+
 Reads return a complete grid: a step inside some source's coverage has its
 count (zero when no row was stored); a step outside all coverage is ``NaN``
 (unknown).
@@ -131,32 +138,135 @@ def _still_stored(conn: Connection, batch: CountBatch, arrays: dict[str, list]) 
     return same == len(counts)
 
 
+def _incompatible_rollups(conn: Connection, batch: CountBatch, days: list[date]) -> dict[date, int]:
+    """The days of ``days`` rolled up to buckets that ``batch``'s steps are not whole multiples of, with their
+    bucket width. A finer step cannot be stored there, and neither can a coarser one that cuts the day's buckets
+    (420 s steps over 300 s buckets): a later roll-up would bin such steps into the wrong hour."""
+    return {day: step for day, step in rolled_up_steps(conn, days).items() if batch.step_seconds % step}
+
+
 def _touches_rollups(conn: Connection, batch: CountBatch) -> bool:
-    """Whether a day of ``batch``'s windows is rolled up to steps coarser than the batch's (it cannot be written
-    again there: a batch seen before stays answered as a duplicate)."""
-    return any(step > batch.step_seconds for step in rolled_up_steps(conn, _window_days(batch)).values())
+    """Whether a day of ``batch``'s windows is rolled up to buckets the batch's step does not fit (it cannot be
+    written again there: a batch seen before stays answered as a duplicate)."""
+    return bool(_incompatible_rollups(conn, batch, _window_days(batch)))
 
 
 def _reject_finer_than_rollups(conn: Connection, batch: CountBatch) -> None:
-    """Refuse a batch finer than the buckets a touched day was rolled up to (see forecaster.store.retention).
+    """Refuse a batch whose step is not a whole multiple of the buckets a touched day was rolled up to (see
+    forecaster.store.retention): finer than them, or coarser but cutting them.
 
     Takes the days' shared locks first, so a roll-up of one of them either
     finished before (and is seen here) or waits until this batch committed.
     """
     days = _window_days(batch)
     lock_days_for_write(conn, days)
-    coarser = {day: step for day, step in rolled_up_steps(conn, days).items() if step > batch.step_seconds}
-    if coarser:
-        day = min(coarser)
-        more = f" (and {len(coarser) - 1} more days)" if len(coarser) > 1 else ""
+    refused = _incompatible_rollups(conn, batch, days)
+    if refused:
+        day = min(refused)
+        more = f" (and {len(refused) - 1} more days)" if len(refused) > 1 else ""
+        what = ("is finer than the store keeps there" if batch.step_seconds < refused[day]
+                else f"cuts its {refused[day]} s buckets")
         raise IngestError(
             "rolled_up",
-            f"day {day.isoformat()}{more} is rolled up to {coarser[day]} s steps; a batch at "
-            f"step_seconds={batch.step_seconds} is finer than the store keeps there. Send it at "
-            f"{coarser[day]} s or coarser",
+            f"day {day.isoformat()}{more} is rolled up to {refused[day]} s steps; a batch at "
+            f"step_seconds={batch.step_seconds} {what}. Send it at {refused[day]} s or a multiple of it",
             field="ds",
             value=day.isoformat(),
         )
+
+
+def _other_step_spill(conn: Connection, batch: CountBatch, arrays: dict[str, list]) -> tuple[set[str], list[tuple]]:
+    """Which of the batch's models hold data of another step width inside their windows, and where the windows
+    cut buckets of it: ``(model, start, end)`` pieces outside the windows, each the rest of such a bucket.
+
+    ``invocations`` has no step column: a 300 s row sits at its bucket's start, and only ``coverage`` says what
+    step a stored stretch has. A window that starts inside a stored 300 s bucket would leave that bucket's row
+    (its whole count) beside the new minutes (double counted), and a window that covers the bucket's start but
+    not its end would delete the bucket's count while the rest of the bucket still reads as known (lost). So the
+    whole buckets of another step that a window touches are replaced: the pieces outside the window are deleted
+    and cut out of coverage (unknown from then on, never a wrong count). Buckets are aligned to the Unix epoch,
+    as :func:`forecaster.ingest.validate.build_count_batch` aligns steps.
+    """
+    # Usually no model has another step width there: ask without sending the windows (binding 100,000 windows
+    # costs more than the question), then only for the models that do.
+    candidates = set(conn.execute(
+        text("SELECT DISTINCT model_id FROM coverage WHERE step_seconds <> :step AND ranges && tstzrange(:lo, :hi)"),
+        {"step": batch.step_seconds, "lo": min(arrays["starts"]), "hi": max(arrays["ends"])},
+    ).scalars())
+    keep = [i for i, m in enumerate(arrays["ids"]) if m in candidates]
+    if not keep:
+        return set(), []
+    rows = conn.execute(
+        text(
+            "WITH w AS (SELECT model_id, tstzrange(s, e, '[)') AS r FROM unnest(CAST(:ids AS text[]), "
+            "CAST(:starts AS timestamptz[]), CAST(:ends AS timestamptz[])) AS w(model_id, s, e)), "
+            "hit AS (SELECT w.model_id, c.step_seconds, c.ranges * tstzmultirange(w.r) AS inside FROM w "
+            "  JOIN coverage c ON c.model_id = w.model_id AND c.step_seconds <> :step AND c.ranges && w.r), "
+            "buckets AS ("
+            "  SELECT h.model_id, range_agg(tstzrange(date_bin(b.stride, lower(p), b.origin), "
+            "    date_bin(b.stride, upper(p) - interval '1 microsecond', b.origin) + b.stride, '[)')) AS r"
+            "  FROM hit h, unnest(h.inside) AS p, LATERAL (SELECT make_interval(secs => h.step_seconds) AS stride, "
+            "    TIMESTAMPTZ '1970-01-01 00:00:00+00' AS origin) AS b"
+            "  GROUP BY h.model_id"
+            "), windows AS (SELECT model_id, range_agg(r) AS r FROM w WHERE model_id IN (SELECT model_id FROM hit) "
+            "  GROUP BY model_id"
+            ") SELECT b.model_id, lower(x), upper(x) FROM buckets b JOIN windows w USING (model_id) "
+            "LEFT JOIN LATERAL unnest(b.r - w.r) AS x ON true ORDER BY 1, 2"
+        ),
+        {**{k: [v[i] for i in keep] for k, v in arrays.items()}, "step": batch.step_seconds},
+    ).all()
+    return {r[0] for r in rows}, [tuple(r) for r in rows if r[1] is not None]
+
+
+def _cut_other_steps(conn: Connection, batch: CountBatch, arrays: dict[str, list], models: set[str],
+                     spill: list[tuple]) -> int:
+    """Cut the windows of ``models`` out of the coverage of every other step width (the batch's steps replace
+    that data), and the spill pieces out of every coverage (their rows were deleted): a stretch of a model stays
+    covered at one step width only, in whole buckets of it. Returns the coverage rows changed."""
+    keep = [i for i, m in enumerate(arrays["ids"]) if m in models]
+    params = {"ids": [arrays["ids"][i] for i in keep], "starts": [arrays["starts"][i] for i in keep],
+              "ends": [arrays["ends"][i] for i in keep], "step": batch.step_seconds,
+              "sp_ids": [p[0] for p in spill], "sp_lo": [p[1] for p in spill], "sp_hi": [p[2] for p in spill]}
+    # the windows are cut from other steps only; the spill from every step (the batch's own included)
+    cut = ("WITH pieces AS ("
+           "  SELECT model_id, tstzrange(s, e, '[)') AS r, false AS spill FROM unnest(CAST(:ids AS text[]), "
+           "  CAST(:starts AS timestamptz[]), CAST(:ends AS timestamptz[])) AS w(model_id, s, e)"
+           "  UNION ALL SELECT model_id, tstzrange(s, e, '[)'), true FROM unnest(CAST(:sp_ids AS text[]), "
+           "  CAST(:sp_lo AS timestamptz[]), CAST(:sp_hi AS timestamptz[])) AS p(model_id, s, e)"
+           "), cut AS ("
+           "  SELECT model_id, range_agg(r) AS all_r, coalesce(range_agg(r) FILTER (WHERE spill), '{}') AS spill_r "
+           "  FROM pieces GROUP BY model_id"
+           ") UPDATE coverage c SET ranges = c.ranges - CASE WHEN c.step_seconds = :step THEN cut.spill_r "
+           "ELSE cut.all_r END, updated_at = now() FROM cut WHERE c.model_id = cut.model_id "
+           "AND c.ranges && CASE WHEN c.step_seconds = :step THEN cut.spill_r ELSE cut.all_r END")
+    # Lock the models' coverage rows in key order first, as the roll-up does (forecaster.store.retention), so that
+    # cutting several rows of one model and the upsert after it never close a deadlock cycle with it.
+    conn.execute(text("SELECT count(*) FROM (SELECT 1 FROM coverage WHERE model_id = ANY(CAST(:models AS text[])) "
+                      "ORDER BY model_id, source, step_seconds FOR UPDATE) AS locked"), {"models": sorted(models)})
+    changed = conn.execute(text(cut), params).rowcount
+    if changed:
+        conn.execute(text("DELETE FROM coverage WHERE model_id = ANY(CAST(:ids AS text[])) AND isempty(ranges)"),
+                     {"ids": sorted(models)})
+    return int(changed)
+
+
+def _spill_days(spill: list[tuple]) -> list[date]:
+    """The UTC days the spill pieces touch (a bucket of a step that does not divide a day may reach another)."""
+    days: set[date] = set()
+    for _, lo, hi in spill:
+        days.update(d.date() for d in pd.date_range(pd.Timestamp(lo).floor("D"),
+                                                    (pd.Timestamp(hi) - pd.Timedelta(microseconds=1)).floor("D")))
+    return sorted(days)
+
+
+def _spill_warning(spill: list[tuple], invocations: int) -> str:
+    models = sorted({p[0] for p in spill})
+    model = models[0]
+    first, last = min(p[1] for p in spill if p[0] == model), max(p[2] for p in spill if p[0] == model)
+    more = f" and {len(models) - 1} more models" if len(models) > 1 else ""
+    return (f"this batch's windows cut buckets stored at another step width; their parts outside the windows "
+            f"({invocations} invocations) are unknown now: model {model!r} from {first.isoformat()} to "
+            f"{last.isoformat()}{more}. Send those stretches again at the batch's step")
 
 
 #: First key of the two-key advisory lock on a bucket of models (ASCII "prwm").
@@ -218,7 +328,8 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
         IngestError: ``unknown_model`` when a model is not registered and
             ``register_models`` is false; ``bad_step`` for steps that are not
             whole minutes; ``rolled_up`` when a window touches a day already
-            rolled up to a coarser step than the batch's (nothing is written).
+            rolled up to buckets the batch's step is not a multiple of
+            (nothing is written).
     """
     if batch.step_seconds % 60:
         raise IngestError("bad_step", f"the store keeps whole-minute steps, got step_seconds={batch.step_seconds}")
@@ -260,6 +371,22 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
                 field="unique_id",
                 value=missing[0],
             )
+
+        # Data of another step width inside the windows: replaced in whole buckets of it (see _other_step_spill).
+        other_step_models, spill = _other_step_spill(conn, batch, arrays)
+        spilled = 0
+        if spill:
+            lock_days_for_write(conn, _spill_days(spill))
+            spilled = conn.execute(
+                text("WITH d AS (DELETE FROM invocations i USING unnest(CAST(:ids AS text[]), "
+                     "CAST(:los AS timestamptz[]), CAST(:his AS timestamptz[])) AS p(model_id, s, e) "
+                     "WHERE i.model_id = p.model_id AND i.minute >= p.s AND i.minute < p.e "
+                     "AND i.minute >= :lo AND i.minute < :hi RETURNING i.count) SELECT coalesce(sum(count), 0) FROM d"),
+                {"ids": [p[0] for p in spill], "los": [p[1] for p in spill], "his": [p[2] for p in spill],
+                 "lo": min(p[1] for p in spill), "hi": max(p[2] for p in spill)},
+            ).scalar_one()
+        if other_step_models:
+            _cut_other_steps(conn, batch, arrays, other_step_models, spill)
 
         delete = (
             "DELETE FROM invocations i USING unnest(CAST(:ids AS text[]), CAST(:starts AS timestamptz[]), "
@@ -306,15 +433,18 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
                 "models": len(arrays["ids"]),
                 "rows": len(batch.counts),
                 "inv": batch.total_invocations,
-                "lo": min(arrays["starts"]),
-                "hi": max(arrays["ends"]),
+                # what the batch changed: a cut bucket of another step may begin before its windows
+                "lo": min(arrays["starts"] + [p[1] for p in spill]),
+                "hi": max(arrays["ends"] + [p[2] for p in spill]),
             },
         ).scalar_one()
         stored = int(then(conn)) if then is not None else 0
     return WriteResult(batch_id, False, len(arrays["ids"]), len(batch.counts), batch.total_invocations,
                        batch.covered_steps, zeroed_steps=int(sum(r[1] for r in zeroed)),
                        zeroed_invocations=int(sum(r[2] for r in zeroed)),
-                       warnings=(_zeroed_warning(zeroed),) if zeroed else (), burst_factors_stored=stored)
+                       warnings=((_zeroed_warning(zeroed),) if zeroed else ())
+                       + ((_spill_warning(spill, int(spilled)),) if spill else ()),
+                       burst_factors_stored=stored)
 
 
 #: Up to this many models, :func:`_count_cells` fetches rows instead of blocks of text.
