@@ -136,7 +136,7 @@ def test_maintenance_drops_only_partitions_past_retention(models):
     # with 2 days kept at 12:00 on the 29th: the 26th ended at 00:00 on the 27th (60 h ago) and goes;
     # the 27th ended 36 h ago and stays
     assert result == {"created": ["forecasts_20261130", "forecasts_20261201"],
-                      "dropped": ["forecasts_20261124", "forecasts_20261126"]}
+                      "dropped": ["forecasts_20261124", "forecasts_20261126"], "skipped": []}
     with models.connect() as conn:
         assert sorted(forecast_partitions(conn).values()) == [
             "forecasts_20261127", "forecasts_20261128", "forecasts_20261129", "forecasts_20261130",
@@ -144,7 +144,7 @@ def test_maintenance_drops_only_partitions_past_retention(models):
         assert latest_forecast(conn, model_id="llama").frame["point"].tolist() == [0.0] * 60
     assert [r[1] for r in rows(models)] == [NOW - timedelta(days=d) for d in (2, 1, 0)]
     again = maintain_forecast_partitions(models, now=NOW, days_ahead=2, retention_days=2)
-    assert again == {"created": [], "dropped": []}
+    assert again == {"created": [], "dropped": [], "skipped": []}
 
 
 def test_newest_runs_as_arrays_per_model_and_cut_to_a_window(models):

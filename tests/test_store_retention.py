@@ -367,7 +367,7 @@ def test_retention_job_runs_once_per_slot(engine, settings, now, store):
     _live(engine, now)
     first = run_once(engine, settings, spec, now=now)
     assert first["invocations"]["rolled_to_300s"] == 2  # DAY and NEXT are 9 and 8 days old
-    assert set(first["forecasts"]) == {"created", "dropped"}  # forecast partitions kept ahead and pruned
+    assert set(first["forecasts"]) == {"created", "dropped", "skipped"}  # forecast partitions kept ahead and pruned
     assert run_once(engine, settings, spec, now=now + timedelta(minutes=30)) is None  # same slot
     later = run_once(engine, settings, spec, now=now + timedelta(hours=1))
     assert later["invocations"]["rolled_to_300s"] == 0

@@ -22,6 +22,7 @@ dead rows behind to vacuum).
 
 from __future__ import annotations
 
+import logging
 import re
 import struct
 from collections.abc import Iterable, Iterator, Sequence
@@ -32,9 +33,13 @@ import numpy as np
 import pandas as pd
 from psycopg.copy import QueuedLibpqWriter
 from sqlalchemy import Connection, Engine, text
+from sqlalchemy.exc import DBAPIError
 
 from forecaster.contracts.forecast import REQUEST_RATE_COLUMN, quantile_column, quantile_levels
-from forecaster.store.partitions import create_partition_once
+from forecaster.store.partitions import (PARTITION_LOCK_TIMEOUT_S, create_partition_once, is_lock_timeout,
+                                         set_partition_lock_timeout)
+
+log = logging.getLogger(__name__)
 
 #: Partitions are named after the UTC day whose runs they hold.
 PARTITION_PATTERN = re.compile(r"^forecasts_(\d{8})$")
@@ -90,14 +95,30 @@ def _create_partition(engine: Engine, day: date) -> None:
                                           f"FOR VALUES FROM ('{lo.isoformat()}') TO ('{hi.isoformat()}')")
 
 
-def ensure_forecast_partitions(engine: Engine, days: Iterable[date]) -> list[str]:
-    """Create the partitions of ``days`` that are missing, each in its own short transaction; return those created."""
+def _skipped(what: str, name: str) -> None:
+    log.warning("forecast partition %s not %s: a long transaction holds forecasts for more than %.0f s "
+                "(PARTITION_LOCK_TIMEOUT_S); the next run tries again", name, what, PARTITION_LOCK_TIMEOUT_S)
+
+
+def ensure_forecast_partitions(engine: Engine, days: Iterable[date], *, skipped: list[str] | None = None) -> list[str]:
+    """Create the partitions of ``days`` that are missing, each in its own short transaction; return those created.
+
+    A day whose lock on ``forecasts`` is not had within the partition lock timeout raises a DBAPIError with
+    SQLSTATE 55P03 (a writer needs its partition); given a ``skipped`` list, it is logged and added there instead.
+    """
     with engine.connect() as conn:
         present = forecast_partitions(conn)
     created = []
     for day in sorted(set(days)):
         if day not in present:
-            _create_partition(engine, day)
+            try:
+                _create_partition(engine, day)
+            except DBAPIError as exc:
+                if skipped is None or not is_lock_timeout(exc):
+                    raise
+                _skipped("created", forecast_partition_name(day))
+                skipped.append(forecast_partition_name(day))
+                continue
             created.append(forecast_partition_name(day))
     return created
 
@@ -110,13 +131,20 @@ def maintain_forecast_partitions(engine: Engine, *, now: datetime, days_ahead: i
     00:00 on the 3rd, 58 hours ago; the 3rd stays until 00:00 on the 6th).
     Dropping whole partitions is the only deletion of forecasts.
 
+    Both need the exclusive lock on ``forecasts`` and would wait behind any open
+    reader while every later query queued behind them; each waits at most the
+    partition lock timeout, then the partition is logged, listed in ``skipped``
+    and left for the next run.
+
     Returns:
-        ``{"created": [names], "dropped": [names]}``.
+        ``{"created": [names], "dropped": [names], "skipped": [names]}``.
     """
     if retention_days < 1:
         raise ValueError(f"retention_days must be at least 1, got {retention_days}")
     today = now.astimezone(timezone.utc).date()
-    created = ensure_forecast_partitions(engine, (today + timedelta(days=i) for i in range(days_ahead + 1)))
+    skipped: list[str] = []
+    created = ensure_forecast_partitions(engine, (today + timedelta(days=i) for i in range(days_ahead + 1)),
+                                         skipped=skipped)
     oldest_kept_end = now - timedelta(days=retention_days)
     with engine.connect() as conn:
         present = forecast_partitions(conn)
@@ -124,10 +152,18 @@ def maintain_forecast_partitions(engine: Engine, *, now: datetime, days_ahead: i
     for day, name in sorted(present.items()):
         day_end = datetime(day.year, day.month, day.day, tzinfo=timezone.utc) + timedelta(days=1)
         if day_end < oldest_kept_end:
-            with engine.begin() as conn:
-                conn.execute(text(f'DROP TABLE IF EXISTS "{name}"'))
+            try:
+                with engine.begin() as conn:
+                    set_partition_lock_timeout(conn)
+                    conn.execute(text(f'DROP TABLE IF EXISTS "{name}"'))
+            except DBAPIError as exc:
+                if not is_lock_timeout(exc):
+                    raise
+                _skipped("dropped", name)
+                skipped.append(name)
+                continue
             dropped.append(name)
-    return {"created": created, "dropped": dropped}
+    return {"created": created, "dropped": dropped, "skipped": skipped}
 
 
 # --- writing -----------------------------------------------------------------------

@@ -8,9 +8,33 @@ coarser steps, and finally dropped, by :mod:`forecaster.store.retention`.
 
 from __future__ import annotations
 
+import logging
 from datetime import date, datetime, timedelta, timezone
 
 from sqlalchemy import Connection, Engine, text
+from sqlalchemy.exc import DBAPIError
+
+from forecaster.store.db import sqlstate_of
+
+log = logging.getLogger(__name__)
+
+#: How long creating or dropping a partition may wait for the exclusive lock on its parent table. The DDL needs
+#: that lock, so it waits behind any open reader of the table (a pg_dump, a session idle in transaction), and
+#: every later query of the table queues behind the DDL: without a limit the forecast, plan and ingest jobs all
+#: hung. After this long it gives up (SQLSTATE 55P03); maintenance skips the day and the next run tries again.
+PARTITION_LOCK_TIMEOUT_S = 3.0
+#: SQLSTATE of a lock wait that ran past ``lock_timeout``.
+LOCK_NOT_AVAILABLE = "55P03"
+
+
+def set_partition_lock_timeout(conn: Connection) -> None:
+    """Bound this transaction's waits for locks by :data:`PARTITION_LOCK_TIMEOUT_S`."""
+    conn.execute(text(f"SET LOCAL lock_timeout = '{max(1, int(PARTITION_LOCK_TIMEOUT_S * 1000))}ms'"))
+
+
+def is_lock_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` is a lock wait that ran past ``lock_timeout``."""
+    return isinstance(exc, DBAPIError) and sqlstate_of(exc) == LOCK_NOT_AVAILABLE
 
 
 def partition_name(day: date) -> str:
@@ -54,16 +78,23 @@ def create_partition_once(conn: Connection, name: str, ddl: str) -> None:
     lock on ``name``. ``IF NOT EXISTS`` alone is not safe between two sessions creating the same table at once: both
     find it missing and the second fails with ``42P07`` (relation exists) or a unique violation in the catalogue,
     which turned two concurrent pushes of one new day into a refused request. With the lock the second waits for
-    the first to commit, then finds the table."""
+    the first to commit, then finds the table.
+
+    The DDL waits at most :data:`PARTITION_LOCK_TIMEOUT_S` for the parent's lock, then raises a DBAPIError with
+    SQLSTATE 55P03 (:func:`is_lock_timeout`) and creates nothing."""
     conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended('prewarm.partition:' || :n, 0))"), {"n": name})
+    set_partition_lock_timeout(conn)
     conn.execute(text(ddl))
 
 
-def ensure_partitions(engine: Engine, start: datetime, end: datetime) -> list[str]:
+def ensure_partitions(engine: Engine, start: datetime, end: datetime, *, skip_locked: bool = False) -> list[str]:
     """Create the daily partitions covering ``[start, end)``; return the names created.
 
     Each partition is created in its own short transaction; an empty partition
     is harmless, so a batch that later fails leaves no partial data behind.
+    A day whose parent lock is not had within :data:`PARTITION_LOCK_TIMEOUT_S`
+    raises (a writer needs its partition), or with ``skip_locked`` is logged
+    and left for the next run (the maintenance job, which works days ahead).
     """
     if end <= start:
         return []
@@ -75,14 +106,22 @@ def ensure_partitions(engine: Engine, start: datetime, end: datetime) -> list[st
         if name in present:
             continue
         lo, hi = day_bounds(day)
-        with engine.begin() as conn:  # a concurrent ingest may be creating it too
-            create_partition_once(conn, name, f'CREATE TABLE IF NOT EXISTS "{name}" PARTITION OF invocations '
-                                              f"FOR VALUES FROM ('{lo.isoformat()}') TO ('{hi.isoformat()}')")
+        try:
+            with engine.begin() as conn:  # a concurrent ingest may be creating it too
+                create_partition_once(conn, name, f'CREATE TABLE IF NOT EXISTS "{name}" PARTITION OF invocations '
+                                                  f"FOR VALUES FROM ('{lo.isoformat()}') TO ('{hi.isoformat()}')")
+        except DBAPIError as exc:
+            if not (skip_locked and is_lock_timeout(exc)):
+                raise
+            log.warning("partition %s not created: a long transaction holds invocations for more than %.0f s "
+                        "(PARTITION_LOCK_TIMEOUT_S); the next run tries again", name, PARTITION_LOCK_TIMEOUT_S)
+            continue
         created.append(name)
     return created
 
 
 def maintain_partitions(engine: Engine, *, now: datetime, days_ahead: int) -> list[str]:
-    """Create partitions from today through ``days_ahead`` days ahead of ``now``."""
+    """Create partitions from today through ``days_ahead`` days ahead of ``now``; a day whose lock is not had in
+    time is skipped with a warning (see :data:`PARTITION_LOCK_TIMEOUT_S`) and tried again next run."""
     today = datetime(now.year, now.month, now.day, tzinfo=timezone.utc)
-    return ensure_partitions(engine, today, today + timedelta(days=days_ahead + 1))
+    return ensure_partitions(engine, today, today + timedelta(days=days_ahead + 1), skip_locked=True)
