@@ -351,3 +351,46 @@ def test_a_bad_pushed_peak_is_a_422_naming_row_and_field_and_nothing_is_written(
     with engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM invocations")).scalar() == 0
         assert conn.execute(text("SELECT burst_factor FROM serving_models WHERE id = 'llama'")).scalar() is None
+
+
+def _drop_the_day_after_ensure_partitions(monkeypatch) -> None:
+    """Retention drops the batch's day between ensure_partitions (which found or made it) and the write."""
+    from forecaster.store import invocations
+    from forecaster.store.retention import drop_day
+
+    real = invocations.ensure_partitions
+
+    def racing(engine, start, end, **kwargs):
+        created = real(engine, start, end, **kwargs)
+        drop_day(engine, start.astimezone(timezone.utc).date())
+        return created
+
+    monkeypatch.setattr(invocations, "ensure_partitions", racing)
+
+
+def test_a_day_dropped_under_a_push_is_created_again(client, tokens, engine, monkeypatch):
+    """The COPY used to fail with psycopg's CheckViolation ("no partition of relation invocations found for row"),
+    which no handler knew: a 500. The write creates a missing partition after taking its days' locks."""
+    put_model(client, tokens)
+    _drop_the_day_after_ensure_partitions(monkeypatch)
+    rows = [{"model_id": "llama", "minute": "2026-11-29T11:00:00Z", "count": 3}]
+    response = client.post("/v1/invocations", json={"rows": rows}, headers=auth(tokens["ingest"]))
+    assert response.status_code == 200, response.text
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT sum(count) FROM invocations")).scalar() == 3
+
+
+def test_a_database_error_inside_the_copy_is_answered_like_any_other(client, tokens, engine, monkeypatch):
+    """A psycopg error raised through the raw COPY cursor is a DBAPIError, so the API answers 503 naming the
+    SQLSTATE (not a 500), as for any statement."""
+    from forecaster.store import invocations
+
+    put_model(client, tokens)
+    _drop_the_day_after_ensure_partitions(monkeypatch)
+    monkeypatch.setattr(invocations, "create_missing_partitions", lambda conn, days: [], raising=False)
+    rows = [{"model_id": "llama", "minute": "2026-11-29T11:00:00Z", "count": 3}]
+    response = client.post("/v1/invocations", json={"rows": rows}, headers=auth(tokens["ingest"]))
+    assert response.status_code == 503, response.text
+    assert (response.json()["reason"], response.json()["sqlstate"]) == ("database_refused", "23514")
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM invocations")).scalar() == 0

@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from forecaster.settings import Settings
@@ -277,6 +277,25 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, OperationalError):
         return True
     return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
+
+
+@contextmanager
+def driver_errors(conn: Connection, statement: str) -> Iterator[None]:
+    """Raise the driver's errors from work on ``conn``'s raw psycopg connection (COPY, streamed reads) as
+    SQLAlchemy's :class:`~sqlalchemy.exc.DBAPIError`, as SQLAlchemy does for statements it runs itself.
+
+    :func:`run_with_retry` and the API's error handlers know DBAPIError only: a psycopg error raised through the
+    raw cursor (a partition missing under a COPY, a dropped connection) bypassed both and became a 500. A lost
+    connection is invalidated, so that the pool does not hand it out again.
+    """
+    try:
+        yield
+    except conn.dialect.loaded_dbapi.Error as exc:
+        lost = conn.dialect.is_disconnect(exc, conn.connection.dbapi_connection, None)
+        if lost:
+            conn.invalidate(exc)
+        raise DBAPIError.instance(statement, None, exc, conn.dialect.loaded_dbapi.Error,
+                                  connection_invalidated=lost, dialect=conn.dialect) from exc
 
 
 def run_with_retry(

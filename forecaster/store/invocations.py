@@ -32,7 +32,8 @@ from sqlalchemy import Connection, Engine, text
 
 from forecaster.contracts.batches import CountBatch, IngestError
 from forecaster.store.catalog import missing_model_ids, register_missing
-from forecaster.store.partitions import ensure_partitions
+from forecaster.store.db import driver_errors
+from forecaster.store.partitions import create_missing_partitions, ensure_partitions
 from forecaster.store.retention import lock_days_for_write, rolled_up_steps
 
 
@@ -88,7 +89,8 @@ def _copy_counts(conn: Connection, counts: pd.DataFrame) -> None:
     )
     out.to_csv(buffer, sep="\t", header=False, index=False)
     raw = conn.connection.driver_connection  # psycopg.Connection
-    with raw.cursor() as cur, cur.copy("COPY invocations (model_id, minute, count) FROM STDIN") as copy:
+    statement = "COPY invocations (model_id, minute, count) FROM STDIN"
+    with driver_errors(conn, statement), raw.cursor() as cur, cur.copy(statement) as copy:
         copy.write(buffer.getvalue())
 
 
@@ -151,12 +153,12 @@ def _touches_rollups(conn: Connection, batch: CountBatch) -> bool:
     return bool(_incompatible_rollups(conn, batch, _window_days(batch)))
 
 
-def _reject_finer_than_rollups(conn: Connection, batch: CountBatch) -> None:
+def _reject_finer_than_rollups(conn: Connection, batch: CountBatch) -> list[date]:
     """Refuse a batch whose step is not a whole multiple of the buckets a touched day was rolled up to (see
-    forecaster.store.retention): finer than them, or coarser but cutting them.
+    forecaster.store.retention): finer than them, or coarser but cutting them. Returns the days it locked.
 
-    Takes the days' shared locks first, so a roll-up of one of them either
-    finished before (and is seen here) or waits until this batch committed.
+    Takes the days' shared locks first, so a roll-up or drop of one of them
+    either finished before (and is seen here) or waits until this batch committed.
     """
     days = _window_days(batch)
     lock_days_for_write(conn, days)
@@ -173,6 +175,7 @@ def _reject_finer_than_rollups(conn: Connection, batch: CountBatch) -> None:
             field="ds",
             value=day.isoformat(),
         )
+    return days
 
 
 def _other_step_spill(conn: Connection, batch: CountBatch, arrays: dict[str, list]) -> tuple[set[str], list[tuple]]:
@@ -357,7 +360,9 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
         if previous is not None:
             conn.execute(text("DELETE FROM ingest_batches WHERE id = :id"), {"id": previous})
 
-        _reject_finer_than_rollups(conn, batch)
+        days = _reject_finer_than_rollups(conn, batch)
+        # a day dropped by retention since ensure_partitions looked is created again (its drop cannot come now)
+        create_missing_partitions(conn, days)
         _lock_models(conn, arrays["ids"])
         if register_models:
             register_missing(conn, arrays["ids"], labels={"registered_by": batch.source})
@@ -584,11 +589,13 @@ def read_grid(
     )
     if isinstance(engine, Connection):
         ranges = engine.execute(coverage_sql, params).all()
-        cells = _count_cells(engine, params)
+        with driver_errors(engine, "read invocations (raw cursor)"):
+            cells = _count_cells(engine, params)
     else:
         with engine.connect() as conn:
             ranges = conn.execute(coverage_sql, params).all()
-            cells = _count_cells(conn, params)
+            with driver_errors(conn, "read invocations (raw cursor)"):
+                cells = _count_cells(conn, params)
 
     # Fill a (model x step) grid: NaN unknown, 0 inside coverage, then the stored counts.
     position = {model_id: i for i, model_id in enumerate(ids)}

@@ -87,6 +87,34 @@ def create_partition_once(conn: Connection, name: str, ddl: str) -> None:
     conn.execute(text(ddl))
 
 
+def _partition_ddl(day: date) -> str:
+    lo, hi = day_bounds(day)
+    return (f'CREATE TABLE IF NOT EXISTS "{partition_name(day)}" PARTITION OF invocations '
+            f"FOR VALUES FROM ('{lo.isoformat()}') TO ('{hi.isoformat()}')")
+
+
+def create_missing_partitions(conn: Connection, days: list[date]) -> list[str]:
+    """Create, inside the caller's transaction, the partitions of ``days`` that do not exist; return their names.
+
+    A writer calls this after taking its days' shared locks
+    (:func:`forecaster.store.retention.lock_days_for_write`): a day that retention dropped after
+    :func:`ensure_partitions` found it is then created again instead of failing the COPY ("no partition of
+    relation invocations found for row"). Only in that race does it cost more than one catalogue query: the
+    DDL holds the parent's exclusive lock until the writer commits.
+    """
+    names = {partition_name(day): day for day in days}
+    missing = conn.execute(
+        text("SELECT n FROM unnest(CAST(:names AS text[])) AS n WHERE to_regclass(quote_ident(n)) IS NULL ORDER BY n"),
+        {"names": list(names)},
+    ).scalars().all()
+    if missing:
+        previous = conn.execute(text("SELECT current_setting('lock_timeout')")).scalar_one()
+        for name in missing:
+            create_partition_once(conn, name, _partition_ddl(names[name]))
+        conn.execute(text("SELECT set_config('lock_timeout', :v, true)"), {"v": previous})  # the caller's again
+    return list(missing)
+
+
 def ensure_partitions(engine: Engine, start: datetime, end: datetime, *, skip_locked: bool = False) -> list[str]:
     """Create the daily partitions covering ``[start, end)``; return the names created.
 
@@ -105,11 +133,9 @@ def ensure_partitions(engine: Engine, start: datetime, end: datetime, *, skip_lo
         name = partition_name(day)
         if name in present:
             continue
-        lo, hi = day_bounds(day)
         try:
             with engine.begin() as conn:  # a concurrent ingest may be creating it too
-                create_partition_once(conn, name, f'CREATE TABLE IF NOT EXISTS "{name}" PARTITION OF invocations '
-                                                  f"FOR VALUES FROM ('{lo.isoformat()}') TO ('{hi.isoformat()}')")
+                create_partition_once(conn, name, _partition_ddl(day))
         except DBAPIError as exc:
             if not (skip_locked and is_lock_timeout(exc)):
                 raise
