@@ -184,3 +184,14 @@ def test_five_minute_data_over_minutes_is_unknown_at_one_minute(registered, now)
     assert minutes[10:] == [10.0] * 5
     assert _read_ten(registered, "llama", 300) == [50.0, 50.0, 50.0]
     assert _total(registered) == 150
+
+
+def test_model_ids_with_backslashes_and_quotes_are_stored_under_their_own_ids(engine, now):
+    """COPY's text format reads a backslash as an escape and knows no CSV quotes: ``gpu\\x31``'s counts were
+    stored under ``gpu1`` (another model's), and ids with a quote were refused by the foreign key."""
+    ids = ["gpu1", "gpu\\x31", 'q"uote', "back\\\\slash", "\\N"]
+    rows = [(model_id, _minute(k), k + 1) for k, model_id in enumerate(ids)]
+    write_count_batch(engine, _batch(rows, now), register_models=True)
+    with engine.connect() as conn:
+        stored = dict(conn.execute(text("SELECT model_id, count FROM invocations")).all())
+    assert stored == {model_id: k + 1 for k, model_id in enumerate(ids)}

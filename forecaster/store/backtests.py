@@ -43,7 +43,8 @@ def store_result(engine: Engine, table: pd.DataFrame, summary: list[dict], *, pr
         table.to_csv(buffer, sep="\t", header=False, index=False, na_rep="\\N")
         raw = conn.connection.driver_connection
         with raw.cursor() as cur, cur.copy(
-            f"COPY backtest_results (run_id, {', '.join(RESULT_COLUMNS)}) FROM STDIN"
+            f"COPY backtest_results (run_id, {', '.join(RESULT_COLUMNS)}) FROM STDIN "
+            "(FORMAT csv, DELIMITER E'\\t', NULL '\\N')"  # CSV format: an id's backslash is not an escape
         ) as copy:
             copy.write(buffer.getvalue())
     return run_id

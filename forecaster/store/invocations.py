@@ -74,7 +74,10 @@ def batch_fingerprint(batch: CountBatch) -> str:
 
 
 def _copy_counts(conn: Connection, counts: pd.DataFrame) -> None:
-    """Stream counts into ``invocations`` with COPY (text format, tab-separated)."""
+    """Stream counts into ``invocations`` with COPY (CSV format, tab-separated).
+
+    CSV, not COPY's text format: pandas quotes a field CSV's way, and in text format a backslash is an escape, so
+    a model id holding ``\\`` or ``"`` was stored under another id (``gpu\\x31`` as ``gpu1``) or refused."""
     if counts.empty:
         return
     buffer = io.StringIO()
@@ -89,7 +92,7 @@ def _copy_counts(conn: Connection, counts: pd.DataFrame) -> None:
     )
     out.to_csv(buffer, sep="\t", header=False, index=False)
     raw = conn.connection.driver_connection  # psycopg.Connection
-    statement = "COPY invocations (model_id, minute, count) FROM STDIN"
+    statement = "COPY invocations (model_id, minute, count) FROM STDIN (FORMAT csv, DELIMITER E'\\t')"
     with driver_errors(conn, statement), raw.cursor() as cur, cur.copy(statement) as copy:
         copy.write(buffer.getvalue())
 
