@@ -547,3 +547,42 @@ def test_make_samples_reproduces_the_shipped_files(tmp_path):
     assert module.main([str(TRACES_DIR), "--out", str(tmp_path)]) == 0
     for name in SAMPLE_FILES:
         assert (tmp_path / name).read_bytes() == sample_path(name).read_bytes(), name
+
+
+# --------------------------------------------------------------------------- a trace split in parts, stored
+
+
+def _stored_total(engine) -> int:
+    from sqlalchemy import text
+
+    with engine.connect() as conn:
+        return int(conn.execute(text("SELECT coalesce(sum(count), 0) FROM invocations")).scalar())
+
+
+@pytest.mark.parametrize("name, split", [(AZURE2021_EXCERPT, 100), (MOONCAKE_HEAD, 1000)])
+def test_a_trace_split_in_two_files_keeps_both_parts_but_what_they_share(engine, settings, now, tmp_path, name,
+                                                                          split):
+    """Per-request traces covered every model from the trace's origin: the second part of a split file zeroed
+    the first part's minutes (Azure 2021: 115 of 199 invocations stored; Mooncake 1,000 of 2,000), with exit 0.
+    Each file now covers the minutes from its first request to its last; what the second replaces of the first
+    (the minutes they share) is named in a warning."""
+    from forecaster.ingest.service import ingest_trace_file
+
+    fmt = "azure2021" if name == AZURE2021_EXCERPT else "mooncake"
+    source = sample_path(name)
+    with (gzip.open(source, "rt") if source.suffix == ".gz" else open(source, newline="")) as fh:
+        lines = fh.readlines()
+    header, body = (lines[:1], lines[1:]) if fmt == "azure2021" else ([], lines)
+    parts = [write(tmp_path / f"part{k}.{'csv' if header else 'jsonl'}", "".join(header + chunk))
+             for k, chunk in enumerate((body[:split], body[split:]))]
+    results = [ingest_trace_file(engine, settings, part, now=now, fmt=fmt, register=True) for part in parts]
+    first, second = (read_trace(part, fmt=fmt) for part in parts)
+    covered = {u: (b, e) for u, b, e in second.windows[["unique_id", "start", "end"]].itertuples(index=False)}
+    replaced = sum(int(y) for u, d, y in first.raw[["unique_id", "ds", "y"]].itertuples(index=False)
+                   if u in covered and covered[u][0] <= d < covered[u][1])
+    total = int(read_trace(source).raw["y"].sum())
+    assert _stored_total(engine) == total - replaced and replaced < total // 10
+    assert not results[0].warnings
+    assert any("already stored, and replaced them" in w for w in results[1].warnings) == bool(replaced)
+
+

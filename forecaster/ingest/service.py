@@ -25,7 +25,7 @@ from forecaster.settings import Settings
 from forecaster.store.catalog import known_model_ids, set_burst_factors
 from forecaster.store.coldstarts import write_cold_starts
 from forecaster.store.db import run_with_retry
-from forecaster.store.invocations import WriteResult, coverage_ends, write_count_batch
+from forecaster.store.invocations import WriteResult, coverage_ends, covered_within, write_count_batch
 from forecaster.store.transfers import write_transfers
 
 log = logging.getLogger(__name__)
@@ -113,10 +113,14 @@ def ingest_trace_file(
     from forecaster.ingest.traces import read_trace
 
     trace = read_trace(Path(path), fmt=fmt, start=start, step_seconds=step_seconds, model_id=model_id)
+    overlap = [] if trace.windows is None else covered_within(engine, trace.windows, source=trace.source,
+                                                              step_seconds=trace.step_seconds)
     result = ingest_frame(
         engine, settings, trace.raw, source=trace.source, step_seconds=trace.step_seconds, now=now,
-        windows=trace.windows, register=register,
+        windows=trace.windows, register=register, report_zeroed=True,
     )
+    if overlap and not result.duplicate:
+        result = replace(result, warnings=result.warnings + (_overlap_warning(overlap, trace.source),))
     if not trace.burst_factors:
         return result
     # after the counts, so that a model the batch registered is in the catalogue; a run that fails here has
@@ -125,6 +129,18 @@ def ingest_trace_file(
                             attempts=settings.db_retry_attempts, base_delay_s=settings.db_retry_base_delay_s,
                             what=f"burst factors of {trace.source}")
     return replace(result, burst_factors_stored=stored)
+
+
+def _overlap_warning(overlap: list[tuple[str, datetime, datetime]], source: str) -> str:
+    """What a trace file replaced of what its source had stored: a file that continues another (a trace split in
+    parts) replaces the minutes they share with its own part of them."""
+    steps = sum(int((end - begin).total_seconds()) // 60 for _, begin, end in overlap)
+    model, begin, end = overlap[0]
+    models = len({m for m, _, _ in overlap})
+    more = f" and {models - 1} more models" if models > 1 else ""
+    return (f"this file covers {steps} model-minutes that {source} had already stored, and replaced them: model "
+            f"{model!r} from {begin.isoformat()} to {end.isoformat()}{more}. If it continues another file of the "
+            "same trace, the minute the two share now holds only this file's part of it: ingest a trace as one file")
 
 
 def _store_burst_factors(engine: Engine, factors: dict[str, float]) -> int:

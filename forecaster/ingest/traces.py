@@ -373,8 +373,8 @@ def _default_mooncake_model_id(path: Path) -> str:
 def _read_mooncake(path: Path, start: pd.Timestamp, model_id: str | None) -> RawTrace:
     """Mooncake JSONL: request at ``start + timestamp`` ms, counted per minute.
 
-    ``row`` is the file line number. The window runs from ``start`` (time 0 of
-    the trace) to the end of the minute of the last request. Blank lines are
+    ``row`` is the file line number. The window runs from the minute of the
+    file's first request to the end of the minute of its last. Blank lines are
     skipped; a line that is not a JSON object with a non-negative numeric
     ``timestamp`` is an IngestError naming that line.
     """
@@ -410,8 +410,8 @@ def _read_mooncake(path: Path, start: pd.Timestamp, model_id: str | None) -> Raw
     minute_ns = start.value + minutes * _MINUTE_NS
     raw = _bin_requests(np.full(len(lines), uid, dtype=object), minute_ns, np.asarray(lines, dtype="int64"), "timestamp")
     windows = None
-    if len(raw):
-        windows = _windows([uid], start, raw["ds"].max() + _MINUTE)
+    if len(raw):  # the minutes the file holds: a file that continues another must not cover (and zero) its minutes
+        windows = _windows([uid], raw["ds"].min(), raw["ds"].max() + _MINUTE)
     bursts = burst_factors(np.full(len(lines), uid, dtype=object),
                            start.value / 1e9 + np.asarray(offsets_ms, dtype="float64") / 1000.0)
     return RawTrace(raw, 60, windows, "trace:mooncake", bursts)
@@ -421,10 +421,10 @@ def _read_azure2021(path: Path, start: pd.Timestamp) -> RawTrace:
     """Azure Functions 2021: an invocation counts 1 in the minute it *started*.
 
     The start is ``end_timestamp - duration`` (both seconds from the trace
-    start). Every function gets the same window: from the trace origin (or the
-    minute of an invocation that began before it) to the end of the minute of
-    the last invocation start. A missing id, a non-numeric time or a negative
-    duration is an IngestError naming the row.
+    start). Every function gets the same window: from the minute of the file's
+    first invocation start to the end of the minute of its last (a file that
+    continues another covers only its own minutes). A missing id, a non-numeric
+    time or a negative duration is an IngestError naming the row.
     """
     frame = _read_csv(path, text_columns=("app", "func"))
     _require_columns(frame, ("func", "end_timestamp", "duration"), "azure2021")
@@ -437,9 +437,8 @@ def _read_azure2021(path: Path, start: pd.Timestamp) -> RawTrace:
     rows = np.arange(1, len(frame) + 1, dtype="int64")
     raw = _bin_requests(ids, minute_ns, rows, "end_timestamp")
     windows = None
-    if len(raw):
-        first_minute = min(start, raw["ds"].min())
-        windows = _windows(ids, first_minute, raw["ds"].max() + _MINUTE)
+    if len(raw):  # the minutes the file holds: a file that continues another must not cover (and zero) its minutes
+        windows = _windows(ids, raw["ds"].min(), raw["ds"].max() + _MINUTE)
     bursts = burst_factors(ids, start.value / 1e9 + end_s - duration_s)
     return RawTrace(raw, 60, windows, "trace:azure2021", bursts)
 

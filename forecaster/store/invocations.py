@@ -642,6 +642,26 @@ def coverage_ends(engine: Engine, model_ids: list[str], *, source: str, step_sec
     return {r[0]: r[1] for r in rows if r[1] is not None}
 
 
+def covered_within(engine: Engine, windows: pd.DataFrame, *, source: str, step_seconds: int
+                   ) -> list[tuple[str, datetime, datetime]]:
+    """The parts of ``windows`` (``unique_id, start, end``) that ``source`` already covers at ``step_seconds``:
+    ``(model, start, end)`` per covered range, what a batch of those windows would replace."""
+    if windows.empty:
+        return []
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text("SELECT w.model_id, lower(r), upper(r) FROM unnest(CAST(:ids AS text[]), "
+                 "CAST(:starts AS timestamptz[]), CAST(:ends AS timestamptz[])) AS w(model_id, s, e) "
+                 "JOIN coverage c ON c.model_id = w.model_id AND c.source = :src AND c.step_seconds = :step "
+                 "CROSS JOIN LATERAL unnest(c.ranges * tstzmultirange(tstzrange(w.s, w.e, '[)'))) AS r "
+                 "ORDER BY 1, 2"),
+            {"src": source, "step": step_seconds, "ids": windows["unique_id"].astype(str).tolist(),
+             "starts": [t.to_pydatetime() for t in windows["start"]],
+             "ends": [t.to_pydatetime() for t in windows["end"]]},
+        ).all()
+    return [(r[0], r[1], r[2]) for r in rows]
+
+
 def batch_window_models(engine: Engine, batch_id: int) -> tuple[datetime, datetime, list[str]]:
     """A batch's window and the models whose coverage overlaps it (what the batch spoke for)."""
     with engine.connect() as conn:
