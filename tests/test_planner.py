@@ -353,6 +353,42 @@ def test_scarce_gpus_go_to_the_most_wait_avoided_per_gpu_second():
     assert sum(peak[m] * fleet.models["gpus"][m] for m in peak) <= 3.0
 
 
+def test_a_busy_models_extra_replicas_do_not_outrank_other_models_first_ones():
+    """Three models certain to be called, one of them busy, and GPUs for fewer replicas than they want. Each
+    quieter model's first replica avoids a whole cold start; the busy model's 20th only serves the requests beyond
+    19 replicas' capacity. Valued at a whole cold start each, the busy model's replicas took the whole budget and
+    the plan released the others (a busy model at 3,000 rpm was granted 21 of 24 GPUs, the rest nothing)."""
+    models = [model(m, replica_rpm=120.0) for m in ("llama", "mistral", "busy")]
+    fleet = FleetState.build(models, nodes(3))
+    demand = {"llama": [(600.0, 1.0)] * 5, "mistral": [(120.0, 1.0)] * 5, "busy": [(3000.0, 1.0)] * 5}
+    result = plan(forecast(T0, demand), latency([m["model_id"] for m in models]), fleet,
+                  PlannerSettings(horizon_min=5, tiers=False), T0)
+    _, peak = _peak_gpus(result, fleet)
+    assert peak["llama"] >= 1 and peak["mistral"] >= 1 and peak["busy"] >= 1, peak
+    assert sum(peak.values()) <= 24 and result.summary["budget_denied_replicas"] > 0
+
+
+def test_a_runaway_forecast_is_not_offered_more_replicas_than_the_budget_holds():
+    """A forecast of 10^5 requests a minute for a replica of 0.06 a minute (both within what the store accepts)
+    wants 1.7 million replicas: the budget's share allocated a row per wanted replica (1.5 GB here; at 10^6 a
+    minute a MemoryError failed the plan of the whole fleet)."""
+    import tracemalloc
+
+    models = [model("runaway", replica_rpm=0.06), model("other")]
+    fleet = FleetState.build(models, nodes(1))
+    demand = {"runaway": [(1e5, 1.0)] * 5, "other": [(100.0, 1.0)] * 5}
+    tracemalloc.start()
+    try:
+        result = plan(forecast(T0, demand), latency(["runaway", "other"]), fleet,
+                      PlannerSettings(horizon_min=5, tiers=False), T0)
+        peak_bytes = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak_bytes < 100e6, peak_bytes
+    worst, _ = _peak_gpus(result, fleet)
+    assert worst <= 8
+
+
 @pytest.mark.parametrize("node_limit, registry_limit", [(1, 1), (1, 3), (2, 2)])
 def test_transfer_concurrency_never_exceeds_the_limits(node_limit, registry_limit):
     """Many models want their weights warm at once: pulls are staggered, never more than the limits."""

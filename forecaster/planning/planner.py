@@ -486,7 +486,8 @@ def plan(
         held = float((current * gpus).sum())
         free = float(fleet.nodes["gpus_free"].to_numpy(dtype="float64").sum())
         budget = held + free - settings.gpu_headroom * (held + free)
-    granted = _share_budget(fa, target, cap, c_cold, c_idle, gpus, budget)
+    c_u_start = cold_cost * np.maximum(d_start, 1e-9) / 2.0  # a request's wait cost with no capacity for it
+    granted = _share_budget(fa, target, cap, c_cold, c_u_start, c_idle, gpus, budget)
     budget_denied = int((target - granted).clip(min=0).sum())
     desired = np.minimum(desired, granted[:, None])
 
@@ -678,10 +679,19 @@ def _expected_idle_gpu_s(fa: ForecastArrays, held: np.ndarray, need_given_any: n
 
 
 def _share_budget(fa: ForecastArrays, target: np.ndarray, cap: np.ndarray, c_cold: np.ndarray,
-                  c_idle: np.ndarray, gpus: np.ndarray, budget: float) -> np.ndarray:
-    """Replicas granted per model: units (model, k-th replica) by expected wait avoided per GPU-second."""
+                  c_u: np.ndarray, c_idle: np.ndarray, gpus: np.ndarray, budget: float) -> np.ndarray:
+    """Replicas granted per model: units (model, k-th replica) by expected wait avoided per GPU-second.
+
+    A model's first replica avoids its cold start (``p_any x C_cold``); each further one serves the requests
+    beyond the capacity of those before it, at most a replica's capacity of them, each of which would otherwise
+    wait (``P(demand > (k - 1) capacity) x capacity x c_u``, the sizing's own marginal value). Valued at the
+    whole cold start like the first, every replica of a busy model outranked the first replica of every quieter
+    one, and a plan under a binding budget released the rest of the fleet for it. No model is offered more
+    replicas than the budget holds (a runaway forecast would otherwise allocate a row per wanted replica).
+    """
     if float((target * gpus).sum()) <= budget + 1e-9:
         return target.copy()
+    target = np.minimum(target, np.floor(max(budget, 0.0) / np.maximum(gpus, 1e-9) + 1e-9)).astype(np.int64)
     rows = np.repeat(np.arange(len(target)), target)
     k = np.concatenate([np.arange(1, t + 1) for t in target]) if len(rows) else np.zeros(0, dtype=np.int64)
     if not len(rows):
@@ -689,8 +699,9 @@ def _share_budget(fa: ForecastArrays, target: np.ndarray, cap: np.ndarray, c_col
     # P(the k-th replica is needed) at its most likely minute
     x = ((k - 1) * cap[rows])[:, None] * np.ones((1, fa.p_any.shape[1]))
     sub = ForecastArrays(levels=fa.levels, values=fa.values[rows], p_any=fa.p_any[rows], known=fa.known[rows])
-    need = np.where(k[:, None] == 1, fa.p_any[rows], sub.exceed(x))
-    value = (need * c_cold[rows]).max(axis=1) / np.maximum(c_idle[rows], 1e-12)
+    avoided = np.where(k[:, None] == 1, fa.p_any[rows] * c_cold[rows],
+                       sub.exceed(x) * (cap[rows] * c_u[rows])[:, None])
+    value = avoided.max(axis=1) / np.maximum(c_idle[rows], 1e-12)
     order = np.lexsort((k, -value))
     spent = np.cumsum(gpus[rows][order])
     take = order[spent <= budget + 1e-9]
