@@ -90,3 +90,37 @@ def test_the_cases_a_read_keyed_on_the_wrong_thing_would_lose(engine, stored_fle
     # c: the day-old pre-pull and the failed pre-load on n1 do not count
     assert states("c") == ["none", "host", "none"]
     assert fleet_from_store(engine, now=NOW, model_ids=["a"]).models.loc["a", "replicas"] == 2
+
+
+def test_a_cold_cost_label_stored_as_text_is_the_models_cold_cost(engine, settings, caplog):
+    """``PUT /v1/models`` stores labels as text: ``{"cold_cost": "50"}`` was read as no number, and every such
+    model planned with the default cost. A label that is no number is logged; one past the planner's bound makes
+    the model skipped and reported, never the whole plan fail (1e308 overflowed its arithmetic)."""
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from forecaster.store.tokens import create_token
+
+    admin = create_token(engine, name="fleet-admin", scopes=["admin"])
+    with TestClient(create_app(settings, engine=engine)) as client:
+        for model_id, value in (("vip", "50"), ("typo", "fifty"), ("huge", "1e308"), ("plain", None)):
+            labels = {} if value is None else {"cold_cost": value}
+            answer = client.put(f"/v1/models/{model_id}", json={"labels": labels},
+                                headers={"Authorization": f"Bearer {admin}"})
+            assert answer.status_code in (200, 201), answer.text
+    with caplog.at_level("WARNING", logger="forecaster.store.fleet"):
+        fleet = fleet_from_store(engine, now=NOW, default_cold_cost=2.0)
+    assert fleet.models.loc["vip", "cold_cost"] == 50.0
+    assert fleet.models.loc["typo", "cold_cost"] == fleet.models.loc["plain", "cold_cost"] == 2.0
+    assert "huge" in fleet.skipped and "cold_cost" in fleet.skipped["huge"]
+    assert "not a number" in caplog.text and "'typo'" in caplog.text
+
+
+def test_a_model_the_catalogue_accepts_is_not_skipped_for_its_sizes(engine):
+    from forecaster.store.fields import MAX_SIZE_BYTES
+
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id="big", image_ref="reg/big:1", image_size_bytes=MAX_SIZE_BYTES,
+                                              weights_uri="s3://w/big", weights_size_bytes=MAX_SIZE_BYTES)])
+    fleet = fleet_from_store(engine, now=NOW)
+    assert "big" not in fleet.skipped and "big" in fleet.models.index

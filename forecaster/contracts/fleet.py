@@ -100,8 +100,10 @@ ARTEFACT_COLUMNS = ("node_id", "kind", "ref", "tier")
 MODEL_DEFAULTS = {"image_ref": None, "image_bytes": 0.0, "weights_uri": None, "weights_bytes": 0.0, "gpus": 1.0,
                   "replica_rpm": 60.0, "cold_cost": 1.0, "slo_s": np.nan, "replicas": 0}
 #: bounds beyond which a catalogue value is a mistake, not a model (the model is skipped and reported)
-MAX_ARTEFACT_BYTES = 1e15  # a petabyte
+MAX_ARTEFACT_BYTES = 2.0**50  # what the catalogue accepts (forecaster.store.fields.MAX_SIZE_BYTES): a model it
+# stores is never skipped for its sizes
 MAX_GPUS_PER_REPLICA = 1e6
+MAX_COLD_COST = 1e9  # as PREWARM_PLANNER_COLD_COST: beyond it the planner's wait arithmetic overflows
 
 
 def _text(values: pd.Series) -> np.ndarray:
@@ -154,6 +156,8 @@ def build_fleet(models: pd.DataFrame, nodes: pd.DataFrame, artefacts: pd.DataFra
             bad |= values > MAX_ARTEFACT_BYTES
         if column == "gpus":
             bad |= values > MAX_GPUS_PER_REPLICA
+        if column == "cold_cost":
+            bad |= values > MAX_COLD_COST
         if column == "replica_rpm":
             bad |= values <= 0
         for position in np.flatnonzero(bad):

@@ -8,6 +8,7 @@ before an agent's next state report) nothing else says so and the planner would 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
@@ -16,6 +17,28 @@ import pandas as pd
 from sqlalchemy import Connection, text
 
 from forecaster.store.actions import NEWEST_FIRST, REPLICAS_AFTER, REPLICAS_SET
+
+log = logging.getLogger(__name__)
+
+
+def _label_numbers(ids: pd.Index, values: pd.Series, label: str) -> list[float]:
+    """A numeric label per model: a JSON number, or text holding one (``PUT /v1/models`` stores labels as text);
+    NaN (the setting's default) where absent. Text that is no number is logged, once per read, and left out."""
+    out, unreadable = [], []
+    for model_id, value in zip(ids, values):
+        number = np.nan
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif isinstance(value, str):
+            try:
+                number = float(value.strip())
+            except ValueError:
+                unreadable.append(model_id)
+        out.append(number)
+    if unreadable:
+        log.warning("label %s of %d models is not a number (e.g. model %r): the default applies", label,
+                    len(unreadable), unreadable[0])
+    return out
 
 
 def read_fleet_inputs(conn: Connection, *, now: datetime, model_ids: Sequence[str] | None = None
@@ -28,7 +51,8 @@ def read_fleet_inputs(conn: Connection, *, now: datetime, model_ids: Sequence[st
     A per-model answer (``GET /v1/models/{id}/cold-start``) then reads one catalogue row, not the fleet.
 
     ``models`` carries the raw catalogue values (the builder fills defaults and refuses unusable ones);
-    ``cold_cost`` comes from the model's label of that name when it is a number; ``burst_factor`` from the
+    ``cold_cost`` comes from the model's label of that name when it holds a number (JSON, or text as ``PUT
+    /v1/models`` stores labels); ``burst_factor`` from the
     catalogue (declared, or measured from an ingested per-request trace; missing: the builder's 1, even arrivals).
 
     The action history is read through two partial indexes (migration 0015): each model's newest succeeded scale
@@ -46,8 +70,7 @@ def read_fleet_inputs(conn: Connection, *, now: datetime, model_ids: Sequence[st
                                          "gpus", "replica_rps", "slo_s", "cold_cost", "burst_factor", "replicas"]).set_index("model_id")
     rps = pd.to_numeric(models.pop("replica_rps"), errors="coerce")
     models["replica_rpm"] = rps * 60.0
-    models["cold_cost"] = [float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else np.nan
-                           for v in models["cold_cost"]]
+    models["cold_cost"] = _label_numbers(models.index, models["cold_cost"], "cold_cost")
     nodes = pd.DataFrame([tuple(row) for row in conn.execute(text(
         "SELECT id, gpus_free, host_memory_free_bytes, disk_free_bytes FROM nodes ORDER BY id"))],
         columns=["node_id", "gpus_free", "host_free_bytes", "disk_free_bytes"]).set_index("node_id")
