@@ -195,3 +195,15 @@ def test_model_ids_with_backslashes_and_quotes_are_stored_under_their_own_ids(en
     with engine.connect() as conn:
         stored = dict(conn.execute(text("SELECT model_id, count FROM invocations")).all())
     assert stored == {model_id: k + 1 for k, model_id in enumerate(ids)}
+
+
+def test_more_new_models_than_one_statement_can_bind_are_registered(engine):
+    """22,000 unknown models at once (a generated fleet's trace with --register) exceeded the 65,535 parameters
+    one statement may bind; the error had no SQLSTATE and was retried and reported as the database being away."""
+    from forecaster.store.catalog import register_missing
+
+    ids = [f"m{k:05d}" for k in range(25_000)]
+    with engine.begin() as conn:
+        assert register_missing(conn, ids, labels={"registered_by": "test"}) == ids
+        assert register_missing(conn, ids[:10] + ["new"]) == ["new"]
+        assert conn.execute(text("SELECT count(*) FROM serving_models")).scalar() == 25_001

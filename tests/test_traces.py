@@ -586,3 +586,18 @@ def test_a_trace_split_in_two_files_keeps_both_parts_but_what_they_share(engine,
     assert any("already stored, and replaced them" in w for w in results[1].warnings) == bool(replaced)
 
 
+
+
+@pytest.mark.parametrize("fmt, text, row, field", [
+    ("mooncake", '{"timestamp": 0}\n{"timestamp": 1e308}\n', 2, "timestamp"),
+    ("azure2021", "app,func,end_timestamp,duration\na,f1,0.5,0.1\na,f1,1e308,1.0\n", 2, "end_timestamp"),
+    ("long", "unique_id,ds,y\nm,2024-01-01T00:00:00Z,1\nm,01/02/2024,1\n", 2, "ds"),
+    ("long", "unique_id,ds,y\nm,today,1\n", 1, "ds"),
+    ("huawei5min", "date,c1\n2016-07-01 00:00:00,1.0\n13/02/2016,2.0\n", 2, "date"),
+])
+def test_times_no_reader_can_place_are_refused_naming_the_row(tmp_path, fmt, text, row, field):
+    """An offset of 1e308 ms wrapped int64 and was counted at the trace's origin (exit 0); ``01/02/2024`` and
+    ``13/02/2024`` were read as two different formats, and ``today`` as the moment of the ingest."""
+    with pytest.raises(IngestError) as refused:
+        read_trace(write(tmp_path / ("t.jsonl" if fmt == "mooncake" else "t.csv"), text), fmt=fmt)
+    assert (refused.value.reason, refused.value.row, refused.value.field) == ("bad_timestamp", row, field)

@@ -57,6 +57,7 @@ import pandas as pd
 
 from forecaster.contracts.batches import COUNT_COLUMNS, IngestError
 from forecaster.contracts.bursts import burst_factors
+from forecaster.store.fields import ISO_8601, safe_value
 
 TRACE_FORMATS = ("azure2019", "huawei5min", "azure_llm2023", "mooncake", "azure2021", "long")
 
@@ -263,10 +264,36 @@ def _numeric_column(frame: pd.DataFrame, column: str) -> np.ndarray:
 
 
 def _timestamp_column(text: pd.Series, field: str, fmt: str) -> pd.Series:
-    """Times as UTC (a zone-less time is UTC), or IngestError naming the first row that is not a time."""
+    """Times as UTC (a zone-less time is UTC), or IngestError naming the first row that is not a time.
+
+    Text must be ISO 8601 (as in validation, :mod:`forecaster.ingest.validate`): under ``format="mixed"`` pandas
+    guesses each value's own format, so ``01/02/2024`` and ``13/02/2024`` became January 2 and February 13, and
+    ``today`` the moment of the ingest. Checked on the distinct values."""
+    if text.dtype == object or pd.api.types.is_string_dtype(text):
+        distinct = [v for v in pd.unique(text.dropna()) if isinstance(v, str)]
+        wrong = {v for v in distinct if not ISO_8601.fullmatch(v.strip())}
+        if wrong:
+            _refuse_first(text.isin(wrong).to_numpy(dtype=bool), text, "bad_timestamp",
+                          "{!r} is not an ISO 8601 time (such as 2024-01-02T00:00:00Z)", field)
     stamps = pd.to_datetime(text, utc=True, errors="coerce", format=fmt)
     _refuse_first(stamps.isna().to_numpy(), text, "bad_timestamp", "cannot read {!r} as a timestamp", field)
     return stamps
+
+
+#: Offsets from a trace's origin beyond this many minutes (a century) are refused: past about 1.5e11 minutes the
+#: cast to nanoseconds wrapped around int64, and a request at 1e308 ms was counted at the origin.
+MAX_OFFSET_MINUTES = 100 * 366 * 1440
+
+
+def _offset_minutes(minutes: np.ndarray, text: pd.Series) -> np.ndarray:
+    """Whole minutes after the origin (floored), or IngestError naming the first row ``MAX_OFFSET_MINUTES`` or
+    more away (``text``: the rows' values, indexed by row position)."""
+    far = ~(np.abs(minutes) < MAX_OFFSET_MINUTES)
+    if far.any():
+        first = int(np.flatnonzero(far)[0])
+        raise IngestError("bad_timestamp", f"{text.iloc[first]!r} is more than a century from the trace's origin",
+                          row=int(text.index[first]) + 1, field=str(text.name), value=safe_value(text.iloc[first]))
+    return np.floor(minutes).astype("int64")
 
 
 def _check_ids(frame: pd.DataFrame, column: str) -> np.ndarray:
@@ -406,7 +433,8 @@ def _read_mooncake(path: Path, start: pd.Timestamp, model_id: str | None) -> Raw
             offsets_ms.append(ms)
             lines.append(number)
     uid = model_id or _default_mooncake_model_id(path)
-    minutes = np.floor(np.asarray(offsets_ms, dtype="float64") / 60_000).astype("int64")
+    minutes = _offset_minutes(np.asarray(offsets_ms, dtype="float64") / 60_000,
+                              pd.Series(offsets_ms, index=np.asarray(lines) - 1, name="timestamp"))
     minute_ns = start.value + minutes * _MINUTE_NS
     raw = _bin_requests(np.full(len(lines), uid, dtype=object), minute_ns, np.asarray(lines, dtype="int64"), "timestamp")
     windows = None
@@ -432,7 +460,7 @@ def _read_azure2021(path: Path, start: pd.Timestamp) -> RawTrace:
     end_s = _numeric_column(frame, "end_timestamp")
     duration_s = _numeric_column(frame, "duration")
     _refuse_first(duration_s < 0, frame["duration"], "negative_duration", "duration is negative: {!r}")
-    minutes = np.floor((end_s - duration_s) / 60).astype("int64")
+    minutes = _offset_minutes((end_s - duration_s) / 60, frame["end_timestamp"])
     minute_ns = start.value + minutes * _MINUTE_NS
     rows = np.arange(1, len(frame) + 1, dtype="int64")
     raw = _bin_requests(ids, minute_ns, rows, "end_timestamp")

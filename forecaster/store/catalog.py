@@ -122,18 +122,25 @@ def advance_burst_factors(conn: Connection, model_ids: list[str], minute_starts:
     return set_burst_factors(conn, {i: float(f) for i, f, m in zip(ids, factors, moved) if m})
 
 
+#: Models one INSERT of :func:`register_missing` adds (a few bound parameters each, far under the protocol's limit).
+REGISTER_CHUNK = 5_000
+
+
 def register_missing(conn: Connection, model_ids: Iterable[str], *, labels: dict | None = None) -> list[str]:
     """Auto-register ids not yet in the catalogue (defaults for every spec field)."""
     ids = sorted(set(model_ids))
-    if not ids:
-        return []
-    stmt = (
-        insert(ServingModel)
-        .values([{"id": i, "labels": labels or {}} for i in ids])
-        .on_conflict_do_nothing(index_elements=["id"])
-        .returning(ServingModel.id)
-    )
-    return sorted(r[0] for r in conn.execute(stmt))
+    added: list[str] = []
+    # in chunks: a multi-row INSERT binds parameters per model, and PostgreSQL's protocol allows 65,535 in one
+    # statement (22,000 new models at once failed, and the error read as the database being away)
+    for first in range(0, len(ids), REGISTER_CHUNK):
+        stmt = (
+            insert(ServingModel)
+            .values([{"id": i, "labels": labels or {}} for i in ids[first:first + REGISTER_CHUNK]])
+            .on_conflict_do_nothing(index_elements=["id"])
+            .returning(ServingModel.id)
+        )
+        added += [r[0] for r in conn.execute(stmt)]
+    return sorted(added)
 
 
 def missing_model_ids(conn: Connection, model_ids: Iterable[str]) -> list[str]:
