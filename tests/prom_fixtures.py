@@ -199,3 +199,17 @@ def prom_server() -> Iterator[PromServer]:
         exporter.server_close()
         exporter_thread.join(timeout=5)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def past_now():
+    """A 'now' in the past: the source never asks Prometheus about minutes after the real clock."""
+    from datetime import datetime, timedelta, timezone
+
+    return datetime.now(timezone.utc).replace(second=0, microsecond=0) - timedelta(minutes=10)
+
+
+def ingest_settings(settings, prom_server: PromServer, **more):
+    """The test settings pointed at ``prom_server``: a 2-minute lag, 30 minutes of backfill, ``more`` on top."""
+    return settings.model_copy(update={"prometheus_url": prom_server.url, "prometheus_lag_s": 120,
+                                       "prometheus_backfill_minutes": 30, **more})

@@ -123,6 +123,20 @@ def store_forecast(engine, model_id: str, q90: float, issued_at: datetime = NOW 
     write_forecasts(engine, frame, issued_at=issued_at, model_version_id=None)
 
 
+def _note_hot_path(app) -> list[bool]:
+    """Records, per request, whether the app's hot path answered it (True) or left it to the route (False)."""
+    answered: list[bool] = []
+    answer = app.hot_path.answer
+
+    async def noting(scope, send):
+        done = await answer(scope, send)
+        answered.append(done)
+        return done
+
+    app.hot_path.answer = noting
+    return answered
+
+
 @pytest.fixture
 def served_app(engine, settings):
     """An app with a background refresher (so the hot path is on), a model with a forecast, and a read token."""
@@ -134,15 +148,7 @@ def served_app(engine, settings):
     store_forecast(engine, "llama", 150.0)
     app = create_app(settings.model_copy(update={"api_snapshot_refresh_s": 3600.0, "token_cache_s": 1.0}), engine,
                      clock=lambda: NOW)
-    answered: list[bool] = []
-    answer = app.hot_path.answer
-
-    async def noting(scope, send):
-        done = await answer(scope, send)
-        answered.append(done)
-        return done
-
-    app.hot_path.answer = noting
+    answered = _note_hot_path(app)
     with TestClient(app) as client:
         assert app.state.revocations.listening.wait(10)
         yield client, app, answered, read
@@ -181,15 +187,7 @@ def test_a_stale_forecast_answers_no_replicas_on_the_hot_path_and_the_route(engi
     clock = {"now": NOW + timedelta(minutes=1)}
     app = create_app(settings.model_copy(update={"api_snapshot_refresh_s": 3600.0}), engine,
                      clock=lambda: clock["now"])
-    answered: list[bool] = []
-    answer = app.hot_path.answer
-
-    async def noting(scope, send):
-        done = await answer(scope, send)
-        answered.append(done)
-        return done
-
-    app.hot_path.answer = noting
+    answered = _note_hot_path(app)
     with TestClient(app) as client:
         fresh = client.get("/v1/models/llama/recommendation", headers=auth(read)).json()
         assert fresh["reason"] == "forecast" and fresh["replicas_at_lead_time"] == 2  # 150/min at 120 a replica

@@ -54,13 +54,10 @@ def scaler_settings(settings):
     return settings.model_copy(update={"keda_stream_check_s": 0.05, "forecast_fresh_s": 7200.0})
 
 
-@pytest.fixture
-def stub(engine, scaler_settings, clock):
-    with engine.begin() as conn:  # 2 requests per second per replica = 120 per minute
-        upsert_models(conn, [ServingModelSpec(id="llama", image_ref="vllm/vllm-openai:v0.6", replica_rps=2.0),
-                             ServingModelSpec(id="unforecast", replica_rps=2.0)])
-    snapshot = ForecastSnapshot(engine, refresh_s=0, settings=scaler_settings, clock=clock)
-    server = KedaScalerServer(snapshot, scaler_settings, clock, host="127.0.0.1", port=0)
+def _served_stub(engine, settings, clock):
+    """A scaler on a free loopback port over a fresh snapshot of the store; its stub while the caller holds it."""
+    snapshot = ForecastSnapshot(engine, refresh_s=0, settings=settings, clock=clock)
+    server = KedaScalerServer(snapshot, settings, clock, host="127.0.0.1", port=0)
     port = server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
@@ -68,6 +65,14 @@ def stub(engine, scaler_settings, clock):
     finally:
         channel.close()
         server.stop()
+
+
+@pytest.fixture
+def stub(engine, scaler_settings, clock):
+    with engine.begin() as conn:  # 2 requests per second per replica = 120 per minute
+        upsert_models(conn, [ServingModelSpec(id="llama", image_ref="vllm/vllm-openai:v0.6", replica_rps=2.0),
+                             ServingModelSpec(id="unforecast", replica_rps=2.0)])
+    yield from _served_stub(engine, scaler_settings, clock)
 
 
 def store_run(engine, *, issued_at: datetime, q90: list[float], model_id: str = "llama") -> None:
@@ -204,15 +209,7 @@ def fresh_limit_stub(engine, settings, clock):
     assert fresh_settings.forecast_fresh_s == 180.0
     with engine.begin() as conn:
         upsert_models(conn, [ServingModelSpec(id="llama", replica_rps=2.0)])
-    snapshot = ForecastSnapshot(engine, refresh_s=0, settings=fresh_settings, clock=clock)
-    server = KedaScalerServer(snapshot, fresh_settings, clock, host="127.0.0.1", port=0)
-    port = server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield externalscaler_rpc.Stub(channel)
-    finally:
-        channel.close()
-        server.stop()
+    yield from _served_stub(engine, fresh_settings, clock)
 
 
 def test_a_stale_forecast_is_an_error_so_keda_falls_back(fresh_limit_stub, engine, clock):

@@ -20,6 +20,7 @@ from forecaster.ingest.service import ingest_prometheus
 from forecaster.store.catalog import ServingModelSpec, upsert_models
 from forecaster.store.invocations import read_counts
 from tests.prom_fixtures import SERIES_NAME
+from tests.prom_fixtures import ingest_settings as _settings
 
 
 def _after(minutes: int, ratio: float, prior: float = 1.0) -> float:
@@ -33,15 +34,6 @@ def _factors(engine) -> dict[str, float | None]:
         return dict(conn.execute(text("SELECT id, burst_factor FROM serving_models")).all())
 
 
-@pytest.fixture
-def past_now() -> datetime:
-    """A 'now' in the past: the source never asks Prometheus about minutes after the real clock."""
-    return datetime.now(timezone.utc).replace(second=0, microsecond=0) - timedelta(minutes=10)
-
-
-def _settings(settings, prom_server, **more):
-    return settings.model_copy(update={"prometheus_url": prom_server.url, "prometheus_lag_s": 120,
-                                       "prometheus_backfill_minutes": 30, **more})
 
 
 def test_each_new_minute_moves_the_factor_once(engine, settings, prom_server, past_now):

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import math
 import threading
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 
 import httpx
-import pytest
 
 from forecaster.ingest import service
 from forecaster.ingest.prometheus import PrometheusSource
@@ -20,18 +19,9 @@ from forecaster.ingest.service import PROMETHEUS_SOURCE, ingest_prometheus
 from forecaster.store.catalog import ServingModelSpec, upsert_models
 from forecaster.store.invocations import coverage_ends, read_counts
 from forecaster.store.retention import rollup_day
+from tests.prom_fixtures import ingest_settings as _settings
 
 LAG = timedelta(minutes=2)  # prometheus_lag_s below: a run at `now` reads up to now - LAG
-
-
-@pytest.fixture
-def past_now() -> datetime:
-    return datetime.now(timezone.utc).replace(second=0, microsecond=0) - timedelta(minutes=10)
-
-
-def _settings(settings, prom_server, **more):
-    return settings.model_copy(update={"prometheus_url": prom_server.url, "prometheus_lag_s": 120,
-                                       "prometheus_backfill_minutes": 30, **more})
 
 
 def _register(engine, queries: dict[str, str]) -> None:
