@@ -411,3 +411,16 @@ def test_band_is_the_central_one_when_the_sizing_levels_are_stored():
     assert series(["0.1", "0.5", "0.9", "0.95", "0.99"]).band == ("0.1", "0.9")  # not 0.1 .. 0.99
     assert series(["0.5", "0.99"]).band == ("0.5", "0.99")  # no mirrored pair: the widest
     assert series(["0.9"]).band is None
+
+
+def test_a_database_error_under_the_series_raw_cursor_is_answered_not_a_500(client, fleet_data, monkeypatch):
+    """The model page reads its forecasts through a raw psycopg cursor: an error there (a statement timeout, a
+    dropped connection) was a psycopg error the API's handlers did not know, so a 500. It is SQLAlchemy's now,
+    answered as any database error is."""
+    from forecaster.store import dashboard
+
+    monkeypatch.setattr(dashboard, "_SERIES_SQL", "SELECT 1 / (%(h)s - %(h)s)")
+    response = client.get("/v1/models/llama/series", params={"start": "2026-11-29T10:00:00Z",
+                                                               "end": "2026-11-29T11:00:00Z", "horizon": 5})
+    assert response.status_code == 422, response.text  # SQLSTATE class 22, as for any statement
+    assert response.json()["reason"] == "value_out_of_range" and "22012" in response.json()["detail"]

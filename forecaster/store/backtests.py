@@ -10,6 +10,8 @@ import numpy as np
 import pandas as pd
 from sqlalchemy import Engine, text
 
+from forecaster.store.db import driver_errors
+
 RESULT_COLUMNS = ["method", "unique_id", "h", "busy", "points", "mae", "mase", "wql", "coverage_q90",
                   "spike_recall", "spikes"]
 
@@ -42,7 +44,7 @@ def store_result(engine: Engine, table: pd.DataFrame, summary: list[dict], *, pr
         table.insert(0, "run_id", run_id)
         table.to_csv(buffer, sep="\t", header=False, index=False, na_rep="\\N")
         raw = conn.connection.driver_connection
-        with raw.cursor() as cur, cur.copy(
+        with driver_errors(conn, "COPY backtest_results"), raw.cursor() as cur, cur.copy(
             f"COPY backtest_results (run_id, {', '.join(RESULT_COLUMNS)}) FROM STDIN "
             "(FORMAT csv, DELIMITER E'\\t', NULL '\\N')"  # CSV format: an id's backslash is not an escape
         ) as copy:

@@ -32,6 +32,7 @@ from forecaster.store.coldstarts import recent_cold_start_seconds
 from forecaster.store.forecast_errors import HOUR, floor_hour, scored_hours
 from forecaster.store.invocations import read_counts
 from forecaster.store.replays import OUTCOME_COLUMNS
+from forecaster.store.db import driver_errors
 
 #: When an action happens on the timeline (planned start, else its last status change); indexed by 0003.
 ACTION_TIME_SQL = "coalesce(not_before, updated_at)"
@@ -230,7 +231,7 @@ def read_forecast_series(conn: Connection, *, model_id: str, start: datetime, en
     minutes = origin + 60.0 * np.arange(n)
     counts = read_counts(conn, [model_id], start, end)
     actual = counts["y"].to_numpy(dtype="float64")
-    with conn.connection.driver_connection.cursor(binary=True) as cur:
+    with driver_errors(conn, _SERIES_SQL), conn.connection.driver_connection.cursor(binary=True) as cur:
         cur.execute(_SERIES_SQL, {"m": model_id, "h": horizon_min, **_issued_bounds(start, end, horizon_min)})
         rows = cur.fetchall()
     point = np.full(n, np.nan)

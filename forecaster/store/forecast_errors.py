@@ -34,6 +34,7 @@ import numpy as np
 from sqlalchemy import Connection, Engine, text
 
 from forecaster.store.invocations import read_grid
+from forecaster.store.db import driver_errors
 
 HOUR = timedelta(hours=1)
 MINUTE = timedelta(minutes=1)
@@ -114,7 +115,9 @@ def _read_runs(conn: Connection, ids: list[str], lo: datetime, hi: datetime, hor
     dtype = _record_dtype(len(horizons_min))
     chunks = []
     raw = conn.connection.driver_connection
-    with raw.cursor() as cur, cur.copy(_runs_sql(horizons_min), {"ids": ids, "lo": lo, "hi": hi}) as copy:
+    statement = _runs_sql(horizons_min)
+    with driver_errors(conn, statement), raw.cursor() as cur, cur.copy(statement, {"ids": ids, "lo": lo,
+                                                                                   "hi": hi}) as copy:
         for block in copy:
             chunks.append(bytes(block))
     buf = b"".join(chunks)
@@ -248,9 +251,9 @@ def _write_sums(conn: Connection, hour: datetime, parts: list[ErrorSums]) -> tup
     """COPY the (model, horizon) cells with a scored minute; returns (rows, models)."""
     rows = models = 0
     raw = conn.connection.driver_connection
-    with raw.cursor() as cur, cur.copy("COPY forecast_errors (horizon_min, hour, model_id, scored_minutes, "
-                                       "abs_error, actual, forecast, p_any_minutes, p_any_sq_error, p_any_sum, "
-                                       "invoked_minutes) FROM STDIN") as copy:
+    statement = ("COPY forecast_errors (horizon_min, hour, model_id, scored_minutes, abs_error, actual, forecast, "
+                 "p_any_minutes, p_any_sq_error, p_any_sum, invoked_minutes) FROM STDIN")
+    with driver_errors(conn, statement), raw.cursor() as cur, cur.copy(statement) as copy:
         for part in parts:
             scored = part.scored_minutes > 0
             models += int(scored.any(axis=1).sum())

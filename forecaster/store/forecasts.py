@@ -36,6 +36,7 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
 
 from forecaster.contracts.forecast import REQUEST_RATE_COLUMN, quantile_column, quantile_levels
+from forecaster.store.db import driver_errors
 from forecaster.store.partitions import (PARTITION_LOCK_TIMEOUT_S, create_partition_once, is_lock_timeout,
                                          set_partition_lock_timeout)
 
@@ -448,9 +449,9 @@ def _store_runs(engine: Engine, runs: _Runs, *, issued_at: datetime, model_versi
             conn.execute(text("DELETE FROM forecasts WHERE issued_at = :t AND model_id = ANY(CAST(:ids AS text[]))"),
                          {"t": issued_at, "ids": runs.model_ids})
         cur = conn.connection.driver_connection.cursor()
+        statement = f"COPY forecasts ({', '.join(COPY_COLUMNS)}) FROM STDIN (FORMAT binary)"
         # A queued writer sends from its own thread: the server parses one block while numpy builds the next.
-        with cur, cur.copy(f"COPY forecasts ({', '.join(COPY_COLUMNS)}) FROM STDIN (FORMAT binary)",
-                           writer=QueuedLibpqWriter(cur)) as copy:
+        with driver_errors(conn, statement), cur, cur.copy(statement, writer=QueuedLibpqWriter(cur)) as copy:
             for block in _copy_blocks(runs, issued_at=issued_at, model_version_id=model_version_id):
                 copy.write(block)
     return int(runs.lengths.sum())
@@ -696,7 +697,7 @@ def read_newest_runs(conn: Connection, *, issued_after: datetime | None = None,
     query = f"COPY (SELECT {columns} FROM ({source}) AS runs) TO STDOUT (FORMAT binary)"
     chunks = []
     raw = conn.connection.driver_connection
-    with raw.cursor() as cur, cur.copy(query, params or None) as copy:
+    with driver_errors(conn, query), raw.cursor() as cur, cur.copy(query, params or None) as copy:
         for block in copy:
             chunks.append(bytes(block))
     return _parse_runs(b"".join(chunks), with_p_any=with_p_any, with_request_rate=with_request_rate)
