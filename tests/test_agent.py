@@ -505,7 +505,7 @@ def test_space_a_download_has_allocated_is_not_counted_twice(tmp_path):
     mib = 1 << 20
     cache = WeightsCache(tmp_path / "cache", reserve_bytes=0)
     for name in ("warm-1", "warm-2"):
-        _cache_entry(cache, f"s3://b/{name}", 8 * mib)
+        _cache_entry(cache, f"s3://b/{name}", 32 * mib)
     cache.reserve("s3://b/big", 48 * mib)  # the large download in flight, its blocks allocated
     staging = cache.staging_dir("s3://b/big")
     fd = os.open(staging / "data", os.O_RDWR | os.O_CREAT)
@@ -516,12 +516,14 @@ def test_space_a_download_has_allocated_is_not_counted_twice(tmp_path):
         def leave_free(n: int) -> None:  # a small disk: only n bytes free beyond the cache's reserve
             cache.reserve_bytes = shutil.disk_usage(cache.root).free - n
 
-        leave_free(24 * mib)
+        # 16 MiB of slack either way in each step: other processes writing the same disk cannot flip the outcome
+        leave_free(40 * mib)  # counted twice, 40 - 48 MiB: both warm entries evicted, still short
         cache.reserve("s3://b/second", 16 * mib)
         assert cache.last_evicted == [] and len(cache.entries()) == 2
-        # "second" has not allocated yet: its 16 MiB are still owed, so a third needs one warm entry evicted.
-        leave_free(24 * mib)
-        cache.reserve("s3://b/third", 16 * mib)
+        # "second" has not allocated yet: its 16 MiB are still owed (24 left), so a third of 40 needs one warm
+        # entry evicted (32 more: 56), not two.
+        leave_free(40 * mib)
+        cache.reserve("s3://b/third", 40 * mib)
         assert cache.last_evicted == ["s3://b/warm-1"]
     finally:
         os.close(fd)
