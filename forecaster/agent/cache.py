@@ -27,6 +27,7 @@ from pathlib import Path
 
 from forecaster.agent.errors import AgentError
 from forecaster.contracts.actions import FailureReason
+from forecaster.store.files import fsync_path
 
 
 def entry_key(uri: str) -> str:
@@ -43,14 +44,6 @@ class CacheEntry:
     fetched_at: str
     last_used: float  # Unix seconds
     etag: str | None = None  # the object's ETag when fetched (None: cached before the agent kept it)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def pids_using(paths: set[str], *, exclude_pid: int | None = None) -> dict[str, list[int]]:
@@ -203,19 +196,15 @@ class WeightsCache:
         (staging / "meta.json").write_text(json.dumps({"uri": uri, "size_bytes": size, "sha256": sha256,
                                                        "fetched_at": fetched_at, "etag": etag}))
         for name in ("data", "meta.json"):
-            fd = os.open(staging / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(staging)
+            fsync_path(staging / name)
+        fsync_path(staging)
         key = entry_key(uri)
         target = self.weights_dir / key
         with self._lock:
             if target.exists():  # replaced (a DELETE and a new pre-load raced): the new bytes win
                 shutil.rmtree(target)
             os.rename(staging, target)
-            _fsync_dir(self.weights_dir)
+            fsync_path(self.weights_dir)
         entry = self._load(key)
         assert entry is not None
         return entry

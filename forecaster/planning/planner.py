@@ -428,7 +428,7 @@ def plan(
         c_cold = np.broadcast_to(cost[:, None] * _wait_seconds(d[:, None], rate, settings.count_queued_wait),
                                  (n, h_count)).copy()
         warm = fa.p_any * c_cold >= (1.0 - fa.p_any) * c_idle[:, None]
-        c_u = cost * np.maximum(d, 1e-9) / 2.0
+        c_u = _queued_wait_cost(cost, d)
         c_o = c_idle / cap
         level = c_u / (c_u + c_o)
         size = np.ceil(np.maximum(fa.quantile(level, tail_from=settings.quantile_for_shape), 0.0) / cap[:, None]
@@ -486,7 +486,7 @@ def plan(
         held = float((current * gpus).sum())
         free = float(fleet.nodes["gpus_free"].to_numpy(dtype="float64").sum())
         budget = held + free - settings.gpu_headroom * (held + free)
-    c_u_start = cold_cost * np.maximum(d_start, 1e-9) / 2.0  # a request's wait cost with no capacity for it
+    c_u_start = _queued_wait_cost(cold_cost, d_start)
     granted = _share_budget(fa, target, cap, c_cold, c_u_start, c_idle, gpus, budget)
     budget_denied = int((target - granted).clip(min=0).sum())
     desired = np.minimum(desired, granted[:, None])
@@ -676,6 +676,12 @@ def _expected_idle_gpu_s(fa: ForecastArrays, held: np.ndarray, need_given_any: n
     used = fa.p_any[:, 0] * np.minimum(need_given_any, held[:, None]).mean(axis=1)
     idle = np.where(fa.known, np.maximum(held - used, 0.0), held)
     return float((idle * gpus).sum() * 60.0)
+
+
+def _queued_wait_cost(cold_cost: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """``c_u``: the wait cost of one request that finds no capacity while a replica starts in ``d`` seconds (it
+    waits ``d / 2`` on average), what the sizing and the budget's share both weigh a replica's capacity by."""
+    return cold_cost * np.maximum(d, 1e-9) / 2.0
 
 
 def _share_budget(fa: ForecastArrays, target: np.ndarray, cap: np.ndarray, c_cold: np.ndarray,
