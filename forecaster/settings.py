@@ -191,8 +191,18 @@ class Settings(BaseSettings):
 
     # --- Prometheus -----------------------------------------------------
     prometheus_url: str | None = None
+    #: forecaster.ingest.prometheus.DEFAULT_QUERY_TEMPLATE (exact_count_query of vLLM's request counter), written out
+    #: because settings sit below the ingest layer; a test keeps the two equal.
     prometheus_query_template: str = (
-        'sum(increase(vllm:request_success_total{{model_name="{model_id}"}}[1m]))'
+        'sum((last_over_time(vllm:request_success_total{{model_name="{model_id}"}}[1m]) - last_over_time('
+        'vllm:request_success_total{{model_name="{model_id}"}}[1m] offset 1m)) >= 0 or ((last_over_time('
+        'vllm:request_success_total{{model_name="{model_id}"}}[1m]) + clamp_min(max_over_time('
+        'vllm:request_success_total{{model_name="{model_id}"}}[1m]) - last_over_time('
+        'vllm:request_success_total{{model_name="{model_id}"}}[1m] offset 1m), 0)) and last_over_time('
+        'vllm:request_success_total{{model_name="{model_id}"}}[1m] offset 1m)) or ((last_over_time('
+        'vllm:request_success_total{{model_name="{model_id}"}}[1m]) - min_over_time('
+        'vllm:request_success_total{{model_name="{model_id}"}}[1m])) unless last_over_time('
+        'vllm:request_success_total{{model_name="{model_id}"}}[1m] offset 1m)))'
     )
     prometheus_burst_query_template: str | None = Field(
         default=None,

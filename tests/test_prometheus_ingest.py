@@ -17,6 +17,7 @@ of increments scraped in ``(t - step, t]``, and telescopes over a range.
 from __future__ import annotations
 
 import math
+import random
 import socket
 import threading
 import time
@@ -32,8 +33,10 @@ from forecaster.ingest.prometheus import (
     PrometheusSource,
     PrometheusUnavailable,
     escape_promql_string,
+    exact_count_query,
 )
 from forecaster.ingest.validate import build_count_batch
+from forecaster.settings import Settings
 from tests.prom_fixtures import SERIES_NAME
 
 STEP = 2  # seconds, for live data
@@ -146,6 +149,56 @@ def test_live_counts_feed_build_count_batch_and_refetch_is_identical(prom_server
     assert batch.model_ids == ["m-count"]
 
 
+def test_the_default_query_counts_every_increment_once_across_resets_new_and_gone_series(prom_server):
+    """The default query's form (:func:`exact_count_query`, here with the test's 2 s step and 1 s scrapes):
+    single requests at random phases, so that some are scraped across a step boundary, where ``increase()`` loses
+    or extrapolates them; a restart (the counter falls to 0) in the middle; a pod that appears, and one that goes
+    away right after its last scrape."""
+    counter = prom_server.counter
+    sparse, new, gone = "exact-sparse", "exact-new", "exact-gone"
+    counter.labels(model_name=sparse).inc(0)
+    counter.labels(model_name=gone).inc(0)
+    prom_server.wait_for_value(sparse, 0)
+    prom_server.wait_for_value(gone, 0)
+    start = _ceil(time.time()) + STEP
+    _wait_until(start + 0.05)
+    rng = random.Random(11)
+    sent = 0
+    for i in range(10):
+        time.sleep(rng.uniform(0.3, 1.7))
+        counter.labels(model_name=sparse).inc()
+        sent += 1
+        if i == 2:
+            counter.labels(model_name=new).inc(0)  # a new pod: its first scrape holds 0
+        if i == 4:
+            counter.labels(model_name=new).inc(2)
+            counter.labels(model_name=gone).inc(3)
+            prom_server.wait_for_value(gone, 3)
+            counter.remove(gone)  # its pod goes away: Prometheus marks the series stale
+        if i == 6:
+            prom_server.wait_for_value(sparse, float(i + 1))
+            counter.remove(sparse)  # a restart: the same series starts again at 0 ...
+            counter.labels(model_name=sparse).inc(0)
+            prom_server.wait_for_value(sparse, 0)  # ... after one scrape showed the request before it
+    prom_server.wait_for_value(sparse, float(sent - 7))
+    end = _ceil(time.time()) + STEP
+    _wait_until(end + 0.05)
+
+    template = exact_count_query(f'{SERIES_NAME}{{{{model_name="{{model_id}}"}}}}', f"{STEP}s")
+    with PrometheusSource(prom_server.url, template, step_seconds=STEP) as source:
+        raw, windows = source.fetch([sparse, new, gone], _ts(start), _ts(end))
+    totals = raw.groupby("unique_id")["y"].sum().to_dict()
+    assert totals == {sparse: sent, new: 2, gone: 3}
+    assert set(raw["y"]) <= {0, 1, 2, 3}  # counts, not extrapolations
+    sparse_window = windows.set_index("unique_id").loc[sparse]
+    assert (sparse_window["start"], sparse_window["end"]) == (_ts(start), _ts(end))
+
+
+def test_the_default_query_is_the_settings_default():
+    assert Settings().prometheus_query_template == DEFAULT_QUERY_TEMPLATE
+    assert DEFAULT_QUERY_TEMPLATE == exact_count_query('vllm:request_success_total{{model_name="{model_id}"}}')
+
+
 def test_model_without_series_has_no_window(prom_server, live):
     end = _latest_step_end(live)
     with PrometheusSource(prom_server.url, VALUE_TEMPLATE, step_seconds=STEP) as source:
@@ -188,9 +241,8 @@ def test_model_ids_with_quotes_are_escaped(prom_server, live):
 
 def test_escape_promql_string():
     assert escape_promql_string('a"b\\c\nd\x01') == 'a\\"b\\\\c\\nd\\x01'
-    assert DEFAULT_QUERY_TEMPLATE.format(model_id=escape_promql_string('m"1')) == (
-        'sum(increase(vllm:request_success_total{model_name="m\\"1"}[1m]))'
-    )
+    filled = DEFAULT_QUERY_TEMPLATE.format(model_id=escape_promql_string('m"1'))
+    assert 'vllm:request_success_total{model_name="m\\"1"}[1m]' in filled and "{{" not in filled
 
 
 # --- errors -----------------------------------------------------------------------

@@ -17,9 +17,10 @@ therefore recorded for the step starting at ``t - step``; to cover
 ``[start, end)`` the source evaluates at ``start + step, ..., end``.
 
 Values are rounded to the nearest integer (halves to even) and negative values
-are clipped to 0: ``increase()`` extrapolates to the edges of its window, so
-``sum(increase(c[1m]))`` is rarely a whole number (and ``delta()`` of a counter
-that was reset can be negative). NaN and infinite values are not rounded away:
+are clipped to 0, for templates and overrides that are not exact counts:
+``increase()`` extrapolates to the edges of its window, so ``sum(increase(c[1m]))``
+is rarely a whole number (and ``delta()`` of a counter that was reset can be
+negative). The default query counts exactly (:func:`exact_count_query`). NaN and infinite values are not rounded away:
 they raise :class:`PrometheusQueryError`.
 
 Coverage is honest: a step for which Prometheus returned no sample (scrape
@@ -54,12 +55,54 @@ __all__ = [
     "PrometheusSource",
     "PrometheusUnavailable",
     "escape_promql_string",
+    "exact_count_query",
 ]
 
-#: Requests of a vLLM model in the minute ending at the evaluation time. Literal
-#: braces of the PromQL label matcher are doubled because the template is
-#: filled with :meth:`str.format`; ``{model_id}`` is the placeholder.
-DEFAULT_QUERY_TEMPLATE = 'sum(increase(vllm:request_success_total{{model_name="{model_id}"}}[1m]))'
+def exact_count_query(counter: str, window: str = "1m") -> str:
+    """PromQL counting, at ``t``, the increments of ``counter`` scraped in the window before ``t``: exactly.
+
+    ``sum(increase(c[1m]))`` is not a count. It sees only the rise between samples inside one window, so what a
+    counter rose between the last scrape of one minute and the first of the next falls in neither minute, and it
+    extrapolates the rest to the window's edges (by about ``60 / (60 - scrape interval)``). For a busy model the two
+    errors cancel on average; for a model with one request in a minute, rounding undoes the extrapolation, and a
+    request scraped across a minute boundary is lost: with a 15 s scrape a quarter of a sparse model's requests,
+    exactly the minutes whose ``p_any`` the planner needs.
+
+    Per series this takes the last sample of the window (``L1``) minus the last sample of the window before
+    (``L0``): the windows tile time, so the minutes add up to the counter's rise, every increment counted once, in
+    the window of the scrape that first showed it. Three cases:
+
+    * the series has a sample in both windows and did not fall: ``L1 - L0``;
+    * it fell (the process restarted, the counter started again at 0): ``L1`` plus what it rose above ``L0``
+      before the restart (``max_over_time - L0``, when positive);
+    * it has no sample in the window before (a new pod, or the first minute after a scrape gap): its rise inside
+      this window, ``L1 - min_over_time``. What a new series already held at its first scrape is not counted,
+      because a series back from a long scrape gap looks the same and would count its whole lifetime.
+
+    A series without a sample in the window gives nothing; a model none of whose series has one gives no sample,
+    so the minute stays unknown (never 0), as with ``increase()``.
+
+    Args:
+        counter: the counter's selector as a template: literal braces doubled, ``{model_id}`` placeholder
+            (``vllm:request_success_total{{model_name="{model_id}"}}``). Also works filled in.
+        window: the step as a PromQL duration (``1m`` for the 60 s step).
+    """
+    last = f"last_over_time({counter}[{window}])"
+    before = f"last_over_time({counter}[{window}] offset {window})"
+    peak = f"max_over_time({counter}[{window}])"
+    first = f"min_over_time({counter}[{window}])"
+    return (
+        f"sum(({last} - {before}) >= 0"
+        f" or (({last} + clamp_min({peak} - {before}, 0)) and {before})"
+        f" or (({last} - {first}) unless {before}))"
+    )
+
+
+#: Requests of a vLLM model in the minute ending at the evaluation time, counted exactly
+#: (:func:`exact_count_query`). Literal braces of the PromQL label matcher are doubled because the template is
+#: filled with :meth:`str.format`; ``{model_id}`` is the placeholder. ``forecaster.settings`` repeats it as the
+#: default of ``PREWARM_PROMETHEUS_QUERY_TEMPLATE`` (settings sit below this module).
+DEFAULT_QUERY_TEMPLATE = exact_count_query('vllm:request_success_total{{model_name="{model_id}"}}')
 
 #: An example for ``PREWARM_PROMETHEUS_BURST_QUERY_TEMPLATE``: at ``t``, the most requests of any 10-second
 #: bucket of the minute before ``t`` (the burst factor's peak, :mod:`forecaster.contracts.bursts`). It needs a
