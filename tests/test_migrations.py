@@ -13,7 +13,7 @@ EXPECTED_TABLES = {
     "serving_models", "invocations", "coverage", "ingest_batches", "cold_starts", "nodes", "node_cache",
     "model_versions", "forecasts", "plans", "actions", "job_runs", "apscheduler_jobs", "api_tokens",
     "actuator_control", "backtest_runs", "backtest_results", "rollups", "transfers", "replays", "replay_outcomes",
-    "forecast_errors", "forecast_error_hours", "model_ahead_gpus", "action_counts",
+    "forecast_errors", "forecast_error_hours", "model_ahead_gpus", "action_counts", "source_cursors",
 }
 HEAD = sorted(p.name.split("_")[0] for p in (Path(__file__).resolve().parent.parent / "migrations" / "versions")
               .glob("[0-9]*_*.py"))[-1]

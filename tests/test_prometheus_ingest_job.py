@@ -184,3 +184,52 @@ def test_a_models_bad_query_costs_that_model_only(engine, settings, prom_server,
     third = ingest_prometheus(engine, settings, now=past_now)
     assert third["rows_written"] == 20 and list(third["query_errors"]) == ["b-exec"]
     assert _marks(engine, ids)["a-bad"] == end
+
+
+def test_a_model_without_samples_is_not_asked_again_for_minutes_a_run_found_empty(engine, settings, prom_server,
+                                                                                 past_now):
+    """``idle`` was served until its watermark, then scaled to zero (no series, no sample). A run six hours later
+    asks for those six hours once and finds nothing; the next run asks only for the minutes since (before,
+    every run asked again from the watermark, up to 15 days: three 10,000-step queries per idle model per run).
+    When the model is served again, its minutes are read from the first sample on; a model whose query failed
+    keeps asking from its watermark."""
+    settings = _settings(settings, prom_server)
+    served_until = past_now - timedelta(hours=6)
+    back = past_now - timedelta(minutes=10)
+    gated = (f"vector(3) and on() (vector(time()) <= {_epoch(served_until - LAG)} "
+             f"or vector(time()) > {_epoch(back - LAG)})")
+    _register(engine, {"idle": gated, "broken": gated})
+    ingest_prometheus(engine, settings, now=served_until)
+    mark = served_until - LAG
+    assert _marks(engine, ["idle", "broken"]) == {"idle": mark, "broken": mark}
+    _register(engine, {"broken": "vector(3"})  # its label gets a PromQL syntax error
+
+    asked: list[tuple[str, int, int]] = []
+
+    def record(request: httpx.Request) -> None:
+        params = request.url.params
+        asked.append((params["query"], int(params["start"]), int(params["end"])))
+
+    quiet = back - timedelta(minutes=30)
+    with httpx.Client(event_hooks={"request": [record]}) as client:
+        source = PrometheusSource(prom_server.url, client=client)
+        first = ingest_prometheus(engine, settings, now=quiet, source=source)
+        assert first["rows_written"] == 0 and list(first["query_errors"]) == ["broken"]
+        idle_asks = [(s, e) for q, s, e in asked if q == gated]
+        assert min(s for s, _ in idle_asks) == _epoch(mark) + 60  # from the watermark: ~6 hours, asked once
+        assert _marks(engine, ["idle"]) == {"idle": mark}  # nothing sampled: the coverage stays
+
+        asked.clear()
+        second = ingest_prometheus(engine, settings, now=quiet + timedelta(minutes=5), source=source)
+        assert second["rows_written"] == 0
+        idle_asks = [(s, e) for q, s, e in asked if q == gated]
+        assert idle_asks == [(_epoch(quiet - LAG) + 60, _epoch(quiet - LAG + timedelta(minutes=5)))]
+        assert min(s for q, s, _ in asked if q == "vector(3") == _epoch(mark) + 60  # failed: asked again
+
+        served = ingest_prometheus(engine, settings, now=past_now, source=source)
+    end = past_now - LAG
+    assert served["rows_written"] == 10 and served["invocations"] == 30
+    assert _marks(engine, ["idle"]) == {"idle": end}
+    stored = _counts(engine, "idle", mark, end)
+    assert stored[0] != stored[0]  # the empty hours stay unknown, never zero
+    assert {k: v for k, v in stored.items() if v == v} == {k: 3.0 for k in range(len(stored) - 10, len(stored))}

@@ -25,7 +25,8 @@ from forecaster.settings import Settings
 from forecaster.store.catalog import known_model_ids, set_burst_factors
 from forecaster.store.coldstarts import write_cold_starts
 from forecaster.store.db import run_with_retry
-from forecaster.store.invocations import WriteResult, coverage_ends, covered_within, write_count_batch
+from forecaster.store.invocations import WriteResult, asked_through, coverage_ends, covered_within, \
+    record_asked_through, write_count_batch
 from forecaster.store.transfers import write_transfers
 
 log = logging.getLogger(__name__)
@@ -476,14 +477,19 @@ def _prometheus_starts(engine: Engine, settings: Settings, model_ids: list[str],
     neither before :func:`_catch_up_floor`. Minutes of a watermark older than the floor are given up; those
     after the newest watermark of all models were never asked for by an earlier run (prewarm was down), and are
     counted in ``summary`` and logged. A model idle for weeks has an old watermark too, but the runs since asked
-    for its minutes and found no sample: they are not counted again every run."""
+    for its minutes and found no sample: it resumes where the last run that found nothing stopped
+    (:func:`~forecaster.store.invocations.asked_through`), so its minutes are neither asked nor counted again
+    every run."""
     floor = _catch_up_floor(engine, settings, end)
     backfill_start = end - timedelta(minutes=settings.prometheus_backfill_minutes)
     marks = {m: t.astimezone(timezone.utc) for m, t in _prometheus_watermarks(engine, model_ids).items()}
+    asked = asked_through(engine, model_ids, source=PROMETHEUS_SOURCE)
     newest = max(marks.values(), default=floor)
     by_start: dict[datetime, list[str]] = {}
     for model_id in model_ids:
         start = marks.get(model_id, backfill_start)
+        if model_id in asked:  # an earlier run asked up to there and found no sample
+            start = max(start, asked[model_id].astimezone(timezone.utc))
         if start < floor:
             never_asked = floor - max(start, newest) if model_id in marks else timedelta(0)
             if never_asked > timedelta(0):
@@ -509,8 +515,9 @@ def _ingest_prometheus_span(engine: Engine, settings: Settings, source, ids: lis
     The chunks read what one fetch of the whole span would (:meth:`PrometheusSource.fetch`: a model's first
     contiguous run of sampled minutes, a leading gap skipped): a model without a sample yet goes on to the next
     chunk, a model covered to a chunk's end goes on from there, and a model whose coverage stops inside a chunk,
-    or would start a chunk late, stops; the next run resumes it at the end of its coverage. ``written`` collects
-    the models written."""
+    or would start a chunk late, stops; the next run resumes it at the end of its coverage. A model without any
+    sample up to ``end`` (and no query error) has ``end`` recorded as asked, where the next run starts.
+    ``written`` collects the models written."""
     pending = list(ids)
     reached: set[str] = set()  # covered from their first sample in this run up to the chunk's start
     lo = start
@@ -549,6 +556,8 @@ def _ingest_prometheus_span(engine: Engine, settings: Settings, source, ids: lis
                 going_on.append(model_id)
         pending = going_on
         lo = hi
+    # asked up to the end and found no sample: the next run starts at the end (a model scaled to zero has no series)
+    record_asked_through(engine, [m for m in pending if m not in reached], source=PROMETHEUS_SOURCE, through=end)
 
 
 def _record_query_errors(summary: dict, errors: dict) -> None:

@@ -642,6 +642,33 @@ def coverage_ends(engine: Engine, model_ids: list[str], *, source: str, step_sec
     return {r[0]: r[1] for r in rows if r[1] is not None}
 
 
+def asked_through(engine: Engine, model_ids: list[str], *, source: str) -> dict[str, datetime]:
+    """Per model, the end of the last run of ``source`` that asked for its minutes and found no sample
+    (:func:`record_asked_through`; models never recorded are left out)."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text("SELECT model_id, asked_through FROM source_cursors WHERE source = :src "
+                 "AND model_id = ANY(CAST(:ids AS text[]))"),
+            {"src": source, "ids": model_ids},
+        ).all()
+    return {r[0]: r[1] for r in rows}
+
+
+def record_asked_through(engine: Engine, model_ids: list[str], *, source: str, through: datetime) -> None:
+    """Record that ``source`` asked for ``model_ids``' minutes up to ``through`` and found no sample: the next run
+    need not ask for them again. Never moves a cursor back; models deleted meanwhile are skipped."""
+    if not model_ids:
+        return
+    with engine.begin() as conn:
+        conn.execute(
+            text("INSERT INTO source_cursors (model_id, source, asked_through) "
+                 "SELECT id, :src, :through FROM serving_models WHERE id = ANY(CAST(:ids AS text[])) "
+                 "ON CONFLICT (model_id, source) DO UPDATE SET "
+                 "asked_through = greatest(source_cursors.asked_through, excluded.asked_through), updated_at = now()"),
+            {"src": source, "through": through, "ids": sorted(set(model_ids))},
+        )
+
+
 def covered_within(engine: Engine, windows: pd.DataFrame, *, source: str, step_seconds: int
                    ) -> list[tuple[str, datetime, datetime]]:
     """The parts of ``windows`` (``unique_id, start, end``) that ``source`` already covers at ``step_seconds``:

@@ -93,6 +93,23 @@ class Coverage(Base):
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
 
+class SourceCursor(Base):
+    """How far a pull source (Prometheus) has asked for a model's minutes and found no sample (migration 0018).
+
+    Coverage ends at the last sampled minute, so a model without series (scaled to zero) would be asked again for
+    every minute since it was last served, on every run; the next run starts at ``asked_through`` instead.
+    """
+
+    __tablename__ = "source_cursors"
+
+    model_id: Mapped[str] = mapped_column(
+        String(256), ForeignKey("serving_models.id", ondelete="CASCADE"), primary_key=True
+    )
+    source: Mapped[str] = mapped_column(String(128), primary_key=True)
+    asked_through: Mapped[datetime] = mapped_column(TZ)
+    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
 class Rollup(Base):
     """A day of ``invocations`` aggregated to ``step_seconds`` buckets by the retention job (one row per day)."""
 
