@@ -106,8 +106,10 @@ def test_every_cache_state_is_accepted(state):
 
 def test_validated_frame_shape():
     frame = validate_cold_starts([event(model_id=" llama ", node_id=" n1 ", image_pull_s=2)], now=NOW)
-    assert list(frame.columns) == ["model_id", "node_id", "started_at", "total_seconds", *PHASES, "cache_state"]
+    assert list(frame.columns) == ["model_id", "node_id", "started_at", "total_seconds", *PHASES, "cache_state",
+                                   "event_id"]
     record = frame.iloc[0]
+    assert record["event_id"] == ""  # none sent: the event is its (model, node, start)
     assert (record["model_id"], record["node_id"], record["total_seconds"], record["image_pull_s"]) == (
         "llama", "n1", 42.5, 2.0)
     assert record["started_at"] == T0
@@ -290,3 +292,16 @@ def test_overlong_node_id_is_an_ingest_error(registered, settings, now):
     with pytest.raises(IngestError) as info:
         push_cold_starts(registered, settings, [event(node_id="n" * 300)], now=now)
     assert (info.value.row, info.value.field) == (1, "node_id")
+
+
+def test_an_event_id_tells_two_starts_at_the_same_instant_apart_and_is_checked():
+    same = dict(model_id="llama", node_id="n1", started_at="2026-11-29T10:00:00Z")
+    frame = validate_cold_starts([event(**same, event_id="pod-a"), event(**same, event_id=" pod-b ")], now=NOW)
+    assert frame["event_id"].tolist() == ["pod-a", "pod-b"]
+    with pytest.raises(IngestError) as info:
+        validate_cold_starts([event(**same, event_id="pod-a"), event(**same, event_id="pod-a")], now=NOW)
+    assert (info.value.reason, info.value.row) == ("duplicate", 2)
+    for bad, reason in ((7, "bad_event_id"), ("", "bad_event_id"), ("x" * 300, "id_too_long"), ("a\x00b", "bad_id")):
+        with pytest.raises(IngestError) as info:
+            validate_cold_starts([event(**same, event_id=bad)], now=NOW)
+        assert (info.value.reason, info.value.field) == (reason, "event_id")

@@ -107,3 +107,19 @@ def test_a_backend_that_cannot_observe_cold_starts_is_skipped(engine, settings, 
     assert detail["skipped"].endswith("cannot observe cold starts")
     with engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM cold_starts")).scalar() == 0
+
+
+def test_two_replicas_started_in_the_same_second_on_one_node_are_two_cold_starts(engine, settings, api, backend):
+    """A scale-up by two puts both pods on an 8-GPU node within one second: Kubernetes stamps creation in whole
+    seconds, so (model, node, start) is the same for both. Each pod's uid keeps them apart; a re-read of either is
+    still the same event."""
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO serving_models (id) VALUES ('llama')"))
+    for name, ready in (("llama-7d9f8b6c5d-aaaaa", "2026-11-29T11:55:05Z"), ("llama-7d9f8b6c5d-bbbbb",
+                                                                            "2026-11-29T11:55:40Z")):
+        api.put(ready_pod(name, "llama", "gpu-node-1", "2026-11-29T11:54:00Z", "2026-11-29T11:54:30Z", ready))
+    first = _run(engine, settings, backend, NOW)
+    assert (first["observed"], first["inserted"]) == (2, 2)
+    assert _stored(engine) == [("gpu-node-1", 65.0, "actuator-kubernetes"), ("gpu-node-1", 100.0, "actuator-kubernetes")]
+    again = _run(engine, settings, backend, NOW + MINUTE)
+    assert (again["inserted"], again["already_stored"]) == (0, 2)

@@ -500,7 +500,7 @@ def test_cold_starts_from_an_exported_events_file(tmp_path):
     assert pods == [] and len(loaded) == 4
     rows = cold_starts_from_k8s(pods, loaded, pods_from_events=True)
     assert rows == [{"model_id": "mistral", "node_id": "gpu-node-3", "started_at": "2026-11-29T09:00:00+00:00",
-                     "total_seconds": 64.0, "image_pull_s": 62.5, "cache_state": "none"}]
+                     "total_seconds": 64.0, "event_id": f"pod/{pod}", "image_pull_s": 62.5, "cache_state": "none"}]
     assert cold_starts_from_k8s(pods, loaded) == []  # counting pods from their events alone is the file's option
 
 

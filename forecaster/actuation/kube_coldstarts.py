@@ -60,6 +60,12 @@ def parse_go_duration(text: str) -> float | None:
     return sum(float(n) * _UNIT_S[u] for n, u in parts)
 
 
+def _event_id(uid: str | None, name: str) -> str:
+    """The cold start's ``event_id``: the pod's uid (two replicas created on one node in the same second are two
+    starts, though Kubernetes stamps creation in whole seconds), or its name where the uid is unknown."""
+    return uid if uid else f"pod/{name}"
+
+
 def _time(value: str | None) -> datetime | None:
     if not value:
         return None
@@ -203,7 +209,7 @@ def cold_starts_from_k8s(pods: list[dict], events: list[dict], *, model_label: s
         pull_s, cache_state = _pull_from_events(_serving_pulls(own_events, container=container, images=images,
                                                                created=created))
         row = {"model_id": model, "node_id": node, "started_at": created.isoformat(),
-               "total_seconds": round(total_s, 3)}
+               "total_seconds": round(total_s, 3), "event_id": _event_id(meta.get("uid"), name)}
         if pull_s is not None and pull_s <= total_s:
             row["image_pull_s"] = round(pull_s, 3)
             row["cache_state"] = cache_state
@@ -244,7 +250,8 @@ def _cold_starts_from_events(by_object: dict[tuple[str, str], list[dict]], seen_
         workload = workload_of_pod(name)
         pull_s, cache_state = _pull_from_events(items)
         row = {"model_id": mapping.get(workload, workload), "node_id": node, "started_at": t0.isoformat(),
-               "total_seconds": round((t1 - t0).total_seconds(), 3)}
+               "total_seconds": round((t1 - t0).total_seconds(), 3),
+               "event_id": _event_id(key if key_kind == "uid" else None, name)}
         if pull_s is not None and pull_s <= row["total_seconds"] * 1.05:
             row["image_pull_s"] = round(pull_s, 3)
             row["cache_state"] = cache_state

@@ -14,7 +14,7 @@ from forecaster.store.fields import (MAX_COLD_START_S, MIN_TIMESTAMP, id_problem
                                       timestamp_text_problem)
 
 REQUIRED = ("model_id", "node_id", "started_at", "total_seconds")
-KNOWN_FIELDS = frozenset((*REQUIRED, *PHASES, "cache_state"))
+KNOWN_FIELDS = frozenset((*REQUIRED, *PHASES, "cache_state", "event_id"))
 # Phases may overlap a little with each other (streamed loads); more than this is a bad event.
 PHASE_SUM_TOLERANCE = 1.05
 
@@ -59,8 +59,10 @@ def validate_cold_starts(
 
     Each event needs ``model_id``, ``node_id``, ``started_at`` (ISO time or
     datetime; naive means UTC) and ``total_seconds``; the phases in
-    :data:`PHASES`, ``cache_state`` (one of :data:`CACHE_STATES`) are optional.
-    An event repeated inside a batch (same model, node and start) is rejected.
+    :data:`PHASES`, ``cache_state`` (one of :data:`CACHE_STATES`) and ``event_id`` are optional. ``event_id``
+    tells apart starts of one model on one node at the same instant (two replicas of a scale-up; the collector
+    sends the pod's uid); without it an event is its (model, node, start). An event repeated inside a batch (same
+    model, node, start and ``event_id``) is rejected.
 
     Raises:
         IngestError: naming the 1-based row and the field.
@@ -124,11 +126,24 @@ def validate_cold_starts(
         if cache_state is not None and (not isinstance(cache_state, str) or cache_state not in CACHE_STATES):
             raise IngestError("bad_cache_state", f"expected one of {list(CACHE_STATES)}", row=position,
                               field="cache_state", value=safe_value(cache_state))
-        key = (model_id, str(event["node_id"]).strip(), started)
+        event_id = event.get("event_id")
+        if event_id is None:
+            event_id = ""
+        elif not isinstance(event_id, str) or not event_id.strip():
+            raise IngestError("bad_event_id", "expected a non-empty string, or no event_id", row=position,
+                              field="event_id", value=safe_value(event_id, 40))
+        else:
+            event_id = event_id.strip()
+            problem = id_problem(event_id)
+            if problem:
+                raise IngestError("id_too_long" if "longer than" in problem else "bad_id", f"id {problem}",
+                                  row=position, field="event_id", value=safe_value(event_id, 40))
+        key = (model_id, str(event["node_id"]).strip(), started, event_id)
         if key in seen:
             raise IngestError("duplicate", f"same event as row {seen[key]}", row=position, field="started_at",
                               value=started.isoformat())
         seen[key] = position
         rows.append({"model_id": key[0], "node_id": key[1], "started_at": started.to_pydatetime(),
-                     "total_seconds": total, **phases, "cache_state": cache_state})
-    return pd.DataFrame(rows, columns=["model_id", "node_id", "started_at", "total_seconds", *PHASES, "cache_state"])
+                     "total_seconds": total, **phases, "cache_state": cache_state, "event_id": event_id})
+    return pd.DataFrame(rows, columns=["model_id", "node_id", "started_at", "total_seconds", *PHASES, "cache_state",
+                                       "event_id"])

@@ -1,4 +1,5 @@
-"""Writing observed cold starts; the (model, node, start) key makes re-sends harmless (an update, or kept)."""
+"""Writing observed cold starts; the (model, node, start, event id) key makes re-sends harmless (an update, or
+kept)."""
 
 from __future__ import annotations
 
@@ -25,12 +26,15 @@ def write_cold_starts(engine: Engine, events: pd.DataFrame, *, source: str, regi
     """
     if events.empty:
         return {"inserted": 0, "already_stored" if keep_stored else "updated": 0}
-    columns = ["model_id", "node_id", "started_at", "total_seconds", *PHASES, "cache_state"]
+    if "event_id" not in events.columns:
+        events = events.assign(event_id="")
+    events = events.assign(event_id=events["event_id"].fillna("").astype(str))
+    columns = ["model_id", "node_id", "started_at", "event_id", "total_seconds", *PHASES, "cache_state"]
     records = events[columns].astype(object).where(events[columns].notna(), None).to_dict("records")
     with engine.begin() as conn:
         require_models(conn, events["model_id"], register=register_models, source=source)
         placeholders = ", ".join(f":{c}" for c in columns)
-        updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in columns[3:])
+        updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in columns[4:])
         insert = f"INSERT INTO cold_starts ({', '.join(columns)}, source) VALUES ({placeholders}, :source) "
         if keep_stored:
             stmt = text(insert + "ON CONFLICT ON CONSTRAINT cold_starts_event_key DO NOTHING RETURNING true")

@@ -158,6 +158,10 @@ class ColdStart(Base):
         String(32), doc="What the node had before: none, image, disk, host, gpu, sleeping."
     )
     source: Mapped[str] = mapped_column(String(128))
+    event_id: Mapped[str] = mapped_column(
+        String(256), server_default="",
+        doc="What tells two starts of one model on one node in the same instant apart (the collector: the pod's "
+            "uid); '' when the sender has none. Part of the key cold_starts_event_key (migration 0019).")
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
 
