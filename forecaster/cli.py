@@ -22,8 +22,8 @@ from sqlalchemy import Engine
 
 from forecaster.contracts.batches import IngestError
 from forecaster.settings import Settings, SettingsError, load_settings
-from forecaster.store.db import DatabaseUnavailable, current_revision, downgrade, open_database, upgrade, \
-    wait_for_database
+from forecaster.store.db import DatabaseUnavailable, MigrationLockTimeout, SchemaNewerThanCode, current_revision, \
+    downgrade, open_database, upgrade, wait_for_database
 
 class _OneLineErrors(typer.Typer):
     """The console entry: an unexpected error prints one line and exits 1, never a traceback (``-v`` logs it)."""
@@ -103,14 +103,25 @@ def _terminate_unwinds() -> Iterator[None]:
 
 
 def _open_database(settings: Settings, *, migrate: bool) -> Iterator[Engine]:
+    """Open and wait for the database; with ``migrate``, upgrade it to head as every process does at start.
+
+    Processes that start together upgrade one after the other (an advisory lock; the later ones find head). A
+    schema newer than this release (the image was rolled back after a newer release migrated) is kept, with a
+    warning, and the process starts; ``prewarm db upgrade`` refuses it instead.
+    """
     try:
         with open_database(settings) as engine:
             wait_for_database(engine, timeout_s=settings.db_wait_timeout_s)
             if migrate:
-                upgrade(engine)
+                _upgrade(engine, settings, "head", keep_newer_schema=True)
             yield engine
-    except DatabaseUnavailable as exc:
+    except (DatabaseUnavailable, MigrationLockTimeout) as exc:
         _fail(str(exc), 3)
+
+
+def _upgrade(engine: Engine, settings: Settings, revision: str, *, keep_newer_schema: bool) -> None:
+    upgrade(engine, revision, keep_newer_schema=keep_newer_schema,
+            lock_timeout_s=settings.db_migration_lock_timeout_s, attempts=settings.db_migration_attempts)
 
 
 def _now() -> datetime:
@@ -128,10 +139,13 @@ def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log at 
 
 @db_app.command("upgrade")
 def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
-    """Apply migrations up to REVISION."""
+    """Apply migrations up to REVISION (refused when the database is newer than this release)."""
     settings = _settings()
     with _database(settings, migrate=False) as engine:
-        upgrade(engine, revision)
+        try:
+            _upgrade(engine, settings, revision, keep_newer_schema=False)
+        except SchemaNewerThanCode as exc:
+            _fail(str(exc), 1)
         typer.echo(f"database at revision {current_revision(engine)}")
 
 
@@ -140,7 +154,11 @@ def db_downgrade(revision: Annotated[str, typer.Argument(help="Target revision, 
     """Revert migrations down to REVISION."""
     settings = _settings()
     with _database(settings, migrate=False) as engine:
-        downgrade(engine, revision)
+        try:
+            downgrade(engine, revision, lock_timeout_s=settings.db_migration_lock_timeout_s,
+                      attempts=settings.db_migration_attempts)
+        except SchemaNewerThanCode as exc:
+            _fail(str(exc), 1)
         typer.echo(f"database at revision {current_revision(engine)}")
 
 

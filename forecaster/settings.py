@@ -117,6 +117,13 @@ class Settings(BaseSettings):
     db_wait_timeout_s: float = Field(default=60.0, gt=0)
     db_retry_attempts: int = Field(default=5, ge=1, le=50)
     db_retry_base_delay_s: float = Field(default=0.5, ge=0)
+    db_migration_lock_timeout_s: float = Field(
+        default=3.0, gt=0, le=600,
+        description="How long a migration statement waits for a table lock (lock_timeout) before that upgrade "
+                    "attempt gives up; the readers of that table queue behind it meanwhile.")
+    db_migration_attempts: int = Field(
+        default=5, ge=1, le=100,
+        description="Upgrade attempts when a table lock cannot be had (2 s, 4 s, 8 s, then 10 s apart).")
 
     # --- files ----------------------------------------------------------
     models_dir: Path = Field(default=REPO_ROOT / "models")

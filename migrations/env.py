@@ -1,8 +1,15 @@
 """Alembic environment: runs migrations on a connection or URL handed in by prewarm.
 
 ``forecaster.store.db.upgrade`` passes an open connection in
-``config.attributes["connection"]``; the ``alembic`` command line can instead
-set ``sqlalchemy.url`` (or ``DATABASE_URL``).
+``config.attributes["connection"]``, outside any transaction, while it holds
+the migration advisory lock on another connection; the ``alembic`` command line
+can instead set ``sqlalchemy.url`` (or ``DATABASE_URL``), and then takes no lock.
+
+Each migration runs and commits in a transaction of its own
+(``transaction_per_migration``), so the locks a migration takes are released
+when it is done, not when the last one is. That holds only for a connection
+that is not in a transaction when it is handed in: Alembic treats an open
+transaction as the caller's and runs everything inside it.
 """
 
 from __future__ import annotations

@@ -183,3 +183,41 @@ def test_history_retention_adds_pruned_counts_and_the_age_indexes(empty_db_url):
     assert {"actions_finished_age", "plans_planned_at", "actions_updated"}.isdisjoint(
         {i["name"] for table in ("actions", "plans") for i in inspector.get_indexes(table)})
     engine.dispose()
+
+
+def test_a_database_newer_than_this_release_starts_as_it_is_and_db_upgrade_refuses_it(db_url, tmp_path, monkeypatch,
+                                                                                       caplog):
+    """An image rolled back after a newer release migrated: the database's revision is unknown to this code. Every
+    process used to fail at start (``Can't locate revision identified by ...``); now it warns and starts on the
+    schema as it is, and only an explicit ``prewarm db upgrade`` (or downgrade) refuses, with a clear message."""
+    import os
+
+    from typer.testing import CliRunner
+
+    from forecaster.cli import app
+
+    for name in list(os.environ):
+        if name.startswith("PREWARM_") or name == "DATABASE_URL":
+            monkeypatch.delenv(name)
+    engine = make_engine(db_url)
+    newer = str(int(HEAD) + 1).zfill(len(HEAD))
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = :v"), {"v": newer})
+    env = {"DATABASE_URL": db_url, "PREWARM_DATA_DIR": str(tmp_path / "data"),
+           "PREWARM_MODELS_DIR": str(tmp_path / "models")}
+    runner = CliRunner()
+
+    caplog.set_level("WARNING", logger="forecaster.store.db")
+    started = runner.invoke(app, ["models", "list"], env=env)
+    assert started.exit_code == 0, started.output
+    assert f"the database is at revision {newer}, which this release does not know" in caplog.text
+    assert "the schema is kept as it is" in caplog.text
+
+    refused = runner.invoke(app, ["db", "upgrade"], env=env)
+    assert refused.exit_code == 1
+    assert refused.stderr.startswith(f"error: the database is at revision {newer}, which this release does not know")
+    refused = runner.invoke(app, ["db", "downgrade", "0017"], env=env)
+    assert refused.exit_code == 1
+    assert "which this release does not know" in refused.stderr
+    assert current_revision(engine) == newer
+    engine.dispose()

@@ -5,7 +5,9 @@
   ``settings.embedded_pgdata`` (created on first use, reused afterwards) and
   stops it on exit.
 * :func:`wait_for_database` polls until the server answers (service start-up).
-* :func:`upgrade` / :func:`downgrade` run the Alembic migrations.
+* :func:`upgrade` / :func:`downgrade` run the Alembic migrations: one process at a time (an advisory lock), one
+  transaction per migration, each table lock waited for at most a few seconds and the upgrade retried a bounded
+  number of times; at start-up a schema newer than this release is kept (a rolled-back image still starts).
 * :func:`run_with_retry` reruns a whole transaction when the connection drops,
   which is safe because every write path is one idempotent transaction.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -228,20 +231,184 @@ def alembic_config(engine: Engine) -> Config:
     return config
 
 
-def upgrade(engine: Engine, revision: str = "head") -> None:
-    """Apply migrations up to ``revision`` (idempotent)."""
-    with engine.begin() as conn:
-        config = alembic_config(engine)
-        config.attributes["connection"] = conn
-        command.upgrade(config, revision)
+#: Key of the session-level advisory lock that every upgrade and downgrade holds (the bytes ``prewarmM``): processes
+#: that start together (API pods, the scheduler, a ``prewarm db upgrade`` job) migrate one after the other, and the
+#: later ones find the schema at head. Visible in ``pg_locks`` as ``locktype = 'advisory'``.
+MIGRATION_LOCK_KEY = int.from_bytes(b"prewarmM", "big")
+#: How long one migration statement may wait for a table lock before the attempt gives up (``lock_timeout``).
+MIGRATION_LOCK_TIMEOUT_S = 3.0
+#: Upgrade attempts when a lock cannot be had within the timeout, and the first pause between two (doubled, at
+#: most :data:`MIGRATION_RETRY_MAX_DELAY_S`).
+MIGRATION_ATTEMPTS = 5
+MIGRATION_RETRY_DELAY_S = 2.0
+MIGRATION_RETRY_MAX_DELAY_S = 10.0
+#: SQLSTATEs after which the attempt is given up and tried again: lock_not_available (lock_timeout), deadlock.
+_LOCK_SQLSTATES = frozenset({"55P03", "40P01"})
 
 
-def downgrade(engine: Engine, revision: str) -> None:
-    """Revert migrations down to ``revision`` (``base`` removes everything)."""
-    with engine.begin() as conn:
+class MigrationLockTimeout(RuntimeError):
+    """A migration could not lock a table it changes, in every attempt: another session holds it."""
+
+
+class SchemaNewerThanCode(RuntimeError):
+    """The database's schema revision is unknown to this release: a newer release migrated it."""
+
+
+@contextmanager
+def migration_lock(engine: Engine) -> Iterator[Connection]:
+    """Hold the migration advisory lock (:data:`MIGRATION_LOCK_KEY`) on a connection of its own; yield that connection.
+
+    Session level, so the lock outlives the migrations' own transactions and the retries between them; it is
+    released when the block exits, or by the server when the process dies. A process that finds it held waits
+    (logged with the holder's pid) without a lock timeout: the holder's attempts are bounded.
+    """
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.exec_driver_sql("SET lock_timeout = 0")
+        got = conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": MIGRATION_LOCK_KEY}).scalar()
+        if not got:
+            holder = conn.execute(text(
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND database = "
+                "(SELECT oid FROM pg_database WHERE datname = current_database()) "
+                "AND ((classid::bigint << 32) | objid::bigint) = :k LIMIT 1"), {"k": MIGRATION_LOCK_KEY}).scalar()
+            log.warning("another process (database pid %s) is migrating the schema; waiting for it to finish", holder)
+            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": MIGRATION_LOCK_KEY})
+            log.info("migration lock acquired")
+        try:
+            yield conn
+        finally:
+            try:
+                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": MIGRATION_LOCK_KEY})
+                conn.exec_driver_sql("RESET lock_timeout")  # the connection goes back to the engine's pool
+            except DBAPIError:  # a lost session holds no lock any more; never hide the error that got us here
+                log.debug("releasing the migration lock failed", exc_info=True)
+                conn.invalidate()
+
+
+def _unknown_revisions(conn: Connection, config: Config) -> list[str]:
+    """The database's revisions that this release's migrations do not know (a newer release wrote them)."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    heads = MigrationContext.configure(conn).get_current_heads()
+    known = {script.revision for script in ScriptDirectory.from_config(config).walk_revisions()}
+    return [head for head in heads if head not in known]
+
+
+def _blocking_sessions(lock_conn: Connection, statement: str | None, own_pid: int | None) -> str:
+    """Who holds locks on the tables ``statement`` names (or their partitions): ``"forecasts (pid 12, ...)"``."""
+    names = sorted({word.lower() for word in re.findall(r"[A-Za-z_][A-Za-z0-9_$]*", statement or "")})
+    if not names:
+        return ""
+    try:
+        rows = lock_conn.execute(text(
+            "SELECT DISTINCT coalesce(p.relname, c.relname) AS tbl, l.pid, a.state, "
+            "  round(extract(epoch FROM now() - a.xact_start)) AS age_s, left(a.query, 80) AS query "
+            "FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
+            "JOIN pg_stat_activity a ON a.pid = l.pid "
+            "LEFT JOIN pg_inherits i ON i.inhrelid = c.oid LEFT JOIN pg_class p ON p.oid = i.inhparent "
+            "WHERE l.granted AND l.pid <> pg_backend_pid() AND l.pid IS DISTINCT FROM :own "
+            "  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+            "  AND c.relkind IN ('r', 'p') AND (c.relname = ANY(:names) OR p.relname = ANY(:names)) "
+            "ORDER BY 1, 2"), {"names": names, "own": own_pid}).all()
+    except DBAPIError:  # the description is a courtesy; never hide the lock timeout behind it
+        log.debug("could not list the blocking sessions", exc_info=True)
+        return ""
+    return "; ".join(f"{row.tbl} (held by pid {row.pid}, {row.state}, transaction open {row.age_s} s: "
+                     f"{' '.join(str(row.query).split())!r})" for row in rows)
+
+
+@contextmanager
+def _session_lock_timeout(engine: Engine, lock_timeout_s: float) -> Iterator[Connection]:
+    """A connection with ``lock_timeout`` set for its session, reset before it goes back to the pool (where the
+    service's own work would otherwise inherit it)."""
+    with engine.connect() as conn:
+        conn.exec_driver_sql(f"SET lock_timeout = '{max(1, round(lock_timeout_s * 1000))}ms'")
+        conn.commit()
+        try:
+            yield conn
+        finally:
+            try:
+                conn.rollback()
+                conn.exec_driver_sql("RESET lock_timeout")
+                conn.commit()
+            except DBAPIError:
+                log.debug("resetting lock_timeout failed; discarding the connection", exc_info=True)
+                conn.invalidate()
+
+
+def _migrate(engine: Engine, what: str, run: Callable[[Config], None], *, keep_newer_schema: bool,
+             lock_timeout_s: float, attempts: int, retry_delay_s: float,
+             sleep: Callable[[float], None] = time.sleep) -> bool:
+    """Run ``run`` (an Alembic command) under the migration lock, one transaction per migration, with retries.
+
+    Returns False when the database is newer than this release and ``keep_newer_schema`` let it be.
+    """
+    with migration_lock(engine) as lock_conn:
         config = alembic_config(engine)
-        config.attributes["connection"] = conn
-        command.downgrade(config, revision)
+        unknown = _unknown_revisions(lock_conn, config)
+        if unknown:
+            message = (f"the database is at revision {', '.join(unknown)}, which this release does not know: a newer "
+                       f"release migrated it")
+            if keep_newer_schema:
+                log.warning("%s; the schema is kept as it is and no migration runs (rolled back image?)", message)
+                return False
+            raise SchemaNewerThanCode(f"{message}; {what} refused (run the newer release's `prewarm db` "
+                                      f"to change it)")
+        delay = retry_delay_s
+        for attempt in range(1, attempts + 1):
+            # A connection outside any transaction: Alembic then commits each migration on its own
+            # (transaction_per_migration in migrations/env.py), so a migration's locks go with its commit.
+            with _session_lock_timeout(engine, lock_timeout_s) as conn:
+                own_pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+                conn.commit()
+                config = alembic_config(engine)
+                config.attributes["connection"] = conn
+                try:
+                    run(config)
+                    return True
+                except DBAPIError as exc:
+                    if sqlstate_of(exc) not in _LOCK_SQLSTATES:
+                        raise
+                    error = exc
+            blockers = _blocking_sessions(lock_conn, error.statement, own_pid)
+            statement = " ".join(str(error.statement or "").split())[:160]
+            at = current_revision(engine)
+            if attempt < attempts:
+                log.warning("%s: a lock was not granted within %g s (attempt %d/%d, at revision %s), retrying in "
+                            "%.1f s: %s; statement: %s; blocked by: %s", what, lock_timeout_s, attempt, attempts,
+                            at, delay, str(error.orig).strip(), statement, blockers or "unknown")
+                sleep(delay)
+                delay = min(delay * 2, max(retry_delay_s, MIGRATION_RETRY_MAX_DELAY_S))
+        raise MigrationLockTimeout(
+            f"{what}: a table lock was not granted within {lock_timeout_s:g} s in {attempts} attempts; the database "
+            f"stays at revision {at}. Blocked by: {blockers or 'unknown'}. Statement: {statement}. End or wait "
+            f"out the blocking transaction(s), then start again or run `prewarm db upgrade`."
+        ) from error
+
+
+def upgrade(engine: Engine, revision: str = "head", *, keep_newer_schema: bool = False,
+            lock_timeout_s: float = MIGRATION_LOCK_TIMEOUT_S, attempts: int = MIGRATION_ATTEMPTS,
+            retry_delay_s: float = MIGRATION_RETRY_DELAY_S) -> bool:
+    """Apply migrations up to ``revision`` (idempotent); False when it left a newer schema alone.
+
+    * Holds :func:`migration_lock` throughout, so concurrent callers run one after the other.
+    * Commits each migration on its own, with ``lock_timeout`` = ``lock_timeout_s``: a migration that cannot
+      lock a table (a long report holds it) gives up after that long instead of queueing every reader of
+      the table behind its request, and the upgrade is tried again, ``attempts`` times in all, from the
+      revision reached; then :class:`MigrationLockTimeout` names the blocking sessions.
+    * A database revision unknown to this release (a newer release migrated it; the image was rolled back):
+      with ``keep_newer_schema`` (service start-up) a warning and False; else :class:`SchemaNewerThanCode`.
+    """
+    return _migrate(engine, f"upgrade to {revision}", lambda config: command.upgrade(config, revision),
+                    keep_newer_schema=keep_newer_schema, lock_timeout_s=lock_timeout_s, attempts=attempts,
+                    retry_delay_s=retry_delay_s)
+
+
+def downgrade(engine: Engine, revision: str, *, lock_timeout_s: float = MIGRATION_LOCK_TIMEOUT_S,
+              attempts: int = MIGRATION_ATTEMPTS, retry_delay_s: float = MIGRATION_RETRY_DELAY_S) -> None:
+    """Revert migrations down to ``revision`` (``base`` removes everything), as :func:`upgrade` runs them."""
+    _migrate(engine, f"downgrade to {revision}", lambda config: command.downgrade(config, revision),
+             keep_newer_schema=False, lock_timeout_s=lock_timeout_s, attempts=attempts, retry_delay_s=retry_delay_s)
 
 
 def current_revision(engine: Engine) -> str | None:
