@@ -185,6 +185,66 @@ def test_history_retention_adds_pruned_counts_and_the_age_indexes(empty_db_url):
     engine.dispose()
 
 
+def _leave_invalid_index(engine, name: str, table: str) -> None:
+    """What a failed or cancelled ``CREATE INDEX CONCURRENTLY name`` leaves: an INVALID index of that name.
+
+    An open transaction holding ROW EXCLUSIVE on the table makes the build wait (after it has committed the
+    index's catalogue row), so its statement timeout fires every time, whatever the machine's speed.
+    """
+    from sqlalchemy.exc import OperationalError
+
+    import pytest
+
+    with engine.connect() as writer:
+        writer.execute(text(f"LOCK TABLE {table} IN ROW EXCLUSIVE MODE"))
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(text("SET statement_timeout = '300ms'"))
+            with pytest.raises(OperationalError, match="statement timeout"):
+                conn.execute(text(f"CREATE INDEX CONCURRENTLY {name} ON {table} (id)"))
+        writer.rollback()
+
+
+def _index_state(engine, name: str):
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT i.indisvalid, pg_get_indexdef(i.indexrelid) AS definition FROM pg_index i "
+                                 "WHERE i.indexrelid = to_regclass(:n)"), {"n": name}).one()
+
+
+def test_an_invalid_index_left_by_a_failed_concurrent_build_is_built_again(empty_db_url):
+    """Migrations 0003, 0015 and 0016 ask operators to build their indexes CONCURRENTLY by hand first; a build that
+    failed left an INVALID index of that name, which ``IF NOT EXISTS`` skipped: the upgrade succeeded without it."""
+    engine = make_engine(empty_db_url)
+    upgrade(engine, "0002")
+    wanted = {  # index (migration): a column its real definition has, which the failed build's ``(id)`` lacks
+        "actions_model_time": "not_before",  # 0003
+        "actions_scale_latest": "ahead_gpus",  # 0015
+        "plans_planned_at": "planned_at",  # 0016
+        "actions_updated": "updated_at",  # 0016
+    }
+    for name in wanted:
+        _leave_invalid_index(engine, name, name.split("_")[0])
+        assert _index_state(engine, name).indisvalid is False
+    upgrade(engine)
+    assert current_revision(engine) == HEAD
+    for name, column in wanted.items():
+        state = _index_state(engine, name)
+        assert state.indisvalid is True, name
+        assert column in state.definition, state.definition
+    engine.dispose()
+
+
+def test_a_valid_hand_built_index_is_kept(empty_db_url):
+    engine = make_engine(empty_db_url)
+    upgrade(engine, "0015")
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("CREATE INDEX CONCURRENTLY plans_planned_at ON plans (planned_at, id)"))
+        oid = conn.execute(text("SELECT 'plans_planned_at'::regclass::oid")).scalar()
+    upgrade(engine)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT 'plans_planned_at'::regclass::oid")).scalar() == oid
+    engine.dispose()
+
+
 def test_a_database_newer_than_this_release_starts_as_it_is_and_db_upgrade_refuses_it(db_url, tmp_path, monkeypatch,
                                                                                        caplog):
     """An image rolled back after a newer release migrated: the database's revision is unknown to this code. Every

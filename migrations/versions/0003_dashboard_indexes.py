@@ -10,7 +10,10 @@ frozen once released).
 
 Plain ``CREATE INDEX`` locks the table against writes while it builds; on a
 large existing ``forecasts`` table, build it ``CONCURRENTLY`` by hand first
-(same name), and this migration's ``IF NOT EXISTS`` then does nothing.
+(same name), and this migration's ``IF NOT EXISTS`` then does nothing. A
+concurrent build that failed or was cancelled leaves an INVALID index of that
+name, which this migration drops and builds again, plainly
+(``migrations/indexes.py``): check ``pg_index.indisvalid`` after a hand-built one.
 
 Revision ID: 0003
 Revises: 0002
@@ -18,6 +21,8 @@ Create Date: 2026-11-29
 """
 
 from alembic import op
+
+from migrations.indexes import create_index_if_not_exists
 
 revision = "0003"
 down_revision = "0002"
@@ -28,10 +33,10 @@ HORIZON_MIN_SQL = "CAST(ceil(EXTRACT(EPOCH FROM (target_minute - issued_at)) / 6
 
 
 def upgrade() -> None:
-    op.execute("CREATE INDEX IF NOT EXISTS forecasts_model_horizon_target "
-               f"ON forecasts (model_id, ({HORIZON_MIN_SQL}), target_minute)")
-    op.execute("CREATE INDEX IF NOT EXISTS actions_model_time "
-               "ON actions (model_id, (coalesce(not_before, updated_at)))")
+    create_index_if_not_exists("CREATE INDEX IF NOT EXISTS forecasts_model_horizon_target "
+                               f"ON forecasts (model_id, ({HORIZON_MIN_SQL}), target_minute)")
+    create_index_if_not_exists("CREATE INDEX IF NOT EXISTS actions_model_time "
+                               "ON actions (model_id, (coalesce(not_before, updated_at)))")
 
 
 def downgrade() -> None:

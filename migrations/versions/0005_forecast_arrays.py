@@ -25,6 +25,8 @@ from datetime import timedelta
 from alembic import op
 from sqlalchemy import text
 
+from migrations.indexes import create_index_if_not_exists
+
 revision = "0005"
 down_revision = "0004"
 branch_labels = None
@@ -136,5 +138,5 @@ def downgrade() -> None:
         WHERE r.point[i] IS NOT NULL
     """)
     op.execute("DROP TABLE forecasts_runs")  # and its partitions
-    op.execute("CREATE INDEX IF NOT EXISTS forecasts_model_horizon_target "
-               f"ON forecasts (model_id, ({HORIZON_MIN_SQL}), target_minute)")
+    create_index_if_not_exists("CREATE INDEX IF NOT EXISTS forecasts_model_horizon_target "
+                               f"ON forecasts (model_id, ({HORIZON_MIN_SQL}), target_minute)")

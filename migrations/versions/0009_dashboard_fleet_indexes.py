@@ -9,6 +9,8 @@
 
 Plain ``CREATE INDEX`` locks the table against writes while it builds; on a large existing table, build it
 ``CONCURRENTLY`` by hand first (same name), and this migration's ``IF NOT EXISTS`` then does nothing.
+A concurrent build that failed or was cancelled leaves an INVALID index of that name, which this migration drops
+and builds again, plainly (``migrations/indexes.py``): check ``pg_index.indisvalid`` after a hand-built one.
 
 Revision ID: 0009
 Revises: 0008
@@ -16,6 +18,8 @@ Create Date: 2026-12-01
 """
 
 from alembic import op
+
+from migrations.indexes import create_index_if_not_exists
 
 revision = "0009"
 down_revision = "0008"
@@ -27,9 +31,9 @@ ACTION_TIME_SQL = "coalesce(not_before, updated_at)"
 
 
 def upgrade() -> None:
-    op.execute("CREATE INDEX IF NOT EXISTS coverage_known_until ON coverage ((upper(ranges)))")
-    op.execute("CREATE INDEX IF NOT EXISTS cold_starts_time ON cold_starts (started_at)")
-    op.execute(f"CREATE INDEX IF NOT EXISTS actions_time ON actions (({ACTION_TIME_SQL}))")
+    create_index_if_not_exists("CREATE INDEX IF NOT EXISTS coverage_known_until ON coverage ((upper(ranges)))")
+    create_index_if_not_exists("CREATE INDEX IF NOT EXISTS cold_starts_time ON cold_starts (started_at)")
+    create_index_if_not_exists(f"CREATE INDEX IF NOT EXISTS actions_time ON actions (({ACTION_TIME_SQL}))")
 
 
 def downgrade() -> None:

@@ -24,6 +24,8 @@ Create Date: 2026-12-02
 from alembic import op
 import sqlalchemy as sa
 
+from migrations.indexes import create_index_if_not_exists
+
 revision = "0010"
 down_revision = "0009"
 branch_labels = None
@@ -53,12 +55,13 @@ def upgrade() -> None:
         sa.Column("scored_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
         sa.Column("seconds", sa.Float, nullable=False),
     )
-    op.execute("CREATE INDEX IF NOT EXISTS cold_starts_time_model ON cold_starts (started_at, model_id)")
+    create_index_if_not_exists("CREATE INDEX IF NOT EXISTS cold_starts_time_model "
+                               "ON cold_starts (started_at, model_id)")
     op.execute("DROP INDEX IF EXISTS cold_starts_time")
 
 
 def downgrade() -> None:
-    op.execute("CREATE INDEX IF NOT EXISTS cold_starts_time ON cold_starts (started_at)")
+    create_index_if_not_exists("CREATE INDEX IF NOT EXISTS cold_starts_time ON cold_starts (started_at)")
     op.execute("DROP INDEX IF EXISTS cold_starts_time_model")
     op.drop_table("forecast_error_hours")
     op.drop_table("forecast_errors")

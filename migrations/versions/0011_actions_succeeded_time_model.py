@@ -13,6 +13,8 @@ serves every status.
 
 Plain ``CREATE INDEX`` locks the table against writes while it builds; on a large existing table, build it
 ``CONCURRENTLY`` by hand first (same name), and this migration's ``IF NOT EXISTS`` then does nothing.
+A concurrent build that failed or was cancelled leaves an INVALID index of that name, which this migration drops
+and builds again, plainly (``migrations/indexes.py``): check ``pg_index.indisvalid`` after a hand-built one.
 
 Revision ID: 0011
 Revises: 0010
@@ -20,6 +22,8 @@ Create Date: 2026-12-03
 """
 
 from alembic import op
+
+from migrations.indexes import create_index_if_not_exists
 
 revision = "0011"
 down_revision = "0010"
@@ -31,8 +35,9 @@ ACTION_TIME_SQL = "coalesce(not_before, updated_at)"
 
 
 def upgrade() -> None:
-    op.execute(f"CREATE INDEX IF NOT EXISTS actions_succeeded_time_model ON actions (({ACTION_TIME_SQL}), model_id) "
-               "INCLUDE (not_before, updated_at) WHERE status = 'succeeded'")
+    create_index_if_not_exists("CREATE INDEX IF NOT EXISTS actions_succeeded_time_model "
+                               f"ON actions (({ACTION_TIME_SQL}), model_id) "
+                               "INCLUDE (not_before, updated_at) WHERE status = 'succeeded'")
 
 
 def downgrade() -> None:

@@ -27,6 +27,8 @@ actions); ``action_counts`` keeps those counts, moved in the transactions that r
 
 Plain ``CREATE INDEX`` locks the table against writes while it builds; on a large existing table, build the
 indexes ``CONCURRENTLY`` by hand first (same names), and this migration's ``IF NOT EXISTS`` then does nothing.
+A concurrent build that failed or was cancelled leaves an INVALID index of that name, which this migration drops
+and builds again, plainly (``migrations/indexes.py``): check ``pg_index.indisvalid`` after a hand-built one.
 
 Revision ID: 0015
 Revises: 0014
@@ -35,6 +37,8 @@ Create Date: 2026-12-06
 
 from alembic import op
 import sqlalchemy as sa
+
+from migrations.indexes import create_index_if_not_exists
 
 revision = "0015"
 down_revision = "0014"
@@ -47,11 +51,13 @@ LATEST = "coalesce(finished_at, started_at) DESC NULLS LAST, id DESC"
 
 
 def upgrade() -> None:
-    op.execute(f"CREATE INDEX IF NOT EXISTS actions_scale_latest ON actions (model_id, {LATEST}) WHERE {COUNTS}")
-    op.execute("CREATE INDEX IF NOT EXISTS actions_replicas_newest ON actions (model_id, updated_at DESC, id DESC) "
-               "WHERE kind IN ('scale', 'release') AND status = 'succeeded'")
-    op.execute("CREATE INDEX IF NOT EXISTS actions_artefacts_recent ON actions (updated_at) "
-               "WHERE kind IN ('prepull', 'preload') AND status = 'succeeded' AND node_id IS NOT NULL")
+    create_index_if_not_exists("CREATE INDEX IF NOT EXISTS actions_scale_latest "
+                               f"ON actions (model_id, {LATEST}) WHERE {COUNTS}")
+    create_index_if_not_exists("CREATE INDEX IF NOT EXISTS actions_replicas_newest "
+                               "ON actions (model_id, updated_at DESC, id DESC) "
+                               "WHERE kind IN ('scale', 'release') AND status = 'succeeded'")
+    create_index_if_not_exists("CREATE INDEX IF NOT EXISTS actions_artefacts_recent ON actions (updated_at) WHERE "
+                               "kind IN ('prepull', 'preload') AND status = 'succeeded' AND node_id IS NOT NULL")
     op.create_table(
         "model_ahead_gpus",
         sa.Column("model_id", sa.String(256), primary_key=True),

@@ -21,6 +21,8 @@ The scheduler's recount at start (``reconcile_action_state``) recounts ``n`` and
 
 Plain ``CREATE INDEX`` locks the table against writes while it builds; on a large existing table, build the
 indexes ``CONCURRENTLY`` by hand first (same names), and this migration's ``IF NOT EXISTS`` then does nothing.
+A concurrent build that failed or was cancelled leaves an INVALID index of that name, which this migration drops
+and builds again, plainly (``migrations/indexes.py``): check ``pg_index.indisvalid`` after a hand-built one.
 
 Revision ID: 0016
 Revises: 0015
@@ -30,6 +32,8 @@ Create Date: 2026-12-06
 from alembic import op
 import sqlalchemy as sa
 
+from migrations.indexes import create_index_if_not_exists
+
 revision = "0016"
 down_revision = "0015"
 branch_labels = None
@@ -37,10 +41,11 @@ depends_on = None
 
 
 def upgrade() -> None:
-    op.execute("CREATE INDEX IF NOT EXISTS actions_finished_age ON actions ((coalesce(finished_at, updated_at)), id) "
-               "WHERE status IN ('succeeded', 'failed', 'dropped')")
-    op.execute("CREATE INDEX IF NOT EXISTS plans_planned_at ON plans (planned_at, id)")
-    op.execute("CREATE INDEX IF NOT EXISTS actions_updated ON actions (updated_at DESC, id DESC)")
+    create_index_if_not_exists("CREATE INDEX IF NOT EXISTS actions_finished_age "
+                               "ON actions ((coalesce(finished_at, updated_at)), id) "
+                               "WHERE status IN ('succeeded', 'failed', 'dropped')")
+    create_index_if_not_exists("CREATE INDEX IF NOT EXISTS plans_planned_at ON plans (planned_at, id)")
+    create_index_if_not_exists("CREATE INDEX IF NOT EXISTS actions_updated ON actions (updated_at DESC, id DESC)")
     op.add_column("action_counts", sa.Column("pruned", sa.BigInteger, nullable=False, server_default="0"))
 
 
