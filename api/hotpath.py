@@ -9,7 +9,8 @@ before any of those layers; it answers a request itself only when all of
 these hold, so that its answer is the one the route would give, byte for byte
 (and times it into the same latency histogram, under the route's label):
 
-* ``GET``, no query string (the default quantile), no ``root_path``, no body;
+* ``GET``, no query string (the default quantile), no ``root_path``, no body; the model id is what lies
+  between ``/v1/models/`` and ``/recommendation`` in the decoded path, ``/`` included;
 * an ``Authorization: Bearer`` token verified within ``PREWARM_TOKEN_CACHE_S``
   under the current revocation generation, with the ``read`` (or ``admin``)
   scope (:meth:`api.deps.TokenCache.read_allowed`);
@@ -29,6 +30,7 @@ from datetime import datetime
 
 PREFIX = "/v1/models/"
 SUFFIX = "/recommendation"
+RAW_SUFFIX = SUFFIX.encode("ascii")
 ROUTE_PATH = PREFIX + "{model_id}" + SUFFIX
 
 
@@ -44,8 +46,13 @@ class RecommendationHotPath:
         if not (path.startswith(PREFIX) and path.endswith(SUFFIX)) or scope["method"] != "GET" \
                 or scope.get("query_string") or scope.get("root_path"):
             return None
+        # The id may hold '/' (org/name, sent as org%2Fname or as it is), as the route's does (api.model_routes);
+        # a tail that came encoded (org%2Frecommendation) is part of an id: the catalogue route's, not this one's.
+        raw = scope.get("raw_path")
+        if raw is not None and not raw.endswith(RAW_SUFFIX):
+            return None
         model_id = path[len(PREFIX):-len(SUFFIX)]
-        if not model_id or "/" in model_id:
+        if not model_id:
             return None
         state = self.state
         snapshot = state.snapshot

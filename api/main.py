@@ -128,7 +128,9 @@ def create_app(settings: Settings, engine: Engine, *, clock: Callable[[], dateti
     app.add_middleware(BodySizeLimit, max_bytes=settings.api_max_body_bytes)
     app.add_middleware(LatencyMiddleware)  # outermost: it also counts what the guards refuse
     install_error_handlers(app)
-    for module in (health, models, forecasts, ingest, audit, dashboard, replays, coldstart):
+    # The catalogue's bare /v1/models/{model_id} last: its id may hold '/', so tried first it would take
+    # /v1/models/{id}/forecast and the other per-model routes as ids (api.model_routes).
+    for module in (health, forecasts, ingest, audit, dashboard, replays, coldstart, models):
         app.include_router(module.router)
     app.mount("/dashboard", dashboard.static_files(), name="dashboard")
     app.hot_path = RecommendationHotPath(

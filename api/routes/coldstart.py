@@ -11,13 +11,14 @@ from sqlalchemy.exc import OperationalError
 
 from api.coldstart_horizon import OBSERVED_QUANTILE, observed_p90, predict_horizon
 from api.deps import ClockDep, EngineDep, ReadToken, SettingsDep
+from api.model_routes import ModelIdRoute
 from api.routes.models import ModelIdPath
 from api.snapshot import planner_settings_for
 from forecaster.contracts.phases import START_STATES
 from forecaster.store.coldstarts import RECENT_COLD_STARTS
 from forecaster.store.dashboard import model_exists
 
-router = APIRouter(prefix="/v1/models", tags=["cold starts"])
+router = APIRouter(prefix="/v1/models", tags=["cold starts"], route_class=ModelIdRoute)
 
 
 class TierPublic(BaseModel):

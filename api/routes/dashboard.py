@@ -35,6 +35,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy.exc import OperationalError
 
 from api.deps import ClockDep, EngineDep, ReadToken, SettingsDep
+from api.model_routes import ModelIdRoute
 from api.schemas import ActionRecord
 from forecaster.store.dashboard import (
     FLEET_SORTS,
@@ -50,7 +51,7 @@ from forecaster.store.dashboard import (
     stored_horizon_min,
 )
 
-router = APIRouter(prefix="/v1", tags=["dashboard"])
+router = APIRouter(prefix="/v1", tags=["dashboard"], route_class=ModelIdRoute)
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 #: Longest series one request may ask for: 31 days of minutes.

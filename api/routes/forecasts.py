@@ -13,12 +13,13 @@ from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 
 from api.deps import ClockDep, EngineDep, ReadToken, SettingsDep
+from api.model_routes import ModelIdRoute
 from api.schemas import ForecastPoint, ForecastPublic, RecommendationPublic
 from forecaster.contracts.forecast import FORECAST_LEVELS
 from forecaster.planning.recommendation import recommend
 from forecaster.store.forecasts import latest_forecast, quantile_columns
 
-router = APIRouter(prefix="/v1/models", tags=["forecasts"])
+router = APIRouter(prefix="/v1/models", tags=["forecasts"], route_class=ModelIdRoute)
 
 QUANTILES_HELP = ("Comma-separated levels among those stored, e.g. 0.5,0.95,0.99; default: all of them (the "
                   f"forecast job stores {','.join(f'{q:g}' for q in FORECAST_LEVELS)}).")

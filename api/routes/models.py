@@ -9,6 +9,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from api.deps import AdminToken, EngineDep, ReadToken
+from api.model_routes import ModelIdRoute
 from api.schemas import ListPublic, SafeId, ServingModelPublic, ServingModelPut
 
 #: A model id in the path: 1-256 characters, no control characters (the store's ``String(256)``).
@@ -18,7 +19,7 @@ MAX_OFFSET = 10_000_000
 from forecaster.store.catalog import ServingModelSpec, upsert_models
 from forecaster.store.tables import ServingModel
 
-router = APIRouter(prefix="/v1/models", tags=["models"])
+router = APIRouter(prefix="/v1/models", tags=["models"], route_class=ModelIdRoute)
 
 
 @router.get("", response_model=ListPublic[ServingModelPublic])
