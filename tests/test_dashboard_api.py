@@ -256,6 +256,26 @@ def test_fleet_pages_cover_the_ranking_once_with_its_ranks(client, fleet_data):
     assert found["count"] == 2 and [(r["model_id"], r["rank"]) for r in found["data"]] == [("phi", 3)]
 
 
+def test_fleet_search_finds_ids_whatever_their_letters(client, engine):
+    """Both sides lower-cased by PostgreSQL: Python's lower() of the query disagreed with PostgreSQL's of the ids
+    outside ASCII (a final sigma, the dotted capital I), and those ids were never found, even searched verbatim."""
+    ids = ["llama-7b", "ΟΔΟΣ-7b", "İzmir-chat", "Straße-1b", "ǅemal-1b"]
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id=m) for m in ids])
+    params = {"end": "2026-11-29T12:00:00Z", "sort": "model_id"}
+
+    def found(q: str) -> list[str]:
+        body = client.get("/v1/fleet", params={**params, "search": q}).json()
+        assert body["count"] == len(body["data"])
+        return [r["model_id"] for r in body["data"]]
+
+    for model_id in ids:  # every id finds itself, verbatim and by a part of it
+        assert found(model_id) == [model_id], model_id
+        assert model_id in found(model_id[:4]), model_id
+    assert found("ΟΔΟΣ-7b") == ["ΟΔΟΣ-7b"] and found("İzmir-chat") == ["İzmir-chat"]
+    assert found("LLAMA") == ["llama-7b"] and found("-7B") == ["llama-7b", "ΟΔΟΣ-7b"]
+
+
 def test_windows_follow_the_newest_data_when_nothing_recent_is_stored(engine, settings, tokens, fleet_data):
     """Served a month after the counts end (a 2019 trace served today): windows end at the newest count."""
     later = NOW + timedelta(days=30)

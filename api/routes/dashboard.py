@@ -477,7 +477,8 @@ def get_fleet(engine: EngineDep, settings: SettingsDep, clock: ClockDep, _: Read
                                                              "when none lies in the window before now."),
               sort: FleetSort = Query(FleetSort.WMAPE, description="Rank by this, largest first (model_id: "
                                                                    "ascending)."),
-              search: str | None = Query(None, max_length=256, description="Only models whose id contains this."),
+              search: str | None = Query(None, max_length=256, description="Only models whose id contains this, "
+                                                                          "ignoring case."),
               limit: int = Query(50, ge=1, le=MAX_FLEET_PAGE, description="Rows per page."),
               offset: int = Query(0, ge=0, le=10_000_000, description="Rows of the ranking to skip.")
               ) -> FleetPublic:

@@ -463,7 +463,9 @@ def _rank_sql(sort: str, source: str, searched: bool) -> str:
 
     Without a search the page is the ranking's rows ``[:o, :o + :n)`` (``id`` only): a bounded top-N sort,
     whose ranks the caller counts from the offset. With one the whole fleet is ranked first (the
-    rank stays the model's place in the fleet), then filtered.
+    rank stays the model's place in the fleet), then filtered: ids containing ``:q``, ignoring case, both sides
+    lower-cased by PostgreSQL (the query lower-cased in Python missed ids whose case PostgreSQL maps otherwise:
+    a final sigma, the dotted capital I).
     """
     ctes, join, order = _rank(sort, source)
     order = f"{order}, m.id COLLATE \"C\"" if order else "m.id COLLATE \"C\""
@@ -477,7 +479,7 @@ SELECT m.id FROM serving_models m {join} ORDER BY {order} LIMIT :n OFFSET :o"""
 SELECT id, rank, count(*) OVER () AS matching FROM (
     SELECT m.id, row_number() OVER (ORDER BY {order}) AS rank FROM serving_models m {join}
 ) ranked
-WHERE strpos(lower(id), :q) > 0
+WHERE strpos(lower(id), lower(:q)) > 0
 ORDER BY rank LIMIT :n OFFSET :o"""
 
 
@@ -721,11 +723,11 @@ def _ranked(conn: Connection, query, params: dict, *, search: str | None, limit:
             offset: int) -> tuple[list[tuple[str, int]], int]:
     """((model id, rank) of the page, models matching the search) from the ranking ``query`` (:func:`_rank_sql`)."""
     if search:
-        ranked = conn.execute(query, {**params, "q": search.lower(), "n": limit, "o": offset}).all()
+        ranked = conn.execute(query, {**params, "q": search, "n": limit, "o": offset}).all()
         if ranked:
             matching = int(ranked[0][2])
         else:  # past the last match: the total from the first page
-            first = conn.execute(query, {**params, "q": search.lower(), "n": 1, "o": 0}).all()
+            first = conn.execute(query, {**params, "q": search, "n": 1, "o": 0}).all()
             matching = int(first[0][2]) if first else 0
         return [(r[0], int(r[1])) for r in ranked], matching
     ranked = [(r[0], offset + 1 + i) for i, r in enumerate(conn.execute(query, {**params, "n": limit, "o": offset}))]
