@@ -3,6 +3,10 @@
 ``prewarm demo`` stores, per model, what both simulators measured (:mod:`forecaster.store.replays`); the
 dashboard shows it beside the fleet table and on each model's page. "No replay stored" is a normal answer:
 ``replay`` is null and ``data`` empty.
+
+``data`` is one page of models, ordered by id (``limit``, default :data:`DEFAULT_LIMIT`, and ``offset``);
+``count`` counts them all (1 or 0 with ``model_id``). Until paging came, ``data`` held every model unless
+``limit`` said otherwise; the response's keys are unchanged.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from api.deps import EngineDep, ReadToken, SettingsDep
 from forecaster.store.replays import ModelComparison, read_latest_replay
 
 router = APIRouter(prefix="/v1", tags=["dashboard"])
+
+#: Model rows per page by default: before paging every model came back (2.75 MB at 10,000 models).
+DEFAULT_LIMIT = 100
 
 
 class OutcomePublic(BaseModel):
@@ -57,21 +64,24 @@ class ReplayInfoPublic(BaseModel):
 
 class ReplayPublic(BaseModel):
     replay: ReplayInfoPublic | None = Field(description="Null when no replay is stored.")
-    count: int
-    data: list[ReplayModelPublic]
+    count: int = Field(description="Models with a row in the replay (only model_id's when given), every page.")
+    data: list[ReplayModelPublic] = Field(description="This page's models, ordered by id.")
 
 
 @router.get("/replays/latest", response_model=ReplayPublic,
             responses={503: {"description": "Database unavailable: retry after the Retry-After seconds"}})
 def get_latest_replay(engine: EngineDep, settings: SettingsDep, _: ReadToken,
                       model_id: str | None = Query(None, max_length=256, description="Only this model's row."),
-                      limit: int | None = Query(None, ge=0, le=1_000_000, description="At most this many model "
-                                                "rows (0: totals only; the fleet table carries its page's rows)."),
+                      limit: int = Query(DEFAULT_LIMIT, ge=0, le=1_000_000,
+                                         description="Model rows per page, ordered by model id (0: totals only; "
+                                                     "the fleet table carries its page's rows)."),
+                      offset: int = Query(0, ge=0, le=10_000_000, description="Model rows to skip."),
                       ) -> ReplayPublic:
-    """The newest replay's comparison per model: cold-start requests and wait, prewarm vs reactive."""
+    """The newest replay's comparison per model (one page of models; ``count`` is all of them): cold-start
+    requests and wait, prewarm vs reactive. ``replay.totals`` cover every model whatever the page."""
     try:
         with engine.connect() as conn:
-            view = read_latest_replay(conn, model_id=model_id)
+            view = read_latest_replay(conn, model_id=model_id, limit=limit, offset=offset)
     except OperationalError:
         raise HTTPException(503, "database unavailable",
                             headers={"Retry-After": str(settings.ingest_retry_after_s)}) from None
@@ -82,5 +92,4 @@ def get_latest_replay(engine: EngineDep, settings: SettingsDep, _: ReadToken,
                             baseline=view.baseline,
                             totals={name: OutcomePublic(**figures) for name, figures in view.totals.items()},
                             summary=view.summary)
-    data = [ReplayModelPublic.of(row) for row in view.models[:limit]]
-    return ReplayPublic(replay=info, count=len(view.models), data=data)
+    return ReplayPublic(replay=info, count=view.model_count, data=[ReplayModelPublic.of(row) for row in view.models])

@@ -75,7 +75,8 @@ class ModelComparison:
 
 @dataclass(frozen=True)
 class ReplayView:
-    """The newest replay: its window, how far both simulators got, totals per policy and the per-model rows."""
+    """The newest replay: its window, how far both simulators got, totals per policy and one page of the
+    per-model rows (``models``) of the ``model_count`` models asked for."""
 
     id: int
     source: str
@@ -87,16 +88,31 @@ class ReplayView:
     summary: dict
     totals: dict[str, dict]
     models: list[ModelComparison] = field(default_factory=list)
+    model_count: int = 0
 
 
 def _zero() -> dict:
     return {c: 0 for c in OUTCOME_COLUMNS[:3]} | {"wait_total_s": 0.0, "wait_max_s": 0.0}
 
 
-def read_latest_replay(conn: Connection, *, source: str | None = None,
-                       model_id: str | None = None) -> ReplayView | None:
-    """The newest replay (of ``source`` when given), its per-model comparison (one model when ``model_id``), or
-    None when no replay is stored. Totals always cover every model."""
+#: Per policy, the whole replay: counts and waits summed, the longest wait.
+_TOTALS_SQL = """
+SELECT policy, CAST(sum(requests) AS bigint) AS requests, CAST(sum(cold_requests) AS bigint) AS cold_requests,
+       CAST(sum(replica_starts) AS bigint) AS replica_starts, sum(wait_total_s) AS wait_total_s,
+       max(wait_max_s) AS wait_max_s
+FROM replay_outcomes WHERE replay_id = :r GROUP BY policy ORDER BY policy"""
+
+
+def read_latest_replay(conn: Connection, *, source: str | None = None, model_id: str | None = None,
+                       limit: int | None = None, offset: int = 0) -> ReplayView | None:
+    """The newest replay (of ``source`` when given) and one page of its per-model comparison, or None when no
+    replay is stored.
+
+    The models (those with any outcome row; only ``model_id`` when given) are ordered by id; ``models`` holds
+    ``limit`` of them (None: all) from ``offset`` on and ``model_count`` counts them all. Totals always cover
+    every model. PostgreSQL sums the totals (GROUP BY policy) and reads the outcome rows of the page's models
+    only: a fleet page reads no model's row (``limit=0``), a model's page its own two.
+    """
     replay = conn.execute(text(
         "SELECT id, source, window_start, window_end, scored_until, policies, summary FROM replays "
         "WHERE (CAST(:src AS text) IS NULL OR source = :src) ORDER BY created_at DESC, id DESC LIMIT 1"),
@@ -104,29 +120,37 @@ def read_latest_replay(conn: Connection, *, source: str | None = None,
     if replay is None:
         return None
     subject, baseline = replay["policies"][:2]
-    rows = conn.execute(text(
-        f"SELECT policy, model_id, {', '.join(OUTCOME_COLUMNS)} FROM replay_outcomes WHERE replay_id = :r "
-        "ORDER BY model_id, policy"), {"r": replay["id"]}).mappings().all()
+    params = {"r": replay["id"], "m": model_id, "n": limit, "o": offset, "subject": subject, "baseline": baseline}
     totals = {subject: _zero(), baseline: _zero()}
+    for row in conn.execute(text(_TOTALS_SQL), params).mappings():
+        totals[row["policy"]] = {c: row[c] for c in OUTCOME_COLUMNS[:3]} | {
+            "wait_total_s": float(row["wait_total_s"]), "wait_max_s": max(0.0, float(row["wait_max_s"]))}
+    which = "replay_id = :r" + ("" if model_id is None else " AND model_id = :m")
+    # grouped, not count(DISTINCT): hashed, where count(DISTINCT) sorts every id by the collation
+    count = conn.execute(text(f"SELECT count(*) FROM (SELECT model_id FROM replay_outcomes WHERE {which} "
+                              "GROUP BY model_id) m"), params).scalar_one()
     by_model: dict[str, dict[str, dict]] = {}
-    for row in rows:
-        figures = {c: row[c] for c in OUTCOME_COLUMNS}
-        total = totals.setdefault(row["policy"], _zero())
-        for c in OUTCOME_COLUMNS[:4]:
-            total[c] += figures[c]
-        total["wait_max_s"] = max(total["wait_max_s"], figures["wait_max_s"])
-        by_model.setdefault(row["model_id"], {})[row["policy"]] = figures
+    if limit is None or limit > 0:
+        rows = conn.execute(text(
+            f"WITH page AS (SELECT model_id FROM replay_outcomes WHERE {which} GROUP BY model_id "
+            "ORDER BY model_id LIMIT CAST(:n AS bigint) OFFSET :o) "
+            f"SELECT page.model_id, o.policy, {', '.join('o.' + c for c in OUTCOME_COLUMNS)} FROM page "
+            "LEFT JOIN replay_outcomes o ON o.replay_id = :r AND o.model_id = page.model_id "
+            "AND o.policy IN (:subject, :baseline) ORDER BY page.model_id"), params).mappings()
+        for row in rows:
+            figures = by_model.setdefault(row["model_id"], {})
+            if row["policy"] is not None:
+                figures[row["policy"]] = {c: row[c] for c in OUTCOME_COLUMNS}
     models = []
     for mid, policies in by_model.items():
-        if model_id is not None and mid != model_id:
-            continue
         mine, theirs = policies.get(subject, _zero()), policies.get(baseline, _zero())
         models.append(ModelComparison(model_id=mid, subject=mine, baseline=theirs,
                                       cold_requests_avoided=int(theirs["cold_requests"] - mine["cold_requests"]),
                                       wait_saved_s=float(theirs["wait_total_s"] - mine["wait_total_s"])))
     return ReplayView(id=replay["id"], source=replay["source"], window_start=replay["window_start"],
                       window_end=replay["window_end"], scored_until=replay["scored_until"], subject=subject,
-                      baseline=baseline, summary=dict(replay["summary"] or {}), totals=totals, models=models)
+                      baseline=baseline, summary=dict(replay["summary"] or {}), totals=totals, models=models,
+                      model_count=int(count))
 
 
 #: Actuator backends whose records a demo replay may clear from its window (neither touches a real cluster).
