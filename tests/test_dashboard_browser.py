@@ -13,6 +13,7 @@ import shutil
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -133,31 +134,39 @@ def seed(engine) -> dict[str, list[int]]:
     return action_ids
 
 
-@pytest.fixture
-def served(engine, settings):
-    """The app on a free loopback port under uvicorn, in a thread, with seeded data and a read token."""
+@contextmanager
+def serving(app):
+    """``app`` on a free loopback port under uvicorn, in a thread; its base URL."""
     import uvicorn
 
-    action_ids = seed(engine)
-    token = create_token(engine, name="dashboard", scopes=["read"])
-    clock = {"now": NOW}
-    app = create_app(settings.model_copy(update={"planner_waste_budget_pct": BUDGET.pct}), engine,
-                     clock=lambda: clock["now"])
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    yield {"base": f"http://127.0.0.1:{port}", "token": token, "action_ids": action_ids, "engine": engine,
-           "clock": clock}
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+@pytest.fixture
+def served(engine, settings):
+    """The app on a free loopback port under uvicorn, in a thread, with seeded data and a read token."""
+    action_ids = seed(engine)
+    token = create_token(engine, name="dashboard", scopes=["read"])
+    clock = {"now": NOW}
+    app = create_app(settings.model_copy(update={"planner_waste_budget_pct": BUDGET.pct}), engine,
+                     clock=lambda: clock["now"])
+    with serving(app) as base:
+        yield {"base": base, "token": token, "action_ids": action_ids, "engine": engine, "clock": clock}
 
 
 SERIES_POINTS_JS = """() => {
@@ -394,3 +403,137 @@ def test_windows_follow_the_data_and_the_date_picker_moves_them(served):
             browser.close()
     assert [e for e in errors if "end=2300-01-01" not in e] == []  # the 2300 refusal is the point
     assert any(e.startswith("422 ") and "end=2300-01-01" in e for e in errors)
+
+
+# --- a small fleet: paging while the clock moves, a model whose reads fail ---------------------------------------
+
+PAGED = [f"p{i:03d}" for i in range(100)]
+CHARTED = ("llama-7b", "meta-llama/Llama-3-8B")  # the second an id with '/', as Hugging Face's are
+
+
+@pytest.fixture
+def small_fleet(engine, settings):
+    """100 models with a cold start each (p000's at 11:00:10, the others' at 11:30) and two with six hours of
+    counts, forecasts, actions and a replay; served at 12:00:30 on a clock the test moves."""
+    start = END - timedelta(hours=6)
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id=m) for m in (*PAGED, *CHARTED)])
+    ensure_partitions(engine, start - timedelta(days=1), END + timedelta(days=1))
+    ensure_forecast_partitions(engine, [(start - timedelta(hours=1)).date(), END.date(),
+                                        END.date() + timedelta(days=1)])
+    params = {"a": start, "b": END, "ids": list(CHARTED), "paged": PAGED}
+    with engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO invocations (model_id, minute, count) "
+            "SELECT m, t, 20 + (extract(epoch FROM t)::bigint / 60) % 7 FROM unnest(CAST(:ids AS text[])) m, "
+            "generate_series(CAST(:a AS timestamptz), CAST(:b AS timestamptz) - interval '1 minute', "
+            "interval '1 minute') t"), params)
+        conn.execute(text(
+            "INSERT INTO coverage (model_id, source, step_seconds, ranges) SELECT id, 'browser-test', 60, "
+            "tstzmultirange(tstzrange(:a, :b, '[)')) FROM serving_models"), params)
+        conn.execute(text(
+            "INSERT INTO forecasts (model_id, issued_at, first_target, point, p_any, quantile_levels, quantiles) "
+            "SELECT m, r.t + interval '5 seconds', r.t, array_agg(CAST(20 + k AS real) ORDER BY k), "
+            "array_agg(CAST(0.9 AS real) ORDER BY k), CAST('{0.1,0.5,0.9}' AS real[]), "
+            "ARRAY[array_agg(CAST(15 + k AS real) ORDER BY k), array_agg(CAST(20 + k AS real) ORDER BY k), "
+            "array_agg(CAST(25 + k AS real) ORDER BY k)] "
+            "FROM unnest(CAST(:ids AS text[])) m, generate_series(CAST(:a AS timestamptz) - interval '1 hour', "
+            "CAST(:b AS timestamptz), interval '1 minute') r(t), generate_series(0, 9) k GROUP BY m, r.t"), params)
+        conn.execute(text(
+            "INSERT INTO cold_starts (model_id, node_id, started_at, total_seconds, source) "
+            "SELECT m, 'n1', CASE WHEN m = 'p000' THEN CAST(:b AS timestamptz) - interval '59 minutes 50 seconds' "
+            "ELSE CAST(:b AS timestamptz) - interval '30 minutes' END, 30, 'test' "
+            "FROM unnest(CAST(:paged AS text[])) m"),
+            params)
+        # the charted models' cold starts lie before the fleet's hour: they rank last by cold starts
+        conn.execute(text(
+            "INSERT INTO cold_starts (model_id, node_id, started_at, total_seconds, source) "
+            "SELECT m, 'n2', CAST(:b AS timestamptz) - k * interval '97 minutes', 40, 'test' "
+            "FROM unnest(CAST(:ids AS text[])) m, generate_series(1, 3) k"), params)
+        conn.execute(text(
+            "INSERT INTO actions (kind, model_id, node_id, target, not_before, deadline, reason, expected_benefit, "
+            "status) SELECT (ARRAY['prepull', 'preload', 'scale'])[k], m, 'n1', 'img:1', "
+            "CAST(:b AS timestamptz) - k * interval '50 minutes', CAST(:b AS timestamptz) - k * interval '50 minutes' "
+            "+ interval '8 minutes', 'forecast_spike', 40, 'succeeded' FROM unnest(CAST(:ids AS text[])) m, "
+            "generate_series(1, 3) k"), params)
+        replay = start_replay(conn, source="demo", window_start=start, window_end=END, policies=("prewarm", "reactive"))
+        write_replay_outcomes(conn, replay_id=replay, scored_until=END, summary={}, outcomes={
+            policy: [{"model_id": m, "requests": 1000, "cold_requests": cold, "replica_starts": 3, "wait_total_s": 60.0,
+                      "wait_max_s": 9.0} for m in CHARTED] for policy, cold in (("prewarm", 4), ("reactive", 40))})
+        conn.execute(text("ANALYZE"))
+    token = create_token(engine, name="dashboard", scopes=["read"])
+    clock = {"now": NOW}
+    with serving(create_app(settings, engine, clock=lambda: clock["now"])) as base:
+        yield {"base": base, "token": token, "engine": engine, "clock": clock}
+
+
+MODEL_VIEW_JS = """() => ({
+    title: document.getElementById('model-title').textContent,
+    error_line: document.getElementById('model-error').textContent,
+    forecast_points: window.prewarm.charts.forecast
+        ? window.prewarm.charts.forecast.data[1].filter(v => v != null).length : 0,
+    coldstart_points: window.prewarm.charts.coldstarts
+        ? window.prewarm.charts.coldstarts.data[1].filter(v => v != null).length : 0,
+    chart_text: document.getElementById('chart-forecast').innerText,
+    band: document.getElementById('band-label').textContent,
+    coldstart_note: document.getElementById('coldstart-note').textContent,
+    replay_shown: !document.getElementById('model-replay').hidden,
+    replay_rows: document.querySelectorAll('#model-replay-table tbody tr').length,
+    timeline_bars: document.querySelectorAll('#timeline rect[data-action-id]').length,
+    action_rows: document.querySelectorAll('#actions-table tbody tr').length,
+    actions: document.getElementById('actions-summary').textContent,
+})"""
+
+
+def test_a_model_whose_reads_fail_shows_nothing_of_the_model_before(small_fleet):
+    """Opening a model whose reads fail used to keep the previous model's charts, error line, replay and actions
+    under the new title; the view is now emptied first and says "no data" with the error."""
+    sync_playwright = _browser_or_skip()
+    base = small_fleet["base"]
+    errors: list[str] = []
+    model_requests: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1400})
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.on("response", lambda r: errors.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+            page.on("request", lambda r: model_requests.append(r.url) if "/v1/models/" in r.url else None)
+            page.goto(f"{base}/dashboard/#token={small_fleet['token']}")
+            page.wait_for_selector("body[data-fleet-loaded]", timeout=15_000)
+
+            def open_model(model_id: str) -> None:
+                page.evaluate("id => { location.hash = new URLSearchParams({model: id, h: 5, range: 360}); }",
+                              model_id)
+
+            # A model with data, its id with a '/': the page asks for it encoded, and draws it all
+            open_model(CHARTED[1])
+            page.wait_for_selector(f"body[data-model-loaded='{CHARTED[1]}']", timeout=15_000)
+            assert any("/v1/models/meta-llama%2FLlama-3-8B/series?" in u for u in model_requests)
+            drawn = page.evaluate(MODEL_VIEW_JS)
+            assert drawn["title"] == CHARTED[1] and drawn["forecast_points"] > 300 and drawn["coldstart_points"] == 3
+            assert drawn["replay_shown"] and drawn["replay_rows"] == 5 and drawn["action_rows"] == 3
+            assert drawn["timeline_bars"] == 3 and "scored minutes" in drawn["error_line"]
+
+            # A model that is not registered: every read is a 404; nothing of the model before is left
+            open_model("gone-model")
+            page.wait_for_function("document.getElementById('status').textContent.includes('404')", timeout=15_000)
+            failed = page.evaluate(MODEL_VIEW_JS)
+            assert failed == {"title": "gone-model",
+                              "error_line": "no data: 404: model 'gone-model' is not registered",
+                              "forecast_points": 0, "coldstart_points": 0,
+                              "chart_text": "no data: 404: model 'gone-model' is not registered", "band": "",
+                              "coldstart_note": "", "replay_shown": False, "replay_rows": 0, "timeline_bars": 0,
+                              "action_rows": 0, "actions": ""}, failed
+            assert page.get_attribute("body", "data-model-failed") == "gone-model"
+            assert page.get_attribute("body", "data-model-loaded") is None
+
+            # and a model with data afterwards is drawn whole again
+            open_model(CHARTED[0])
+            page.wait_for_selector(f"body[data-model-loaded='{CHARTED[0]}']", timeout=15_000)
+            again = page.evaluate(MODEL_VIEW_JS)
+            assert again["forecast_points"] > 300 and again["replay_shown"] and "no data" not in again["chart_text"]
+            assert page.get_attribute("body", "data-model-failed") is None
+        finally:
+            browser.close()
+    assert errors and all(e.startswith("404 ") and "gone-model" in e for e in errors), errors

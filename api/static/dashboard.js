@@ -27,7 +27,7 @@
     context: null,      // last /v1/dashboard/context body: stored horizons, where the windows end
     horizons: FALLBACK_HORIZONS,
     page: 0,
-    model: null,        // {id, horizon, range}
+    model: null,        // {id, horizon, range, end, shown: drawn once}
     charts: {},         // name -> uPlot
     loading: 0,
   };
@@ -76,6 +76,10 @@
     el.classList.toggle("error", !!isError);
   }
 
+  function errorText(err) {
+    return (err.status ? err.status + ": " : "") + err.message;
+  }
+
   function reportError(err) {
     if (!token()) {
       setStatus("enter a read token to start", true);
@@ -86,7 +90,7 @@
     } else if (err.status === 503) {
       setStatus("database unavailable; retrying on the next refresh", true);
     } else {
-      setStatus((err.status ? err.status + ": " : "") + err.message, true);
+      setStatus(errorText(err), true);
     }
   }
 
@@ -541,40 +545,87 @@
     tbody.replaceChildren(fragment);
   }
 
+  // What the model view shows, emptied: nothing of the model shown before stays under a new title.
+  function clearModel() {
+    for (const name of ["forecast", "coldstarts"]) {
+      if (state.charts[name]) state.charts[name].destroy();
+      delete state.charts[name];
+    }
+    $("chart-forecast").replaceChildren();
+    $("chart-coldstarts").replaceChildren();
+    for (const id of ["model-error", "band-label", "coldstart-note", "actions-summary", "model-replay-window"]) {
+      $(id).textContent = "";
+    }
+    $("model-replay").hidden = true;
+    $("model-replay-table").tBodies[0].replaceChildren();
+    $("timeline").replaceChildren();
+    $("actions-table").tBodies[0].replaceChildren();
+    state.timeline = null;
+    delete document.body.dataset.modelLoaded;
+    delete document.body.dataset.modelFailed;
+  }
+
+  // A model view whose reads failed before anything of it was drawn: says so where the charts would be.
+  function showNoData(m, err) {
+    clearModel();
+    const text = "no data: " + errorText(err);
+    $("model-error").textContent = text;
+    for (const id of ["chart-forecast", "chart-coldstarts"]) {
+      const p = document.createElement("p");
+      p.className = "note no-data";
+      p.textContent = text;
+      $(id).replaceChildren(p);
+    }
+    document.body.dataset.modelFailed = m.id;
+  }
+
   async function loadModel() {
     const m = state.model;
     if (!m) return;
     await busy(async () => {
-      const id = encodeURIComponent(m.id);
-      if (!state.context) {
-        await loadContext();
-        fillSelect($("model-horizon"), withHorizon(state.horizons, m.horizon), m.horizon, (h) => h + " min ahead");
+      try {
+        await drawModel(m);
+      } catch (err) {
+        if (state.model !== m) return; // the user moved on meanwhile: not this view's error
+        // a later refresh that fails keeps what was drawn (the status line says why); a first load shows nothing
+        if (!m.shown) showNoData(m, err);
+        throw err;
       }
-      const end = m.end ? `&end=${encodeURIComponent(m.end)}` : "";
-      const series = await api(`/v1/models/${id}/series?horizon=${m.horizon}&span_min=${m.range}${end}`);
-      const range = `start=${encodeURIComponent(series.start)}&end=${encodeURIComponent(series.end)}`;
-      const [coldstarts, actions, replay] = await Promise.all([
-        api(`/v1/models/${id}/coldstarts?${range}`),
-        api(`/v1/models/${id}/actions?${range}`),
-        api(`/v1/replays/latest?model_id=${id}`),
-      ]);
-      if (state.model !== m) return; // the user moved on meanwhile
-      renderForecast(series);
-      renderColdStarts(coldstarts, series);
-      renderModelReplay(replay);
-      await new Promise((resolve) => setTimeout(resolve, 0)); // uPlot lays itself out in a microtask
-      renderTimeline(actions, series);
-      const e = series.error;
-      $("model-error").textContent = e.scored_minutes
-        ? `over ${e.scored_minutes} scored minutes: MAE ${fmt.num(e.mae)}, wMAPE ${fmt.pct(e.wmape)}, ` +
-          `inside band ${fmt.pct(e.band_coverage)}` +
-          (e.p_any_minutes
-            ? `; p(any) Brier ${fmt.num(e.brier_any, 4)}, mean p(any) ${fmt.pct(e.p_any_mean)} against ` +
-              `${fmt.pct(e.invoked_share)} of minutes invoked`
-            : "")
-        : "no minute with both a forecast at this horizon and a known count";
-      document.body.dataset.modelLoaded = m.id;
     });
+  }
+
+  async function drawModel(m) {
+    const id = encodeURIComponent(m.id);
+    if (!state.context) {
+      await loadContext();
+      fillSelect($("model-horizon"), withHorizon(state.horizons, m.horizon), m.horizon, (h) => h + " min ahead");
+    }
+    const end = m.end ? `&end=${encodeURIComponent(m.end)}` : "";
+    const series = await api(`/v1/models/${id}/series?horizon=${m.horizon}&span_min=${m.range}${end}`);
+    const range = `start=${encodeURIComponent(series.start)}&end=${encodeURIComponent(series.end)}`;
+    const [coldstarts, actions, replay] = await Promise.all([
+      api(`/v1/models/${id}/coldstarts?${range}`),
+      api(`/v1/models/${id}/actions?${range}`),
+      api(`/v1/replays/latest?model_id=${id}`),
+    ]);
+    if (state.model !== m) return; // the user moved on meanwhile
+    renderForecast(series);
+    renderColdStarts(coldstarts, series);
+    renderModelReplay(replay);
+    await new Promise((resolve) => setTimeout(resolve, 0)); // uPlot lays itself out in a microtask
+    if (state.model !== m) return;
+    renderTimeline(actions, series);
+    const e = series.error;
+    $("model-error").textContent = e.scored_minutes
+      ? `over ${e.scored_minutes} scored minutes: MAE ${fmt.num(e.mae)}, wMAPE ${fmt.pct(e.wmape)}, ` +
+        `inside band ${fmt.pct(e.band_coverage)}` +
+        (e.p_any_minutes
+          ? `; p(any) Brier ${fmt.num(e.brier_any, 4)}, mean p(any) ${fmt.pct(e.p_any_mean)} against ` +
+            `${fmt.pct(e.invoked_share)} of minutes invoked`
+          : "")
+      : "no minute with both a forecast at this horizon and a known count";
+    m.shown = true;
+    document.body.dataset.modelLoaded = m.id;
   }
 
   // A horizon from a link that the store does not offer stays selectable (its chart says what is stored).
@@ -584,7 +635,7 @@
 
   function showModel(m) {
     state.model = m;
-    delete document.body.dataset.modelLoaded;
+    clearModel();
     $("fleet-view").hidden = true;
     $("model-view").hidden = false;
     $("model-title").textContent = m.id;
