@@ -15,6 +15,7 @@ from forecaster.contracts.fleetconfig import FleetConfig
 from forecaster.planning.fleet import PlannerSettings
 from forecaster.ingest.service import push_cold_starts, push_counts
 from forecaster.store.catalog import ServingModelSpec, upsert_models
+from forecaster.store.forecast_errors import score_hour
 from forecaster.store.forecasts import write_forecasts
 from forecaster.store.tokens import create_token
 
@@ -254,6 +255,34 @@ def test_fleet_pages_cover_the_ranking_once_with_its_ranks(client, fleet_data):
     # search keeps the rank in the whole fleet and counts the matches
     found = client.get("/v1/fleet", params={**params, "search": "i", "limit": 1, "offset": 1}).json()
     assert found["count"] == 2 and [(r["model_id"], r["rank"]) for r in found["data"]] == [("phi", 3)]
+
+
+def test_later_pages_rank_over_the_first_pages_window(client, engine, fleet_data):
+    """Without an end each request's window ends at its own now, and while the hour that just ended is not scored
+    the error figures come from the hour before it: a later page asking the first page's end alone ranked over
+    other hours. With the first page's end and error_end every page ranks over the same window."""
+    score_hour(engine, hour=minute("10:00"), horizons_min=[5])  # 11:00 not scored yet: the first page follows 10:00
+    first = client.get("/v1/fleet", params={"limit": 1}).json()
+    assert (first["end"], first["error_start"], first["error_end"], first["error_source"]) == (
+        "2026-11-29T12:00:00Z", "2026-11-29T10:00:00Z", "2026-11-29T11:00:00Z", "rollup")
+    whole = client.get("/v1/fleet").json()
+    pinned = {"end": first["end"], "error_end": first["error_end"]}
+    pages = [client.get("/v1/fleet", params={**pinned, "limit": 1, "offset": o}).json() for o in (0, 1, 2)]
+    assert [r for p in pages for r in p["data"]] == whole["data"] and pages[0]["data"] == first["data"]
+    assert {(p["error_start"], p["error_end"], p["error_source"]) for p in pages} == {
+        (first["error_start"], first["error_end"], "rollup")}
+    # the end alone is another window: the runs of 11:00, where llama has scored minutes
+    end_only = client.get("/v1/fleet", params={"end": first["end"]}).json()
+    assert (end_only["error_end"], end_only["error_source"]) == ("2026-11-29T12:00:00Z", "runs")
+    assert end_only["data"] != whole["data"]
+    # the hour of end itself may be asked as well; anything else is refused, as is error_end without end
+    same = client.get("/v1/fleet", params={"end": first["end"], "error_end": "2026-11-29T12:00:00Z"}).json()
+    assert same["data"] == end_only["data"]
+    for params, says in (({"error_end": first["error_end"]}, "needs end"),
+                         ({"end": first["end"], "error_end": "2026-11-29T09:00:00Z"}, "error_end must be"),
+                         ({"end": first["end"], "error_end": "2026-11-29T11:30:00Z"}, "error_end must be")):
+        refused = client.get("/v1/fleet", params=params)
+        assert refused.status_code == 422 and says in refused.text, (params, refused.text)
 
 
 def test_fleet_search_finds_ids_whatever_their_letters(client, engine):

@@ -16,6 +16,7 @@ import time
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
 import pytest
@@ -465,6 +466,65 @@ def small_fleet(engine, settings):
     clock = {"now": NOW}
     with serving(create_app(settings, engine, clock=lambda: clock["now"])) as base:
         yield {"base": base, "token": token, "engine": engine, "clock": clock}
+
+
+def _fleet_rows(page) -> list[str]:
+    return page.locator("#fleet-table tbody tr").evaluate_all("rs => rs.map(r => r.dataset.model)")
+
+
+def test_fleet_pages_keep_their_window_while_the_clock_moves(small_fleet):
+    """Without a picked end every page used to end its window at its own now: a minute between pages and p000's
+    cold start left the window, p000 fell to the last page and p050 was never shown. Later pages now ask for the
+    first page's window; Refresh takes a new one."""
+    sync_playwright = _browser_or_skip()
+    base, clock = small_fleet["base"], small_fleet["clock"]
+    errors: list[str] = []
+    fleet_requests: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.on("response", lambda r: errors.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+            page.on("request", lambda r: fleet_requests.append(r.url) if "/v1/fleet?" in r.url else None)
+            page.goto(f"{base}/dashboard/#token={small_fleet['token']}")
+            page.wait_for_selector("body[data-fleet-loaded]", timeout=15_000)
+            page.select_option("#fleet-sort", "cold_starts")
+            page.wait_for_function("window.prewarm.fleet.sort === 'cold_starts' && !window.prewarm.loading")
+            first = page.evaluate("window.prewarm.fleet")
+            assert "end=" not in fleet_requests[-1] and first["end"] == "2026-11-29T12:00:00Z"
+            assert _fleet_rows(page) == PAGED[:50]
+
+            clock["now"] = NOW + timedelta(minutes=1)  # the operator reads the first page for a minute
+            page.click("#fleet-next")
+            page.wait_for_function("window.prewarm.fleet.offset === 50 && !window.prewarm.loading")
+            assert _fleet_rows(page) == PAGED[50:]  # p050 .. p099: nothing skipped, nothing twice
+            asked = dict(parse_qsl(urlsplit(fleet_requests[-1]).query))
+            assert (asked.get("end"), asked.get("error_end"), asked["offset"]) == (
+                first["end"], first["error_end"], "50")
+            assert page.evaluate("window.prewarm.fleet.end_source") == "now"  # as the window was set
+            page.click("#fleet-next")
+            page.wait_for_function("window.prewarm.fleet.offset === 100 && !window.prewarm.loading")
+            assert _fleet_rows(page) == list(CHARTED)
+            page.click("#fleet-prev")
+            page.click("#fleet-prev")
+            page.wait_for_function("window.prewarm.fleet.offset === 0 && !window.prewarm.loading")
+            assert _fleet_rows(page) == PAGED[:50] and "end=" in fleet_requests[-1]
+
+            # Refresh: a new window, ending at the new now; p000's cold start has left it
+            page.click("#fleet-refresh")
+            page.wait_for_function("window.prewarm.fleet.end === '2026-11-29T12:01:00Z' && !window.prewarm.loading")
+            assert "end=" not in fleet_requests[-1]
+            assert _fleet_rows(page) == PAGED[1:51]
+            # and a filter change sets a new one too
+            clock["now"] = NOW + timedelta(minutes=2)
+            page.select_option("#fleet-window", "360")
+            page.wait_for_function("window.prewarm.fleet.window_min === 360 && !window.prewarm.loading")
+            assert "end=" not in fleet_requests[-1]
+            assert page.evaluate("window.prewarm.fleet.end") == "2026-11-29T12:02:00Z"
+        finally:
+            browser.close()
+    assert errors == []
 
 
 MODEL_VIEW_JS = """() => ({

@@ -8,6 +8,7 @@
 * ``GET /v1/fleet``: one page (``limit``/``offset``) of every model ranked by
   forecast error (or another sort key) at one horizon over a window, with its
   cold starts, actions and the newest replay's figures; ``count`` is the total.
+  Later pages of one ranking pass the first page's ``end`` and ``error_end``.
 * ``GET /v1/dashboard/context``: the horizons the store holds (what the page
   offers) and where the default windows end.
 
@@ -41,6 +42,7 @@ from forecaster.store.dashboard import (
     FLEET_SORTS,
     ForecastError,
     finite_or_none,
+    fleet_error_ends,
     known_until,
     model_exists,
     offered_horizons_min,
@@ -205,7 +207,8 @@ class FleetPublic(BaseModel):
     error_start: datetime = Field(description="First hour of the error figures' window: the window snapped to "
                                               "whole hours (ending at the start of end's hour, window_min "
                                               "rounded up to hours); cold starts and actions cover start..end.")
-    error_end: datetime = Field(description="End of the error figures' window, exclusive (a whole hour).")
+    error_end: datetime = Field(description="End of the error figures' window, exclusive (a whole hour). Later "
+                                            "pages of this ranking: ask with this end and error_end.")
     error_source: str = Field(description="rollup: summed from the scored hours of the error rollup (the "
                                           "forecast_errors job); runs: read from the forecast runs minute by "
                                           "minute (a horizon or hour not scored yet; slow at fleet scale).")
@@ -480,10 +483,23 @@ def get_fleet(engine: EngineDep, settings: SettingsDep, clock: ClockDep, _: Read
               search: str | None = Query(None, max_length=256, description="Only models whose id contains this, "
                                                                           "ignoring case."),
               limit: int = Query(50, ge=1, le=MAX_FLEET_PAGE, description="Rows per page."),
-              offset: int = Query(0, ge=0, le=10_000_000, description="Rows of the ranking to skip.")
+              offset: int = Query(0, ge=0, le=10_000_000, description="Rows of the ranking to skip."),
+              error_end: datetime | None = Query(None, description="Where the error figures' window ends (a whole "
+                                                 "hour: the start of end's hour or the hour before; needs end). A "
+                                                 "later page passes the first page's end and error_end, so that "
+                                                 "every page ranks over the same window; default: see error_end "
+                                                 "in the answer.")
               ) -> FleetPublic:
-    """One page of the registered models ranked by ``sort`` at ``horizon`` over the window; ``count`` is all."""
+    """One page of the registered models ranked by ``sort`` at ``horizon`` over the window; ``count`` is all.
+
+    Without ``end`` each request's window ends at its own now: to page through one ranking, ask for the later
+    pages with the first page's ``end`` and ``error_end`` (the dashboard does).
+    """
     now = clock().astimezone(timezone.utc)
+    if error_end is not None:
+        if end is None:
+            raise HTTPException(422, "error_end needs end (the first page's end and error_end, together)")
+        error_end = _utc(error_end, "error_end", now)
     try:
         with engine.connect() as conn:
             follow_scored = end is None
@@ -491,8 +507,13 @@ def get_fleet(engine: EngineDep, settings: SettingsDep, clock: ClockDep, _: Read
                 end, source = _anchor(conn, now, window_min * MINUTE)
             else:
                 end, source = _floor_minute(_utc(end, "end", now)), "request"
+            if error_end is not None and error_end not in fleet_error_ends(end):
+                allowed = " or ".join(e.isoformat() for e in fleet_error_ends(end))
+                raise HTTPException(422, f"error_end must be {allowed} (the start of end's hour or the hour "
+                                         f"before), got {error_end.isoformat()}")
             page = read_fleet_page(conn, end=end, window_min=window_min, horizon_min=horizon, sort=sort.value,
-                                   search=search or None, limit=limit, offset=offset, follow_scored=follow_scored)
+                                   search=search or None, limit=limit, offset=offset, follow_scored=follow_scored,
+                                   error_end=error_end)
     except OperationalError:
         raise _unavailable(settings) from None
     data = [

@@ -27,6 +27,7 @@
     context: null,      // last /v1/dashboard/context body: stored horizons, where the windows end
     horizons: FALLBACK_HORIZONS,
     page: 0,
+    fleetAnchor: null,  // {end, error_end, end_source} of the page that set the window: later pages keep it
     model: null,        // {id, horizon, range, end, shown: drawn once}
     charts: {},         // name -> uPlot
     loading: 0,
@@ -198,15 +199,29 @@
       (body.end_source === "newest_data" ? "latest data: " : "now: ") + fmt.time(body.default_end);
   }
 
+  // Without a picked end each /v1/fleet request would end its window at its own "now": a page read a minute
+  // after the one before it ranked over another window, and models were skipped or shown twice. So the first
+  // page's window (its end and its error figures' hours) is kept as the anchor that every later page asks for,
+  // until Refresh, a filter change, another end, or the minutely refresh of the first page sets a new one.
   async function loadFleet() {
     await busy(async () => {
       if (!state.context) await loadContext();
       const p = fleetParams();
+      const anchor = p.end ? null : state.fleetAnchor;
       const query = new URLSearchParams({ horizon: p.horizon, window_min: p.window_min, sort: p.sort,
                                           limit: PAGE_SIZE, offset: state.page * PAGE_SIZE });
       if (p.search) query.set("search", p.search);
-      if (p.end) query.set("end", p.end);
+      if (p.end) {
+        query.set("end", p.end);
+      } else if (anchor) {
+        query.set("end", anchor.end);
+        query.set("error_end", anchor.error_end);
+      }
       const [body, replay] = await Promise.all([api("/v1/fleet?" + query), api("/v1/replays/latest?limit=0")]);
+      if (!p.end && !anchor) {
+        state.fleetAnchor = { end: body.end, error_end: body.error_end, end_source: body.end_source };
+      }
+      if (anchor) body.end_source = anchor.end_source; // "now" or "newest_data", as when the window was set
       if (body.data.length === 0 && body.count > 0 && state.page > 0) { // past the end after a search
         state.page = Math.max(0, Math.ceil(body.count / PAGE_SIZE) - 1);
         return loadFleet();
@@ -677,6 +692,7 @@
       localStorage.setItem(TOKEN_KEY, $("token-input").value.trim());
       state.fleet = null;
       state.context = null;
+      state.fleetAnchor = null;
       route();
     });
     $("token-forget").addEventListener("click", () => {
@@ -684,12 +700,12 @@
       $("token-input").value = "";
       setStatus("token forgotten");
     });
-    const firstPage = () => { state.page = 0; loadFleet(); };
+    const firstPage = () => { state.page = 0; state.fleetAnchor = null; loadFleet(); };
     $("fleet-search").addEventListener("input", debounce(firstPage, 150));
     $("fleet-sort").addEventListener("change", firstPage);
     $("fleet-horizon").addEventListener("change", firstPage);
     $("fleet-window").addEventListener("change", firstPage);
-    $("fleet-refresh").addEventListener("click", () => { state.context = null; loadFleet(); });
+    $("fleet-refresh").addEventListener("click", () => { state.context = null; state.fleetAnchor = null; loadFleet(); });
     $("fleet-prev").addEventListener("click", () => { state.page -= 1; loadFleet(); });
     $("fleet-next").addEventListener("click", () => { state.page += 1; loadFleet(); });
     $("window-end").addEventListener("change", () => {
@@ -730,7 +746,12 @@
     }, 150));
     setInterval(() => {
       if (document.hidden || state.loading) return;
-      if (state.model) loadModel(); else loadFleet();
+      if (state.model) {
+        loadModel();
+      } else {
+        if (state.page === 0) state.fleetAnchor = null; // the first page follows now; later ones keep their window
+        loadFleet();
+      }
     }, REFRESH_MS);
     if (!token()) setStatus("enter a read token to start", true);
     route();

@@ -583,6 +583,13 @@ def error_window(end: datetime, window_min: int) -> tuple[datetime, datetime]:
     return error_end - max(1, math.ceil(window_min / 60)) * HOUR, error_end
 
 
+def fleet_error_ends(end: datetime) -> tuple[datetime, datetime]:
+    """Where a fleet page's error window may end for a window ending at ``end``: the start of ``end``'s hour
+    (:func:`error_window`), or the hour before (``follow_scored``, while that hour is not scored yet)."""
+    error_end = floor_hour(end)
+    return error_end, error_end - HOUR
+
+
 @dataclass(frozen=True)
 class FleetHourError:
     """The whole fleet's forecast error over one scored hour at one horizon (the rollup's sums over models).
@@ -663,15 +670,17 @@ def p_any_bands(conn: Connection, *, hour: datetime) -> list[PAnyBand]:
 
 def read_fleet_page(conn: Connection, *, end: datetime, window_min: int, horizon_min: int, sort: str = "wmape",
                     search: str | None = None, limit: int = 50, offset: int = 0,
-                    follow_scored: bool = False) -> FleetPage:
+                    follow_scored: bool = False, error_end: datetime | None = None) -> FleetPage:
     """One page of every registered model ranked by ``sort`` over the ``window_min`` minutes before ``end``.
 
     Error figures (and the error sorts) cover the window snapped to whole hours (:func:`error_window`) and
     are read from the error rollup when it holds every one of those hours at ``horizon_min``, else from the
     forecast runs (the same definitions; at fleet scale reading the runs costs one run per model and minute).
     With ``follow_scored`` (a window whose end was not asked for) and the hour that just ended not scored
-    yet, the error window ends an hour earlier when that makes the rollup hold it. Cold starts and actions
-    cover the window ``[end - window_min, end)`` itself.
+    yet, the error window ends an hour earlier when that makes the rollup hold it. ``error_end`` (a whole hour,
+    one of the two :func:`fleet_error_ends` of ``end``) fixes where the error window ends instead, so that a
+    later page ranks over the hours the first one did whatever the rollup holds by then. Cold starts and
+    actions cover the window ``[end - window_min, end)`` itself.
 
     Two queries: the ranking over the whole fleet (without a search a bounded top-N sort of ``offset +
     limit`` rows), then the figures of the page's models alone (their rollup rows or runs by primary key,
@@ -683,13 +692,18 @@ def read_fleet_page(conn: Connection, *, end: datetime, window_min: int, horizon
     if sort not in FLEET_SORTS:
         raise ValueError(f"unknown sort {sort!r}; one of {', '.join(FLEET_SORTS)}")
     start = end - window_min * MINUTE
+    pinned = error_end
     error_start, error_end = error_window(end, window_min)
     hours = int((error_end - error_start) / HOUR)
+    if pinned is not None:
+        if pinned not in fleet_error_ends(end):
+            raise ValueError(f"error_end {pinned.isoformat()} is not the start of end's hour or the hour before")
+        error_start, error_end = pinned - hours * HOUR, pinned
     source = "runs"
     if scored_hours(conn, horizon_min=horizon_min, start=error_start, end=error_end) == hours:
         source = "rollup"
-    elif follow_scored and scored_hours(conn, horizon_min=horizon_min, start=error_start - HOUR,
-                                        end=error_end - HOUR) == hours:
+    elif follow_scored and pinned is None and scored_hours(conn, horizon_min=horizon_min, start=error_start - HOUR,
+                                                           end=error_end - HOUR) == hours:
         error_start, error_end, source = error_start - HOUR, error_end - HOUR, "rollup"
     params = {"h": horizon_min, "s": start, "e": end, "es": error_start, "ee": error_end,
               **_issued_bounds(error_start, error_end, horizon_min)}
