@@ -46,7 +46,8 @@ class PrewarmAPI(FastAPI):
 
 
 def create_app(settings: Settings, engine: Engine, *, clock: Callable[[], datetime] = utc_now,
-               owns_engine: bool = False, shared_port: bool = False) -> FastAPI:
+               owns_engine: bool = False, shared_port: bool = False,
+               scheduler_health: Callable[[], tuple[bool, dict]] | None = None) -> FastAPI:
     """Build the app around an open engine; the caller owns the engine's life (and migrations) unless ``owns_engine``.
 
     At start-up the app listens for token revocations (:class:`~forecaster.store.tokens.RevocationListener`)
@@ -56,6 +57,9 @@ def create_app(settings: Settings, engine: Engine, *, clock: Callable[[], dateti
     With ``PREWARM_KEDA_GRPC_PORT`` set it also serves KEDA's external scaler, on ``settings.api_host`` (``prewarm
     serve`` sets it to the address it binds for HTTP). ``shared_port``: this app is one of several worker processes
     on the same ports, so the scaler binds its port with ``SO_REUSEPORT`` as the worker binds HTTP's.
+
+    ``scheduler_health``: in a process that runs the scheduler (``prewarm serve --scheduler``), its heartbeat's
+    check (:mod:`forecaster.jobs.heartbeat`); ``/healthz`` then fails when the scheduler's loop has ended or is stuck.
     """
     snapshot = ForecastSnapshot(engine, refresh_s=settings.api_snapshot_refresh_s, settings=settings, clock=clock)
 
@@ -120,6 +124,7 @@ def create_app(settings: Settings, engine: Engine, *, clock: Callable[[], dateti
     app.state.settings = settings
     app.state.engine = engine
     app.state.clock = clock
+    app.state.scheduler_health = scheduler_health
     app.state.last_good = LastGood()
     app.state.snapshot = snapshot
     app.state.token_cache = TokenCache(settings.token_cache_s)
@@ -143,9 +148,19 @@ def app_from_environment() -> FastAPI:
 
     Each worker opens its own engine from the environment (the parent process exported ``DATABASE_URL`` and
     ``PREWARM_API_HOST``, and ran the migrations) and loads its own forecast snapshot at start-up. Its KEDA scaler,
-    when one is served, shares the gRPC port with the other workers' (``SO_REUSEPORT``), as HTTP's is shared.
+    when one is served, shares the gRPC port with the other workers' (``SO_REUSEPORT``), as HTTP's is shared. When
+    the parent runs the scheduler it names its heartbeat file (``PREWARM_SCHEDULER_HEARTBEAT_FILE``), which the
+    worker's ``/healthz`` checks.
     """
+    import os
+    from functools import partial
+    from pathlib import Path
+
+    from forecaster.jobs.heartbeat import HEARTBEAT_FILE_ENV, file_health
+
     settings = Settings()
     if settings.database_url is None:
         raise RuntimeError("a worker process needs DATABASE_URL (prewarm serve sets it for its workers)")
-    return create_app(settings, make_engine(settings.database_url), owns_engine=True, shared_port=True)
+    heartbeat_file = os.environ.get(HEARTBEAT_FILE_ENV)
+    return create_app(settings, make_engine(settings.database_url), owns_engine=True, shared_port=True,
+                      scheduler_health=partial(file_health, Path(heartbeat_file)) if heartbeat_file else None)

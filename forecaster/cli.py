@@ -330,12 +330,12 @@ def models_register(
 @app.command("scheduler")
 def scheduler_cmd() -> None:
     """Run the scheduler (ingest, partition maintenance, and the jobs later versions add) until stopped."""
-    from forecaster.jobs.scheduler import build_scheduler
+    from forecaster.jobs.scheduler import JOBS, build_scheduler
 
     settings = _settings()
     with _database(settings) as engine:
         scheduler = build_scheduler(engine, settings)
-        typer.echo(f"scheduler running jobs: {', '.join(j.id for j in scheduler.get_jobs()) or '(none yet)'}")
+        typer.echo(f"scheduler running jobs: {', '.join(JOBS) or '(none yet)'}")
         try:
             scheduler.start()
         except (KeyboardInterrupt, SystemExit):
@@ -357,18 +357,29 @@ def serve_cmd(
     (:mod:`api.workers`); each opens its own engine and forecast snapshot (``api.main:app_from_environment``),
     and the scheduler runs once, in this process.
     """
+    import tempfile
+
     import uvicorn
-    from apscheduler.schedulers.background import BackgroundScheduler
 
     from api.main import create_app
+    from forecaster.jobs.heartbeat import HEARTBEAT_FILE_ENV, SchedulerHeartbeat
     from forecaster.jobs.scheduler import build_scheduler
 
     settings = _settings()
     worker_count = workers or settings.api_worker_count
+    os.environ.pop(HEARTBEAT_FILE_ENV, None)  # only this process's own scheduler speaks for /healthz
     with _database(settings) as engine:
-        background = None
+        background = heartbeat = heartbeat_file = None
         if scheduler:
-            background = build_scheduler(engine, settings, BackgroundScheduler(timezone=timezone.utc))
+            # /healthz fails once the scheduler's loop has ended or is stuck (the pod's liveness probe); workers
+            # in processes of their own read its heartbeat from a file
+            if worker_count > 1:
+                descriptor, name = tempfile.mkstemp(prefix="prewarm-scheduler-", suffix=".json")
+                os.close(descriptor)
+                heartbeat_file = Path(name)
+                os.environ[HEARTBEAT_FILE_ENV] = name
+            heartbeat = SchedulerHeartbeat(heartbeat_file)
+            background = build_scheduler(engine, settings, background=True, heartbeat=heartbeat)
             background.start()
         bind_host, bind_port = host or settings.api_host, port or settings.api_port
         # KEDA's scaler (PREWARM_KEDA_GRPC_PORT) listens on the address HTTP binds, e.g. --host 0.0.0.0 in a pod
@@ -379,7 +390,8 @@ def serve_cmd(
         options = {"host": bind_host, "port": bind_port, **api_workers.SERVER_OPTIONS}
         try:
             if worker_count == 1:
-                uvicorn.run(create_app(settings, engine), **options)
+                uvicorn.run(create_app(settings, engine, scheduler_health=heartbeat.health if heartbeat else None),
+                            **options)
             else:
                 # the workers are spawned: they read the database (embedded or not) and the host from the environment
                 os.environ["DATABASE_URL"] = engine.url.render_as_string(hide_password=False)
@@ -397,6 +409,8 @@ def serve_cmd(
         finally:
             if background is not None:
                 background.shutdown(wait=False)
+            if heartbeat_file is not None:
+                heartbeat_file.unlink(missing_ok=True)
 
 
 token_app = typer.Typer(help="API bearer tokens (scopes: read, ingest, admin).", no_args_is_help=True)

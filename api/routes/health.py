@@ -13,10 +13,15 @@ from api.deps import ClockDep, EngineDep, SettingsDep
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz")
-def healthz() -> dict:
-    """The process answers (no dependencies checked)."""
-    return {"status": "ok"}
+@router.get("/healthz", responses={503: {"description": "This process's scheduler has stopped or is stuck"}})
+def healthz(request: Request) -> JSONResponse:
+    """The process answers (no dependencies checked); in a process that runs the scheduler, also its loop: 503 once
+    the loop's thread has ended or it has not woken for several minutes (:mod:`forecaster.jobs.heartbeat`)."""
+    check = getattr(request.app.state, "scheduler_health", None)
+    if check is None:
+        return JSONResponse({"status": "ok"})
+    ok, detail = check()
+    return JSONResponse({"status": "ok" if ok else "unavailable", "scheduler": detail}, status_code=200 if ok else 503)
 
 
 @router.get("/readyz", responses={503: {"description": "Database unreachable or forecasts stale"}})

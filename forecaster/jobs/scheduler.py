@@ -11,6 +11,11 @@ dashboard's error rollup), nightly retrain; more can be added with
 APScheduler stores jobs as pickled references, so the stored job is the
 module-level :func:`fire` with the job's name; the engine and settings are
 process state set by :func:`build_scheduler`.
+
+The schedulers built here (:class:`GuardedBlockingScheduler`, :class:`GuardedBackgroundScheduler`) survive a
+database error in APScheduler's own bookkeeping (APScheduler 3 catches only those of ``get_due_jobs``: one from
+``update_job`` or ``get_next_run_time`` ended its loop, and with it every job, for good) and keep a
+:class:`SchedulerHeartbeat` that ``/healthz`` reads.
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ import logging
 from datetime import datetime, timezone
 
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
-from apscheduler.schedulers.base import BaseScheduler
+from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.schedulers.base import STATE_STOPPED, BaseScheduler
 from apscheduler.schedulers.blocking import BlockingScheduler
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 from sqlalchemy import Engine
 
+from forecaster.jobs.heartbeat import HEARTBEAT_EVERY_S, SchedulerHeartbeat
 from forecaster.jobs.runs import JobSpec, run_once
 from forecaster.settings import Settings
 
@@ -156,6 +163,58 @@ def _trigger(spec: JobSpec) -> IntervalTrigger | CronTrigger:
     return IntervalTrigger(seconds=spec.every_s, timezone=timezone.utc)
 
 
+class _GuardedLoop:
+    """APScheduler 3's loop, kept alive through errors of its own bookkeeping and watched by a heartbeat.
+
+    ``BaseScheduler._process_jobs`` catches only the errors of ``jobstore.get_due_jobs``; one raised by
+    ``jobstore.update_job`` (the due job's next run time written back) or ``get_next_run_time`` (the database gone
+    in between) left ``_main_loop``, and the loop's thread ended for good: no job ran again while ``prewarm serve``
+    kept answering (``prewarm scheduler`` exited 1). Here such an error is logged and the loop tries again after
+    the job store's retry interval (``jobstore_retry_interval``, 10 s), as APScheduler does for ``get_due_jobs``: a
+    job already handed to the executor before the error is handed again then, and its slot claim in ``job_runs``
+    makes that a no-op. The loop also wakes at least every ``heartbeat_every_s``, so that its heartbeat shows it
+    turning even when no job is due for hours, and takes no job once the scheduler is shut down.
+    """
+
+    heartbeat_every_s: float = HEARTBEAT_EVERY_S
+
+    def __init__(self, *args, heartbeat: SchedulerHeartbeat | None = None, **kwargs) -> None:
+        self.heartbeat = heartbeat or SchedulerHeartbeat()
+        super().__init__(*args, **kwargs)
+
+    def _main_loop(self) -> None:
+        self.heartbeat.loop_started()
+        try:
+            super()._main_loop()  # type: ignore[misc]
+        finally:
+            self.heartbeat.loop_ended()
+
+    def _process_jobs(self):
+        self.heartbeat.beat()
+        if self.state == STATE_STOPPED:  # type: ignore[attr-defined]
+            # shutdown() woke the loop to end it, and APScheduler would process the due jobs once more first: hand
+            # each to the executor already shut down ("cannot schedule new futures after shutdown") and still move
+            # its stored next run time on, so that a slot due at that moment never ran, not even after a restart
+            return None
+        try:
+            wait_s = super()._process_jobs()  # type: ignore[misc]
+        except Exception as error:  # noqa: BLE001 - the loop must outlive the job store's errors
+            retry_s = self.jobstore_retry_interval  # type: ignore[attr-defined]
+            log.error("scheduler: the job store failed while APScheduler updated its jobs; trying again in %g s",
+                      retry_s, exc_info=True)
+            self.heartbeat.failed(error)
+            wait_s = retry_s
+        return self.heartbeat_every_s if wait_s is None else min(wait_s, self.heartbeat_every_s)
+
+
+class GuardedBlockingScheduler(_GuardedLoop, BlockingScheduler):
+    """:class:`BlockingScheduler` whose loop survives job store errors (``prewarm scheduler``)."""
+
+
+class GuardedBackgroundScheduler(_GuardedLoop, BackgroundScheduler):
+    """:class:`BackgroundScheduler` whose loop survives job store errors (``prewarm serve --scheduler``)."""
+
+
 def _reconcile_action_state(engine: Engine) -> None:
     """The action counts and GPUs ahead recomputed from the history before the actuator runs (see
     :func:`forecaster.store.actions.reconcile_action_state`); a failure is logged, the jobs start regardless."""
@@ -167,17 +226,26 @@ def _reconcile_action_state(engine: Engine) -> None:
         log.exception("could not reconcile the action counts and GPUs ahead with the history")
 
 
-def build_scheduler(engine: Engine, settings: Settings, scheduler: BaseScheduler | None = None) -> BaseScheduler:
+def build_scheduler(engine: Engine, settings: Settings, scheduler: BaseScheduler | None = None, *,
+                    background: bool = False, heartbeat: SchedulerHeartbeat | None = None) -> BaseScheduler:
     """Configure a scheduler whose job store is the ``apscheduler_jobs`` table.
 
-    Missed runs are coalesced into one and dropped when more than half a
-    period late; the ``job_runs`` slot claim makes a re-fired slot a no-op.
+    Without ``scheduler``, a :class:`GuardedBackgroundScheduler` (``background``) or a
+    :class:`GuardedBlockingScheduler`, with ``heartbeat`` (a new one by default; ``scheduler.heartbeat``).
+
+    Missed runs are coalesced into one and dropped when more than half a period late; the ``job_runs`` slot claim
+    makes a re-fired slot a no-op.
     """
     for spec in default_jobs(settings):
         JOBS.setdefault(spec.name, spec)
     _context.update(engine=engine, settings=settings)
     _reconcile_action_state(engine)
-    scheduler = scheduler or BlockingScheduler(timezone=timezone.utc)
+    if scheduler is None:
+        kind = GuardedBackgroundScheduler if background else GuardedBlockingScheduler
+        scheduler = kind(timezone=timezone.utc, heartbeat=heartbeat)
+    elif not isinstance(scheduler, _GuardedLoop):
+        log.warning("%s is not guarded: a job store error during its bookkeeping ends its loop",
+                    type(scheduler).__name__)
     scheduler.configure(
         jobstores={"default": SQLAlchemyJobStore(engine=engine, tablename="apscheduler_jobs")},
         job_defaults={"coalesce": True, "max_instances": 1},
