@@ -359,3 +359,94 @@ def test_a_shutdown_takes_no_due_job_and_leaves_its_run_time_stored(engine, sett
     scheduler.shutdown()
     assert _next_run_times(engine)["retrain"] == due.timestamp()
     assert not recorder.runs["retrain"]
+
+
+# --- a restart keeps the stored run times; interval jobs on fixed boundaries --------------------------------------
+
+
+def _upkeep_ran(engine, now: datetime) -> None:
+    """ok runs of partitions and retention for the hour of ``now`` and the next (no run at start, even when the
+    hour turns during the test)."""
+    with engine.begin() as conn:
+        for name in ("partitions", "retention"):
+            for slot in (slot_for(now, 3600), slot_for(now, 3600) + timedelta(hours=1)):
+                conn.execute(text("INSERT INTO job_runs (job_name, slot, started_at, finished_at, status, detail) "
+                                  "VALUES (:n, :s, now(), now(), 'ok', '{}'::jsonb)"), {"n": name, "s": slot})
+
+
+def test_a_restart_keeps_stored_run_times_so_a_missed_nightly_retrain_runs(engine, settings, recorder):
+    """The retrain fell due while the process was down (its stored next run time 5 minutes ago, within its 12 h
+    grace): the restarted scheduler runs it. It used to replace every stored job, the next run recomputed from the
+    start: tomorrow's retrain."""
+    _upkeep_ran(engine, datetime.now(timezone.utc))
+    old = _serve_scheduler(engine, settings)
+    old.start(paused=True)
+    old.modify_job("retrain", next_run_time=datetime.now(timezone.utc) - timedelta(minutes=5))
+    old.shutdown()
+    restarted = _serve_scheduler(engine, settings)
+    restarted.start()
+    try:
+        assert _until(lambda: recorder.runs["retrain"], timeout=10), dict(recorder.runs)
+    finally:
+        restarted.shutdown()
+    assert len(recorder.runs["retrain"]) == 1
+    assert _next_run_times(engine)["retrain"] > time.time()  # the next one: tomorrow's
+
+
+def test_interval_jobs_fire_on_epoch_aligned_boundaries_that_a_restart_keeps(engine, settings, recorder):
+    """Hourly jobs at the top of the hour, minute jobs at second 0, the retrain at its hour, whenever the process
+    started, and a restart leaves every stored run time as it was: a start used to push each interval job a whole
+    period back (a scheduler restarted more often than hourly never ran retention)."""
+    _upkeep_ran(engine, datetime.now(timezone.utc))
+    first = _serve_scheduler(engine, settings)
+    first.start(paused=True)
+    first.shutdown()
+    stored = _next_run_times(engine)
+    assert stored["partitions"] % 3600 == 0 and stored["retention"] % 3600 == 0, stored
+    assert all(stored[name] % 60 == 0 for name in ("ingest", "forecast", "plan", "coldstarts", "forecast_errors"))
+    assert stored["retrain"] % 86_400 == settings.retrain_hour_utc * 3600
+    assert 0 < stored["partitions"] - time.time() <= 3600
+    time.sleep(0.01)
+    second = _serve_scheduler(engine, settings)
+    second.start(paused=True)
+    second.shutdown()
+    assert _next_run_times(engine) == stored
+
+
+def test_partitions_and_retention_run_at_start_when_their_slot_has_not_run(engine, settings, recorder):
+    """A first start (or one after more than the grace time down) runs the hourly upkeep at once rather than at the
+    next top of the hour; a start within an hour that has its runs leaves them to the next boundary."""
+    first = _serve_scheduler(engine, settings)
+    first.start()
+    try:
+        assert _until(lambda: recorder.runs["partitions"] and recorder.runs["retention"], timeout=10), \
+            dict(recorder.runs)
+        # a one-off run: the jobs' own run times stay on the hour, the one-offs are gone once they fired
+        assert _until(lambda: not {"partitions@start", "retention@start"} & set(_next_run_times(engine)), timeout=5)
+    finally:
+        first.shutdown()
+    assert all(_next_run_times(engine)[name] % 3600 == 0 for name in ("partitions", "retention"))
+    _upkeep_ran(engine, datetime.now(timezone.utc) + timedelta(hours=1))  # the next hour's too: no flake at :59:59
+    second = _serve_scheduler(engine, settings)
+    second.start(paused=True)
+    second.shutdown()
+    stored = _next_run_times(engine)
+    assert stored["partitions"] > time.time() and stored["partitions"] % 3600 == 0
+    assert not {"partitions@start", "retention@start"} & set(stored)
+
+
+def test_a_changed_job_replaces_the_stored_one(engine, settings, recorder):
+    """A job whose trigger changed (here ingest every 2 minutes instead of 1) is replaced, not kept."""
+    import pickle
+
+    first = _serve_scheduler(engine, settings)
+    first.start(paused=True)
+    first.shutdown()
+    recorder.add("ingest", 120)
+    second = _serve_scheduler(engine, settings)
+    second.start(paused=True)
+    second.shutdown()
+    with engine.connect() as conn:
+        state = pickle.loads(conn.execute(text("SELECT job_state FROM apscheduler_jobs WHERE id = 'ingest'")).scalar())
+    assert state["trigger"].interval == timedelta(seconds=120)
+    assert _next_run_times(engine)["ingest"] % 120 == 0

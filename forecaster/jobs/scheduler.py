@@ -15,25 +15,31 @@ process state set by :func:`build_scheduler`.
 The schedulers built here (:class:`GuardedBlockingScheduler`, :class:`GuardedBackgroundScheduler`) survive a
 database error in APScheduler's own bookkeeping (APScheduler 3 catches only those of ``get_due_jobs``: one from
 ``update_job`` or ``get_next_run_time`` ended its loop, and with it every job, for good) and keep a
-:class:`SchedulerHeartbeat` that ``/healthz`` reads.
+:class:`SchedulerHeartbeat` that ``/healthz`` reads. A restart keeps what the job store holds: an unchanged job
+keeps its stored next run time (a nightly retrain that fell due while the process was down runs within its grace
+time), and interval jobs fire on boundaries counted from the epoch, not from the start.
 """
 
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timezone
+import pickle
+from datetime import datetime, timedelta, timezone
 
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.schedulers.base import STATE_STOPPED, BaseScheduler
 from apscheduler.schedulers.blocking import BlockingScheduler
 from apscheduler.triggers.cron import CronTrigger
+from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
-from sqlalchemy import Engine
+from apscheduler.util import obj_to_ref
+from sqlalchemy import Engine, inspect, text
 
 from forecaster.jobs.heartbeat import HEARTBEAT_EVERY_S, SchedulerHeartbeat
-from forecaster.jobs.runs import JobSpec, run_once
+from forecaster.jobs.runs import JobSpec, run_once, slot_for
 from forecaster.settings import Settings
+from forecaster.store.job_runs import last_ok_slot
 
 log = logging.getLogger(__name__)
 
@@ -156,11 +162,19 @@ def fire(job_name: str) -> dict | None:
     return run_once(engine, settings, JOBS[job_name], now=datetime.now(timezone.utc))  # type: ignore[arg-type]
 
 
+#: Where interval jobs count their periods from: they fire at the epoch plus whole periods (plus their offset), i.e.
+#: on the boundaries of their slots (:func:`~forecaster.jobs.runs.slot_for`): second 0 of the minute, the top of the
+#: hour. Counted from the start (APScheduler's default) each start pushed every job a whole period back: a
+#: scheduler restarted more often than hourly never ran the hourly ones.
+EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
 def _trigger(spec: JobSpec) -> IntervalTrigger | CronTrigger:
-    """Daily jobs fire at their offset (e.g. 03:00 UTC); shorter ones on a fixed interval."""
+    """Daily jobs fire at their offset (e.g. 03:00 UTC); shorter ones every period, on the period's boundaries."""
     if spec.every_s == 86_400:
         return CronTrigger(hour=spec.offset_s // 3600, minute=(spec.offset_s % 3600) // 60, timezone=timezone.utc)
-    return IntervalTrigger(seconds=spec.every_s, timezone=timezone.utc)
+    return IntervalTrigger(seconds=spec.every_s, start_date=EPOCH + timedelta(seconds=spec.offset_s % spec.every_s),
+                           timezone=timezone.utc)
 
 
 class _GuardedLoop:
@@ -215,6 +229,52 @@ class GuardedBackgroundScheduler(_GuardedLoop, BackgroundScheduler):
     """:class:`BackgroundScheduler` whose loop survives job store errors (``prewarm serve --scheduler``)."""
 
 
+#: APScheduler's table in the database.
+JOB_TABLE = "apscheduler_jobs"
+#: Jobs run at start when the slot they are in has not run successfully, rather than at the next boundary up to a
+#: period later: the hourly upkeep that a scheduler down across its boundary (longer than its grace time) or
+#: started for the first time would otherwise leave for an hour. That run is a one-off job of its own (id
+#: ``<name>@start``, removed once it fired), so the job's own run times stay on its boundaries; the slot claim makes
+#: a slot that already runs (another process) a no-op.
+CATCH_UP_AT_START = frozenset({"partitions", "retention"})
+
+
+def _stored_jobs(engine: Engine) -> dict[str, dict]:
+    """The jobs in the job store as APScheduler pickled them (``Job.__getstate__``: trigger, args, next run time...),
+    by id; none before the first start. A job that cannot be read back is left out (it is replaced)."""
+    if not inspect(engine).has_table(JOB_TABLE):
+        return {}
+    with engine.connect() as conn:
+        rows = conn.execute(text(f"SELECT id, job_state FROM {JOB_TABLE}")).all()
+    stored = {}
+    for job_id, job_state in rows:
+        try:
+            stored[job_id] = pickle.loads(job_state)
+        except Exception:  # noqa: BLE001 - a class since moved or renamed: the job is added afresh
+            log.warning("stored job %s cannot be read back; it is replaced", job_id, exc_info=True)
+    return stored
+
+
+def _unchanged(state: dict, trigger: IntervalTrigger | CronTrigger, name: str, grace_s: int) -> bool:
+    """Whether the stored job ``state`` is the job this code would add (its next run time aside)."""
+    stored_trigger = state.get("trigger")
+    return (type(stored_trigger) is type(trigger) and stored_trigger.__getstate__() == trigger.__getstate__()
+            and state.get("func") == obj_to_ref(fire) and tuple(state.get("args") or ()) == (name,)
+            and not state.get("kwargs") and state.get("executor") == "default"
+            and state.get("misfire_grace_time") == grace_s and state.get("coalesce") is True
+            and state.get("max_instances") == 1 and state.get("next_run_time") is not None)
+
+
+def _slot_not_run(engine: Engine, spec: JobSpec, now: datetime) -> bool:
+    """Whether ``spec``'s slot at ``now`` has no successful run (its newest successful slot is older)."""
+    try:
+        last = last_ok_slot(engine, spec.name)
+    except Exception:  # noqa: BLE001 - no catch-up then: the job fires at its next boundary
+        log.warning("job %s: its last run could not be read; no run at start", spec.name, exc_info=True)
+        return False
+    return last is None or last < slot_for(now, spec.every_s, spec.offset_s)
+
+
 def _reconcile_action_state(engine: Engine) -> None:
     """The action counts and GPUs ahead recomputed from the history before the actuator runs (see
     :func:`forecaster.store.actions.reconcile_action_state`); a failure is logged, the jobs start regardless."""
@@ -234,7 +294,10 @@ def build_scheduler(engine: Engine, settings: Settings, scheduler: BaseScheduler
     :class:`GuardedBlockingScheduler`, with ``heartbeat`` (a new one by default; ``scheduler.heartbeat``).
 
     Missed runs are coalesced into one and dropped when more than half a period late; the ``job_runs`` slot claim
-    makes a re-fired slot a no-op.
+    makes a re-fired slot a no-op. A job the store holds unchanged (trigger, arguments, options) is kept as stored,
+    its next run time with it: a start no longer recomputes it from the start's moment (a nightly retrain that fell
+    due while the process was down runs at start, within its 12 h grace time). A changed or new job is added
+    (replacing the stored one). :data:`CATCH_UP_AT_START` jobs whose current slot has not run also run once at start.
     """
     for spec in default_jobs(settings):
         JOBS.setdefault(spec.name, spec)
@@ -247,18 +310,25 @@ def build_scheduler(engine: Engine, settings: Settings, scheduler: BaseScheduler
         log.warning("%s is not guarded: a job store error during its bookkeeping ends its loop",
                     type(scheduler).__name__)
     scheduler.configure(
-        jobstores={"default": SQLAlchemyJobStore(engine=engine, tablename="apscheduler_jobs")},
+        jobstores={"default": SQLAlchemyJobStore(engine=engine, tablename=JOB_TABLE)},
         job_defaults={"coalesce": True, "max_instances": 1},
         timezone=timezone.utc,
     )
+    stored = _stored_jobs(engine)
+    now = datetime.now(timezone.utc)
     for name, spec in JOBS.items():
-        scheduler.add_job(
-            fire,
-            _trigger(spec),
-            args=[name],
-            id=name,
-            name=name,
-            replace_existing=True,
-            misfire_grace_time=max(1, spec.every_s // 2),
-        )
+        trigger = _trigger(spec)
+        grace_s = max(1, spec.every_s // 2)
+        state = stored.get(name)
+        if state is not None and _unchanged(state, trigger, name, grace_s):
+            log.info("job %s kept as stored, next run at %s", name, state["next_run_time"])
+        else:
+            scheduler.add_job(fire, trigger, args=[name], id=name, name=name, replace_existing=True,
+                              misfire_grace_time=grace_s)
+        if name in CATCH_UP_AT_START and _slot_not_run(engine, spec, now):
+            log.info("job %s: its slot at %s has not run; running it at start", name, slot_for(now, spec.every_s,
+                                                                                                spec.offset_s))
+            scheduler.add_job(fire, DateTrigger(run_date=now, timezone=timezone.utc), args=[name],
+                              id=f"{name}@start", name=f"{name} (at start)", replace_existing=True,
+                              misfire_grace_time=grace_s)
     return scheduler
