@@ -10,6 +10,7 @@ the environment itself.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from collections.abc import Sequence
 from typing import Literal
@@ -92,6 +93,48 @@ class SettingsError(ValueError):
     """Settings could not be loaded; the message names each bad variable and value."""
 
 
+_URL_SCHEME = re.compile(r"^\s*[A-Za-z][A-Za-z0-9+.\-]*://")
+_QUERY_PASSWORD = re.compile(r"(?i)\b(password=)[^&\s]*")
+
+
+def mask_url(url: str) -> str:
+    """``url`` with its password shown as ``***``, for messages and logs; any string, parsable or not.
+
+    The user information runs from ``://`` to the *last* ``@``, and its password from the first ``:`` in it: so a
+    password written with a raw ``@``, ``:`` or ``/`` is hidden whole. (SQLAlchemy's ``render_as_string(
+    hide_password=True)`` parses ``u:p@ss@host`` as password ``p`` on host ``ss@host`` and shows ``ss``; nor does
+    it hide a libpq ``?password=`` parameter.) A string without ``://`` has only such parameters masked.
+    """
+    scheme = _URL_SCHEME.match(url)
+    if scheme is not None:
+        rest = url[scheme.end():]
+        at = rest.rfind("@")
+        user, colon, password = rest[:max(at, 0)].partition(":")
+        if at >= 0 and colon and password:
+            url = f"{url[:scheme.end()]}{user}:***{rest[at:]}"
+    return _QUERY_PASSWORD.sub(r"\1***", url)
+
+
+#: What ``DATABASE_URL``'s errors suggest when the URL does not parse.
+_PERCENT_ENCODE_HINT = ("percent-encode special characters in the user name and password (@ as %40, : as %3A, "
+                        "/ as %2F, % as %25, # as %23, ? as %3F)")
+
+
+def _check_database_url(url: str) -> None:
+    """Raise ValueError (without the password) when SQLAlchemy cannot parse ``url`` or splits it wrongly."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number ('w' of 'p@ss:w/rd')
+        reason = "the port is not a number" if isinstance(exc, ValueError) else "it does not parse"
+        raise ValueError(f"is not a valid URL ({reason}): {_PERCENT_ENCODE_HINT}") from None
+    if parsed.host is not None and "@" in parsed.host:
+        # not the host in the message: it is the rest of a password written with a raw '@'
+        raise ValueError(f"is not a valid URL (more than one '@' before the host): {_PERCENT_ENCODE_HINT}")
+
+
 def _default_data_dir() -> Path:
     return Path(platformdirs.user_data_dir("prewarm", appauthor=False))
 
@@ -103,13 +146,16 @@ def _default_traces_dir() -> Path:
 class Settings(BaseSettings):
     """Service settings; see README for the full list with defaults."""
 
-    model_config = SettingsConfigDict(env_prefix="PREWARM_", extra="ignore", validate_default=True)
+    # hide_input_in_errors: str() of a ValidationError from Settings() would show DATABASE_URL with its password;
+    # load_settings shows each bad value itself, the URL masked
+    model_config = SettingsConfigDict(env_prefix="PREWARM_", extra="ignore", validate_default=True,
+                                      hide_input_in_errors=True)
 
     environment: Literal["development", "production"] = "development"
 
     # --- database -------------------------------------------------------
     database_url: str | None = Field(
-        default=None,
+        default=None, repr=False,  # it may hold a password
         validation_alias=AliasChoices("PREWARM_DATABASE_URL", "DATABASE_URL"),
         description="SQLAlchemy URL of PostgreSQL; unset starts an embedded server under data_dir.",
     )
@@ -455,11 +501,13 @@ class Settings(BaseSettings):
         value = value.strip()
         for prefix in ("postgres://", "postgresql://"):
             if value.startswith(prefix):
-                return "postgresql+psycopg://" + value[len(prefix):]
+                value = "postgresql+psycopg://" + value[len(prefix):]
+                break
         if not value.startswith("postgresql+psycopg://"):
             raise ValueError(
-                f"must be a PostgreSQL URL (postgresql://user@host:port/db), got {value!r}"
+                f"must be a PostgreSQL URL (postgresql://user@host:port/db), got {mask_url(value)!r}"
             )
+        _check_database_url(value)
         return value
 
     @field_validator("api_workers", mode="before")
@@ -603,5 +651,7 @@ def load_settings(**overrides: object) -> Settings:
             else:
                 env_name = f"PREWARM_{name.upper()}"
             shown = err.get("input")
+            if env_name.endswith("DATABASE_URL") and isinstance(shown, str):
+                shown = mask_url(shown)
             problems.append(f"{env_name}={shown!r}: {err['msg']}")
         raise SettingsError("invalid settings: " + "; ".join(problems)) from None

@@ -226,6 +226,24 @@ def test_bad_database_url_names_the_variable_exactly(runner):
     assert result.stderr.startswith("error: invalid settings: DATABASE_URL='mysql://x': ")
 
 
+def test_database_url_with_a_raw_special_character_in_the_password_exits_2_in_one_line(runner):
+    """Before, 'invalid literal for int()' came with a traceback; the message names DATABASE_URL, not the password."""
+    result = runner.invoke(app, ["db", "current"],
+                           env={"DATABASE_URL": "postgresql://pw:p@ss:w/rd%#?x@127.0.0.1:55432/pwdb"})
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: invalid settings: DATABASE_URL='postgresql://pw:***@127.0.0.1:55432/pwdb': ")
+    assert "percent-encode" in result.stderr
+    assert "ss:w/rd" not in result.stderr and "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1
+
+
+def test_unsupported_driver_in_database_url_is_shown_without_its_password(runner):
+    result = runner.invoke(app, ["db", "current"],
+                           env={"DATABASE_URL": "postgresql+asyncpg://pw:S3cretPassw0rd@127.0.0.1:55432/pwdb"})
+    assert result.exit_code == 2
+    assert "S3cretPassw0rd" not in result.stderr and "pw:***@127.0.0.1" in result.stderr
+
+
 def test_negative_future_skew_exits_2(cli):
     result = cli("db", "current", PREWARM_MAX_FUTURE_SKEW_S="-1")
     assert result.exit_code == 2

@@ -96,3 +96,68 @@ def test_forecast_members_refuse_what_the_ensemble_cannot_build(monkeypatch, val
     monkeypatch.setenv("PREWARM_FORECAST_MEMBERS", value)
     with pytest.raises(SettingsError, match=f"PREWARM_FORECAST_MEMBERS(.|\n)*{problem}"):
         load_settings()
+
+
+# --- DATABASE_URL: never the password, one clear line when it does not parse ---------------------------------------
+
+
+@pytest.mark.parametrize("url", [
+    "postgresql+asyncpg://pw:S3cretPassw0rd@127.0.0.1:55432/pwdb",  # a driver other than psycopg
+    "mysql://pw:S3cretPassw0rd@127.0.0.1:3306/x",
+    "postgresql://pw:S3cretPassw0rd@db:notaport/pwdb",
+])
+def test_a_bad_database_url_is_shown_without_its_password(monkeypatch, url):
+    monkeypatch.setenv("DATABASE_URL", url)
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    message = str(info.value)
+    assert "S3cretPassw0rd" not in message
+    assert "DATABASE_URL='" in message and ":***@" in message
+
+
+@pytest.mark.parametrize("password", ["p@ss:w/rd%#?x", "p@ss", "pw:with:colons@and@ats"])
+def test_a_password_with_raw_special_characters_is_one_clear_error_naming_database_url(monkeypatch, password):
+    """An unencoded '@' or ':' in the password split the URL wrongly: SQLAlchemy read the rest as host and port
+    ("invalid literal for int()" with a traceback when the engine was made) or connected to a wrong host."""
+    monkeypatch.setenv("DATABASE_URL", f"postgresql://pw:{password}@127.0.0.1:55432/pwdb")
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    message = str(info.value)
+    assert message.startswith("invalid settings: DATABASE_URL='postgresql://pw:***@127.0.0.1:55432/pwdb': ")
+    assert "percent-encode" in message and "%40" in message
+    assert password not in message
+    assert "\n" not in message
+
+
+def test_a_percent_encoded_password_is_accepted(monkeypatch):
+    monkeypatch.setenv("DATABASE_URL", "postgresql://pw:p%40ss%3Aw%2Frd%25%23%3Fx@127.0.0.1:55432/pwdb")
+    settings = load_settings()
+    from sqlalchemy.engine import make_url
+
+    assert make_url(settings.database_url).password == "p@ss:w/rd%#?x"
+    assert "p%40ss" not in repr(settings)  # the settings' repr leaves the URL out
+
+
+def test_settings_errors_raised_directly_hide_the_url(monkeypatch):
+    """Settings() itself (the API's worker processes) raises pydantic's error, whose text showed the input."""
+    from pydantic import ValidationError
+
+    from forecaster.settings import Settings
+
+    with pytest.raises(ValidationError) as info:
+        Settings(database_url="mysql://pw:S3cretPassw0rd@db/x")
+    assert "S3cretPassw0rd" not in str(info.value)
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("postgresql+psycopg://u:secret@h:5432/db", "postgresql+psycopg://u:***@h:5432/db"),
+    ("postgresql://u:p@ss:w/rd%#?x@h:5432/db", "postgresql://u:***@h:5432/db"),
+    ("postgresql://u@h/db?password=secret&sslmode=require", "postgresql://u@h/db?password=***&sslmode=require"),
+    ("postgresql+psycopg://postgres@/postgres?host=/tmp/s", "postgresql+psycopg://postgres@/postgres?host=/tmp/s"),
+    ("postgresql://u:@h/db", "postgresql://u:@h/db"),
+    ("not a url password=secret", "not a url password=***"),
+])
+def test_mask_url(url, shown):
+    from forecaster.settings import mask_url
+
+    assert mask_url(url) == shown
