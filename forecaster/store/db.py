@@ -28,7 +28,7 @@ from typing import TypeVar
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Connection, Engine, create_engine, text
+from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from forecaster.settings import Settings, mask_url
@@ -55,9 +55,37 @@ def psycopg_url(uri: str) -> str:
     return uri
 
 
+#: Session TimeZone values that need no ``SET``: the day and hour arithmetic is UTC already.
+_UTC_ZONES = frozenset({"UTC", "Etc/UTC"})
+
+
+def _session_in_utc(dbapi_connection, connection_record) -> None:
+    """Every session of the engine in UTC, whatever the server's or the database's ``TimeZone``.
+
+    psycopg returns ``timestamptz`` values in the session's zone and ``date_trunc('day', ...)`` cuts days there:
+    on a server in America/New_York, a piece of UTC day 2026-11-28 came back on 2026-11-27 and the write locked
+    the wrong day. The zone the server reported at start-up is read without a round trip; only another zone costs
+    one ``SET`` per new connection (a ``SET`` rather than a start-up ``options``, which PgBouncer refuses; it
+    tracks ``TimeZone`` per client).
+    """
+    info = getattr(dbapi_connection, "info", None)
+    if info is None or not hasattr(info, "parameter_status"):
+        return  # not psycopg
+    if info.parameter_status("TimeZone") in _UTC_ZONES:
+        return
+    autocommit = dbapi_connection.autocommit
+    with dbapi_connection.cursor() as cur:
+        cur.execute("SET TIME ZONE 'UTC'")
+    if not autocommit:
+        dbapi_connection.commit()
+
+
 def make_engine(url: str) -> Engine:
-    """An engine with pre-ping, so a restarted server costs one failed checkout, not an error."""
-    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+    """An engine with pre-ping, so a restarted server costs one failed checkout, not an error; its sessions are
+    in UTC (:func:`_session_in_utc`)."""
+    engine = create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+    event.listen(engine, "connect", _session_in_utc)
+    return engine
 
 
 #: Seconds ``pg_ctl start`` may take by default; crash recovery of a big WAL can outlast the library's 10 s.

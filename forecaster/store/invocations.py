@@ -256,12 +256,22 @@ def _cut_other_steps(conn: Connection, batch: CountBatch, arrays: dict[str, list
     return int(changed)
 
 
+def _utc(moment) -> pd.Timestamp:
+    """``moment`` as a UTC timestamp (a naive one is UTC already): flooring an aware one cuts its own zone's day."""
+    stamp = pd.Timestamp(moment)
+    return stamp if stamp.tzinfo is None else stamp.tz_convert("UTC")
+
+
 def _spill_days(spill: list[tuple]) -> list[date]:
-    """The UTC days the spill pieces touch (a bucket of a step that does not divide a day may reach another)."""
+    """The UTC days the spill pieces touch (a bucket of a step that does not divide a day may reach another).
+
+    The pieces come from the database in the session's TimeZone; floored there, a piece of UTC day 2026-11-28
+    read in New York counted as 2026-11-27, and the write locked the wrong day against a concurrent roll-up.
+    """
     days: set[date] = set()
     for _, lo, hi in spill:
-        days.update(d.date() for d in pd.date_range(pd.Timestamp(lo).floor("D"),
-                                                    (pd.Timestamp(hi) - pd.Timedelta(microseconds=1)).floor("D")))
+        days.update(d.date() for d in pd.date_range(_utc(lo).floor("D"),
+                                                    (_utc(hi) - pd.Timedelta(microseconds=1)).floor("D")))
     return sorted(days)
 
 
