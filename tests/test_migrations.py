@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 from sqlalchemy import inspect, text
@@ -280,4 +281,30 @@ def test_a_database_newer_than_this_release_starts_as_it_is_and_db_upgrade_refus
     assert refused.exit_code == 1
     assert "which this release does not know" in refused.stderr
     assert current_revision(engine) == newer
+
+
+def test_job_runs_get_owners_and_leases(empty_db_url):
+    """0020 adds ``job_runs.owner``, ``lease_expires_at`` and ``attempt``: a claim running at the upgrade (no lease:
+    its process may be gone) gets a day from its start, as does one a process of the previous version inserts
+    later (the default); finished runs get none. The index of running claims goes with the downgrade."""
+    engine = make_engine(empty_db_url)
+    upgrade(engine, "0019")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO job_runs (job_name, slot, started_at, finished_at, status) VALUES "
+                          "('retrain', '2026-12-01T03:00Z', '2026-12-01T03:00:02Z', NULL, 'running'), "
+                          "('plan', '2026-12-01T10:00Z', '2026-12-01T10:00:01Z', '2026-12-01T10:00:05Z', 'ok')"))
+    upgrade(engine)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO job_runs (job_name, slot) VALUES ('plan', '2026-12-01T10:01Z')"))  # old code
+        rows = conn.execute(text(
+            "SELECT job_name, owner, lease_expires_at - started_at, attempt FROM job_runs ORDER BY slot")).all()
+    day = timedelta(days=1)
+    assert [(r[0], r[1], r[3]) for r in rows] == [("retrain", None, 1), ("plan", None, 1), ("plan", None, 1)]
+    assert rows[0][2] == day and rows[1][2] is None and abs(rows[2][2] - day) < timedelta(seconds=5)
+    assert "job_runs_running" in {i["name"] for i in inspect(engine).get_indexes("job_runs")}
+    downgrade(engine, "0019")
+    inspector = inspect(engine)
+    assert {c["name"] for c in inspector.get_columns("job_runs")} == {
+        "job_name", "slot", "started_at", "finished_at", "status", "detail"}
+    assert "job_runs_running" not in {i["name"] for i in inspector.get_indexes("job_runs")}
     engine.dispose()

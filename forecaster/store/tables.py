@@ -25,6 +25,7 @@ from sqlalchemy import (
     String,
     Text,
     func,
+    text,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TSTZMULTIRANGE
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -350,7 +351,12 @@ class ActuatorControl(Base):
 
 
 class JobRun(Base):
-    """One run of a scheduled job for one time slot; the key stops a slot running twice."""
+    """One run of a scheduled job for one time slot; the key stops a slot running twice.
+
+    A ``running`` claim names its process (``owner``) and holds a lease that the process extends while the job
+    runs (migration 0020); past its lease, or with its process known to be gone, the run is ``abandoned`` and the
+    slot may be claimed again (``attempt`` counts the claims). See :mod:`forecaster.jobs.runs`.
+    """
 
     __tablename__ = "job_runs"
 
@@ -358,8 +364,13 @@ class JobRun(Base):
     slot: Mapped[datetime] = mapped_column(TZ, primary_key=True)
     started_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     finished_at: Mapped[datetime | None] = mapped_column(TZ)
-    status: Mapped[str] = mapped_column(String(16), default="running")  # running | ok | failed
+    status: Mapped[str] = mapped_column(String(16), default="running")  # running | ok | failed | abandoned
     detail: Mapped[dict] = mapped_column(JSONB, default=dict)
+    owner: Mapped[str | None] = mapped_column(String(255))  # host:pid:token of the claiming process
+    lease_expires_at: Mapped[datetime | None] = mapped_column(TZ, server_default=text("now() + interval '1 day'"))
+    attempt: Mapped[int] = mapped_column(Integer, server_default="1")
+
+    __table_args__ = (Index("job_runs_running", "job_name", "slot", postgresql_where=text("status = 'running'")),)
 
 
 class ApiToken(Base):
