@@ -2,24 +2,60 @@
 
 APScheduler decides *when*; this module makes sure a slot (the minute of an
 every-minute job, the day of the nightly one) runs once even if a restarted
-scheduler, or a second scheduler replica, fires it again.
+scheduler, or a second scheduler replica, fires it again, and that a job runs
+in one process at a time:
+
+* the run holds the job's session-level advisory lock
+  (``pg_try_advisory_lock``) on a connection of its own from before its claim
+  until its outcome is recorded: a scheduler in another process that fires the
+  job meanwhile (the next slot of a job that outlasts its period) skips it, as
+  ``max_instances=1`` does inside one process; the lock goes with the holder's
+  connection when its process dies;
+* the claim names its process and holds a lease of :data:`LEASE_S` seconds that
+  a heartbeat thread extends on that connection while the job runs. A claim
+  past its lease, or of a process of this host that is gone, is dead: it is
+  marked ``abandoned`` (``/metrics`` reports it, and ``PrewarmJobFailing``
+  fires on it) and its slot may run again (``attempt`` 2). The first run of a
+  process marks the dead claims of every job that no process runs;
+* an outcome that cannot be recorded (the database went away for longer than
+  the slot's wait) is kept in memory and recorded by the next run that reaches
+  the database; if the process dies first, the lease runs out.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine, text
 
 from forecaster.settings import Settings
 from forecaster.store.db import ping
-from forecaster.store.job_runs import claim_slot, finish_slot
+from forecaster.store.job_runs import (
+    Claim,
+    abandon_claims,
+    abandon_dead_claims,
+    claim_slot,
+    extend_lease,
+    finish_slot,
+    job_lock_held,
+    job_lock_key,
+    live_claim_elsewhere,
+    owner_is_gone,
+    process_owner,
+    running_claims,
+)
 
 log = logging.getLogger(__name__)
+
+#: Seconds a claim lives without a heartbeat; the heartbeat extends it every third of that. A run whose process was
+#: killed reads ``abandoned`` on ``/metrics`` this long after, and its slot can be claimed again.
+LEASE_S = 60.0
 
 JobFunction = Callable[[Engine, Settings, datetime], dict]
 
@@ -99,41 +135,272 @@ def _with_database(operation: Callable[[], object], waiter: _Waiter, what: str):
                 raise
 
 
+
+class _JobLock:
+    """A job's session-level advisory lock on a connection of its own (out of the pool, autocommit), and the
+    heartbeat thread that extends the run's lease on it.
+
+    Closing the connection frees the lock; so does the server when the holder's process or connection dies. When
+    the heartbeat finds the connection gone (the database restarted), it opens another and takes the lock again.
+    """
+
+    def __init__(self, engine: Engine, job_name: str, owner: str, lease_s: float) -> None:
+        self.engine = engine
+        self.job_name = job_name
+        self.owner = owner
+        self.lease_s = lease_s
+        self.key = job_lock_key(job_name)
+        self.conn: Connection | None = None
+        self.locked = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def acquire(self) -> bool:
+        """Take the lock on a new connection (True), or close it again when another session holds it (False)."""
+        self.close()
+        conn = self.engine.connect()
+        try:
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+            conn.detach()  # its own: not a pool slot for the whole run, really closed (and unlocked) at the end
+            self.conn = conn
+            self.locked = bool(conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": self.key}).scalar())
+        except BaseException:
+            self.close()
+            raise
+        return self.locked
+
+    def close(self) -> None:
+        conn, locked, self.conn, self.locked = self.conn, self.locked, None, False
+        if conn is None:
+            return
+        try:
+            if locked:  # at once: a closed session's backend lets go of its locks only as it exits, a bit later
+                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": self.key})
+        except Exception:  # noqa: BLE001 - a dead connection: the server has dropped the lock with it
+            log.debug("job %s: unlocking failed", self.job_name, exc_info=True)
+        finally:
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001
+                log.debug("job %s: closing its lock connection failed", self.job_name, exc_info=True)
+
+    def start_heartbeat(self, slot: datetime) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat, args=(slot,), daemon=True,
+                                        name=f"job-lease-{self.job_name}")
+        self._thread.start()
+
+    def stop_heartbeat(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def _beat(self, slot: datetime) -> None:
+        every_s = max(self.lease_s / 3, 0.05)
+        pause = every_s
+        lost = False
+        while not self._stop.wait(pause):
+            try:
+                if self.conn is None:
+                    if not self.acquire():
+                        log.warning("job %s slot %s: took a new connection after losing the database, but another "
+                                    "process holds the job's lock now; this run goes on", self.job_name,
+                                    slot.isoformat())
+                elif not self.locked:
+                    self.locked = bool(self.conn.execute(text("SELECT pg_try_advisory_lock(:k)"),
+                                                         {"k": self.key}).scalar())
+                if not extend_lease(self.conn, self.job_name, slot, owner=self.owner, lease_s=self.lease_s) \
+                        and not lost:
+                    lost = True
+                    log.warning("job %s slot %s: its claim was taken over after its lease ran out; this run goes on "
+                                "and its outcome will not be recorded", self.job_name, slot.isoformat())
+                pause = every_s
+            except Exception as exc:  # noqa: BLE001 - the heartbeat keeps trying while the job runs
+                log.warning("job %s slot %s: lease not extended (%s: %s); trying again", self.job_name,
+                            slot.isoformat(), type(exc).__name__, exc)
+                self.close()
+                pause = min(every_s, 1.0)
+
+
+@dataclass
+class _Outcome:
+    """A run's outcome that could not be recorded yet."""
+
+    owner: str
+    status: str
+    detail: dict
+    ended: float  # time.monotonic() when the run ended
+
+
+#: Outcomes the database was away for, keyed by (database, job, slot): recorded by the next run that reaches it.
+_unrecorded: dict[tuple[str, str, datetime], _Outcome] = {}
+_unrecorded_lock = threading.Lock()
+#: The pid whose first run marked the dead claims of every job (see :func:`abandon_dead_runs`).
+_swept: dict[str, int] = {}
+
+
+def record_unrecorded(engine: Engine) -> int:
+    """Record the outcomes kept in memory while the database was away; the number recorded (those taken over
+    meanwhile are dropped with a warning). Raises when the database is still away (the rest stay kept); an
+    outcome the database refuses otherwise is dropped with an error."""
+    database = _database_of(engine)
+    with _unrecorded_lock:
+        pending = [(key, outcome) for key, outcome in _unrecorded.items() if key[0] == database]
+    done = 0
+    for (_, job_name, slot), outcome in pending:
+        try:
+            mine = finish_slot(engine, job_name, slot, status=outcome.status, detail=outcome.detail,
+                               owner=outcome.owner, ended_s_ago=time.monotonic() - outcome.ended)
+        except Exception as exc:
+            if _is_outage(exc):
+                raise
+            log.exception("job %s slot %s: its outcome (%s), kept while the database was away, cannot be recorded",
+                          job_name, slot.isoformat(), outcome.status)
+            mine = None
+        with _unrecorded_lock:
+            _unrecorded.pop((database, job_name, slot), None)
+        if mine is None:
+            continue
+        if mine:
+            done += 1
+            log.warning("job %s slot %s: its outcome (%s), kept while the database was away, is recorded now",
+                        job_name, slot.isoformat(), outcome.status)
+        else:
+            log.warning("job %s slot %s: its outcome (%s) was not recorded: the slot was taken over after its lease "
+                        "ran out", job_name, slot.isoformat(), outcome.status)
+    return done
+
+
+def _database_of(engine: Engine) -> str:
+    return engine.url.render_as_string(hide_password=True)
+
+
+def abandon_dead_runs(engine: Engine) -> dict[str, list[datetime]]:
+    """Mark ``abandoned`` the dead claims of the jobs that no process runs now (their lock is free): claims past
+    their lease, or of a process of this host that is gone (a previous life of this container). A job whose lock
+    is held is left to its holder, which marks its dead claims when it next runs. Returns the slots marked, by job.
+
+    The locks are read from ``pg_locks``, not taken: taking one would make that job's run, fired at that moment,
+    skip its slot as if the job ran elsewhere.
+    """
+    owner = process_owner()
+    marked: dict[str, list[datetime]] = {}
+    for job_name, claims in running_claims(engine, owner=owner).items():
+        if job_lock_held(engine, job_name):
+            continue
+        dead = [(slot, other) for slot, other, expired in claims if expired or owner_is_gone(other, owner)]
+        if dead and (slots := abandon_claims(engine, job_name, dead)):
+            marked[job_name] = slots
+    if marked:
+        log.warning("claims of processes that died mid-run marked abandoned: %s",
+                    {job: [slot.isoformat() for slot in slots] for job, slots in marked.items()})
+    return marked
+
+
+def _sweep_once(engine: Engine) -> None:
+    """:func:`abandon_dead_runs` on the first run of this process that reaches the database."""
+    if _swept.get("pid") == os.getpid():
+        return
+    try:
+        abandon_dead_runs(engine)
+        _swept["pid"] = os.getpid()
+    except Exception as exc:  # noqa: BLE001 - the next run tries again
+        log.warning("dead claims not marked yet: %s: %s", type(exc).__name__, exc)
+
+
+#: What starting a run found instead of a claim: the job's lock held by another session (it runs elsewhere).
+_LOCKED = "locked"
+
+
 def run_once(engine: Engine, settings: Settings, spec: JobSpec, *, now: datetime,
-             sleep: Callable[[float], None] = time.sleep, db_wait_s: float | None = None) -> dict | None:
-    """Run ``spec`` for the slot containing ``now`` unless that slot already ran.
+             sleep: Callable[[float], None] = time.sleep, db_wait_s: float | None = None,
+             lease_s: float | None = None) -> dict | None:
+    """Run ``spec`` for the slot containing ``now`` unless that slot already ran or the job runs elsewhere.
 
     A failing job is recorded as failed with its error; it never raises into
     the scheduler, so one bad run does not stop the others.
 
+    The run holds the job's advisory lock from before the claim until its
+    outcome is recorded: when another process holds it (runs the job, any
+    slot), this one skips. Under the lock, the job's dead claims are marked
+    ``abandoned`` and a dead claim of this slot is taken over. While the job
+    runs, a heartbeat extends the claim's lease (``lease_s``, default
+    :data:`LEASE_S`).
+
     While the database is away (an outage, a restart) the slot is not lost:
-    claiming it, the job itself (when it failed on the outage) and recording
-    the outcome are tried again with back-off for up to ``db_wait_s`` seconds
-    in all (default ``PREWARM_JOB_DB_WAIT_S``). The job is rerun only when it
-    failed on the outage; its writes are whole transactions, so a rerun never
-    double-counts. The claim in ``job_runs`` still makes a slot run at most
-    once.
+    taking the lock and claiming the slot, the job itself (when it failed on
+    the outage) and recording the outcome are tried again with back-off for up
+    to ``db_wait_s`` seconds in all (default ``PREWARM_JOB_DB_WAIT_S``). The job
+    is rerun only when it failed on the outage; its writes are whole
+    transactions, so a rerun never double-counts. An outcome still unrecorded
+    when the wait is spent is kept in memory and recorded by the next run that
+    reaches the database. The claim in ``job_runs`` still makes a slot run at
+    most once.
 
     Args:
         sleep: injectable so that tests step a clock instead of sleeping.
         db_wait_s: overrides the setting.
+        lease_s: overrides :data:`LEASE_S`.
 
     Returns:
-        The job's summary (with ``seconds``), or None when the slot was taken
-        (or the database stayed away for the whole wait).
+        The job's summary (with ``seconds``), or None when the slot was taken,
+        the job runs in another process, or the database stayed away for the
+        whole wait.
     """
     slot = slot_for(now, spec.every_s, spec.offset_s)
     budget = settings.job_db_wait_s if db_wait_s is None else db_wait_s
+    lease_s = LEASE_S if lease_s is None else lease_s
     waiter = _Waiter(budget, sleep)
     what = f"job {spec.name} slot {slot.isoformat()}"
+    owner = process_owner()
+    lock = _JobLock(engine, spec.name, owner, lease_s)
+
+    def start() -> Claim | tuple | str | None:
+        # the outcomes kept while the database was away first: a slot of one of them is not the dead claim of a
+        # run to take over, and a job whose lock is held elsewhere writes them too
+        record_unrecorded(engine)
+        if not lock.acquire():
+            return _LOCKED
+        abandon_dead_claims(lock.conn, spec.name, owner=owner)
+        elsewhere = live_claim_elsewhere(lock.conn, spec.name, owner=owner)
+        if elsewhere is not None:
+            return tuple(elsewhere)
+        return claim_slot(lock.conn, spec.name, slot, owner=owner, lease_s=lease_s)
+
     try:
-        claimed = _with_database(lambda: claim_slot(engine, spec.name, slot), waiter, what)
-    except Exception as exc:  # noqa: BLE001 - the scheduler thread must survive; logged with the reason
-        log.error("%s not run: could not claim it (%s: %s)", what, type(exc).__name__, exc)
-        return None
-    if not claimed:
-        log.info("job %s: slot %s already ran, skipping", spec.name, slot.isoformat())
-        return None
+        try:
+            claim = _with_database(start, waiter, what)
+        except Exception as exc:  # noqa: BLE001 - the scheduler thread must survive; logged with the reason
+            log.error("%s not run: could not claim it (%s: %s)", what, type(exc).__name__, exc)
+            return None
+        _sweep_once(engine)
+        if isinstance(claim, str):
+            log.info("job %s: runs in another process (its lock is held); slot %s skipped", spec.name,
+                     slot.isoformat())
+            return None
+        if isinstance(claim, tuple):
+            log.warning("job %s: %s runs its slot %s within its lease, without the job's lock (it lost its "
+                        "connection); slot %s skipped", spec.name, claim[0], claim[1].isoformat(), slot.isoformat())
+            return None
+        if claim is None:
+            log.info("job %s: slot %s already ran, skipping", spec.name, slot.isoformat())
+            return None
+        if claim.took_over:
+            log.warning("%s: taken over from %s, whose claim died (attempt %d)", what, claim.took_over, claim.attempt)
+        lock.start_heartbeat(slot)
+        try:
+            status, detail = _run_job(engine, settings, spec, now, slot, waiter, what, claim)
+        finally:
+            lock.stop_heartbeat()
+        _record(engine, spec.name, slot, owner, status, detail, waiter, what)
+        return detail
+    finally:
+        lock.close()
+
+
+def _run_job(engine: Engine, settings: Settings, spec: JobSpec, now: datetime, slot: datetime, waiter: _Waiter,
+             what: str, claim: Claim) -> tuple[str, dict]:
     started = time.perf_counter()
     attempts = 0
     while True:
@@ -151,8 +418,24 @@ def run_once(engine: Engine, settings: Settings, spec: JobSpec, *, now: datetime
     detail = {**detail, "seconds": round(time.perf_counter() - started, 3)}
     if attempts > 1:
         detail["attempts"] = attempts
+    if claim.attempt > 1:
+        detail["claim_attempt"] = claim.attempt
+    return status, detail
+
+
+def _record(engine: Engine, job_name: str, slot: datetime, owner: str, status: str, detail: dict, waiter: _Waiter,
+            what: str) -> None:
+    """Record the outcome within what is left of the slot's wait (one try at least); kept in memory otherwise."""
+    ended = time.monotonic()
     try:
-        _with_database(lambda: finish_slot(engine, spec.name, slot, status=status, detail=detail), waiter, what)
+        mine = _with_database(lambda: finish_slot(engine, job_name, slot, status=status, detail=detail, owner=owner,
+                                                  ended_s_ago=time.monotonic() - ended), waiter, what)
     except Exception as exc:  # noqa: BLE001
-        log.error("%s ran (%s) but its outcome could not be recorded: %s: %s", what, status, type(exc).__name__, exc)
-    return detail
+        with _unrecorded_lock:
+            _unrecorded[(_database_of(engine), job_name, slot)] = _Outcome(owner, status, detail, ended)
+        log.error("%s ran (%s) but its outcome could not be recorded yet (%s: %s): kept, the next run that reaches "
+                  "the database records it", what, status, type(exc).__name__, exc)
+        return
+    if not mine:
+        log.warning("%s ran (%s), but its claim was taken over after its lease ran out: outcome not recorded", what,
+                    status)
