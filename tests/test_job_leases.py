@@ -22,6 +22,7 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 from sqlalchemy import text
 
+from forecaster.jobs import runs as runs_module
 from forecaster.jobs.runs import JobSpec, run_once
 from forecaster.settings import Settings
 from forecaster.store.db import make_engine, upgrade
@@ -115,7 +116,7 @@ def test_the_dead_claims_of_this_hosts_gone_processes_are_marked_and_live_ones_k
     assert rows == {"retrain": "abandoned", "partitions": "running"}
 
 
-def test_an_outcome_the_database_was_away_for_is_recorded_when_it_is_back(crashable, tmp_path):
+def test_an_outcome_the_database_was_away_for_is_recorded_when_it_is_back(crashable, tmp_path, monkeypatch):
     """The database goes away while the job runs and stays away longer than the slot's wait: the outcome cannot be
     recorded then. It is kept, and the next run that reaches the database records it; the slot does not stay
     ``running`` while its process lives on."""
@@ -133,8 +134,9 @@ def test_an_outcome_the_database_was_away_for_is_recorded_when_it_is_back(crasha
         return {}
 
     forecast = JobSpec("forecast", dies_inside, every_s=60)
+    monkeypatch.setattr(runs_module, "LEASE_S", 0.5, raising=False)
     try:
-        detail = run_once(engine, settings, forecast, now=NOW, sleep=lambda s: None, db_wait_s=3, lease_s=0.5)
+        detail = run_once(engine, settings, forecast, now=NOW, sleep=lambda s: None, db_wait_s=3)
         assert detail["error"].startswith("OperationalError")
         crashable.start()  # its lease has run out meanwhile
         with engine.connect() as conn:
@@ -242,7 +244,7 @@ def test_a_jobs_lock_is_seen_held_in_its_own_database_only(engine, db_url, pg_ad
         other.dispose()
 
 
-def test_the_heartbeat_keeps_a_long_run_alive_past_its_first_lease(engine, settings):
+def test_the_heartbeat_keeps_a_long_run_alive_past_its_first_lease(engine, settings, monkeypatch):
     """A run longer than its lease (0.6 s here, the job 2 s): the heartbeat extends the lease, so the run is never
     reported abandoned and its slot cannot be taken over; its outcome is recorded at the end."""
     import threading
@@ -257,8 +259,9 @@ def test_the_heartbeat_keeps_a_long_run_alive_past_its_first_lease(engine, setti
         return {"long": True}
 
     out: list = []
+    monkeypatch.setattr(runs_module, "LEASE_S", 0.6, raising=False)
     runner = threading.Thread(target=lambda: out.append(run_once(
-        engine, settings, JobSpec("retrain", long_job, 86_400, 3 * 3600), now=NOW, lease_s=0.6)))
+        engine, settings, JobSpec("retrain", long_job, 86_400, 3 * 3600), now=NOW)))
     runner.start()
     try:
         assert started.wait(30)
