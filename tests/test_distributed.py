@@ -299,3 +299,41 @@ def test_backtest_of_a_sharded_ensemble_scores_every_series(tmp_path):
     summary = result.summary.set_index(["method", "subset"])
     # three shards of ten similar series each score close to one ensemble of all thirty
     assert summary.loc[("sharded", "all"), "wql"] == pytest.approx(summary.loc[("plain", "all"), "wql"], rel=0.2)
+
+
+# ------------------------------------------------------------------ failures at forecast time
+
+
+class Switched(Naive):
+    """Naive whose forecast raises while ``failing`` (set by the test; in-process executors only)."""
+
+    name = "switched"
+    failing = False
+
+    def _forecast(self, panel, origins, h):
+        if type(self).failing:
+            raise RuntimeError("booster corrupted (simulated)")
+        return super()._forecast(panel, origins, h)
+
+
+def test_a_member_failing_in_every_shard_is_reported_on_every_run_and_warned_once_per_shard(monkeypatch, caplog):
+    from forecaster.forecast.ensemble import member_failure_log
+
+    monkeypatch.setattr(member_failure_log, "clock", lambda: 0.0)
+    member_failure_log.clear()
+    panel = _panel(30)
+    monkeypatch.setattr(Switched, "failing", False)
+    model = ShardedEnsemble(functools.partial(Ensemble, members=[Switched()], horizon=15),
+                            shard_max_series=10).fit_panel(panel.head(300))
+    for shard in model.shards_.values():
+        shard.weights_[:] = [1.0, 0.0]  # every series relies on the member
+    monkeypatch.setattr(Switched, "failing", True)
+    caplog.set_level("WARNING")
+    for _ in range(2):  # the same shards (held in memory, as a worker caches them) fail again on the next run
+        arrays = model.forecast(panel, [320], 15)
+        assert not np.isnan(arrays["ensemble"]).any()  # the fallback member forecast them
+        assert model.forecast_failures_ == {"switched": {"series": 30, "error": "RuntimeError: booster corrupted "
+                                                         "(simulated)", "shards": ["s0", "s1", "s2"]}}
+    warnings = sorted(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert len(warnings) == 3 and [w.split(":")[0] for w in warnings] == ["shard s0", "shard s1", "shard s2"]
+    assert all("switched failed at forecast time for 10 series" in w for w in warnings)

@@ -559,3 +559,44 @@ def test_a_failing_refit_keeps_the_member_fitted_on_the_shorter_window(threads: 
     assert isinstance(kept, FailsOnRefit) and kept.panel_.n_steps == 288  # not the half-done refit's panel
     assert ensemble.members_[1].panel_.n_steps == 360
     assert np.isfinite(ensemble.predict(10)["ensemble"]).all()
+
+
+class Switched(MovingAverage):
+    """A moving average whose forecast raises while ``failing`` (a member that breaks after the retrain)."""
+
+    failing = False
+
+    @property
+    def name(self) -> str:
+        return "switched"
+
+    def _forecast(self, panel: Panel, origins, h):
+        if type(self).failing:
+            raise RuntimeError("booster corrupted (simulated)")
+        return super()._forecast(panel, origins, h)
+
+
+def test_a_member_failing_at_forecast_time_is_listed_per_call_and_logged_rate_limited(monkeypatch, caplog) -> None:
+    from forecaster.forecast import ensemble as module
+
+    clock = [0.0]
+    monkeypatch.setattr(module, "member_failure_log", module.FailureLog(interval_s=3600, clock=lambda: clock[0]))
+    panel = mixed_panel()
+    monkeypatch.setattr(Switched, "failing", False)
+    ensemble = Ensemble([Switched(30)], horizon=10).fit_panel(panel)
+    ensemble.weights_[:] = [1.0, 0.0]  # every series relies on the member
+    monkeypatch.setattr(Switched, "failing", True)
+    caplog.set_level("WARNING", logger="forecaster.forecast.ensemble")
+    for _ in range(3):  # three runs a minute apart: three failures listed, one warning
+        ensemble.forecast(panel, [300], 10)
+        assert ensemble.forecast_failures_ == {
+            "switched": {"series": panel.n_series, "error": "RuntimeError: booster corrupted (simulated)"}}
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "switched" in warnings[0] and "6 series" in warnings[0]
+    clock[0] = 3600.0  # an hour on: logged again, with the runs it failed in meanwhile
+    ensemble.forecast(panel, [300], 10)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2 and "2 more time(s)" in warnings[1]
+    monkeypatch.setattr(Switched, "failing", False)
+    ensemble.forecast(panel, [300], 10)
+    assert ensemble.forecast_failures_ == {}  # this run's failures only

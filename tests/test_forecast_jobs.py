@@ -253,3 +253,43 @@ def test_forecast_job_stores_each_models_request_rate_over_its_look_back(engine,
     assert sorted(stored) == ids
     np.testing.assert_allclose([stored[m] for m in ids], expected, rtol=1e-6)  # real: float32
     assert len(set(np.round(expected, 3))) > 10 and min(expected) > 0  # the models differ; none at 0
+
+
+class Switched(MovingAverage):
+    """A moving average whose forecast raises while ``failing`` (a member that breaks after the retrain)."""
+
+    failing = False
+
+    @property
+    def name(self) -> str:
+        return "switched"
+
+    def _forecast(self, panel, origins, h):
+        if type(self).failing:
+            raise RuntimeError("booster corrupted (simulated)")
+        return super()._forecast(panel, origins, h)
+
+
+def test_a_member_failing_at_forecast_time_is_in_each_runs_summary_and_warned_once(engine, ingested, monkeypatch,
+                                                                                     caplog):
+    from forecaster.forecast.ensemble import member_failure_log
+
+    monkeypatch.setattr(member_failure_log, "clock", lambda: 0.0)
+    member_failure_log.clear()
+    monkeypatch.setattr(Switched, "failing", False)
+    retrain_job(engine, ingested, DAY_END, cache=registry.ChampionCache(), ensemble_factory=small(Switched(60)))
+    cache = registry.ChampionCache()
+    _, champion = cache.get(engine)
+    champion.weights_[:80] = [1.0, 0.0]  # 80 series rely on the member, 20 on the fallback
+    champion.weights_[80:] = [0.0, 1.0]
+    monkeypatch.setattr(Switched, "failing", True)
+    caplog.set_level("WARNING")
+    for minute in range(2):
+        result = forecast_job(engine, ingested, DAY_END + timedelta(minutes=minute), cache=cache)
+        assert result["rows"] == 6000  # the fallback member forecast them
+        assert result["member_failures"] == {
+            "switched": {"series": 80, "error": "RuntimeError: booster corrupted (simulated)"}}
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "switched failed at forecast time for 80 series" in warnings[0]
+    monkeypatch.setattr(Switched, "failing", False)
+    assert forecast_job(engine, ingested, DAY_END + timedelta(minutes=2), cache=cache)["member_failures"] == {}

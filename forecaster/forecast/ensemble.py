@@ -62,6 +62,12 @@ A member that raises in fit or forecast is reported in ``failures_`` and
 skipped; the ``Fallback`` member always remains, and a series with fewer than
 ``min_history`` known steps uses the fallback alone. A series without enough
 validation residuals gets Poisson quantiles around the point forecast.
+A member (or quantile head) that raises at forecast time leaves its series to
+the other members: each forecast call lists that call's failures in
+``forecast_failures_`` (member -> series affected, error text) and logs each
+at WARNING, at most once an hour per member and shard for the same error
+(:data:`member_failure_log`); a shard's caller logs its shard's failures itself
+(:func:`failures_reported_by_caller`).
 
 Output columns: ``ensemble`` (the point forecast, equal to ``q0.5``), one
 ``q<level>`` per requested quantile (default ``q0.1``, ``q0.5``, ``q0.9``,
@@ -79,12 +85,15 @@ and the upper levels are sorted so that q0.9 <= q0.95 <= q0.99.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import itertools
 import logging
+import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import numpy as np
@@ -98,6 +107,59 @@ from forecaster.settings import MEMBER_FAMILIES, member_families
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
+
+
+class FailureLog:
+    """WARNINGs of failures at forecast time, rate-limited per ``(where, what)``: the forecast job runs every minute,
+    and a member that fails on every run must not write a line a minute.
+
+    The first failure of a ``(where, what)`` is logged at once, and so is a different error text; the same error
+    again is logged once ``interval_s`` has passed, with the number of runs it failed in meanwhile.
+    """
+
+    def __init__(self, interval_s: float = 3600.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self.clock = clock
+        self._last: dict[tuple[str, str], tuple[float, str, int]] = {}  # -> (logged at, error, repeats since)
+        self._lock = threading.Lock()
+
+    def warn(self, where: str, what: str, error: str, series: int, *, action: str = "forecast without it") -> bool:
+        """Log that ``what`` (a member, a head, a shard) failed for ``series`` series; False when rate-limited."""
+        now = self.clock()
+        with self._lock:
+            logged_at, last_error, repeats = self._last.get((where, what), (None, None, 0))
+            if logged_at is not None and error == last_error and now - logged_at < self.interval_s:
+                self._last[(where, what)] = (logged_at, last_error, repeats + 1)
+                return False
+            self._last[(where, what)] = (now, error, 0)
+        again = f" (failed {repeats} more time(s) since the last warning)" if repeats else ""
+        log.warning("%s%s failed at forecast time for %d series, %s: %s%s", f"{where}: " if where else "", what,
+                    series, action, error, again)
+        return True
+
+    def clear(self) -> None:
+        with self._lock:
+            self._last.clear()
+
+
+#: The process's log of forecast-time failures (members, heads, whole shards).
+member_failure_log = FailureLog()
+
+_reported_by_caller: contextvars.ContextVar[bool] = contextvars.ContextVar("member_failures_reported_by_caller",
+                                                                           default=False)
+
+
+@contextlib.contextmanager
+def failures_reported_by_caller() -> Iterator[None]:
+    """Within it, :meth:`Ensemble.forecast` records its failures without logging them: a shard's ensemble runs in a
+    worker, whose log may go nowhere, and its caller (:class:`~forecaster.forecast.sharded.ShardedEnsemble`)
+    logs them in the scheduler, with the shard's name."""
+    token = _reported_by_caller.set(True)
+    try:
+        yield
+    finally:
+        _reported_by_caller.reset(token)
+
 
 #: Quantile levels kept per series and horizon: 20 equal-probability points
 #: (0.025, 0.075, ..., 0.975) that describe the residual distribution for ``p_any``.
@@ -630,6 +692,8 @@ class Ensemble:
         shared = SharedFeatures(panel, origins, h) if SharedFeatures.fits(panel.n_series, len(origins), h) else None
         outputs = []
         self.forecast_seconds_: dict[str, float] = {}
+        #: This call's failures (member or head -> series affected, error text); ``failures_`` keeps every one seen.
+        self.forecast_failures_: dict[str, dict] = {}
         for j, member in enumerate(self.members_):
             started = time.perf_counter()
             # only the series that give this member weight (with "best" weighting, each
@@ -646,6 +710,8 @@ class Ensemble:
                 if member is self.members_[-1]:
                     raise
                 self.failures_[f"{member.name} (forecast)"] = f"{type(error).__name__}: {error}"
+                self.forecast_failures_[member.name] = {"series": int((weights[:, j] > 0).sum()),
+                                                        "error": f"{type(error).__name__}: {error}"}
             outputs.append(output)
         stacked = np.stack(outputs, axis=0)
         point = _combine(stacked, weights)
@@ -688,6 +754,9 @@ class Ensemble:
                 spread = self._spread(stacked[j])
                 result[f"{member.name}-q0.1"] = _bounded(stacked[j], spread * own[:, None, :, 0], 0.1)
                 result[f"{member.name}-q0.9"] = _bounded(stacked[j], spread * own[:, None, :, 1], 0.9)
+        if not _reported_by_caller.get():
+            for name, failure in self.forecast_failures_.items():
+                member_failure_log.warn("", name, failure["error"], failure["series"])
         return result
 
     def predict(self, h: int, history: pd.DataFrame | None = None, *, members: bool = False) -> pd.DataFrame:
@@ -740,6 +809,9 @@ class Ensemble:
                 self.forecast_seconds_[head.name] = time.perf_counter() - started
             except Exception as error:  # the residual quantiles stand in
                 self.failures_[f"{head.name} (forecast)"] = f"{type(error).__name__}: {error}"
+                failures = getattr(self, "forecast_failures_", None)
+                if failures is not None:
+                    failures[head.name] = {"series": int(users.sum()), "error": f"{type(error).__name__}: {error}"}
                 cache[base] = None
         if cache[base] is None:
             return residual_bound

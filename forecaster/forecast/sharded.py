@@ -39,7 +39,7 @@ import numpy as np
 import pandas as pd
 
 from forecaster.contracts.forecast import FORECAST_LEVELS
-from forecaster.forecast.ensemble import Ensemble
+from forecaster.forecast.ensemble import Ensemble, failures_reported_by_caller, member_failure_log
 from forecaster.forecast.members import Member
 from forecaster.forecast.panel import Panel, forecast_frame
 from forecaster.settings import member_families
@@ -107,14 +107,18 @@ def fit_shard(factory: Callable[[], Ensemble], panel: Panel) -> tuple[Ensemble, 
 
 
 def forecast_shard(shard: Ensemble | str, panel: Panel, origins: Sequence[int], h: int,
-                   members: bool = False) -> tuple[dict[str, np.ndarray], dict[str, str], float]:
-    """Forecast one shard: its arrays, the member failures it met, and the seconds taken."""
+                   members: bool = False) -> tuple[dict[str, np.ndarray], dict[str, dict], float]:
+    """Forecast one shard: its arrays, this call's member failures (member -> ``{"series", "error"}``; a shard
+    cached in this process that fails as it did on the last run reports it again) and the seconds taken.
+
+    The failures are not logged here (a worker's log may go nowhere): the caller logs them.
+    """
     started = time.perf_counter()
     ensemble = load_shard(shard) if isinstance(shard, str) else shard
-    before = dict(getattr(ensemble, "failures_", {}))
-    arrays = ensemble.forecast(panel, origins, h, members=members)
-    new = {k: v for k, v in getattr(ensemble, "failures_", {}).items() if before.get(k) != v}
-    return arrays, new, time.perf_counter() - started
+    with failures_reported_by_caller():
+        arrays = ensemble.forecast(panel, origins, h, members=members)
+    failures = {name: dict(failure) for name, failure in getattr(ensemble, "forecast_failures_", {}).items()}
+    return arrays, failures, time.perf_counter() - started
 
 
 # ------------------------------------------------------------------ the model
@@ -201,7 +205,11 @@ class ShardedEnsemble:
         return shard if shard is not None else str(self.base_path_ / self.shard_files_[key])
 
     def forecast(self, panel: Panel, origins: Sequence[int], h: int, *, members: bool = False) -> dict[str, np.ndarray]:
-        """Arrays ``(N, len(origins), h)`` per output column, as :meth:`Ensemble.forecast`."""
+        """Arrays ``(N, len(origins), h)`` per output column, as :meth:`Ensemble.forecast`.
+
+        The member failures this call met are in ``forecast_failures_`` (member -> series affected over all
+        shards, the first error text, the shards), each logged at WARNING, rate-limited per shard and member.
+        """
         if not hasattr(self, "route_keys_"):
             raise RuntimeError("ShardedEnsemble is not fitted; call fit() first")
         origins = list(origins)
@@ -213,12 +221,18 @@ class ShardedEnsemble:
         )
         self.forecast_run_ = run.summary()
         self.forecast_seconds_ = {}
+        self.forecast_failures_: dict[str, dict] = {}
         outputs: dict[str, np.ndarray] = {}
         for key, rows in routes.items():
             if key in run.results:
                 arrays, failures, self.forecast_seconds_[key] = run.results[key]
-                for member, error in failures.items():
-                    self.failures_[f"{key}/{member}"] = error
+                for member, failure in failures.items():
+                    self.failures_[f"{key}/{member} (forecast)"] = failure["error"]
+                    total = self.forecast_failures_.setdefault(
+                        member, {"series": 0, "error": failure["error"], "shards": []})
+                    total["series"] += failure["series"]
+                    total["shards"].append(key)
+                    member_failure_log.warn(f"shard {key}", member, failure["error"], failure["series"])
             else:  # the fallback alone, fitted here on what precedes the first origin
                 self.failures_[f"{key} (forecast)"] = run.failures[key]
                 sub = _sub(panel, rows)

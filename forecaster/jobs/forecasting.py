@@ -4,6 +4,8 @@
   the latest history from the store (no refit) and writes 1..60-minute
   quantile forecasts for every registered model. Without a champion yet, a
   fallback-only ensemble fitted on the same history keeps forecasts flowing.
+  The summary says which members failed in this run (each also logged at
+  WARNING, rate-limited).
 * :func:`retrain_job` trains a challenger on the history up to a held-out
   tail, scores challenger and champion on the same held-out origins, saves the
   challenger under ``models/<version>/`` and promotes it only if its weighted
@@ -98,6 +100,10 @@ def forecast_job(engine: Engine, settings: Settings, now: datetime, *, cache: Ch
     The history comes from ``history_cache`` (re-read incrementally, see
     :mod:`forecaster.jobs.history`); a sharded champion forecasts its shards on
     the executor of ``settings`` (Dask, a local pool, or in this process).
+
+    The summary's ``member_failures`` are this run's members (and quantile heads) that failed at forecast time:
+    member -> series affected (their forecast went on without it), the first error text, and for a sharded
+    champion the shards.
     """
     started = time.perf_counter()
     ids = model_ids(engine)
@@ -123,6 +129,7 @@ def forecast_job(engine: Engine, settings: Settings, now: datetime, *, cache: Ch
     return {"models": panel.n_series, "rows": rows, "model_version": version,
             "no_history": len(ids) - panel.n_series, "read_s": round(read_s, 3), "read": history_cache.last_read,
             "forecast_s": round(forecast_s, 3), "shards": getattr(ensemble, "forecast_run_", None),
+            "member_failures": dict(getattr(ensemble, "forecast_failures_", {})),
             "champion_error": cache.last_error, "seconds": round(time.perf_counter() - started, 3)}
 
 
