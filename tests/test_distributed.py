@@ -337,3 +337,47 @@ def test_a_member_failing_in_every_shard_is_reported_on_every_run_and_warned_onc
     warnings = sorted(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
     assert len(warnings) == 3 and [w.split(":")[0] for w in warnings] == ["shard s0", "shard s1", "shard s2"]
     assert all("switched failed at forecast time for 10 series" in w for w in warnings)
+
+
+def test_a_saved_model_whose_shard_file_is_missing_or_cut_short_does_not_load(tmp_path):
+    model = ShardedEnsemble(_factory(), shard_max_series=10).fit_panel(_panel(30).head(300))
+    folder = registry.save_version(model, tmp_path, version_id="v1", train_start=None, train_end=None, scores={})
+    shards = folder / "shards"
+    (shards / "s1.pkl").rename(tmp_path / "s1.away")
+    with pytest.raises(RuntimeError, match=r"1 of 3 shard files unusable.*s1\.pkl: FileNotFoundError"):
+        registry.load_ensemble(folder)
+    (tmp_path / "s1.away").rename(shards / "s1.pkl")
+    whole = (shards / "s2.pkl").read_bytes()
+    (shards / "s2.pkl").write_bytes(whole[: len(whole) // 2])  # a copy cut short
+    with pytest.raises(RuntimeError, match=rf"s2\.pkl: {len(whole) // 2} bytes, saved as {len(whole)}"):
+        registry.load_ensemble(folder)
+    (shards / "s2.pkl").write_bytes(whole)
+    assert registry.load_ensemble(folder).shard_files_ == {k: f"shards/{k}.pkl" for k in ("s0", "s1", "s2")}
+
+
+def test_a_shard_failing_at_forecast_time_keeps_its_fallback_for_an_hour(tmp_path, monkeypatch):
+    panel = _panel(30)
+    model = ShardedEnsemble(_factory(), shard_max_series=10).fit_panel(panel.head(300))
+    folder = registry.save_version(model, tmp_path, version_id="v1", train_start=None, train_end=None, scores={})
+    loaded = registry.load_ensemble(folder)
+    loaded.executor = InlineExecutor(retries=0)
+    (folder / "shards" / "s1.pkl").write_bytes(b"\x80\x05damaged")  # damaged after the version was accepted
+    fits = []
+    original = Ensemble.fit_panel
+
+    def counted(self, sub):
+        if self.members == []:  # a fallback-only ensemble
+            fits.append(sub.n_series)
+        return original(self, sub)
+
+    monkeypatch.setattr(Ensemble, "fit_panel", counted)
+    for minute in (0, 1, 59):  # a run every minute: one fallback fit, kept
+        arrays = loaded.forecast(panel, [300 + minute], 15)
+        assert not np.isnan(arrays["ensemble"]).any()
+    assert fits == [10]
+    loaded.forecast(panel, [360], 15)  # an hour after its fit: refitted on the newer history
+    assert fits == [10, 10]
+    rows = loaded._route(panel)["s1"]
+    assert set(loaded.fallback_shards_) == {"s1"} and loaded.fallback_shards_["s1"]["series"] == 10
+    assert np.flatnonzero(loaded.fallback_rows_).tolist() == rows.tolist()
+    assert "fallbacks_" not in loaded.__getstate__()  # not part of the saved model

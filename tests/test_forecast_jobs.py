@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime, timedelta, timezone
 
@@ -12,6 +13,7 @@ import forecaster.forecast.registry as registry
 from forecaster.data import AZURE2019_TOP100, sample_path
 from forecaster.forecast.ensemble import Ensemble
 from forecaster.forecast.members import MovingAverage, Naive, SeasonalNaive
+from forecaster.forecast.sharded import ShardedEnsemble
 from forecaster.ingest.service import ingest_trace_file
 from forecaster.jobs.forecasting import forecast_job, model_ids, retrain_job
 
@@ -253,6 +255,51 @@ def test_forecast_job_stores_each_models_request_rate_over_its_look_back(engine,
     assert sorted(stored) == ids
     np.testing.assert_allclose([stored[m] for m in ids], expected, rtol=1e-6)  # real: float32
     assert len(set(np.round(expected, 3))) > 10 and min(expected) > 0  # the models differ; none at 0
+
+
+def sharded(*members):
+    return lambda: ShardedEnsemble(functools.partial(Ensemble, members=list(members), horizon=60), shard_max_series=25)
+
+
+def _stored_versions(engine, issued_at) -> dict:
+    with engine.connect() as conn:
+        return dict(conn.execute(text("SELECT model_version_id, count(*) FROM forecasts WHERE issued_at = :t "
+                                      "GROUP BY 1"), {"t": issued_at}).all())
+
+
+def test_unusable_shard_files_are_found_before_a_champion_is_accepted_and_a_failed_shard_is_stored_unversioned(
+        engine, ingested):
+    import forecaster.forecast.sharded as sharded_module
+
+    first = retrain_job(engine, ingested, DAY_END, cache=registry.ChampionCache(),
+                        ensemble_factory=sharded(MovingAverage(60)))
+    second = retrain_job(engine, ingested, DAY_END + timedelta(minutes=1), cache=registry.ChampionCache(),
+                         ensemble_factory=sharded(SeasonalNaive(15)))
+    registry.promote(engine, second["version"])  # the first one is now the newest former champion
+    shards = ingested.models_dir / second["version"] / "shards"
+    (shards / "s1.pkl").rename(shards.parent / "s1.away")  # the volume holds the model file, not yet this shard
+    sharded_module._loaded.clear()
+
+    # a scheduler started after the promotion: it holds no model, and forecasts with the previous champion
+    result = forecast_job(engine, ingested, DAY_END, cache=registry.ChampionCache())
+    assert result["models"] == 100 and result["model_version"] == first["version"]
+    assert second["version"] in result["champion_error"] and "s1.pkl" in result["champion_error"]
+    assert _stored_versions(engine, DAY_END) == {first["version"]: 100}
+
+    # whole again: accepted; then a shard file damaged under it: that shard's series come from the fallback model
+    (shards.parent / "s1.away").rename(shards / "s1.pkl")
+    cache = registry.ChampionCache()
+    version, champion = cache.get(engine)
+    assert version == second["version"] and cache.last_error is None
+    (shards / "s2.pkl").write_bytes((shards / "s2.pkl").read_bytes()[:100])
+    result = forecast_job(engine, ingested, DAY_END + timedelta(minutes=1), cache=cache)
+    assert result["model_version"] == second["version"] and set(result["shards"]["failed_shards"]) == {"s2"}
+    assert set(result["fallback_shards"]) == {"s2"} and result["fallback_series"] == 25
+    assert _stored_versions(engine, DAY_END + timedelta(minutes=1)) == {second["version"]: 75, None: 25}
+    with engine.connect() as conn:
+        unversioned = conn.execute(text("SELECT model_id FROM forecasts WHERE issued_at = :t AND "
+                                        "model_version_id IS NULL"), {"t": DAY_END + timedelta(minutes=1)}).scalars()
+        assert sorted(unversioned) == sorted(champion.shard_ids_["s2"])
 
 
 class Switched(MovingAverage):

@@ -24,7 +24,8 @@ from sqlalchemy import Engine
 
 from forecaster import __version__
 from forecaster.store.files import publish_dir
-from forecaster.store.registry import VersionInfo, champion_version, insert_version, promote_version, set_version_status
+from forecaster.store.registry import (VersionInfo, champion_version, insert_version, promote_version, retired_versions,
+                                      set_version_status)
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +106,18 @@ def member_report(ensemble) -> list[dict]:
 
 
 def load_ensemble(path: Path):
-    """Load a saved ensemble (only load folders this service wrote: pickle runs code)."""
+    """Load a saved ensemble (only load folders this service wrote: pickle runs code).
+
+    A sharded ensemble's shard files are read later, by the workers that forecast them; here each is checked to be
+    there and whole (:meth:`~forecaster.forecast.sharded.ShardedEnsemble.verify_shards`, a few bytes per file):
+    a version with a missing or truncated shard file raises
+    :class:`~forecaster.forecast.sharded.ShardFilesError` like one with a missing ``ensemble.pkl``.
+    """
     with open(Path(path) / ENSEMBLE_FILE, "rb") as handle:
         ensemble = pickle.load(handle)
     if hasattr(ensemble, "attach"):  # a sharded ensemble reads its shard files from this folder
         ensemble.attach(Path(path))
+        ensemble.verify_shards()
     return ensemble
 
 
@@ -137,12 +145,14 @@ def set_status(engine: Engine, version_id: str, status: str) -> None:
 class ChampionCache:
     """Loads the champion once per version; the forecast job asks it every minute.
 
-    A champion whose artefacts cannot be loaded (its folder deleted or not yet mounted, a truncated pickle, code
-    that no longer unpickles it) never stops the job: the error is logged and kept in :attr:`last_error`, the
-    job goes on with the ensemble it already holds (the previous champion, reported under its own version) or,
-    when it holds none, with the fallback model, and the load is tried again ``retry_after_s`` later rather than
-    every minute. The version is not marked failed here: a volume that comes back heals by itself, and the
-    nightly retrain promotes a challenger over a champion that cannot forecast.
+    A champion whose artefacts cannot be loaded (its folder deleted or not yet mounted, a truncated pickle, a
+    shard file missing or cut short (:func:`load_ensemble`), code that no longer unpickles it) never stops the
+    job: the error is logged and kept in :attr:`last_error`, the job goes on with the ensemble it already holds
+    (the previous champion, reported under its own version) or, when it holds none (a scheduler started after the
+    promotion), with the newest former champion that loads (:func:`~forecaster.store.registry.retired_versions`:
+    the one whose files the retention job keeps), else with the fallback model; the load is tried again
+    ``retry_after_s`` later rather than every minute. The version is not marked failed here: a volume that comes
+    back heals by itself, and the nightly retrain promotes a challenger over a champion that cannot forecast.
     """
 
     def __init__(self, *, retry_after_s: float = 600.0, clock=time.monotonic) -> None:
@@ -168,6 +178,8 @@ class ChampionCache:
             except Exception as error:  # missing files, a truncated or foreign pickle: any of them, the job goes on
                 self._failed_at[info.id] = self._clock()
                 self.last_error = f"champion {info.id} could not be loaded from {info.path}: {error!r}"
+                if self._ensemble is None:
+                    self._load_previous(engine, info.id)
                 log.error("%s; forecasting with %s, retrying in %.0f s", self.last_error,
                           f"the previous champion {self._version}" if self._ensemble is not None
                           else "the fallback model", self.retry_after_s)
@@ -176,3 +188,18 @@ class ChampionCache:
             self._failed_at.pop(info.id, None)
             self.last_error = None
         return info.id, self._ensemble
+
+    def _load_previous(self, engine: Engine, champion_id: str) -> None:
+        """Hold the newest former champion that loads (none held yet, the champion unusable)."""
+        for info in retired_versions(engine, kind="forecast"):
+            failed_at = self._failed_at.get(info.id)
+            if info.id == champion_id or (failed_at is not None and self._clock() - failed_at < self.retry_after_s):
+                continue
+            try:
+                ensemble = load_ensemble(info.path)
+            except Exception as error:  # noqa: BLE001 - the next older one, or the fallback model
+                self._failed_at[info.id] = self._clock()
+                log.warning("former champion %s could not be loaded from %s either: %r", info.id, info.path, error)
+                continue
+            self._ensemble, self._version = ensemble, info.id
+            return

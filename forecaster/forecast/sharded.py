@@ -22,7 +22,19 @@ forecasts them with its fallback member, as an unsharded ensemble would.
 
 A saved sharded ensemble keeps each shard in its own file
 (``models/<version>/shards/<key>.pkl``), so that a worker loads only the
-shards it is given, once per process (:func:`load_shard`).
+shards it is given, once per process (:func:`load_shard`). The model records
+each file's size when it saves it; :meth:`ShardedEnsemble.verify_shards`
+(run by :func:`~forecaster.forecast.registry.load_ensemble`) checks that every
+shard file is there, has that size and is a whole pickle, so that a version
+whose shard files are missing or cut short is never taken for a champion.
+
+A shard that fails at forecast time on every attempt is forecast by a
+fallback-only ensemble fitted in the calling process on that shard's series.
+That fit is what costs (about 70 s for a 5,000-series shard), so it is kept
+and refitted at most hourly (:data:`FALLBACK_REFIT`, data time) while the
+shard keeps failing. Its series are listed in ``fallback_rows_`` and
+``fallback_shards_``, and the failure is logged at WARNING, rate-limited as the
+members' failures are (:data:`~forecaster.forecast.ensemble.member_failure_log`).
 """
 
 from __future__ import annotations
@@ -47,6 +59,13 @@ from forecaster.settings import member_families
 log = logging.getLogger(__name__)
 
 SHARDS_DIR = "shards"
+#: A failed shard's fallback model is refitted at most this often (data time), as the forecast job's own
+#: no-champion fallback is (:func:`forecaster.jobs.forecasting._fallback_model`).
+FALLBACK_REFIT = pd.Timedelta(hours=1)
+
+
+class ShardFilesError(RuntimeError):
+    """A saved sharded ensemble whose shard files are missing or damaged (see :meth:`ShardedEnsemble.verify_shards`)."""
 
 
 def series_levels(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -207,8 +226,10 @@ class ShardedEnsemble:
     def forecast(self, panel: Panel, origins: Sequence[int], h: int, *, members: bool = False) -> dict[str, np.ndarray]:
         """Arrays ``(N, len(origins), h)`` per output column, as :meth:`Ensemble.forecast`.
 
-        The member failures this call met are in ``forecast_failures_`` (member -> series affected over all
-        shards, the first error text, the shards), each logged at WARNING, rate-limited per shard and member.
+        What this call met is in ``forecast_failures_`` (member -> series affected over all shards, the first error
+        text, the shards), ``fallback_shards_`` (shard -> series, error: shards that failed on every attempt and
+        were forecast by the fallback model) and ``fallback_rows_`` (bool per row of ``panel``: forecast by that
+        fallback, not by this model's members).
         """
         if not hasattr(self, "route_keys_"):
             raise RuntimeError("ShardedEnsemble is not fitted; call fit() first")
@@ -222,6 +243,8 @@ class ShardedEnsemble:
         self.forecast_run_ = run.summary()
         self.forecast_seconds_ = {}
         self.forecast_failures_: dict[str, dict] = {}
+        self.fallback_shards_: dict[str, dict] = {}
+        self.fallback_rows_ = np.zeros(panel.n_series, dtype=bool)
         outputs: dict[str, np.ndarray] = {}
         for key, rows in routes.items():
             if key in run.results:
@@ -233,16 +256,32 @@ class ShardedEnsemble:
                     total["series"] += failure["series"]
                     total["shards"].append(key)
                     member_failure_log.warn(f"shard {key}", member, failure["error"], failure["series"])
-            else:  # the fallback alone, fitted here on what precedes the first origin
-                self.failures_[f"{key} (forecast)"] = run.failures[key]
+            else:  # the fallback alone, fitted here on what precedes the first origin (kept for an hour)
+                error = run.failures[key]
+                self.failures_[f"{key} (forecast)"] = error
                 sub = _sub(panel, rows)
-                fallback = Ensemble(members=[], horizon=h).fit_panel(sub.head(max(1, min(origins))))
-                arrays = fallback.forecast(sub, origins, h)
+                arrays = self._fallback(key, sub, origins, h).forecast(sub, origins, h)
+                self.fallback_shards_[key] = {"series": len(rows), "error": error}
+                self.fallback_rows_[rows] = True
+                member_failure_log.warn(f"shard {key}", "the whole shard", error, len(rows),
+                                        action="forecast by the fallback model")
             for column, values in arrays.items():
                 if column not in outputs:
                     outputs[column] = np.full((panel.n_series, len(origins), h), np.nan)
                 outputs[column][rows] = values
         return outputs
+
+    def _fallback(self, key: str, sub: Panel, origins: list[int], h: int) -> Ensemble:
+        """The fallback-only ensemble of failed shard ``key``, fitted on ``sub`` before its first origin; the one
+        fitted before is reused while its fit is under :data:`FALLBACK_REFIT` older (data time) than this one's
+        would be: a shard that keeps failing must not cost a fit on every forecast run."""
+        end = sub.start + max(1, min(origins)) * sub.step
+        cache = self.__dict__.setdefault("fallbacks_", {})
+        fitted_end, horizon, model = cache.get(key, (None, None, None))
+        if model is None or horizon != h or not pd.Timedelta(0) <= end - fitted_end < FALLBACK_REFIT:
+            model = Ensemble(members=[], horizon=h).fit_panel(sub.head(max(1, min(origins))))
+            cache[key] = (end, h, model)
+        return model
 
     def predict(self, h: int, history: pd.DataFrame, *, members: bool = False) -> pd.DataFrame:
         """Forecast ``h`` steps after the end of ``history`` (no refit); columns as :meth:`Ensemble.predict`."""
@@ -264,8 +303,10 @@ class ShardedEnsemble:
         return [{"name": name, "series_share": round(share, 4)} for name, share in shares.items()]
 
     def save_shards(self, folder: Path) -> None:
-        """Write each shard to ``folder/shards/<key>.pkl``; the pickled model then refers to them by name."""
+        """Write each shard to ``folder/shards/<key>.pkl``; the pickled model then refers to them by name and
+        records their sizes (``shard_bytes_``, checked by :meth:`verify_shards`)."""
         (folder / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
+        sizes = self.__dict__.setdefault("shard_bytes_", {})
         for key, shard in self.shards_.items():
             if shard is None:
                 continue
@@ -274,15 +315,58 @@ class ShardedEnsemble:
             with open(folder / name, "wb") as handle:
                 pickle.dump(shard, handle, protocol=pickle.HIGHEST_PROTOCOL)
             self.shard_files_[key] = name
+            sizes[key] = (folder / name).stat().st_size
 
     def attach(self, folder: Path) -> None:
         """After loading from ``folder``: shards are read from there (lazily, by whoever forecasts them)."""
         self.base_path_ = Path(folder).resolve()
 
+    def verify_shards(self) -> None:
+        """Raise :class:`ShardFilesError` unless every shard file of this attached model is there and whole.
+
+        Cheap, whatever the shards' size: each file must exist, have the size recorded when it was saved (a model
+        saved before sizes were recorded: be non-empty), start as a pickle of protocol 2 or later does and end
+        with the pickle STOP opcode. A file cut short, emptied, or missing (a volume partly synced or not
+        mounted) fails; damage inside a file of the right size is met only when a worker unpickles it.
+        """
+        if not getattr(self, "shard_files_", None):
+            return  # shards held in the model itself
+        base = getattr(self, "base_path_", None)
+        if base is None:
+            raise RuntimeError("ShardedEnsemble.verify_shards needs attach(folder) first")
+        sizes = getattr(self, "shard_bytes_", {})
+        problems = []
+        for key in self.shards_:
+            if self.shards_[key] is not None:
+                continue
+            name = self.shard_files_.get(key)
+            if name is None:
+                problems.append(f"{key}: no file recorded")
+                continue
+            path = base / name
+            try:
+                size = path.stat().st_size
+                with open(path, "rb") as handle:
+                    head = handle.read(2)
+                    if size:
+                        handle.seek(size - 1)
+                    tail = handle.read(1)
+            except OSError as error:
+                problems.append(f"{name}: {type(error).__name__}: {error.strerror or error}")
+                continue
+            if key in sizes and size != sizes[key]:
+                problems.append(f"{name}: {size} bytes, saved as {sizes[key]}")
+            elif not size or head[:1] != pickle.PROTO or head[1:2] < b"\x02" or tail != pickle.STOP:
+                problems.append(f"{name}: not a whole pickle ({size} bytes)")
+        if problems:
+            raise ShardFilesError(f"{len(problems)} of {len(self.shards_)} shard files unusable in {base}: "
+                                  + "; ".join(problems))
+
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["executor"] = None  # a Dask client or a process pool is not part of the model
         state["progress"] = None
+        state.pop("fallbacks_", None)  # failed shards' fallbacks of this process's forecasts
         if state.get("shard_files_"):
             # saved shards live in their own files; the model itself keeps only their names
             state["shards_"] = {key: None for key in state["shards_"]}

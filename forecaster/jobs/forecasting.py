@@ -4,8 +4,9 @@
   the latest history from the store (no refit) and writes 1..60-minute
   quantile forecasts for every registered model. Without a champion yet, a
   fallback-only ensemble fitted on the same history keeps forecasts flowing.
-  The summary says which members failed in this run (each also logged at
-  WARNING, rate-limited).
+  Rows forecast by a fallback model (that one, or a failed shard's) are stored
+  without a model version; the summary says which shards fell back and which
+  members failed in this run (each also logged at WARNING, rate-limited).
 * :func:`retrain_job` trains a challenger on the history up to a held-out
   tail, scores challenger and champion on the same held-out origins, saves the
   challenger under ``models/<version>/`` and promotes it only if its weighted
@@ -103,7 +104,9 @@ def forecast_job(engine: Engine, settings: Settings, now: datetime, *, cache: Ch
 
     The summary's ``member_failures`` are this run's members (and quantile heads) that failed at forecast time:
     member -> series affected (their forecast went on without it), the first error text, and for a sharded
-    champion the shards.
+    champion the shards. ``fallback_shards`` are the shards that failed on every attempt (shard -> series, error)
+    and were forecast by a fallback-only model; those rows are stored without a model version (NULL, as the
+    no-champion fallback's are), the other rows under the champion's, and ``fallback_series`` counts them.
     """
     started = time.perf_counter()
     ids = model_ids(engine)
@@ -123,13 +126,26 @@ def forecast_job(engine: Engine, settings: Settings, now: datetime, *, cache: Ch
     forecast_s = time.perf_counter() - started - read_s
     columns = {("point" if k == ensemble.name else k): v[:, 0, :] for k, v in arrays.items()
                if k in (ensemble.name, "p_any") or k.startswith("q")}
-    rows = write_forecast_arrays(engine, list(panel.ids), (panel.start + panel.n_steps * panel.step).to_pydatetime(),
-                                 columns, issued_at=now, model_version_id=version,
-                                 request_rate_rpm=history_request_rate_rpm(panel.values))
+    first_target = (panel.start + panel.n_steps * panel.step).to_pydatetime()
+    rates = history_request_rate_rpm(panel.values)
+    fallback = np.ones(panel.n_series, dtype=bool) if version is None else getattr(ensemble, "fallback_rows_", None)
+    if version is None or fallback is None or not fallback.any():
+        rows = write_forecast_arrays(engine, list(panel.ids), first_target, columns, issued_at=now,
+                                     model_version_id=version, request_rate_rpm=rates)
+    else:  # a failed shard's series were forecast by the fallback model, not by this version: two writes, each
+        # replacing its own models' rows of this run in its own transaction
+        rows = 0
+        for which, label in ((~fallback, version), (fallback, None)):
+            if which.any():
+                rows += write_forecast_arrays(engine, list(panel.ids[which]), first_target,
+                                              {k: v[which] for k, v in columns.items()}, issued_at=now,
+                                              model_version_id=label, request_rate_rpm=rates[which])
     return {"models": panel.n_series, "rows": rows, "model_version": version,
             "no_history": len(ids) - panel.n_series, "read_s": round(read_s, 3), "read": history_cache.last_read,
             "forecast_s": round(forecast_s, 3), "shards": getattr(ensemble, "forecast_run_", None),
             "member_failures": dict(getattr(ensemble, "forecast_failures_", {})),
+            "fallback_shards": dict(getattr(ensemble, "fallback_shards_", {})),
+            "fallback_series": int(fallback.sum()) if fallback is not None else 0,
             "champion_error": cache.last_error, "seconds": round(time.perf_counter() - started, 3)}
 
 

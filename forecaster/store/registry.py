@@ -60,6 +60,16 @@ def champion_version(engine: Engine, *, kind: str = "forecast") -> VersionInfo |
                                                 row[7], row[8])
 
 
+def retired_versions(engine: Engine, *, kind: str = "forecast", limit: int = 3) -> list[VersionInfo]:
+    """The newest former champions of ``kind`` (status ``retired``), newest first: the order in which
+    :mod:`forecaster.store.model_retention` keeps the newest one's files."""
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT id, status, path, train_start, train_end, scores, members, kind, "
+                                 "code_version FROM model_versions WHERE status = 'retired' AND kind = :kind "
+                                 "ORDER BY created_at DESC, id DESC LIMIT :n"), {"kind": kind, "n": limit}).all()
+    return [VersionInfo(r[0], r[1], Path(r[2]), r[3], r[4], r[5], r[6], r[7], r[8]) for r in rows]
+
+
 def promote_version(engine: Engine, version_id: str) -> None:
     """Make ``version_id`` the champion of its kind and retire the previous one, in one transaction.
 
