@@ -29,6 +29,7 @@ from forecaster.ingest.service import ingest_trace_file
 from forecaster.jobs.forecasting import forecast_job, retrain_job
 from tests.distributed_members import (PoisonedEnsemble, SlowNaive, always_fails, dies_once, flaky_square,
                                       native_threads)
+from tests.executor_tasks import behave
 
 DAY_END = datetime(2019, 7, 16, tzinfo=timezone.utc)  # the shipped sample covers 2019-07-15
 
@@ -129,6 +130,32 @@ def test_pool_survives_a_worker_process_dying(tmp_path):
         assert run.attempts["k3"] == 2
     finally:
         executor.close()
+
+
+def test_a_worker_dying_on_every_attempt_costs_only_its_own_shard():
+    """A dead worker breaks the pool and fails every shard it had not finished; those run again each alone, so the
+    innocent ones finish (on the old code every retry ran them beside the poison again and lost them again)."""
+    executor = PoolExecutor(2, retries=1)
+    try:
+        run = executor.run(behave, {"poison": ("die", 0), "k1": ("sleep", 1, 1.0), "k2": ("sleep", 2, 1.0)})
+    finally:
+        executor.close()
+    assert run.results == {"k1": 1, "k2": 4}
+    assert set(run.failures) == {"poison"} and "died" in run.failures["poison"], run.failures
+    assert run.attempts["k1"] == run.attempts["k2"] == 2  # the shared try the death took, then alone
+
+
+def test_an_exception_that_cannot_be_unpickled_keeps_its_text_and_breaks_nothing():
+    """A shard's exception comes back as text: one whose class cannot be rebuilt from its args used to break the
+    pool on the way back (every unfinished shard failed with it) and lose its message."""
+    executor = PoolExecutor(2, retries=0)
+    try:
+        run = executor.run(behave, {"bad": ("two-arg", 1), "k2": ("sleep", 2, 1.0)})
+    finally:
+        executor.close()
+    assert run.results == {"k2": 4}
+    assert run.failures == {"bad": "TwoArgError: native library failure: shard 1 (simulated)"}
+    assert run.attempts == {"bad": 1, "k2": 1}  # the pool did not break: nothing ran twice
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: every pool is one thread anyway")

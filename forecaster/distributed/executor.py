@@ -14,7 +14,16 @@ The retrain, the backtests and the forecast job split their series into shards
 
 Whatever the backend, a shard that raises (or whose worker dies) is tried
 again up to ``retries`` more times; a shard that still fails is reported in
-:attr:`ShardRun.failures` and never costs the other shards their results.
+:attr:`ShardRun.failures` and never costs the other shards their results:
+
+* a shard's exception travels back as a :class:`ShardError` holding its type and
+  message, so an exception that pickles but cannot be unpickled (a two-argument
+  ``__init__``) neither breaks the pool nor loses its text;
+* when a pool worker dies, the pool fails every shard it had not finished,
+  whichever one killed it; those shards run again at once: the ones that were
+  running (one of them killed it) each alone in a fresh process, at most
+  ``workers`` at a time, then the rest together on a fresh pool, so the dead
+  worker's own shard fails alone and the others finish.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -35,7 +46,6 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-
 @dataclass
 class ShardRun:
     """Outcome of running one function over shards.
@@ -44,7 +54,8 @@ class ShardRun:
         results: shard key -> the function's return value, for shards that succeeded.
         failures: shard key -> the last error (``Type: message``), for shards that
             failed on every attempt.
-        attempts: shard key -> attempts made (1 = first try succeeded).
+        attempts: shard key -> times the shard was sent to a worker (1 = the first try succeeded; the
+            run again after a worker death broke the pool counts).
         seconds: wall time of the whole run.
         backend: ``dask``, ``pool`` or ``inline``.
         workers: workers the backend had when the run started.
@@ -64,8 +75,48 @@ class ShardRun:
                 "seconds": round(self.seconds, 3)}
 
 
+class ShardError(Exception):
+    """A shard's exception as text (``Type: message``), raised in the worker in place of the original.
+
+    It always pickles and unpickles (one string argument): an exception whose ``__init__`` takes other
+    arguments than its ``args`` pickles in the worker but fails to unpickle in the caller, which breaks a
+    process pool (every unfinished shard fails with it) and loses the message.
+    """
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
 def _describe(error: BaseException) -> str:
+    if isinstance(error, ShardError):
+        return error.text
     return f"{type(error).__name__}: {error}"
+
+
+def _guarded(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a worker, its exception (if any) turned into a :class:`ShardError`."""
+    try:
+        return fn(*args)
+    except Exception as error:
+        raise ShardError(_describe(error)) from None
+
+
+def _tracked(token: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """:func:`_guarded` in a pool worker, with the file ``token`` present while it runs.
+
+    A token left behind by a broken pool names a shard that was running when a worker died: one of those
+    killed it. The file is written and removed synchronously (a dying process flushes nothing later).
+    """
+    with open(token, "wb"):
+        pass
+    try:
+        return _guarded(fn, *args)
+    finally:
+        os.unlink(token)
 
 
 class Executor(ABC):
@@ -90,8 +141,8 @@ class Executor(ABC):
             if not pending:
                 break
             for key in pending:
-                run.attempts[key] = attempt
-            errors = self._run_round(fn, pending, run.results, name or getattr(fn, "__name__", "task"))
+                run.attempts[key] = run.attempts.get(key, 0) + 1
+            errors = self._run_round(fn, pending, run, name or getattr(fn, "__name__", "task"))
             for key, error in errors.items():
                 log.warning("shard %s failed on attempt %d of %d: %s", key, attempt, self.retries + 1, error)
             pending = {key: pending[key] for key in errors}
@@ -100,8 +151,8 @@ class Executor(ABC):
         return run
 
     @abstractmethod
-    def _run_round(self, fn, tasks: Mapping[str, tuple], results: dict, name: str) -> dict[str, str]:
-        """Run every task once, store successes in ``results``; return key -> error for the rest."""
+    def _run_round(self, fn, tasks: Mapping[str, tuple], run: ShardRun, name: str) -> dict[str, str]:
+        """Run every task once, store successes in ``run.results``; return key -> error for the rest."""
 
     def close(self) -> None:
         """Release workers / connections (idempotent)."""
@@ -116,11 +167,11 @@ class InlineExecutor(Executor):
     def workers(self) -> int:
         return 1
 
-    def _run_round(self, fn, tasks, results, name):
+    def _run_round(self, fn, tasks, run, name):
         errors = {}
         for key, args in tasks.items():
             try:
-                results[key] = fn(*args)
+                run.results[key] = fn(*args)
             except Exception as error:  # one shard's failure is reported, the others go on
                 errors[key] = _describe(error)
         return errors
@@ -153,10 +204,23 @@ def limit_native_threads(threads: int) -> None:
     threadpool_limits(limits=threads)
 
 
+def _kill(pool: ProcessPoolExecutor) -> None:
+    """Kill ``pool``'s worker processes (SIGKILL) and shut it down."""
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        try:
+            process.kill()
+        except (OSError, ValueError, AttributeError):  # already gone, or closed
+            pass
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
 class PoolExecutor(Executor):
     """A persistent pool of ``workers`` spawned processes (kept between runs: models stay cached there).
 
     Each worker's BLAS and OpenMP pools get the cores divided by the workers (:func:`limit_native_threads`).
+    When a worker dies, the shards the broken pool failed run again at once:
+    those that were running then (:func:`_tracked`) each alone in a fresh process, the others together on a
+    fresh pool, so that only the dead worker's own shard is charged with the death.
     """
 
     backend = "pool"
@@ -165,49 +229,134 @@ class PoolExecutor(Executor):
         super().__init__(retries)
         self._workers = workers
         self._pool: ProcessPoolExecutor | None = None
+        self._token_dir: str | None = None  # files naming the shards running now (see _tracked)
         self._lock = threading.Lock()
 
     @property
     def workers(self) -> int:
         return self._workers
 
+    def _new_pool(self, workers: int) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=limit_native_threads,
+                                   initargs=(native_threads_per_worker(self._workers),))
+
     def _get_pool(self) -> ProcessPoolExecutor:
         with self._lock:
-            if self._pool is None:
-                self._pool = ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=limit_native_threads,
-                                                 initargs=(native_threads_per_worker(self._workers),))
+            if self._pool is None or getattr(self._pool, "_broken", False):
+                if self._pool is not None:  # broken by another run's dead worker
+                    self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = self._new_pool(self._workers)
             return self._pool
+
+    def _drop(self, pool: ProcessPoolExecutor) -> None:
+        """Stop using ``pool`` (the next run starts a fresh one)."""
+        with self._lock:
+            if self._pool is pool:
+                self._pool = None
+        pool.shutdown(wait=False, cancel_futures=True)
 
     def _reset_pool(self) -> None:
         with self._lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False, cancel_futures=True)
-                self._pool = None
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
-    def _run_round(self, fn, tasks, results, name):
+    def _tokens(self) -> str:
+        with self._lock:
+            if self._token_dir is None:
+                self._token_dir = tempfile.mkdtemp(prefix="prewarm-shards-")
+            return self._token_dir
+
+    def _run_round(self, fn, tasks, run, name):
         pool = self._get_pool()
-        futures = {pool.submit(fn, *args): key for key, args in tasks.items()}
-        errors = {}
-        broken = False
-        remaining = set(futures)
-        while remaining:
-            done, remaining = wait(remaining, return_when=FIRST_COMPLETED)
-            for future in done:
-                key = futures[future]
+        folder = self._tokens()
+        tokens = {key: os.path.join(folder, uuid.uuid4().hex) for key in tasks}
+        futures = {}
+        lost: list[str] = []  # failed by a broken pool: whose worker died is not known yet
+        errors: dict[str, str] = {}
+        try:
+            for key, args in tasks.items():
                 try:
-                    results[key] = future.result()
-                except BrokenProcessPool as error:  # a worker died: every unfinished task is lost with it
-                    broken = True
-                    errors[key] = _describe(error) or "a worker process died"
-                except Exception as error:
-                    errors[key] = _describe(error)
-        if broken:
-            self._reset_pool()  # the next round starts fresh processes
+                    futures[pool.submit(_tracked, tokens[key], fn, *args)] = key
+                except BrokenProcessPool:  # broken while we submitted (an earlier task of this round died already)
+                    lost.append(key)
+            remaining = set(futures)
+            while remaining:
+                done, remaining = wait(remaining, return_when=FIRST_COMPLETED)
+                for future in done:
+                    key = futures[future]
+                    try:
+                        run.results[key] = future.result()
+                    except BrokenProcessPool:  # a worker died: every unfinished task of the pool failed with it
+                        lost.append(key)
+                    except Exception as error:
+                        errors[key] = _describe(error)
+            if lost:
+                self._drop(pool)  # the next round (or run) starts fresh processes
+                # the shards running when the worker died (their token is left): one of them killed it
+                running = [key for key in lost if os.path.exists(tokens[key])]
+                if len(tasks) == 1:  # it ran alone: its own worker died
+                    errors[lost[0]] = "BrokenProcessPool: the worker process running this shard died"
+                    return errors
+                suspects = running or lost  # none seen running (it died before its token): all are suspects
+                others = {key: tasks[key] for key in lost if key not in suspects}
+                log.warning("a pool worker died; the shard(s) running then again, each alone: %s%s",
+                            ", ".join(sorted(suspects)),
+                            f"; the {len(others)} not started yet again together" if others else "")
+                errors.update(self._run_alone(fn, {key: tasks[key] for key in suspects}, run))
+                if others:
+                    for key in others:
+                        run.attempts[key] = run.attempts.get(key, 0) + 1
+                    errors.update(self._run_round(fn, others, run, name))
+            return errors
+        finally:
+            for token in tokens.values():
+                try:
+                    os.unlink(token)
+                except FileNotFoundError:
+                    pass
+
+    def _run_alone(self, fn, tasks, run) -> dict[str, str]:
+        """Each task in a fresh one-process pool, at most ``workers`` at a time: a death is its own task's."""
+        errors: dict[str, str] = {}
+        waiting = list(tasks)
+        running: dict = {}  # future -> (key, pool, process)
+        try:
+            while waiting or running:
+                while waiting and len(running) < self._workers:
+                    key = waiting.pop(0)
+                    run.attempts[key] = run.attempts.get(key, 0) + 1
+                    pool = self._new_pool(1)
+                    future = pool.submit(_guarded, fn, *tasks[key])
+                    process = next(iter((getattr(pool, "_processes", None) or {}).values()), None)
+                    running[future] = (key, pool, process)
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    key, pool, process = running.pop(future)
+                    try:
+                        run.results[key] = future.result()
+                    except BrokenProcessPool:
+                        code = process.exitcode if process is not None else None
+                        if process is not None and code is None:
+                            process.join(1.0)
+                            code = process.exitcode
+                        errors[key] = ("BrokenProcessPool: the worker process running this shard alone died"
+                                       + (f" (exit code {code})" if code is not None else ""))
+                    except Exception as error:
+                        errors[key] = _describe(error)
+                    pool.shutdown(wait=False)
+        finally:
+            for _, pool, _ in running.values():  # only after an error above (an interrupt)
+                _kill(pool)
         return errors
 
     def close(self) -> None:
         self._reset_pool()
+        with self._lock:
+            folder, self._token_dir = self._token_dir, None
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 class DaskExecutor(Executor):
@@ -233,19 +382,18 @@ class DaskExecutor(Executor):
     def workers(self) -> int:
         return len(self.client.scheduler_info(n_workers=-1).get("workers", {}))
 
-    def _run_round(self, fn, tasks, results, name):
+    def _run_round(self, fn, tasks, run, name):
         with warnings.catch_warnings():
             # shards of history are large task arguments on purpose (see the class docstring)
             warnings.filterwarnings("ignore", message=".*[Ll]arge.*")
             futures = {
-                self.client.submit(fn, *args, key=f"{name}-{key}-{uuid.uuid4().hex[:8]}", pure=False): key
+                self.client.submit(_guarded, fn, *args, key=f"{name}-{key}-{uuid.uuid4().hex[:8]}", pure=False): key
                 for key, args in tasks.items()
             }
         errors = {}
         for future, key in futures.items():  # all run in parallel; collecting in order costs no wall time
-            key = futures[future]
             try:
-                results[key] = future.result()
+                run.results[key] = future.result()
             except Exception as error:
                 errors[key] = _describe(error)
             finally:
