@@ -68,3 +68,14 @@ def native_threads(_: int) -> dict:
     for pool in threadpool_info():
         pools.setdefault(pool["user_api"], []).append(pool["num_threads"])
     return pools
+
+
+class SlowNaiveEnds(SlowNaive):
+    """:class:`SlowNaive` that also leaves ``<pid>-<first id>.end`` in ``marker_dir`` when its fit is done."""
+
+    name = "slow_naive"
+
+    def _fit(self, panel) -> None:
+        super()._fit(panel)
+        Path(self.marker_dir, f"{os.getpid()}-{panel.ids[0]}.end").touch()
+

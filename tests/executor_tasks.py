@@ -30,3 +30,10 @@ def behave(mode: str, x: int, seconds: float = 0.0, marker: str = "") -> int:
     time.sleep(seconds)
     return x * x
 
+
+def timed(folder: str, label: str, seconds: float) -> str:
+    """Writes ``label.start`` and, ``seconds`` later, ``label.end`` (each holding ``time.time()``) into ``folder``."""
+    Path(folder, f"{label}.start").write_text(repr(time.time()))
+    time.sleep(seconds)
+    Path(folder, f"{label}.end").write_text(repr(time.time()))
+    return label

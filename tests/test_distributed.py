@@ -20,16 +20,17 @@ from sqlalchemy import text
 
 import forecaster.forecast.registry as registry
 from forecaster.data import AZURE2019_TOP100, sample_path
-from forecaster.distributed.executor import DaskExecutor, InlineExecutor, PoolExecutor, close_executors
+from forecaster.distributed.executor import DaskExecutor, InlineExecutor, PoolExecutor, close_executors, executor_for
 from forecaster.forecast.ensemble import Ensemble
 from forecaster.forecast.members import MovingAverage, Naive
 from forecaster.forecast.panel import Panel
 from forecaster.forecast.sharded import ShardedEnsemble, plan_shards, series_levels
 from forecaster.ingest.service import ingest_trace_file
 from forecaster.jobs.forecasting import forecast_job, retrain_job
-from tests.distributed_members import (PoisonedEnsemble, SlowNaive, always_fails, dies_once, flaky_square,
-                                      native_threads)
-from tests.executor_tasks import behave
+from forecaster.settings import Settings
+from tests.distributed_members import (PoisonedEnsemble, SlowNaive, SlowNaiveEnds, always_fails,
+                                      dies_once, flaky_square, native_threads)
+from tests.executor_tasks import behave, timed
 
 DAY_END = datetime(2019, 7, 16, tzinfo=timezone.utc)  # the shipped sample covers 2019-07-15
 
@@ -214,6 +215,36 @@ def test_dask_executor_retries_on_a_real_cluster(dask_cluster, tmp_path):
         executor.close()
 
 
+def test_forecast_tasks_go_before_the_queued_tasks_of_a_retrain_on_dask(dask_cluster, tmp_path):
+    """The forecast job's executor submits at a higher Dask priority than the retrain's. Dask queues the tasks of a
+    big group (more than twice the cluster's threads, as a forecast of many shards) on the scheduler in order of
+    priority, then of submission: at the same priority a forecast waited for every retrain task queued before it."""
+    settings = Settings(database_url="postgresql+psycopg://nobody@127.0.0.1:1/none", data_dir=tmp_path / "data",
+                        models_dir=tmp_path / "models", dask_scheduler_address=dask_cluster.scheduler_address)
+    batch, forecast = executor_for(settings), executor_for(settings, "forecast")
+    assert batch is not forecast
+    stamps = tmp_path / "stamps"
+    stamps.mkdir()
+    box: dict = {}
+    retrain = threading.Thread(target=lambda: box.setdefault("run", batch.run(
+        timed, {f"b{i}": (str(stamps), f"b{i}", 1.0) for i in range(8)}, name="fit-shard")))
+    retrain.start()
+    deadline = time.monotonic() + 60
+    while len(list(stamps.glob("b*.start"))) < 2 and time.monotonic() < deadline:  # both workers busy
+        time.sleep(0.02)
+    ours = forecast.run(timed, {f"f{i}": (str(stamps), f"f{i}", 0.0) for i in range(5)}, name="forecast-shard")
+    retrain.join(60)
+    assert sorted(ours.results) == [f"f{i}" for i in range(5)] and not box["run"].failures
+
+    def stamp(name: str) -> float:
+        return float((stamps / name).read_text())
+
+    last_retrain_start = max(stamp(f"b{i}.start") for i in range(8))
+    forecast_end = max(stamp(f"f{i}.end") for i in range(5))
+    assert forecast_end < last_retrain_start, f"forecast done {forecast_end - last_retrain_start:+.2f} s after " \
+                                              "the last retrain task started"
+
+
 def test_retrain_and_forecast_on_dask_survive_a_killed_worker(engine, ingested, dask_cluster, tmp_path):
     settings = ingested.model_copy(update={"dask_scheduler_address": dask_cluster.scheduler_address})
     markers = tmp_path / "markers"
@@ -282,6 +313,40 @@ def model_shard(model: ShardedEnsemble, key: str) -> Ensemble:
     from forecaster.forecast.sharded import load_shard
 
     return load_shard(model._shard_ref(key))
+
+
+def test_forecast_job_does_not_queue_behind_a_retrain_on_the_pool(engine, ingested, tmp_path):
+    """The retrain and the forecast job used to share one process pool, whose queue is first come first served:
+    a forecast started during a retrain waited for the retrain's fits. The forecast job has a pool of its own."""
+    cache = registry.ChampionCache()
+    quick = functools.partial(ShardedEnsemble, functools.partial(Ensemble, members=[MovingAverage(60)], horizon=30),
+                              shard_max_series=25)
+    retrain_job(engine, ingested, DAY_END, cache=cache, ensemble_factory=quick)  # the champion, in process
+    pool = ingested.model_copy(update={"shard_workers": 2})
+    forecast_job(engine, pool, DAY_END, cache=cache)  # starts the forecast pool
+    markers = tmp_path / "fits"
+    markers.mkdir()
+    slow = functools.partial(ShardedEnsemble, functools.partial(
+        Ensemble, members=[SlowNaiveEnds(str(markers), 4.0), MovingAverage(60)], horizon=30, refit=False),
+        shard_max_series=50)  # two shards: one 4-second fit on each of the two workers
+    box: dict = {}
+    retrain = threading.Thread(target=lambda: box.setdefault("retrain", retrain_job(
+        engine, pool, DAY_END, cache=cache, ensemble_factory=slow)))
+    retrain.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any(not p.name.endswith(".end") for p in markers.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert any(markers.iterdir()), "the retrain never started a fit"
+        started = time.monotonic()
+        out = forecast_job(engine, pool, DAY_END.replace(second=10), cache=cache)
+        seconds = time.monotonic() - started
+        fits_done = sorted(p.name for p in markers.glob("*.end"))
+    finally:
+        retrain.join(120)
+    assert not fits_done, f"the forecast job ({seconds:.1f} s) waited for the retrain's fits {fits_done}"
+    assert out["models"] == 100 and not out["shards"]["failed_shards"]
+    assert box["retrain"]["shards"]["shards"] == 2 and not box["retrain"]["shards"]["failed_shards"]
 
 
 def test_inline_and_pool_retrain_give_the_same_model(engine, ingested):

@@ -24,6 +24,11 @@ again up to ``retries`` more times; a shard that still fails is reported in
   running (one of them killed it) each alone in a fresh process, at most
   ``workers`` at a time, then the rest together on a fresh pool, so the dead
   worker's own shard fails alone and the others finish.
+
+The forecast job gets executors of its own (``purpose="forecast"``): its own
+pool, so its shards never queue behind the nightly retrain's fits, whose pool
+workers run at a lower CPU priority (``nice``), and on Dask a higher task
+priority than the retrain's and the backtests' tasks.
 """
 
 from __future__ import annotations
@@ -45,6 +50,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+BATCH = "batch"
+FORECAST = "forecast"
+PURPOSES = (BATCH, FORECAST)
+BATCH_NICENESS = 10  # added to a batch pool worker's nice value: the forecast pool's workers get the cores first
+FORECAST_DASK_PRIORITY = 10  # Dask runs queued tasks of higher priority first (the retrain's are 0)
+
 
 @dataclass
 class ShardRun:
@@ -185,7 +197,7 @@ def native_threads_per_worker(workers: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // max(1, workers))
 
 
-def limit_native_threads(threads: int) -> None:
+def limit_native_threads(threads: int, niceness: int = 0) -> None:
     """Cap this process's BLAS and OpenMP thread pools at ``threads`` (a pool worker's initializer).
 
     The pool's parallelism is across shards. A BLAS or OpenMP pool sized for the whole machine in every worker
@@ -196,7 +208,12 @@ def limit_native_threads(threads: int) -> None:
     On 2 cores the cap did not measurably change the 100,000-model forecast job (docs/scale.md: 0.81x of Dask's
     time with it, 0.77x without, within run-to-run noise); it is for machines with many cores, where N workers
     each starting an N-thread pool is the oversubscription joblib's loky backend prevents the same way.
+
+    ``niceness`` is added to the worker's nice value first (a batch pool's workers: the threads they start
+    inherit it), so that on a busy machine the forecast pool's workers get the cores before the retrain's.
     """
+    if niceness:
+        os.nice(niceness)
     for name in NATIVE_THREAD_VARIABLES:
         os.environ[name] = str(threads)
     from threadpoolctl import threadpool_limits
@@ -217,17 +234,18 @@ def _kill(pool: ProcessPoolExecutor) -> None:
 class PoolExecutor(Executor):
     """A persistent pool of ``workers`` spawned processes (kept between runs: models stay cached there).
 
-    Each worker's BLAS and OpenMP pools get the cores divided by the workers (:func:`limit_native_threads`).
-    When a worker dies, the shards the broken pool failed run again at once:
+    Each worker's BLAS and OpenMP pools get the cores divided by the workers (:func:`limit_native_threads`),
+    and its nice value is raised by ``niceness``. When a worker dies, the shards the broken pool failed run again at once:
     those that were running then (:func:`_tracked`) each alone in a fresh process, the others together on a
     fresh pool, so that only the dead worker's own shard is charged with the death.
     """
 
     backend = "pool"
 
-    def __init__(self, workers: int, retries: int = 2):
+    def __init__(self, workers: int, retries: int = 2, *, niceness: int = 0):
         super().__init__(retries)
         self._workers = workers
+        self.niceness = niceness
         self._pool: ProcessPoolExecutor | None = None
         self._token_dir: str | None = None  # files naming the shards running now (see _tracked)
         self._lock = threading.Lock()
@@ -239,7 +257,7 @@ class PoolExecutor(Executor):
     def _new_pool(self, workers: int) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                    initializer=limit_native_threads,
-                                   initargs=(native_threads_per_worker(self._workers),))
+                                   initargs=(native_threads_per_worker(self._workers), self.niceness))
 
     def _get_pool(self) -> ProcessPoolExecutor:
         with self._lock:
@@ -367,15 +385,17 @@ class DaskExecutor(Executor):
     anything; a task that raises, or that Dask gives up on (``KilledWorker``
     after ``distributed.scheduler.allowed-failures`` deaths), is retried by
     :meth:`Executor.run` like on the other backends.
+    ``priority`` is Dask's task priority (higher runs first among queued tasks).
     """
 
     backend = "dask"
 
-    def __init__(self, address: str, retries: int = 2, timeout_s: float = 30.0):
+    def __init__(self, address: str, retries: int = 2, timeout_s: float = 30.0, *, priority: int = 0):
         super().__init__(retries)
         from distributed import Client
 
         self.address = address
+        self.priority = priority
         self.client = Client(address, timeout=timeout_s, set_as_default=False)
 
     @property
@@ -387,7 +407,8 @@ class DaskExecutor(Executor):
             # shards of history are large task arguments on purpose (see the class docstring)
             warnings.filterwarnings("ignore", message=".*[Ll]arge.*")
             futures = {
-                self.client.submit(_guarded, fn, *args, key=f"{name}-{key}-{uuid.uuid4().hex[:8]}", pure=False): key
+                self.client.submit(_guarded, fn, *args, key=f"{name}-{key}-{uuid.uuid4().hex[:8]}", pure=False,
+                                   priority=self.priority): key
                 for key, args in tasks.items()
             }
         errors = {}
@@ -408,22 +429,31 @@ _cache: dict[tuple, Executor] = {}
 _cache_lock = threading.Lock()
 
 
-def executor_for(settings) -> Executor:
-    """The executor the settings ask for, created once per process and reused."""
+def executor_for(settings, purpose: str = BATCH) -> Executor:
+    """The executor the settings ask for, created once per process (and purpose) and reused.
+
+    ``purpose="forecast"`` (the per-minute forecast job) gets executors of its own: a pool of its own (so its
+    shards never wait behind a retrain's fits in the other pool's queue), and on Dask a higher task priority.
+    ``"batch"`` (retrain, backtests): on a pool, workers that run at a lower CPU priority (:data:`BATCH_NICENESS`).
+    """
+    if purpose not in PURPOSES:
+        raise ValueError(f"purpose must be one of {PURPOSES}, got {purpose!r}")
     if settings.dask_scheduler_address:
-        key = ("dask", settings.dask_scheduler_address, settings.shard_retries)
+        key = ("dask", purpose, settings.dask_scheduler_address, settings.shard_retries)
     elif settings.shard_workers > 1:
-        key = ("pool", settings.shard_workers, settings.shard_retries)
+        key = ("pool", purpose, settings.shard_workers, settings.shard_retries)
     else:
-        key = ("inline", settings.shard_retries)
+        key = ("inline", purpose, settings.shard_retries)
     with _cache_lock:
         executor = _cache.get(key)
         if executor is None:
             if key[0] == "dask":
                 executor = DaskExecutor(settings.dask_scheduler_address, settings.shard_retries,
-                                        settings.dask_connect_timeout_s)
+                                        settings.dask_connect_timeout_s,
+                                        priority=FORECAST_DASK_PRIORITY if purpose == FORECAST else 0)
             elif key[0] == "pool":
-                executor = PoolExecutor(settings.shard_workers, settings.shard_retries)
+                executor = PoolExecutor(settings.shard_workers, settings.shard_retries,
+                                        niceness=BATCH_NICENESS if purpose == BATCH else 0)
             else:
                 executor = InlineExecutor(settings.shard_retries)
             _cache[key] = executor

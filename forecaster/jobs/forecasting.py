@@ -27,7 +27,7 @@ import pandas as pd
 from sqlalchemy import Engine
 
 from forecaster.contracts.forecast import history_request_rate_rpm
-from forecaster.distributed.executor import executor_for
+from forecaster.distributed.executor import BATCH, FORECAST, executor_for
 from forecaster.forecast.backtest import MethodForecasts, Protocol, evaluate
 from forecaster.forecast.ensemble import Ensemble
 from forecaster.forecast.panel import Panel
@@ -63,10 +63,19 @@ def history(engine: Engine, ids: list[str], *, end: datetime, minutes: int) -> P
     return Panel(np.asarray(ids, dtype=object)[known], grid_ds[0], pd.Timedelta(minutes=1), grid[known])
 
 
-def _with_executor(model, settings: Settings):
-    """A sharded model runs its shards on the executor of these settings (Dask, pool or inline)."""
+def _with_executor(model, settings: Settings, purpose: str = BATCH):
+    """``model``, a sharded one on the executor of these settings for ``purpose`` (Dask, pool or inline).
+
+    A sharded model comes back as a shallow copy that holds the executor: the cached champion is shared by the
+    forecast job (its own executor, see :func:`~forecaster.distributed.executor.executor_for`) and the retrain
+    (which forecasts it on the holdout on the batch executor), and setting the executor on the shared object
+    would let one job's run land on the other's executor.
+    """
     if isinstance(model, ShardedEnsemble):
-        model.executor = executor_for(settings)
+        shared, model = model, object.__new__(type(model))
+        # not copy.copy: that goes through __getstate__, which drops the loaded shards and the model's folder
+        model.__dict__.update(shared.__dict__)
+        model.executor = executor_for(settings, purpose)
     return model
 
 
@@ -122,7 +131,8 @@ def forecast_job(engine: Engine, settings: Settings, now: datetime, *, cache: Ch
         # No champion yet (first day): the fallback member alone, fitted on what we have, once an hour.
         ensemble = _fallback_model(engine, panel, end, settings.forecast_horizon_min)
     h = settings.forecast_horizon_min
-    arrays = _with_executor(ensemble, settings).forecast(panel, [panel.n_steps], h)
+    ensemble = _with_executor(ensemble, settings, FORECAST)
+    arrays = ensemble.forecast(panel, [panel.n_steps], h)
     forecast_s = time.perf_counter() - started - read_s
     columns = {("point" if k == ensemble.name else k): v[:, 0, :] for k, v in arrays.items()
                if k in (ensemble.name, "p_any") or k.startswith("q")}
