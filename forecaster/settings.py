@@ -390,6 +390,15 @@ class Settings(BaseSettings):
     shard_max_series: int = Field(
         default=5000, ge=1, description="Series per shard; each shard of similar series gets its own ensemble.")
     shard_retries: int = Field(default=2, ge=0, le=20, description="Extra attempts for a shard that fails.")
+    forecast_deadline_intervals: float = Field(
+        default=2.0, gt=0, le=60, allow_inf_nan=False,
+        description="The forecast job's shards must finish within this many forecast_interval_s of their start; "
+                    "then the pool's workers are killed (Dask: the tasks cancelled) and the unfinished shards "
+                    "forecast with their fallback, so a hung worker costs at most this long instead of every run "
+                    "after it. Above 1 so that a healthy run slower than the interval (100,000 models on 2 cores: "
+                    "up to ~76 s of shards, docs/scale.md) keeps its ensemble forecasts; below 1 (e.g. 0.75) a hang "
+                    "never costs a slot, but shards slower than that get the fallback. Not enforceable in process "
+                    "(shard_workers=1): there it only stops the retries.")
     forecast_fit_threads: int = Field(
         default=1, ge=1, le=64,
         description="Ensemble members one shard fits at once, each on its own thread (the fitted model is the same "

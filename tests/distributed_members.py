@@ -79,3 +79,18 @@ class SlowNaiveEnds(SlowNaive):
         super()._fit(panel)
         Path(self.marker_dir, f"{os.getpid()}-{panel.ids[0]}.end").touch()
 
+
+class HangingEnsemble(Ensemble):
+    """An ensemble whose forecast blocks (a native call that never returns) while ``marker`` exists, in the shards
+    that hold a series named in ``poison``; removing the marker releases it."""
+
+    def __init__(self, *args, marker: str = "", poison: tuple[str, ...] = (), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.marker = marker
+        self.poison = tuple(poison)
+
+    def forecast(self, panel, origins, h, *, members=False):
+        if set(self.poison) & set(panel.ids):
+            while os.path.exists(self.marker):
+                time.sleep(0.02)
+        return super().forecast(panel, origins, h, members=members)

@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -28,7 +29,7 @@ from forecaster.forecast.sharded import ShardedEnsemble, plan_shards, series_lev
 from forecaster.ingest.service import ingest_trace_file
 from forecaster.jobs.forecasting import forecast_job, retrain_job
 from forecaster.settings import Settings
-from tests.distributed_members import (PoisonedEnsemble, SlowNaive, SlowNaiveEnds, always_fails,
+from tests.distributed_members import (HangingEnsemble, PoisonedEnsemble, SlowNaive, SlowNaiveEnds, always_fails,
                                       dies_once, flaky_square, native_threads)
 from tests.executor_tasks import behave, timed
 
@@ -159,6 +160,58 @@ def test_an_exception_that_cannot_be_unpickled_keeps_its_text_and_breaks_nothing
     assert run.attempts == {"bad": 1, "k2": 1}  # the pool did not break: nothing ran twice
 
 
+def _process_gone(pid: int, within_s: float = 10.0) -> bool:
+    """Whether process ``pid`` has exited (reaped, or a zombie waiting to be) within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _run_in_thread(executor, fn, tasks, join_s: float):
+    """``executor.run(fn, tasks)`` on a thread: (the run or None if still running after ``join_s``, seconds)."""
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.setdefault("run", executor.run(fn, tasks)), daemon=True)
+    started = time.monotonic()
+    thread.start()
+    thread.join(join_s)
+    return box.get("run"), time.monotonic() - started, thread
+
+
+def test_a_hung_shard_is_cut_off_at_the_deadline_and_its_worker_killed(tmp_path):
+    marker = tmp_path / "hang"
+    marker.touch()
+    executor = PoolExecutor(2, retries=2)
+    thread = None
+    try:
+        # both workers started first: the deadline below is the shards', not the spawn's (slow on a loaded box)
+        assert executor.run(behave, {"a": ("ok", 1), "b": ("ok", 2)}).results == {"a": 1, "b": 4}
+        executor.deadline_s = 3.0
+        run, seconds, thread = _run_in_thread(
+            executor, behave, {"hung": ("hang", 0, 0.0, str(marker)), "k1": ("ok", 1), "k2": ("ok", 2)}, 40)
+        assert run is not None, "the run still waits on the hung shard 40 s later (deadline 3 s)"
+    finally:
+        marker.unlink(missing_ok=True)  # releases the hung shard wherever it still runs
+        if thread is not None:
+            thread.join(30)
+    try:
+        assert seconds < 3.0 + 10
+        assert run.results == {"k1": 1, "k2": 4}
+        assert set(run.failures) == {"hung"} and "deadline of 3 s" in run.failures["hung"], run.failures
+        assert run.timed_out == ["hung"] and run.attempts["hung"] == 1  # no retry after the deadline
+        assert _process_gone(int((tmp_path / "hang.pid").read_text())), "the hung worker was left running"
+        executor.deadline_s = None
+        assert executor.run(behave, {"a": ("ok", 3)}).results == {"a": 9}  # a fresh pool serves the next run
+    finally:
+        executor.close()
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: every pool is one thread anyway")
 def test_pool_workers_share_the_cores_instead_of_each_taking_them_all():
     """Workers x native threads never exceeds the cores: BLAS, OpenMP and torch sized for the machine in every
@@ -215,6 +268,27 @@ def test_dask_executor_retries_on_a_real_cluster(dask_cluster, tmp_path):
         executor.close()
 
 
+def test_dask_collects_results_as_they_finish_and_cancels_a_hung_task_at_the_deadline(dask_cluster, tmp_path):
+    marker = tmp_path / "hang"
+    marker.touch()
+    executor = DaskExecutor(dask_cluster.scheduler_address, retries=2)
+    executor.deadline_s = 3.0
+    thread = None
+    try:
+        run, seconds, thread = _run_in_thread(executor, behave, {"hung": ("hang", 0, 0.0, str(marker)),
+                                                                 "k1": ("ok", 1)}, 40)
+        assert run is not None, "the run still waits on the hung task 40 s later (deadline 3 s)"
+    finally:
+        marker.unlink(missing_ok=True)  # frees the worker thread the hung task holds (Dask cannot stop it)
+        if thread is not None:
+            thread.join(30)
+        executor.close()
+    assert seconds < 3.0 + 10
+    assert run.results == {"k1": 1}
+    assert set(run.failures) == {"hung"} and "deadline of 3 s" in run.failures["hung"], run.failures
+    assert run.timed_out == ["hung"] and run.attempts["hung"] == 1
+
+
 def test_forecast_tasks_go_before_the_queued_tasks_of_a_retrain_on_dask(dask_cluster, tmp_path):
     """The forecast job's executor submits at a higher Dask priority than the retrain's. Dask queues the tasks of a
     big group (more than twice the cluster's threads, as a forecast of many shards) on the scheduler in order of
@@ -222,7 +296,7 @@ def test_forecast_tasks_go_before_the_queued_tasks_of_a_retrain_on_dask(dask_clu
     settings = Settings(database_url="postgresql+psycopg://nobody@127.0.0.1:1/none", data_dir=tmp_path / "data",
                         models_dir=tmp_path / "models", dask_scheduler_address=dask_cluster.scheduler_address)
     batch, forecast = executor_for(settings), executor_for(settings, "forecast")
-    assert batch is not forecast
+    assert batch is not forecast and forecast.deadline_s == 2.0 * 60
     stamps = tmp_path / "stamps"
     stamps.mkdir()
     box: dict = {}
@@ -313,6 +387,43 @@ def model_shard(model: ShardedEnsemble, key: str) -> Ensemble:
     from forecaster.forecast.sharded import load_shard
 
     return load_shard(model._shard_ref(key))
+
+
+def test_forecast_job_returns_at_its_deadline_when_a_shard_worker_hangs(engine, ingested, tmp_path):
+    """A hung shard worker used to hang the forecast job for good (and the scheduler then skipped every later
+    run); now the job returns at its deadline with the hung shard on its fallback and every model forecast."""
+    with engine.connect() as conn:
+        victim = conn.execute(text("SELECT id FROM serving_models ORDER BY id LIMIT 1")).scalar()
+    marker = tmp_path / "hang"
+    factory = functools.partial(ShardedEnsemble, functools.partial(
+        HangingEnsemble, members=[MovingAverage(60)], horizon=30, marker=str(marker), poison=(victim,)),
+        shard_max_series=25)
+    cache = registry.ChampionCache()
+    retrain_job(engine, ingested, DAY_END, cache=cache, ensemble_factory=factory)  # in process, no hang yet
+    settings = ingested.model_copy(update={"shard_workers": 2, "forecast_interval_s": 4,
+                                           "forecast_deadline_intervals": 1.0})
+    forecast_job(engine, settings, DAY_END, cache=cache)  # starts the forecast pool and loads the shards there
+    marker.touch()
+    issued = DAY_END.replace(second=10)
+    box: dict = {}
+    job = threading.Thread(target=lambda: box.setdefault("out", forecast_job(engine, settings, issued, cache=cache)),
+                           daemon=True)
+    started = time.monotonic()
+    job.start()
+    try:
+        job.join(60)
+        seconds = time.monotonic() - started
+        assert "out" in box, "the forecast job still waits on the hung shard 60 s later (deadline 4 s)"
+    finally:
+        marker.unlink(missing_ok=True)  # releases the hung shard wherever it still runs
+        job.join(60)
+    out = box["out"]
+    assert seconds < 4 + 25
+    _, champion = cache.get(engine)
+    hung = champion.shard_of_[victim]
+    assert hung in out["shards"]["failed_shards"] and "deadline" in out["shards"]["failed_shards"][hung]
+    assert hung in out["shards"]["timed_out_shards"]
+    assert out["models"] == 100 and _forecast_models(engine, issued) == 100  # the hung shard's on its fallback
 
 
 def test_forecast_job_does_not_queue_behind_a_retrain_on_the_pool(engine, ingested, tmp_path):

@@ -23,7 +23,12 @@ again up to ``retries`` more times; a shard that still fails is reported in
   whichever one killed it; those shards run again at once: the ones that were
   running (one of them killed it) each alone in a fresh process, at most
   ``workers`` at a time, then the rest together on a fresh pool, so the dead
-  worker's own shard fails alone and the others finish.
+  worker's own shard fails alone and the others finish;
+* a run with a deadline (``deadline_s``; the forecast job's executor has one,
+  :func:`executor_for`) stops waiting when it passes: the pool's workers are
+  killed (a fresh pool serves the next run), Dask's futures cancelled, and every
+  shard not finished by then is reported failed, so its caller falls back
+  instead of waiting on a hung worker forever.
 
 The forecast job gets executors of its own (``purpose="forecast"``): its own
 pool, so its shards never queue behind the nightly retrain's fits, whose pool
@@ -65,12 +70,13 @@ class ShardRun:
     Attributes:
         results: shard key -> the function's return value, for shards that succeeded.
         failures: shard key -> the last error (``Type: message``), for shards that
-            failed on every attempt.
+            failed on every attempt or were not finished by the run's deadline.
         attempts: shard key -> times the shard was sent to a worker (1 = the first try succeeded; the
             run again after a worker death broke the pool counts).
         seconds: wall time of the whole run.
         backend: ``dask``, ``pool`` or ``inline``.
         workers: workers the backend had when the run started.
+        timed_out: the shards that the deadline cut off (also in ``failures``).
     """
 
     results: dict[str, Any] = field(default_factory=dict)
@@ -79,11 +85,13 @@ class ShardRun:
     seconds: float = 0.0
     backend: str = ""
     workers: int = 0
+    timed_out: list[str] = field(default_factory=list)
 
     def summary(self) -> dict:
         return {"backend": self.backend, "workers": self.workers, "shards": len(self.results) + len(self.failures),
                 "failed_shards": dict(self.failures),
                 "retried_shards": sorted(k for k, n in self.attempts.items() if n > 1),
+                "timed_out_shards": sorted(self.timed_out),
                 "seconds": round(self.seconds, 3)}
 
 
@@ -131,47 +139,79 @@ def _tracked(token: str, fn: Callable[..., Any], *args: Any) -> Any:
         os.unlink(token)
 
 
+def _left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (a ``time.monotonic()``), at least 0; None without a deadline."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
 class Executor(ABC):
-    """Runs ``fn(*args)`` once per shard with per-shard retries."""
+    """Runs ``fn(*args)`` once per shard with per-shard retries.
+
+    Args:
+        retries: extra attempts of a shard that fails.
+        deadline_s: the most seconds a :meth:`run` may take; shards not finished by then are stopped
+            (where the backend can: not in this process) and reported failed. None: no deadline.
+    """
 
     backend = ""
 
-    def __init__(self, retries: int = 2):
+    def __init__(self, retries: int = 2, *, deadline_s: float | None = None):
         self.retries = retries
+        self.deadline_s = deadline_s
 
     @property
     @abstractmethod
     def workers(self) -> int:
         """Workers available now."""
 
+    def _late(self) -> str:
+        return f"TimeoutError: not finished within the run's deadline of {self.deadline_s:g} s"
+
     def run(self, fn: Callable[..., Any], tasks: Mapping[str, tuple], *, name: str | None = None) -> ShardRun:
         """Run ``fn(*tasks[key])`` for every shard key; see the module docstring for failures."""
         started = time.perf_counter()
+        deadline = None if self.deadline_s is None else time.monotonic() + self.deadline_s
         run = ShardRun(backend=self.backend, workers=self.workers)
         pending = dict(tasks)
         for attempt in range(1, self.retries + 2):
             if not pending:
                 break
+            if attempt > 1 and _left(deadline) == 0:  # no retry after the deadline: the caller falls back
+                for key in pending:
+                    run.failures[key] = f"{run.failures[key]}; no retry: {self._late()}"
+                break
             for key in pending:
                 run.attempts[key] = run.attempts.get(key, 0) + 1
-            errors = self._run_round(fn, pending, run, name or getattr(fn, "__name__", "task"))
+            timed_out: list[str] = []
+            errors = self._run_round(fn, pending, run, name or getattr(fn, "__name__", "task"), deadline, timed_out)
             for key, error in errors.items():
                 log.warning("shard %s failed on attempt %d of %d: %s", key, attempt, self.retries + 1, error)
-            pending = {key: pending[key] for key in errors}
             run.failures = errors
+            if timed_out:
+                run.timed_out = sorted(timed_out)
+                break
+            pending = {key: pending[key] for key in errors}
         run.seconds = time.perf_counter() - started
         return run
 
     @abstractmethod
-    def _run_round(self, fn, tasks: Mapping[str, tuple], run: ShardRun, name: str) -> dict[str, str]:
-        """Run every task once, store successes in ``run.results``; return key -> error for the rest."""
+    def _run_round(self, fn, tasks: Mapping[str, tuple], run: ShardRun, name: str, deadline: float | None,
+                   timed_out: list[str]) -> dict[str, str]:
+        """Run every task once, store successes in ``run.results``; return key -> error for the rest.
+
+        Shards still running at ``deadline`` are stopped where the backend can, reported with
+        :meth:`_late` and listed in ``timed_out``.
+        """
 
     def close(self) -> None:
         """Release workers / connections (idempotent)."""
 
 
 class InlineExecutor(Executor):
-    """Shard after shard in this process: the reference the other backends must match."""
+    """Shard after shard in this process: the reference the other backends must match.
+
+    A deadline cannot stop a shard here; it only stops the retries once it has passed.
+    """
 
     backend = "inline"
 
@@ -179,7 +219,7 @@ class InlineExecutor(Executor):
     def workers(self) -> int:
         return 1
 
-    def _run_round(self, fn, tasks, run, name):
+    def _run_round(self, fn, tasks, run, name, deadline, timed_out):
         errors = {}
         for key, args in tasks.items():
             try:
@@ -222,7 +262,7 @@ def limit_native_threads(threads: int, niceness: int = 0) -> None:
 
 
 def _kill(pool: ProcessPoolExecutor) -> None:
-    """Kill ``pool``'s worker processes (SIGKILL) and shut it down."""
+    """Kill ``pool``'s worker processes (SIGKILL: a hung native call ignores anything milder) and shut it down."""
     for process in list((getattr(pool, "_processes", None) or {}).values()):
         try:
             process.kill()
@@ -235,15 +275,16 @@ class PoolExecutor(Executor):
     """A persistent pool of ``workers`` spawned processes (kept between runs: models stay cached there).
 
     Each worker's BLAS and OpenMP pools get the cores divided by the workers (:func:`limit_native_threads`),
-    and its nice value is raised by ``niceness``. When a worker dies, the shards the broken pool failed run again at once:
+    and its nice value is raised by ``niceness``. A run that reaches its deadline kills the pool's workers
+    (the next run starts fresh ones). When a worker dies, the shards the broken pool failed run again at once:
     those that were running then (:func:`_tracked`) each alone in a fresh process, the others together on a
     fresh pool, so that only the dead worker's own shard is charged with the death.
     """
 
     backend = "pool"
 
-    def __init__(self, workers: int, retries: int = 2, *, niceness: int = 0):
-        super().__init__(retries)
+    def __init__(self, workers: int, retries: int = 2, *, deadline_s: float | None = None, niceness: int = 0):
+        super().__init__(retries, deadline_s=deadline_s)
         self._workers = workers
         self.niceness = niceness
         self._pool: ProcessPoolExecutor | None = None
@@ -267,12 +308,15 @@ class PoolExecutor(Executor):
                 self._pool = self._new_pool(self._workers)
             return self._pool
 
-    def _drop(self, pool: ProcessPoolExecutor) -> None:
-        """Stop using ``pool`` (the next run starts a fresh one)."""
+    def _drop(self, pool: ProcessPoolExecutor, *, kill: bool) -> None:
+        """Stop using ``pool`` (the next run starts a fresh one); ``kill``: kill its workers too."""
         with self._lock:
             if self._pool is pool:
                 self._pool = None
-        pool.shutdown(wait=False, cancel_futures=True)
+        if kill:
+            _kill(pool)
+        else:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _reset_pool(self) -> None:
         with self._lock:
@@ -286,7 +330,7 @@ class PoolExecutor(Executor):
                 self._token_dir = tempfile.mkdtemp(prefix="prewarm-shards-")
             return self._token_dir
 
-    def _run_round(self, fn, tasks, run, name):
+    def _run_round(self, fn, tasks, run, name, deadline, timed_out):
         pool = self._get_pool()
         folder = self._tokens()
         tokens = {key: os.path.join(folder, uuid.uuid4().hex) for key in tasks}
@@ -301,7 +345,13 @@ class PoolExecutor(Executor):
                     lost.append(key)
             remaining = set(futures)
             while remaining:
-                done, remaining = wait(remaining, return_when=FIRST_COMPLETED)
+                done, remaining = wait(remaining, timeout=_left(deadline), return_when=FIRST_COMPLETED)
+                if not done:  # the deadline passed: stop the hung or slow workers, report what is left
+                    self._drop(pool, kill=True)
+                    for future in remaining:
+                        errors[futures[future]] = self._late()
+                        timed_out.append(futures[future])
+                    break
                 for future in done:
                     key = futures[future]
                     try:
@@ -311,7 +361,7 @@ class PoolExecutor(Executor):
                     except Exception as error:
                         errors[key] = _describe(error)
             if lost:
-                self._drop(pool)  # the next round (or run) starts fresh processes
+                self._drop(pool, kill=False)  # the next round (or run) starts fresh processes
                 # the shards running when the worker died (their token is left): one of them killed it
                 running = [key for key in lost if os.path.exists(tokens[key])]
                 if len(tasks) == 1:  # it ran alone: its own worker died
@@ -322,11 +372,15 @@ class PoolExecutor(Executor):
                 log.warning("a pool worker died; the shard(s) running then again, each alone: %s%s",
                             ", ".join(sorted(suspects)),
                             f"; the {len(others)} not started yet again together" if others else "")
-                errors.update(self._run_alone(fn, {key: tasks[key] for key in suspects}, run))
-                if others:
+                errors.update(self._run_alone(fn, {key: tasks[key] for key in suspects}, run, deadline, timed_out))
+                if others and not timed_out:
                     for key in others:
                         run.attempts[key] = run.attempts.get(key, 0) + 1
-                    errors.update(self._run_round(fn, others, run, name))
+                    errors.update(self._run_round(fn, others, run, name, deadline, timed_out))
+                elif others:
+                    for key in others:
+                        errors[key] = self._late()
+                        timed_out.append(key)
             return errors
         finally:
             for token in tokens.values():
@@ -335,7 +389,7 @@ class PoolExecutor(Executor):
                 except FileNotFoundError:
                     pass
 
-    def _run_alone(self, fn, tasks, run) -> dict[str, str]:
+    def _run_alone(self, fn, tasks, run, deadline, timed_out) -> dict[str, str]:
         """Each task in a fresh one-process pool, at most ``workers`` at a time: a death is its own task's."""
         errors: dict[str, str] = {}
         waiting = list(tasks)
@@ -349,7 +403,9 @@ class PoolExecutor(Executor):
                     future = pool.submit(_guarded, fn, *tasks[key])
                     process = next(iter((getattr(pool, "_processes", None) or {}).values()), None)
                     running[future] = (key, pool, process)
-                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                done, _ = wait(running, timeout=_left(deadline), return_when=FIRST_COMPLETED)
+                if not done:  # the deadline passed
+                    break
                 for future in done:
                     key, pool, process = running.pop(future)
                     try:
@@ -365,8 +421,13 @@ class PoolExecutor(Executor):
                         errors[key] = _describe(error)
                     pool.shutdown(wait=False)
         finally:
-            for _, pool, _ in running.values():  # only after an error above (an interrupt)
+            for key, pool, _ in running.values():  # still running at the deadline (or an error above)
                 _kill(pool)
+                errors[key] = self._late()
+                timed_out.append(key)
+            for key in waiting:
+                errors[key] = self._late()
+                timed_out.append(key)
         return errors
 
     def close(self) -> None:
@@ -384,14 +445,18 @@ class DaskExecutor(Executor):
     scheduler can run the task again elsewhere without this process sending
     anything; a task that raises, or that Dask gives up on (``KilledWorker``
     after ``distributed.scheduler.allowed-failures`` deaths), is retried by
-    :meth:`Executor.run` like on the other backends.
+    :meth:`Executor.run` like on the other backends. Results are collected as
+    tasks finish; at the run's deadline the unfinished tasks are cancelled and
+    reported failed (Dask cannot stop a task's thread: a hung task keeps its
+    worker thread until it returns, or until the worker is restarted).
     ``priority`` is Dask's task priority (higher runs first among queued tasks).
     """
 
     backend = "dask"
 
-    def __init__(self, address: str, retries: int = 2, timeout_s: float = 30.0, *, priority: int = 0):
-        super().__init__(retries)
+    def __init__(self, address: str, retries: int = 2, timeout_s: float = 30.0, *, deadline_s: float | None = None,
+                 priority: int = 0):
+        super().__init__(retries, deadline_s=deadline_s)
         from distributed import Client
 
         self.address = address
@@ -402,7 +467,9 @@ class DaskExecutor(Executor):
     def workers(self) -> int:
         return len(self.client.scheduler_info(n_workers=-1).get("workers", {}))
 
-    def _run_round(self, fn, tasks, run, name):
+    def _run_round(self, fn, tasks, run, name, deadline, timed_out):
+        from distributed import as_completed
+
         with warnings.catch_warnings():
             # shards of history are large task arguments on purpose (see the class docstring)
             warnings.filterwarnings("ignore", message=".*[Ll]arge.*")
@@ -412,12 +479,23 @@ class DaskExecutor(Executor):
                 for key, args in tasks.items()
             }
         errors = {}
-        for future, key in futures.items():  # all run in parallel; collecting in order costs no wall time
+        remaining = dict(futures)
+        try:
             try:
-                run.results[key] = future.result()
-            except Exception as error:
-                errors[key] = _describe(error)
-            finally:
+                # as they finish: a slow or hung task never holds the others' results back
+                for future in as_completed(list(futures), loop=self.client.loop, timeout=_left(deadline)):
+                    key = remaining.pop(future)
+                    try:
+                        run.results[key] = future.result()
+                    except Exception as error:
+                        errors[key] = _describe(error)
+            except TimeoutError:  # the deadline passed
+                self.client.cancel(list(remaining))
+                for key in remaining.values():
+                    errors[key] = self._late()
+                    timed_out.append(key)
+        finally:
+            for future in futures:
                 future.release()
         return errors
 
@@ -429,33 +507,40 @@ _cache: dict[tuple, Executor] = {}
 _cache_lock = threading.Lock()
 
 
+def forecast_deadline_s(settings) -> float:
+    """The forecast job's deadline for its shards: ``forecast_deadline_intervals`` forecast intervals."""
+    return settings.forecast_deadline_intervals * settings.forecast_interval_s
+
+
 def executor_for(settings, purpose: str = BATCH) -> Executor:
     """The executor the settings ask for, created once per process (and purpose) and reused.
 
     ``purpose="forecast"`` (the per-minute forecast job) gets executors of its own: a pool of its own (so its
-    shards never wait behind a retrain's fits in the other pool's queue), and on Dask a higher task priority.
-    ``"batch"`` (retrain, backtests): on a pool, workers that run at a lower CPU priority (:data:`BATCH_NICENESS`).
+    shards never wait behind a retrain's fits in the other pool's queue), a deadline of
+    :func:`forecast_deadline_s` per run, and on Dask a higher task priority. ``"batch"`` (retrain, backtests):
+    no deadline, and on a pool workers that run at a lower CPU priority (:data:`BATCH_NICENESS`).
     """
     if purpose not in PURPOSES:
         raise ValueError(f"purpose must be one of {PURPOSES}, got {purpose!r}")
+    deadline = forecast_deadline_s(settings) if purpose == FORECAST else None
     if settings.dask_scheduler_address:
-        key = ("dask", purpose, settings.dask_scheduler_address, settings.shard_retries)
+        key = ("dask", purpose, settings.dask_scheduler_address, settings.shard_retries, deadline)
     elif settings.shard_workers > 1:
-        key = ("pool", purpose, settings.shard_workers, settings.shard_retries)
+        key = ("pool", purpose, settings.shard_workers, settings.shard_retries, deadline)
     else:
-        key = ("inline", purpose, settings.shard_retries)
+        key = ("inline", purpose, settings.shard_retries, deadline)
     with _cache_lock:
         executor = _cache.get(key)
         if executor is None:
             if key[0] == "dask":
                 executor = DaskExecutor(settings.dask_scheduler_address, settings.shard_retries,
-                                        settings.dask_connect_timeout_s,
+                                        settings.dask_connect_timeout_s, deadline_s=deadline,
                                         priority=FORECAST_DASK_PRIORITY if purpose == FORECAST else 0)
             elif key[0] == "pool":
-                executor = PoolExecutor(settings.shard_workers, settings.shard_retries,
+                executor = PoolExecutor(settings.shard_workers, settings.shard_retries, deadline_s=deadline,
                                         niceness=BATCH_NICENESS if purpose == BATCH else 0)
             else:
-                executor = InlineExecutor(settings.shard_retries)
+                executor = InlineExecutor(settings.shard_retries, deadline_s=deadline)
             _cache[key] = executor
         return executor
 
