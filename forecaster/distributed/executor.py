@@ -47,6 +47,7 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -289,6 +290,7 @@ class PoolExecutor(Executor):
         self.niceness = niceness
         self._pool: ProcessPoolExecutor | None = None
         self._token_dir: str | None = None  # files naming the shards running now (see _tracked)
+        self._token_dir_cleanup: weakref.finalize | None = None  # removes it on close, collection or exit
         self._lock = threading.Lock()
 
     @property
@@ -328,6 +330,7 @@ class PoolExecutor(Executor):
         with self._lock:
             if self._token_dir is None:
                 self._token_dir = tempfile.mkdtemp(prefix="prewarm-shards-")
+                self._token_dir_cleanup = weakref.finalize(self, shutil.rmtree, self._token_dir, True)
             return self._token_dir
 
     def _run_round(self, fn, tasks, run, name, deadline, timed_out):
@@ -433,9 +436,9 @@ class PoolExecutor(Executor):
     def close(self) -> None:
         self._reset_pool()
         with self._lock:
-            folder, self._token_dir = self._token_dir, None
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
+            cleanup, self._token_dir, self._token_dir_cleanup = self._token_dir_cleanup, None, None
+        if cleanup is not None:
+            cleanup()  # removes the folder (once)
 
 
 class DaskExecutor(Executor):
