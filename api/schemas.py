@@ -53,8 +53,20 @@ def _iso_text_only(value: object) -> object:
 UtcTime = Annotated[datetime, BeforeValidator(_iso_text_only), AfterValidator(_bounded_time)]
 
 
+def check_model_labels(value: dict[str, str]) -> dict[str, str]:
+    """A model's labels as :func:`forecaster.store.fields.check_labels` checks them, and ``catalog`` naming an entry
+    of the simulator's catalogue; ValueError naming the label otherwise (the API's 422, the CLI's exit 2)."""
+    from forecaster.simulation.catalog import catalog_label_problem
+
+    bounds.check_labels(value)
+    problem = catalog_label_problem(value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
 def _labels(value: dict[str, str]) -> dict[str, str]:
-    return bounds.check_labels(value)
+    return check_model_labels(value)
 
 
 class ListPublic(BaseModel, Generic[T]):
@@ -79,7 +91,12 @@ class ServingModelBase(BaseModel):
     cold_start_slo_s: float | None = Field(default=None, ge=bounds.MIN_SLO_S, le=bounds.MAX_SLO_S,
                                            description="Seconds, 0.001 to 86,400.")
     labels: Annotated[dict[SafeId, Annotated[str, Field(max_length=bounds.MAX_TEXT_LENGTH)]],
-                      AfterValidator(_labels)] = Field(default_factory=dict, max_length=bounds.MAX_LABELS)
+                      AfterValidator(_labels)] = Field(
+        default_factory=dict, max_length=bounds.MAX_LABELS,
+        description="Text values. Those the product reads must hold what it accepts (else 422 naming the label): "
+                    "cold_cost a number from 0 to 1e9, request_s a number of seconds above 0, prometheus_query and "
+                    "prometheus_burst_query a non-empty PromQL expression, k8s_kind Deployment or InferenceService, "
+                    "k8s_name and k8s_namespace Kubernetes names, catalog an entry of the simulator's catalogue.")
     burst_factor: float | None = Field(
         default=None, ge=1.0, le=MAX_BURST_FACTOR,
         description="Peak 10-second request rate over the minute's mean, 1 (even arrivals) to 6; replicas are "

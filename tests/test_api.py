@@ -106,6 +106,47 @@ def test_put_get_list_models(client, tokens):
     assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "replica_rps"]
 
 
+@pytest.mark.parametrize(("labels", "named"), [
+    ({"cold_cost": "-1"}, "label 'cold_cost' must be a number from 0 to 1e+09"),  # was dropped from every plan
+    ({"cold_cost": "1e12"}, "label 'cold_cost' must be a number from 0 to 1e+09"),  # dropped
+    ({"cold_cost": "inf"}, "label 'cold_cost' must be a number from 0 to 1e+09"),  # dropped
+    ({"cold_cost": "nan"}, "label 'cold_cost' must be a number from 0 to 1e+09"),  # planned at the default
+    ({"cold_cost": "abc"}, "label 'cold_cost' must be a number from 0 to 1e+09"),  # planned at the default
+    ({"cold_cost": ""}, "label 'cold_cost' must be a number from 0 to 1e+09"),
+    ({"request_s": "0"}, "label 'request_s' must be a number of seconds above 0"),
+    ({"prometheus_query": "  "}, "label 'prometheus_query' must be a PromQL expression, not empty"),
+    ({"prometheus_burst_query": 'max(x{model="{model_id}"})'}, "'{model_id}' is not replaced in it"),
+    ({"k8s_kind": "Pod"}, "label 'k8s_kind' must be one of Deployment, InferenceService"),
+    ({"k8s_name": "Llama_70B"}, "label 'k8s_name' must be a Kubernetes object name"),
+    ({"k8s_namespace": "a.b"}, "label 'k8s_namespace' must be a Kubernetes namespace"),
+    ({"catalog": "gpt-5"}, "label 'catalog' must name an entry of the simulator's catalogue"),
+])
+def test_put_refuses_a_label_the_product_cannot_use_naming_it(client, engine, tokens, labels, named):
+    """Issue: the label ``cold_cost`` took any text; the plan job later dropped the model from every plan (-1, 1e12,
+    inf) or planned it at the default cost (nan, abc) without a word to the caller."""
+    answer = put_model(client, tokens, labels={"team": "search", **labels})
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["detail"][0]["loc"] == ["body", "labels"]
+    assert named in answer.json()["message"]
+    value = next(iter(labels.values()))
+    assert len(value.strip()) < 3 or value not in answer.text  # a 422 never echoes the input
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM serving_models")).scalar() == 0
+
+
+def test_put_accepts_the_labels_the_product_reads_when_usable(client, engine, tokens, settings):
+    from forecaster.jobs.planning import fleet_from_store
+
+    labels = {"cold_cost": " 7.5 ", "request_s": "1.5", "prometheus_query": 'sum(x{model="llama"})',
+              "k8s_kind": "InferenceService", "k8s_name": "llama-70b.v2", "k8s_namespace": "serving",
+              "catalog": "llama-3-70b-instruct", "team": "anything at all"}
+    answer = put_model(client, tokens, labels=labels)
+    assert answer.status_code == 200 and answer.json()["labels"] == labels
+    assert put_model(client, tokens, model_id="free", labels={"cold_cost": "0"}).status_code == 200
+    fleet = fleet_from_store(engine, now=NOW, default_cold_cost=1.0)
+    assert fleet.models.loc["llama", "cold_cost"] == 7.5 and fleet.models.loc["free", "cold_cost"] == 0.0
+
+
 # --- forecasts and recommendations ------------------------------------------------
 
 

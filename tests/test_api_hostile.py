@@ -218,6 +218,11 @@ BAD_MODEL_BODIES = {
     "unknown-field": {"replica_rps": 1.0, "replcia_rps": 2.0},
     "labels-not-text": {"labels": {"a": 1}},
     "too-many-labels": {"labels": {f"k{i}": "v" for i in range(65)}},
+    "interpreted-cold-cost-negative": {"labels": {"cold_cost": "-1"}},
+    "interpreted-cold-cost-infinity": {"labels": {"cold_cost": "inf"}},
+    "interpreted-cold-cost-nan": {"labels": {"cold_cost": "nan"}},
+    "interpreted-cold-cost-text": {"labels": {"cold_cost": "abc"}},
+    "interpreted-k8s-kind-unknown": {"labels": {"k8s_kind": "Pod"}},
     "body-a-list": [1, 2, 3],
 }
 
@@ -228,6 +233,9 @@ def test_hostile_model_bodies(served, case):
     assert len(response.content) < 10_000
     if case == "unknown-field":
         assert response.json()["unknown_fields"] == ["replcia_rps"]
+    if case.startswith("interpreted-"):
+        label = next(iter(BAD_MODEL_BODIES[case]["labels"]))
+        assert response.json()["detail"][0]["loc"] == ["body", "labels"] and f"label {label!r}" in response.text
 
 
 BAD_ROWS = {

@@ -94,8 +94,9 @@ def test_the_cases_a_read_keyed_on_the_wrong_thing_would_lose(engine, stored_fle
 
 def test_a_cold_cost_label_stored_as_text_is_the_models_cold_cost(engine, settings, caplog):
     """``PUT /v1/models`` stores labels as text: ``{"cold_cost": "50"}`` was read as no number, and every such
-    model planned with the default cost. A label that is no number is logged; one past the planner's bound makes
-    the model skipped and reported, never the whole plan fail (1e308 overflowed its arithmetic)."""
+    model planned with the default cost. The catalogue now refuses a ``cold_cost`` the planner cannot use (422);
+    of the rows stored before that, a label that is no number is logged and one past the planner's bound makes the
+    model skipped and reported, never the whole plan fail (1e308 overflowed its arithmetic)."""
     from fastapi.testclient import TestClient
 
     from api.main import create_app
@@ -107,7 +108,10 @@ def test_a_cold_cost_label_stored_as_text_is_the_models_cold_cost(engine, settin
             labels = {} if value is None else {"cold_cost": value}
             answer = client.put(f"/v1/models/{model_id}", json={"labels": labels},
                                 headers={"Authorization": f"Bearer {admin}"})
-            assert answer.status_code in (200, 201), answer.text
+            assert answer.status_code == (422 if model_id in ("typo", "huge") else 200), answer.text
+    with engine.begin() as conn:  # as stored before the check
+        conn.execute(text("INSERT INTO serving_models (id, labels) VALUES ('typo', '{\"cold_cost\": \"fifty\"}'), "
+                          "('huge', '{\"cold_cost\": \"1e308\"}')"))
     with caplog.at_level("WARNING", logger="forecaster.store.fleet"):
         fleet = fleet_from_store(engine, now=NOW, default_cold_cost=2.0)
     assert fleet.models.loc["vip", "cold_cost"] == 50.0

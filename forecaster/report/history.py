@@ -15,8 +15,10 @@ import numpy as np
 import pandas as pd
 from sqlalchemy import Engine
 
+from forecaster.contracts.fleet import MAX_COLD_COST
 from forecaster.contracts.fleetconfig import FleetConfig
 from forecaster.simulation.catalog import load_catalog
+from forecaster.store.fields import MAX_REQUEST_S
 from forecaster.store.history import node_shapes, read_catalogue, stored_span
 from forecaster.store.invocations import read_grid
 
@@ -93,6 +95,14 @@ class History:
 
 
 def _number(value) -> float | None:
+    """A numeric label: a JSON number, or text holding one (``PUT /v1/models`` and ``prewarm models register
+    --label`` store labels as text, as the plan job reads them: :func:`forecaster.store.fleet.read_fleet_inputs`);
+    None when it is neither, or not finite."""
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            return None
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value) \
         else None
 
@@ -110,6 +120,8 @@ def simulator_models(rows: list[tuple], default_cold_cost: float) -> tuple[pd.Da
     for model_id, image_ref, image_bytes, weights_uri, weights_bytes, gpus, rps, _slo, labels in rows:
         labels = labels or {}
         request_s = _number(labels.get("request_s"))
+        if request_s is not None and not 0 < request_s <= MAX_REQUEST_S:
+            request_s = None
         entry = labels.get("catalog")
         if request_s is None and isinstance(entry, str) and entry in catalog.index:
             request_s = float(catalog.at[entry, "request_s"])
@@ -125,7 +137,10 @@ def simulator_models(rows: list[tuple], default_cold_cost: float) -> tuple[pd.Da
                       "weights_uri": weights_uri or "", "weights_bytes": float(weights_bytes or 0),
                       "gpus": float(max(1, gpus or 1)), "replica_rps": float(rps), "request_s": float(request_s)})
         label_cost = _number(labels.get("cold_cost"))
-        cold.append(label_cost if label_cost is not None and label_cost >= 0 else default_cold_cost)
+        # out of the planner's range (which the catalogue refuses now; the plan job skips such a stored model):
+        # the default, as for no label
+        usable = label_cost is not None and 0 <= label_cost <= MAX_COLD_COST
+        cold.append(label_cost if usable else default_cold_cost)
     notes = []
     if defaulted["replica_rps"]:
         notes.append(f"{defaulted['replica_rps']} models have no replica_rps in the catalogue: "

@@ -26,6 +26,7 @@ functions that use the most memory get the biggest models.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +56,21 @@ def load_catalog(path: str | Path = CATALOG_PATH) -> pd.DataFrame:
         if (frame[column] <= 0).any():
             raise ValueError(f"{path}: {column} must be > 0 for every model")
     return frame
+
+
+@functools.lru_cache(maxsize=1)
+def catalog_names() -> tuple[str, ...]:
+    """The entries of the shipped catalogue (``catalog.csv``), sorted."""
+    return tuple(sorted(load_catalog().index.astype(str)))
+
+
+def catalog_label_problem(labels: dict) -> str | None:
+    """Why the label ``catalog`` of ``labels`` names no entry of the shipped catalogue (which ``prewarm report``
+    reads a model's request duration from, when it has no label ``request_s``), or None (also when absent)."""
+    value = labels.get("catalog") if isinstance(labels, dict) else None
+    if value is None or value in catalog_names():
+        return None
+    return f"label 'catalog' must name an entry of the simulator's catalogue: {', '.join(catalog_names())}"
 
 
 def assign_models(ids: np.ndarray, *, catalog: pd.DataFrame | None = None, order_by: np.ndarray | None = None,

@@ -19,6 +19,9 @@ burst_factor                 1 .. 6                                   peak 10-s 
                                                                       mean: 6 = a minute in one bucket
 cold-start durations         0 .. 86,400 s                            a day-long cold start is a bug
 counts per step              0 .. 2^53                                exact in float64
+labels the product reads     ``cold_cost`` 0 .. 1e9, ``request_s``     refused where given, not
+                             > 0, PromQL not empty, Kubernetes kinds   found wrong at plan or
+                             and names (:func:`label_problem`)         actuation time
 timestamps                   ISO 8601 text (``2026-11-29T12:00Z``);   ``now``, ``today``, numbers and
                              no zone means UTC; from                  ``0001-01-01`` are refused
                              :data:`MIN_TIMESTAMP` to now + skew
@@ -121,8 +124,67 @@ def check_number(name: str, value: float | int | None, *, low: float, high: floa
     return value
 
 
+#: Longest request duration the label ``request_s`` accepts, seconds (as a cold-start SLO: one day).
+MAX_REQUEST_S = 86_400.0
+#: Kubernetes object names: a DNS-1123 subdomain (Deployments) and a DNS-1123 label (namespaces).
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+#: ``k8s_kind`` values the Kubernetes backend scales (forecaster.actuation.backends.kubernetes).
+K8S_KINDS = ("Deployment", "InferenceService")
+
+
+def _number_text(value: str, low: float, high: float, *, low_open: bool = False) -> bool:
+    """Whether ``value`` is text holding a finite number in ``[low, high]`` (``(low, high]`` with ``low_open``),
+    as the readers parse it (``float`` of the stripped text)."""
+    try:
+        number = float(value.strip())
+    except ValueError:
+        return False
+    return math.isfinite(number) and (number > low if low_open else number >= low) and number <= high
+
+
+def label_problem(key: str, value: str) -> str | None:
+    """Why ``value`` is not usable for ``key`` when the product reads that label, or None.
+
+    The labels read by the code (README "Labels"): ``cold_cost`` (the planner, the report), ``request_s`` (the
+    report), ``prometheus_query`` and ``prometheus_burst_query`` (the Prometheus ingest: a complete PromQL
+    expression for the model, sent as it is), ``k8s_kind``, ``k8s_name`` and ``k8s_namespace`` (the Kubernetes
+    and dry-run backends). Any other key is free text. The readers stay tolerant of rows stored before these checks
+    (a value they cannot use: the default, logged); the messages never echo the value.
+    """
+    from forecaster.contracts.fleet import MAX_COLD_COST
+
+    if key == "cold_cost":
+        if not _number_text(value, 0.0, MAX_COLD_COST):
+            return (f"label 'cold_cost' must be a number from 0 to {MAX_COLD_COST:g} (GPU-seconds one second of "
+                    "cold-start wait is worth), as text such as \"5\"")
+    elif key == "request_s":
+        if not _number_text(value, 0.0, MAX_REQUEST_S, low_open=True):
+            return (f"label 'request_s' must be a number of seconds above 0 and at most {MAX_REQUEST_S:g}, as text "
+                    "such as \"1.5\"")
+    elif key in ("prometheus_query", "prometheus_burst_query"):
+        if not value.strip():
+            return f"label {key!r} must be a PromQL expression, not empty (remove the label to use the template)"
+        if "{model_id}" in value:
+            return (f"label {key!r} is the model's complete PromQL expression, sent as it is: '{{model_id}}' is not "
+                    "replaced in it (write the model's name, or use the template setting)")
+    elif key == "k8s_kind":
+        if value not in K8S_KINDS:
+            return f"label 'k8s_kind' must be one of {', '.join(K8S_KINDS)}"
+    elif key == "k8s_name":
+        if len(value) > 253 or not _DNS_SUBDOMAIN.fullmatch(value):
+            return ("label 'k8s_name' must be a Kubernetes object name: at most 253 lower-case letters, digits, "
+                    "'-' and '.', starting and ending with a letter or digit")
+    elif key == "k8s_namespace":
+        if len(value) > 63 or not _DNS_LABEL.fullmatch(value):
+            return ("label 'k8s_namespace' must be a Kubernetes namespace: at most 63 lower-case letters, digits "
+                    "and '-', starting and ending with a letter or digit")
+    return None
+
+
 def check_labels(labels: dict) -> dict:
-    """Labels are at most :data:`MAX_LABELS` id keys with text values; else ValueError."""
+    """Labels are at most :data:`MAX_LABELS` id keys with text values, and those the product reads hold what it
+    accepts (:func:`label_problem`); else ValueError naming the label."""
     if not isinstance(labels, dict):
         raise ValueError("labels must be an object of text values")
     if len(labels) > MAX_LABELS:
@@ -132,6 +194,9 @@ def check_labels(labels: dict) -> dict:
         problem = text_problem(value, allow_empty=True)
         if problem:
             raise ValueError(f"label {key!r} {problem}")
+        problem = label_problem(key, value)
+        if problem:
+            raise ValueError(problem)
     return labels
 
 
