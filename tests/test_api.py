@@ -147,6 +147,44 @@ def test_put_accepts_the_labels_the_product_reads_when_usable(client, engine, to
     assert fleet.models.loc["llama", "cold_cost"] == 7.5 and fleet.models.loc["free", "cold_cost"] == 0.0
 
 
+def test_put_answers_with_what_this_request_wrote(client, engine, tokens, db_url):
+    """Issue: PUT read the row back in a second transaction, so under concurrent PUTs the 200 body showed another
+    writer's spec (68 of 96 answers in the audit). Here another writer commits right after this PUT's write: the
+    answer is still this PUT's spec."""
+    from sqlalchemy import event
+
+    from forecaster.store.db import make_engine
+
+    other = make_engine(db_url)
+    wrote, interfered = [], []
+
+    def saw(conn, cursor, statement, parameters, context, executemany):
+        if statement.lstrip().upper().startswith("INSERT INTO SERVING_MODELS"):
+            wrote.append(True)
+
+    def after_release(dbapi_connection, record):  # the PUT's transaction has committed and let go of its connection
+        if wrote and not interfered:
+            interfered.append(True)
+            with other.begin() as conn:
+                conn.execute(text("UPDATE serving_models SET image_ref = 'img:other', replica_rps = 99, "
+                                  "labels = '{\"writer\": \"other\"}' WHERE id = 'llama'"))
+
+    event.listen(engine, "before_cursor_execute", saw)
+    event.listen(engine.pool, "checkin", after_release)
+    try:
+        answer = put_model(client, tokens, image_ref="img:mine", replica_rps=3.0, labels={"writer": "mine"})
+    finally:
+        event.remove(engine, "before_cursor_execute", saw)
+        event.remove(engine.pool, "checkin", after_release)
+        other.dispose()
+    assert interfered, "the other writer never ran"
+    assert answer.status_code == 200
+    body = answer.json()
+    assert (body["image_ref"], body["replica_rps"], body["labels"]) == ("img:mine", 3.0, {"writer": "mine"})
+    stored = client.get("/v1/models/llama", headers=auth(tokens["read"])).json()
+    assert (stored["image_ref"], stored["labels"]) == ("img:other", {"writer": "other"})  # the other came after
+
+
 # --- forecasts and recommendations ------------------------------------------------
 
 

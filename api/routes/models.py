@@ -16,7 +16,7 @@ from api.schemas import ListPublic, SafeId, ServingModelPublic, ServingModelPut
 ModelIdPath = Annotated[SafeId, Path(description="Model id, 1-256 characters.")]
 #: Largest list offset accepted (PostgreSQL's OFFSET is a bigint; 10^19 overflowed it).
 MAX_OFFSET = 10_000_000
-from forecaster.store.catalog import ServingModelSpec, upsert_models
+from forecaster.store.catalog import ServingModelSpec, put_model as put_model_row
 from forecaster.store.tables import ServingModel
 
 router = APIRouter(prefix="/v1/models", tags=["models"], route_class=ModelIdRoute)
@@ -57,7 +57,8 @@ def _links_to_the_model() -> dict:
 @router.put("/{model_id}", response_model=ServingModelPublic,
             responses={200: {"description": "The model as stored", "links": _links_to_the_model()}})
 def put_model(model_id: ModelIdPath, body: ServingModelPut, engine: EngineDep, _: AdminToken) -> ServingModelPublic:
+    # the answer is the row this statement wrote (RETURNING): read back in a second transaction, it could be
+    # another PUT's to the same id that committed in between
     with engine.begin() as conn:
-        upsert_models(conn, [ServingModelSpec(id=model_id, **body.model_dump())])
-    with Session(engine) as session:
-        return ServingModelPublic.model_validate(session.get(ServingModel, model_id))
+        row = put_model_row(conn, ServingModelSpec(id=model_id, **body.model_dump()))
+    return ServingModelPublic.model_validate(row)

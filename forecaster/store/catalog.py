@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import numpy as np
 import pandas as pd
-from sqlalchemy import Connection, Engine, select, text
+from sqlalchemy import Connection, Engine, Row, select, text
 from sqlalchemy.dialects.postgresql import insert
 
 from forecaster.contracts.batches import IngestError
@@ -59,16 +59,28 @@ class ServingModelSpec:
         bounds.check_number("burst_factor", self.burst_factor, low=1.0, high=MAX_BURST_FACTOR)
 
 
+def _replace_statement(rows: list[dict]):
+    """INSERT the rows whole; an id already stored has every spec column replaced (``updated_at`` now)."""
+    stmt = insert(ServingModel).values(rows)
+    update_ = {c: stmt.excluded[c] for c in rows[0] if c != "id"}
+    update_["updated_at"] = text("now()")
+    return stmt.on_conflict_do_update(index_elements=["id"], set_=update_)
+
+
 def upsert_models(conn: Connection, specs: Iterable[ServingModelSpec]) -> int:
-    """Register models or update their specs; returns how many rows were written."""
+    """Register models or replace their whole specs; returns how many rows were written."""
     rows = [asdict(s) for s in specs]
     if not rows:
         return 0
-    stmt = insert(ServingModel).values(rows)
-    update = {c: stmt.excluded[c] for c in rows[0] if c != "id"}
-    update["updated_at"] = text("now()")
-    conn.execute(stmt.on_conflict_do_update(index_elements=["id"], set_=update))
+    conn.execute(_replace_statement(rows))
     return len(rows)
+
+
+def put_model(conn: Connection, spec: ServingModelSpec) -> Row:
+    """Register ``spec``, or replace the whole stored spec of its id (``PUT /v1/models/{id}``); returns the row as
+    this statement wrote it (``RETURNING``), so that another writer of the same model, committing in between,
+    never shows in the answer."""
+    return conn.execute(_replace_statement([asdict(spec)]).returning(*ServingModel.__table__.c)).one()
 
 
 def set_burst_factors(conn: Connection, factors: dict[str, float]) -> int:
