@@ -302,26 +302,65 @@ def models_register(
     image_size_bytes: Annotated[Optional[int], typer.Option()] = None,
     weights_uri: Annotated[Optional[str], typer.Option()] = None,
     weights_size_bytes: Annotated[Optional[int], typer.Option()] = None,
-    gpus_per_replica: Annotated[int, typer.Option()] = 1,
+    gpus_per_replica: Annotated[Optional[int], typer.Option(help="GPUs one replica uses (a new model: 1).")] = None,
     replica_rps: Annotated[Optional[float], typer.Option(help="Requests per second one replica sustains.")] = None,
     cold_start_slo_s: Annotated[Optional[float], typer.Option()] = None,
     burst_factor: Annotated[Optional[float], typer.Option(
         help="Peak 10-second request rate over the minute's mean, 1 to 6 (unset: even arrivals).")] = None,
+    label: Annotated[Optional[list[str]], typer.Option(
+        "--label", help="KEY=VALUE, repeatable: set a label (the model's other labels are kept), e.g. cold_cost=5.")]
+    = None,
 ) -> None:
-    """Register a serving model or update its spec."""
-    from forecaster.store.catalog import ServingModelSpec, upsert_models
+    """Register a serving model, or update the options given of a registered one.
+
+    A new model gets the options given and the defaults for the rest. A registered model keeps everything not
+    given: its other columns, its labels not named by --label and its burst factor (``PUT /v1/models/{id}``
+    replaces the whole spec instead).
+    """
+    from api.schemas import check_model_labels
+    from forecaster.store.catalog import register_model
 
     settings = _settings()
+    labels = _parse_labels(label or [])
+    changes = {"image_ref": image_ref, "image_size_bytes": image_size_bytes, "weights_uri": weights_uri,
+               "weights_size_bytes": weights_size_bytes, "gpus_per_replica": gpus_per_replica,
+               "replica_rps": replica_rps, "cold_start_slo_s": cold_start_slo_s, "burst_factor": burst_factor}
     try:
-        spec = ServingModelSpec(id=model_id, image_ref=image_ref, image_size_bytes=image_size_bytes,
-                                weights_uri=weights_uri, weights_size_bytes=weights_size_bytes,
-                                gpus_per_replica=gpus_per_replica, replica_rps=replica_rps,
-                                cold_start_slo_s=cold_start_slo_s, burst_factor=burst_factor)
+        check_model_labels(labels)
+        _check_spec(model_id, changes)
     except ValueError as exc:
         _fail(str(exc), 2)
-    with _database(settings) as engine, engine.begin() as conn:
-        upsert_models(conn, [spec])
-    typer.echo(f"registered {model_id}")
+    with _database(settings) as engine:
+        try:
+            with engine.begin() as conn:
+                created, _ = register_model(conn, model_id, changes, labels)
+        except ValueError as exc:  # e.g. more labels than allowed once merged with those stored
+            _fail(str(exc), 2)
+    given = [name for name, value in changes.items() if value is not None] + (["labels"] if labels else [])
+    if created:
+        typer.echo(f"created {model_id}")
+    elif given:
+        typer.echo(f"updated {model_id}: {', '.join(given)} (the rest kept)")
+    else:
+        typer.echo(f"{model_id} is registered; nothing given, nothing changed")
+
+
+def _check_spec(model_id: str, changes: dict) -> None:
+    """ValueError when ``model_id`` or a given value is out of bounds (before the database is opened)."""
+    from forecaster.store.catalog import ServingModelSpec
+
+    ServingModelSpec(id=model_id, **{k: v for k, v in changes.items() if v is not None})
+
+
+def _parse_labels(pairs: list[str]) -> dict[str, str]:
+    """``KEY=VALUE`` options as a dict (the last of a repeated key wins); exit 2 naming a malformed one."""
+    labels: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            _fail(f"--label: expected KEY=VALUE, got {pair!r}", 2)
+        labels[key] = value
+    return labels
 
 
 # --- scheduler and demo ---------------------------------------------------

@@ -195,10 +195,75 @@ def test_models_register(cli, engine):
     result = cli("models", "register", "m1", "--replica-rps", "12.5", "--cold-start-slo-s", "30",
                  "--burst-factor", "2.5")
     assert result.exit_code == 0, result.output
-    assert result.stdout == "registered m1\n"
+    assert result.stdout == "created m1\n"
     listed = [json.loads(line) for line in cli("models", "list", "--json").stdout.splitlines()]
     assert listed == [{"id": "m1", "image_ref": None, "weights_uri": None, "gpus_per_replica": 1,
                        "replica_rps": 12.5, "cold_start_slo_s": 30.0, "burst_factor": 2.5, "labels": {}}]
+
+
+def _full_spec_model(engine, model_id="llama-70b"):
+    """A model set up as over the API: every column given, two labels, a burst factor."""
+    from forecaster.store.catalog import ServingModelSpec, upsert_models
+
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(
+            id=model_id, image_ref="vllm/vllm-openai:v0.6.0", image_size_bytes=9_000_000_000,
+            weights_uri="s3://m/llama-70b", weights_size_bytes=140_000_000_000, gpus_per_replica=4, replica_rps=2.5,
+            cold_start_slo_s=60.0, burst_factor=2.0,
+            labels={"cold_cost": "5", "prometheus_query": "sum(rate(x[1m]))*60"})])
+
+
+def _model_row(engine, model_id="llama-70b") -> dict:
+    with engine.connect() as conn:
+        return dict(conn.execute(text(
+            "SELECT image_ref, image_size_bytes, weights_uri, weights_size_bytes, gpus_per_replica, replica_rps, "
+            "cold_start_slo_s, burst_factor, labels FROM serving_models WHERE id = :id"), {"id": model_id}).one()._mapping)
+
+
+def test_models_register_on_a_registered_model_changes_only_the_options_given(cli, engine):
+    """Issue: ``models register ID --image-ref NEW`` rebuilt the whole spec from the option defaults and wrote every
+    column: GPUs 4 -> 1, the rate, sizes, SLO, burst factor and labels wiped, exit 0."""
+    _full_spec_model(engine)
+    before = _model_row(engine)
+    result = cli("models", "register", "llama-70b", "--image-ref", "vllm/vllm-openai:v0.6.1")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "updated llama-70b: image_ref (the rest kept)\n"
+    assert _model_row(engine) == {**before, "image_ref": "vllm/vllm-openai:v0.6.1"}
+
+    result = cli("models", "register", "llama-70b", "--gpus-per-replica", "8", "--label", "team=search",
+                 "--label", "cold_cost=7.5")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "updated llama-70b: gpus_per_replica, labels (the rest kept)\n"
+    assert _model_row(engine) == {**before, "image_ref": "vllm/vllm-openai:v0.6.1", "gpus_per_replica": 8,
+                                  "labels": {"cold_cost": "7.5", "prometheus_query": "sum(rate(x[1m]))*60",
+                                             "team": "search"}}
+
+    result = cli("models", "register", "llama-70b")
+    assert result.exit_code == 0 and result.stdout == "llama-70b is registered; nothing given, nothing changed\n"
+    created = cli("models", "register", "new-model", "--label", "team=x")
+    assert created.exit_code == 0 and created.stdout == "created new-model\n"
+    assert _model_row(engine, "new-model") == {
+        "image_ref": None, "image_size_bytes": None, "weights_uri": None, "weights_size_bytes": None,
+        "gpus_per_replica": 1, "replica_rps": None, "cold_start_slo_s": None, "burst_factor": None,
+        "labels": {"team": "x"}}
+
+
+@pytest.mark.parametrize(("label", "expected"), [
+    ("cold_cost=-1", "label 'cold_cost' must be a number from 0 to 1e+09"),
+    ("cold_cost=nan", "label 'cold_cost' must be a number from 0 to 1e+09"),
+    ("cold_cost=abc", "label 'cold_cost' must be a number from 0 to 1e+09"),
+    ("k8s_kind=Pod", "label 'k8s_kind' must be one of Deployment, InferenceService"),
+    ("catalog=gpt-5", "label 'catalog' must name an entry of the simulator's catalogue"),
+    ("noequals", "--label: expected KEY=VALUE"),
+])
+def test_models_register_refuses_a_label_the_product_cannot_use(cli, engine, label, expected):
+    _full_spec_model(engine)
+    before = _model_row(engine)
+    for model_id in ("llama-70b", "new-model"):
+        result = cli("models", "register", model_id, "--label", label)
+        assert result.exit_code == 2 and expected in result.stderr, result.output
+        assert len([line for line in result.stderr.splitlines() if line.startswith("error:")]) == 1
+    assert _model_row(engine) == before and table_counts(engine)["serving_models"] == 1
 
 
 def test_models_register_rejects_zero_rps(cli, engine):

@@ -8,11 +8,12 @@ from datetime import timedelta
 
 import numpy as np
 import pandas as pd
-from sqlalchemy import Connection, Engine, Row, select, text
+from sqlalchemy import Connection, Engine, Row, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 
 from forecaster.contracts.batches import IngestError
 from forecaster.contracts.bursts import MAX_BURST_FACTOR, smooth_burst_factors
+from forecaster.store.fields import MAX_LABELS
 from forecaster.store.tables import ServingModel
 
 
@@ -59,6 +60,11 @@ class ServingModelSpec:
         bounds.check_number("burst_factor", self.burst_factor, low=1.0, high=MAX_BURST_FACTOR)
 
 
+#: The spec columns a registration may set, besides ``id`` and ``labels`` (the fields of :class:`ServingModelSpec`).
+SPEC_COLUMNS = ("image_ref", "image_size_bytes", "weights_uri", "weights_size_bytes", "gpus_per_replica",
+                "replica_rps", "cold_start_slo_s", "burst_factor")
+
+
 def _replace_statement(rows: list[dict]):
     """INSERT the rows whole; an id already stored has every spec column replaced (``updated_at`` now)."""
     stmt = insert(ServingModel).values(rows)
@@ -81,6 +87,37 @@ def put_model(conn: Connection, spec: ServingModelSpec) -> Row:
     this statement wrote it (``RETURNING``), so that another writer of the same model, committing in between,
     never shows in the answer."""
     return conn.execute(_replace_statement([asdict(spec)]).returning(*ServingModel.__table__.c)).one()
+
+
+def register_model(conn: Connection, model_id: str, changes: dict, labels: dict | None = None
+                   ) -> tuple[bool, Row]:
+    """Create ``model_id`` from ``changes`` (spec columns; the others at their defaults) and ``labels``, or, when it
+    is registered, set only the columns ``changes`` gives and the keys ``labels`` gives (its other columns, labels
+    and burst factor stay as stored). A None in ``changes`` means "not given". Returns (created, the row as
+    written). Each given value is checked as :class:`ServingModelSpec` checks it; ValueError otherwise."""
+    changes = {k: v for k, v in changes.items() if v is not None}
+    unknown = sorted(set(changes) - set(SPEC_COLUMNS))
+    if unknown:
+        raise ValueError(f"not a spec column: {', '.join(unknown)}")
+    labels = dict(labels or {})
+    spec = ServingModelSpec(id=model_id, labels=labels, **changes)  # checks the given values (defaults: valid)
+    columns = ServingModel.__table__.c
+    created = conn.execute(insert(ServingModel).values(asdict(spec)).on_conflict_do_nothing(index_elements=["id"])
+                           .returning(*columns)).one_or_none()
+    if created is not None:
+        return True, created
+    stored = conn.execute(select(ServingModel.labels).where(ServingModel.id == model_id).with_for_update()).scalar_one()
+    values: dict = dict(changes)
+    if labels:
+        merged = {**(stored or {}), **labels}
+        if len(merged) > MAX_LABELS:
+            raise ValueError(f"at most {MAX_LABELS} labels, got {len(merged)} with those stored")
+        values["labels"] = merged
+    if not values:  # nothing given: the row as it is
+        return False, conn.execute(select(*columns).where(ServingModel.id == model_id)).one()
+    values["updated_at"] = func.now()
+    return False, conn.execute(update(ServingModel).where(ServingModel.id == model_id).values(**values)
+                               .returning(*columns)).one()
 
 
 def set_burst_factors(conn: Connection, factors: dict[str, float]) -> int:
