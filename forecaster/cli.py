@@ -384,7 +384,7 @@ def scheduler_cmd() -> None:
 @app.command("serve")
 def serve_cmd(
     host: Annotated[Optional[str], typer.Option(help="Bind address (default: PREWARM_API_HOST).")] = None,
-    port: Annotated[Optional[int], typer.Option(help="Port (default: PREWARM_API_PORT).")] = None,
+    port: Annotated[Optional[int], typer.Option(min=1, max=65535, help="Port (default: PREWARM_API_PORT).")] = None,
     scheduler: Annotated[bool, typer.Option("--scheduler/--no-scheduler",
                                             help="Also run the scheduler's jobs in this process.")] = True,
     workers: Annotated[Optional[int], typer.Option(
@@ -420,7 +420,8 @@ def serve_cmd(
             heartbeat = SchedulerHeartbeat(heartbeat_file)
             background = build_scheduler(engine, settings, background=True, heartbeat=heartbeat)
             background.start()
-        bind_host, bind_port = host or settings.api_host, port or settings.api_port
+        bind_host = host if host is not None else settings.api_host
+        bind_port = port if port is not None else settings.api_port
         # KEDA's scaler (PREWARM_KEDA_GRPC_PORT) listens on the address HTTP binds, e.g. --host 0.0.0.0 in a pod
         settings = settings.model_copy(update={"api_host": bind_host})
         typer.echo(f"prewarm API on http://{bind_host}:{bind_port} (OpenAPI at /docs), {worker_count} worker(s)")
@@ -489,7 +490,8 @@ def token_revoke(name: Annotated[str, typer.Argument()]) -> None:
 @app.command("agent")
 def agent_cmd(
     host: Annotated[Optional[str], typer.Option(help="Listen address (default: PREWARM_AGENT_HOST).")] = None,
-    port: Annotated[Optional[int], typer.Option(help="Listen port (default: PREWARM_AGENT_PORT).")] = None,
+    port: Annotated[Optional[int], typer.Option(min=1, max=65535, help="Listen port (default: PREWARM_AGENT_PORT).")]
+    = None,
 ) -> None:
     """Run the node agent (pre-pull images through CRI, pre-load weights from S3) until stopped."""
     import os
@@ -499,8 +501,8 @@ def agent_cmd(
         _fail("the agent needs a bearer token: set PREWARM_AGENT_TOKEN", 2)
     # A lean process of its own: the agent never needs what this CLI has imported.
     argv = [sys.executable, "-m", "forecaster.agent"]
-    argv += ["--host", host] if host else []
-    argv += ["--port", str(port)] if port else []
+    argv += ["--host", host] if host is not None else []
+    argv += ["--port", str(port)] if port is not None else []
     os.execv(sys.executable, argv)
 
 
@@ -711,6 +713,58 @@ def report_cmd(
                + f", write_s {write_s:.1f}")
 
 
+#: Seconds the demo waits for its API to listen (the app's start-up reads the store) before it gives up.
+DEMO_LISTEN_TIMEOUT_S = 120.0
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why nothing could listen on ``host:port`` now (each address it resolves to is bound and closed at once, as
+    uvicorn binds them), or None."""
+    import socket
+
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"cannot resolve {host!r}: {exc.strerror or exc}"
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                return (exc.strerror or str(exc)).lower()
+    return None
+
+
+def wait_listening(server, thread, *, timeout_s: float, poll_s: float = 0.02) -> bool:
+    """Wait until the uvicorn ``server`` running in ``thread`` listens (True), or the thread ends without it (a
+    bind or start-up failure) or ``timeout_s`` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            return server.started
+        time.sleep(poll_s)
+    return True
+
+
+@contextmanager
+def _uvicorn_errors() -> Iterator[list[str]]:
+    """The messages uvicorn logs at ERROR while in the block (``[Errno 98] ... address already in use``)."""
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(" ".join(record.getMessage().split()))
+
+    handler = Collect(logging.ERROR)
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
 @app.command("demo")
 def demo(
     trace: Annotated[Optional[Path], typer.Option(help="Trace to ingest (default: the shipped Azure 2019 sample).")]
@@ -725,13 +779,23 @@ def demo(
                                               "PREWARM_FORECAST_MEMBERS names).")]
     = "lightgbm",
     serve: Annotated[bool, typer.Option("--serve/--no-serve", help="Serve the API and dashboard meanwhile.")] = True,
-    port: Annotated[Optional[int], typer.Option(help="API port (default: PREWARM_API_PORT).")] = None,
+    port: Annotated[Optional[int], typer.Option(min=1, max=65535, help="API port (default: PREWARM_API_PORT).")]
+    = None,
     exit_when_done: Annotated[bool, typer.Option("--exit-when-done", help="Stop after the replay.")] = False,
 ) -> None:
     """The whole loop on the embedded database: ingest, train, replay at an accelerated clock, serve the dashboard."""
     from forecaster.demo import SimClock, format_comparison, run_demo, run_loop
 
+    from api.workers import BIND_FAILURE
+
     settings = _settings()
+    bind_host = settings.api_host
+    bind_port = port if port is not None else settings.api_port
+    if serve and not summary_only:  # before the ingest and the training, which take minutes
+        problem = port_problem(bind_host, bind_port)
+        if problem:
+            _fail(f"demo: cannot listen on {bind_host}:{bind_port} ({problem}); pass a free --port, or --no-serve",
+                  BIND_FAILURE)
     with _database(settings) as engine:
         if summary_only:
             try:
@@ -753,14 +817,26 @@ def demo(
             from api.main import create_app
             from forecaster.store.tokens import create_token
 
-            token = create_token(engine, name=f"demo-{_now():%Y%m%dT%H%M%S%f}", scopes=["read"])
-            bind_port = port or settings.api_port
             app_ = create_app(settings.model_copy(update={"api_snapshot_refresh_s": 1.0}), engine, clock=sim_clock)
-            server = uvicorn.Server(uvicorn.Config(app_, host=settings.api_host, port=bind_port, log_level="warning"))
-            thread = threading.Thread(target=server.run, name="demo-api", daemon=True)
-            thread.start()
-            typer.echo(f"dashboard: http://{settings.api_host}:{bind_port}/dashboard/#token={token}")
-            typer.echo(f"API:       http://{settings.api_host}:{bind_port}/docs  (read token above)")
+            server = uvicorn.Server(uvicorn.Config(app_, host=bind_host, port=bind_port, log_level="warning"))
+
+            def run_server() -> None:
+                try:
+                    server.run()
+                except SystemExit:  # uvicorn's start-up failure (a bind error): wait_listening reports it
+                    pass
+
+            thread = threading.Thread(target=run_server, name="demo-api", daemon=True)
+            with _uvicorn_errors() as errors:
+                thread.start()
+                listening = wait_listening(server, thread, timeout_s=DEMO_LISTEN_TIMEOUT_S)
+            if not listening:  # the port was taken since the check, or the API's start failed
+                why = f" ({errors[-1]})" if errors else ""
+                _fail(f"demo: the API did not start listening on {bind_host}:{bind_port}{why}; nothing is served",
+                      BIND_FAILURE)
+            token = create_token(engine, name=f"demo-{_now():%Y%m%dT%H%M%S%f}", scopes=["read"])
+            typer.echo(f"dashboard: http://{bind_host}:{bind_port}/dashboard/#token={token}")
+            typer.echo(f"API:       http://{bind_host}:{bind_port}/docs  (read token above)")
 
         try:
             summary = run_loop(engine, settings, clock=clock, trace=trace, replay_minutes=replay_minutes,

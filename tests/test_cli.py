@@ -642,3 +642,108 @@ def test_a_signal_while_the_demo_serves_leaves_the_api_thread_to_be_joined():
     release.set()
     api.join(timeout=5)
     assert not api.is_alive()
+
+
+# --- ports and output paths, checked before anything runs ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("args", [
+    ["serve", "--no-scheduler", "--port", "70000"],  # listened on 70000 mod 65536 = 4464, announcing :70000
+    ["serve", "--no-scheduler", "--port", "0"],  # `port or settings.api_port`: bound 8080
+    ["serve", "--no-scheduler", "--port", "-1"],
+    ["demo", "--port", "70000"],
+    ["agent", "--port", "0"],
+])
+def test_a_port_out_of_range_is_refused_before_anything_listens(cli, monkeypatch, args):
+    import uvicorn
+
+    import forecaster.demo
+
+    listened = []
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: listened.append(kw.get("port")))
+    monkeypatch.setattr(forecaster.demo, "run_loop", lambda *a, **kw: listened.append("demo"))
+    monkeypatch.setattr(os, "execv", lambda *a: listened.append("agent"))  # the agent execs its own process
+    result = cli(*args, PREWARM_AGENT_TOKEN="agent-secret")
+    assert result.exit_code == 2, result.output
+    assert "--port" in result.output and listened == []
+
+
+@pytest.fixture
+def taken_port():
+    """A port some other process listens on."""
+    import socket
+
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+def _fake_replay(monkeypatch, during_ready=lambda clock: None):
+    """Stand in for the demo's ingest, training and replay (minutes): call ``on_ready`` as the real loop does."""
+    import forecaster.demo
+
+    calls = []
+
+    def run_loop(engine, settings, *, clock, on_ready=None, **kwargs):
+        calls.append("run_loop")
+        during_ready(clock)
+        if on_ready is not None:
+            on_ready(clock)
+            calls.append("served")
+        return {"replayed_minutes": 0, "forecast_rows": 0, "actions": 0, "cold_starts_stored": 0, "totals": {},
+                "action_statuses": {}}
+
+    monkeypatch.setattr(forecaster.demo, "run_loop", run_loop)
+    monkeypatch.setattr(forecaster.demo, "format_comparison", lambda totals, statuses: [])
+    return calls
+
+
+def test_demo_with_its_port_taken_exits_before_the_replay(cli, monkeypatch, taken_port):
+    """Issue: the API thread died on the bind error and the demo printed the dashboard URL and token anyway and
+    exited 0; nothing it printed answered."""
+    calls = _fake_replay(monkeypatch)
+    result = cli("demo", "--port", str(taken_port), "--exit-when-done")
+    assert result.exit_code == 3, result.output
+    assert f"demo: cannot listen on 127.0.0.1:{taken_port} (address already in use)" in result.stderr
+    assert "dashboard" not in result.output and calls == []
+
+
+def test_demo_prints_the_dashboard_only_once_its_api_listens(cli, monkeypatch):
+    import socket
+
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    holder = socket.socket()
+    taken_meanwhile = _fake_replay(monkeypatch, during_ready=lambda clock: (
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1), holder.bind(("127.0.0.1", port)),
+        holder.listen()))
+    try:  # the port is taken after the check at the start, while the demo trains: the API cannot listen
+        result = cli("demo", "--port", str(port), "--exit-when-done")
+    finally:
+        holder.close()
+    assert result.exit_code == 3, result.output
+    assert f"demo: the API did not start listening on 127.0.0.1:{port}" in result.stderr
+    assert "address already in use" in result.stderr
+    assert "dashboard" not in result.output and taken_meanwhile == ["run_loop"]
+
+    answered = []
+    calls = _fake_replay(monkeypatch)
+    import forecaster.demo
+
+    real = forecaster.demo.run_loop
+
+    def run_loop_then_ask(*args, **kwargs):
+        summary = real(*args, **kwargs)
+        answered.append(httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code)
+        return summary
+
+    monkeypatch.setattr(forecaster.demo, "run_loop", run_loop_then_ask)
+    result = cli("demo", "--port", str(port), "--exit-when-done")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"dashboard: http://127.0.0.1:{port}/dashboard/#token=pw_")
+    assert calls == ["run_loop", "served"] and answered == [200]
