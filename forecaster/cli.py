@@ -537,11 +537,45 @@ def backtest_cmd(
     typer.echo(f"backtest run {run_id} stored; tables in {table_path} and {summary_path}")
 
 
+def _check_output_path(option: str, path: Path) -> None:
+    """Exit 2 naming ``option`` unless ``path`` can be written: its folder exists and is writable, and the path is
+    no folder (checked before a long run, not after it)."""
+    folder = path.parent
+    if not folder.is_dir():
+        _fail(f"{option} {path}: the folder {folder} does not exist", 2)
+    if path.is_dir():
+        _fail(f"{option} {path}: is a folder, not a file", 2)
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        _fail(f"{option} {path}: not writable", 2)
+
+
 def waste_budget_text(rows: dict[str, dict]) -> str:
     """Allowed vs spent idle GPU-seconds of the budget controllers (whole replay, warm-up included)."""
     return "; ".join(f"{name}: spent {row['budget_state']['spent_total']:.0f} of {row['budget_state']['allowed_total']:.0f}"
                      f" idle GPU-s allowed, {row['budget_state'].get('status', 'on_budget').replace('_', ' ')}"
                      for name, row in rows.items())
+
+
+#: Most simulated nodes ``prewarm simulate`` accepts (the default fleet has 16 or 160).
+MAX_SIMULATED_NODES = 100_000
+
+
+def _check_simulate_numbers(*, nodes: int | None, minutes: int | None, warmup_minutes: int | None,
+                            cold_cost: float | None) -> None:
+    """Exit 2 with one line naming the option whose number ``prewarm simulate`` cannot run on."""
+    import math
+
+    from forecaster.contracts.fleet import MAX_COLD_COST
+
+    if nodes is not None and not 1 <= nodes <= MAX_SIMULATED_NODES:
+        _fail(f"--nodes: expected 1 to {MAX_SIMULATED_NODES:,} nodes, got {nodes}", 2)
+    if minutes is not None and minutes < 1:
+        _fail(f"--minutes: expected at least 1 minute, got {minutes}", 2)
+    if warmup_minutes is not None and warmup_minutes < 0:
+        _fail(f"--warmup-minutes: expected 0 or more minutes, got {warmup_minutes}", 2)
+    if cold_cost is not None and not (math.isfinite(cold_cost) and 0 <= cold_cost <= MAX_COLD_COST):
+        _fail(f"--cold-cost: expected a number from 0 to {MAX_COLD_COST:g} (GPU-seconds one second of cold-start "
+              f"wait is worth), got {cold_cost}", 2)
 
 
 @app.command("simulate")
@@ -588,6 +622,9 @@ def simulate_cmd(
     from forecaster.simulation.workload import load_workload
 
     settings = _settings()
+    _check_simulate_numbers(nodes=nodes, minutes=minutes, warmup_minutes=warmup_minutes, cold_cost=cold_cost)
+    if as_json is not None:
+        _check_output_path("--json", as_json)
     budget = None
     if waste_budget is not None:
         from forecaster.planning.step import waste_budget as budget_from
@@ -603,10 +640,10 @@ def simulate_cmd(
         workload = load_workload(trace, fmt=fmt, model_id=model_id)
     except (IngestError, ValueError) as exc:
         _fail(f"{trace}: {exc}", 2)
-    if minutes:
+    if minutes is not None:
         workload = workload.window(0, minutes * 60.0)
     warmup = warmup_minutes if warmup_minutes is not None else (240 if workload.duration_s > 8 * 3600 else 10)
-    config = FleetConfig(n_nodes=nodes or (160 if workload.n_models > 100 else 16),
+    config = FleetConfig(n_nodes=nodes if nodes is not None else (160 if workload.n_models > 100 else 16),
                          score_from_s=min(warmup * 60.0, workload.duration_s / 2))
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if "keepalive_10" not in names:
@@ -677,6 +714,9 @@ def report_cmd(
     from forecaster.report.replay import replay
 
     settings = _settings()
+    _check_output_path("--out", out)  # before the replay, which takes minutes
+    if as_json is not None:
+        _check_output_path("--json", as_json)
     stages: dict[str, float] = {}
     wanted = [m for m in models.split(",")] if models else None
     if wanted is not None and not any(m.strip() for m in wanted):

@@ -747,3 +747,24 @@ def test_demo_prints_the_dashboard_only_once_its_api_listens(cli, monkeypatch):
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith(f"dashboard: http://127.0.0.1:{port}/dashboard/#token=pw_")
     assert calls == ["run_loop", "served"] and answered == [200]
+
+
+@pytest.mark.parametrize("option", ["--out", "--json"])
+def test_report_checks_its_output_folders_before_the_replay(cli, engine, monkeypatch, tmp_path, option):
+    """Issue: ``report --out missing/dir/x.html`` ran the whole replay, then failed with FileNotFoundError; a bad
+    ``--json`` failed after the HTML was written."""
+    import forecaster.report.history
+
+    read = []
+    monkeypatch.setattr(forecaster.report.history, "load_history", lambda *a, **kw: read.append(1) or 1 / 0)
+    html = tmp_path / "report.html"
+    missing = tmp_path / "no" / "such"
+    paths = {"--out": str(missing / "r.html"), "--json": str(tmp_path / "r.json")}
+    if option == "--json":
+        paths = {"--out": str(html), "--json": str(missing / "r.json")}
+    result = cli("report", "--since", "30m", "--out", paths["--out"], "--json", paths["--json"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == f"error: {option} {paths[option]}: the folder {missing} does not exist\n"
+    assert read == [] and not html.exists()
+    folder = cli("report", "--out", str(tmp_path))
+    assert folder.exit_code == 2 and "--out" in folder.output

@@ -98,3 +98,44 @@ def test_the_model_mapping_says_what_ordered_it(tmp_path, monkeypatch):
                                       "--minutes", "20", "--nodes", "8"])
     assert result.exit_code == 0, result.output
     assert "models mapped by request volume" in " ".join(result.output.split())
+
+
+@pytest.fixture
+def tiny_trace(tmp_path):
+    """Two models, an hour of minutes, in the long format."""
+    import pandas as pd
+
+    minutes = pd.date_range("2024-01-01", periods=60, freq="min")
+    frame = pd.concat([pd.DataFrame({"unique_id": m, "ds": minutes, "y": [(i * k) % 5 for i in range(60)]})
+                       for k, m in ((1, "a"), (3, "b"))])
+    path = tmp_path / "tiny.csv"
+    frame.to_csv(path, index=False)
+    return path
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--nodes", "0"], "error: --nodes: expected 1 to 100,000 nodes, got 0"),  # ran on 16 nodes
+    (["--nodes", "-3"], "error: --nodes: expected 1 to 100,000 nodes, got -3"),
+    (["--minutes", "-5"], "error: --minutes: expected at least 1 minute, got -5"),  # an empty replay, exit 0
+    (["--minutes", "0"], "error: --minutes: expected at least 1 minute, got 0"),  # the whole trace
+    (["--warmup-minutes", "-1"], "error: --warmup-minutes: expected 0 or more minutes, got -1"),
+    (["--cold-cost", "-1"], "error: --cold-cost: expected a number from 0 to 1e+09"),  # "cannot reshape array"
+    (["--cold-cost", "nan"], "error: --cold-cost: expected a number from 0 to 1e+09"),  # ran at the default
+    (["--cold-cost", "inf"], "error: --cold-cost: expected a number from 0 to 1e+09"),
+    (["--cold-cost", "1e12"], "error: --cold-cost: expected a number from 0 to 1e+09"),
+])
+def test_simulate_refuses_numbers_it_cannot_run_on(tiny_trace, args, expected):
+    result = CliRunner().invoke(app, ["simulate", str(tiny_trace), "--format", "long", "--forecaster", "empirical",
+                                      "--policy", "reactive,prewarm_empirical", *args])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(expected) and result.stderr.count("\n") == 1, result.stderr
+    assert result.stdout == ""
+
+
+def test_simulate_checks_its_json_folder_before_the_run(tiny_trace, tmp_path):
+    out = tmp_path / "no" / "such" / "sim.json"
+    result = CliRunner().invoke(app, ["simulate", str(tiny_trace), "--format", "long", "--policy", "reactive",
+                                      "--json", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == f"error: --json {out}: the folder {out.parent} does not exist\n"
+    assert result.stdout == ""
