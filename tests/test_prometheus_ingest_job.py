@@ -192,7 +192,7 @@ def test_a_model_without_samples_is_not_asked_again_for_minutes_a_run_found_empt
     asks for those six hours once and finds nothing; the next run asks only for the minutes since (before,
     every run asked again from the watermark, up to 15 days: three 10,000-step queries per idle model per run).
     When the model is served again, its minutes are read from the first sample on; a model whose query failed
-    keeps asking from its watermark."""
+    keeps asking from its watermark, and so does one whose query was corrected."""
     settings = _settings(settings, prom_server)
     served_until = past_now - timedelta(hours=6)
     back = past_now - timedelta(minutes=10)
@@ -225,6 +225,13 @@ def test_a_model_without_samples_is_not_asked_again_for_minutes_a_run_found_empt
         idle_asks = [(s, e) for q, s, e in asked if q == gated]
         assert idle_asks == [(_epoch(quiet - LAG) + 60, _epoch(quiet - LAG + timedelta(minutes=5)))]
         assert min(s for q, s, _ in asked if q == "vector(3") == _epoch(mark) + 60  # failed: asked again
+
+        # the same minutes under a corrected query (still without a sample here) are asked again from the watermark
+        corrected = gated.replace("vector(3)", "vector(3) * 1")
+        _register(engine, {"idle": corrected})
+        asked.clear()
+        ingest_prometheus(engine, settings, now=quiet + timedelta(minutes=6), source=source)
+        assert min(s for q, s, _ in asked if q == corrected) == _epoch(mark) + 60
 
         served = ingest_prometheus(engine, settings, now=past_now, source=source)
     end = past_now - LAG

@@ -429,8 +429,9 @@ def ingest_prometheus(engine: Engine, settings: Settings, *, now: datetime, sour
     if not models:
         return summary
     end = (now - timedelta(seconds=settings.prometheus_lag_s)).replace(second=0, microsecond=0)
-    by_start = _prometheus_starts(engine, settings, [m.id for m in models], end, summary)
     overrides = {m.id: m.labels["prometheus_query"] for m in models if m.labels.get("prometheus_query")}
+    by_start = _prometheus_starts(engine, settings, {m.id: source.query_for(m.id, overrides) for m in models}, end,
+                                  summary)
     burst_overrides = {m.id: m.labels["prometheus_burst_query"] for m in models
                        if m.labels.get("prometheus_burst_query")}
     template = settings.prometheus_burst_query_template
@@ -469,7 +470,7 @@ def _catch_up_floor(engine: Engine, settings: Settings, end: datetime) -> dateti
     return floor
 
 
-def _prometheus_starts(engine: Engine, settings: Settings, model_ids: list[str], end: datetime, summary: dict
+def _prometheus_starts(engine: Engine, settings: Settings, queries: dict[str, str], end: datetime, summary: dict
                        ) -> dict[datetime, list[str]]:
     """The models to read, grouped by the minute each starts at (so that one fetch serves many models).
 
@@ -479,11 +480,13 @@ def _prometheus_starts(engine: Engine, settings: Settings, model_ids: list[str],
     counted in ``summary`` and logged. A model idle for weeks has an old watermark too, but the runs since asked
     for its minutes and found no sample: it resumes where the last run that found nothing stopped
     (:func:`~forecaster.store.invocations.asked_through`), so its minutes are neither asked nor counted again
-    every run."""
+    every run; under another query than that run's (``queries``: model id -> the query asked now; a corrected
+    label), from its watermark again."""
+    model_ids = list(queries)
     floor = _catch_up_floor(engine, settings, end)
     backfill_start = end - timedelta(minutes=settings.prometheus_backfill_minutes)
     marks = {m: t.astimezone(timezone.utc) for m, t in _prometheus_watermarks(engine, model_ids).items()}
-    asked = asked_through(engine, model_ids, source=PROMETHEUS_SOURCE)
+    asked = asked_through(engine, queries, source=PROMETHEUS_SOURCE)
     newest = max(marks.values(), default=floor)
     by_start: dict[datetime, list[str]] = {}
     for model_id in model_ids:
@@ -557,7 +560,8 @@ def _ingest_prometheus_span(engine: Engine, settings: Settings, source, ids: lis
         pending = going_on
         lo = hi
     # asked up to the end and found no sample: the next run starts at the end (a model scaled to zero has no series)
-    record_asked_through(engine, [m for m in pending if m not in reached], source=PROMETHEUS_SOURCE, through=end)
+    record_asked_through(engine, {m: source.query_for(m, overrides) for m in pending if m not in reached},
+                         source=PROMETHEUS_SOURCE, through=end)
 
 
 def _record_query_errors(summary: dict, errors: dict) -> None:

@@ -652,30 +652,40 @@ def coverage_ends(engine: Engine, model_ids: list[str], *, source: str, step_sec
     return {r[0]: r[1] for r in rows if r[1] is not None}
 
 
-def asked_through(engine: Engine, model_ids: list[str], *, source: str) -> dict[str, datetime]:
-    """Per model, the end of the last run of ``source`` that asked for its minutes and found no sample
-    (:func:`record_asked_through`; models never recorded are left out)."""
+def _query_sha256(query: str) -> str:
+    return hashlib.sha256(query.encode("utf-8")).hexdigest()
+
+
+def asked_through(engine: Engine, queries: dict[str, str], *, source: str) -> dict[str, datetime]:
+    """Per model (``queries``: model id -> the query it is asked with now), the end of the last run of ``source``
+    that asked that same query and found no sample (:func:`record_asked_through`). Models never recorded, or
+    recorded under another query (a corrected label), are left out: their minutes are asked again."""
     with engine.connect() as conn:
         rows = conn.execute(
-            text("SELECT model_id, asked_through FROM source_cursors WHERE source = :src "
+            text("SELECT model_id, asked_through, query_sha256 FROM source_cursors WHERE source = :src "
                  "AND model_id = ANY(CAST(:ids AS text[]))"),
-            {"src": source, "ids": model_ids},
+            {"src": source, "ids": list(queries)},
         ).all()
-    return {r[0]: r[1] for r in rows}
+    return {r[0]: r[1] for r in rows if r[2] == _query_sha256(queries[r[0]])}
 
 
-def record_asked_through(engine: Engine, model_ids: list[str], *, source: str, through: datetime) -> None:
-    """Record that ``source`` asked for ``model_ids``' minutes up to ``through`` and found no sample: the next run
-    need not ask for them again. Never moves a cursor back; models deleted meanwhile are skipped."""
-    if not model_ids:
+def record_asked_through(engine: Engine, queries: dict[str, str], *, source: str, through: datetime) -> None:
+    """Record that ``source`` asked for these models' minutes up to ``through`` with ``queries`` (model id -> query)
+    and found no sample: the next run asking the same query need not ask for them again. Under the same query a
+    cursor never moves back; models deleted meanwhile are skipped."""
+    if not queries:
         return
+    ids = sorted(queries)
     with engine.begin() as conn:
         conn.execute(
-            text("INSERT INTO source_cursors (model_id, source, asked_through) "
-                 "SELECT id, :src, :through FROM serving_models WHERE id = ANY(CAST(:ids AS text[])) "
-                 "ON CONFLICT (model_id, source) DO UPDATE SET "
-                 "asked_through = greatest(source_cursors.asked_through, excluded.asked_through), updated_at = now()"),
-            {"src": source, "through": through, "ids": sorted(set(model_ids))},
+            text("INSERT INTO source_cursors (model_id, source, asked_through, query_sha256) "
+                 "SELECT m.id, :src, :through, q.sha FROM unnest(CAST(:ids AS text[]), CAST(:shas AS text[])) "
+                 "AS q(id, sha) JOIN serving_models m ON m.id = q.id "
+                 "ON CONFLICT (model_id, source) DO UPDATE SET asked_through = CASE "
+                 "WHEN source_cursors.query_sha256 = excluded.query_sha256 "
+                 "THEN greatest(source_cursors.asked_through, excluded.asked_through) ELSE excluded.asked_through END, "
+                 "query_sha256 = excluded.query_sha256, updated_at = now()"),
+            {"src": source, "through": through, "ids": ids, "shas": [_query_sha256(queries[i]) for i in ids]},
         )
 
 

@@ -108,6 +108,7 @@ class SourceCursor(Base):
     )
     source: Mapped[str] = mapped_column(String(128), primary_key=True)
     asked_through: Mapped[datetime] = mapped_column(TZ)
+    query_sha256: Mapped[str] = mapped_column(String(64), doc="The query asked: another query asks again.")
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
 

@@ -6,7 +6,9 @@ model was last served, up to ``PREWARM_PROMETHEUS_MAX_CATCH_UP_MINUTES`` (15 day
 10,000-step queries per idle model per run on the test Prometheus, so a long tail of 1,000 idle models took longer
 than the minute between runs, and the oldest (idle) models were read first. ``asked_through`` records the end of
 a run that found no sample for the model; the next run starts there. Minutes before it without a sample are gaps
-that will not fill (the ingest's lag covers late scrapes). Rows go with their model.
+that will not fill (the ingest's lag covers late scrapes). The cursor holds for the query it was asked with
+(``query_sha256``): a corrected ``prometheus_query`` label or template asks again from the watermark. Rows go with
+their model.
 
 Revision ID: 0018
 Revises: 0017
@@ -29,6 +31,7 @@ def upgrade() -> None:
                   primary_key=True),
         sa.Column("source", sa.String(128), primary_key=True),
         sa.Column("asked_through", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("query_sha256", sa.String(64), nullable=False),
         sa.Column("updated_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
     )
 
