@@ -276,3 +276,32 @@ def test_the_heartbeat_keeps_a_long_run_alive_past_its_first_lease(engine, setti
     assert out[0]["long"] is True
     with engine.connect() as conn:
         assert conn.execute(text("SELECT status, attempt FROM job_runs")).all() == [("ok", 1)]
+
+
+def test_a_second_run_of_a_job_in_this_process_waits_for_the_first_and_runs_its_own_slot(engine, settings):
+    """The scheduler's catch-up run at start (``partitions@start``) can still run when the job's next boundary
+    fires in the same process: the advisory lock is per session, so the boundary's run took the catch-up's lock
+    for another process's and skipped its slot. It waits for it instead, then runs its own slot."""
+    import threading
+
+    started = threading.Event()
+    slots: list = []
+
+    def slow(engine_, settings_, now):
+        slots.append(now)
+        started.set()
+        time.sleep(1.0)
+        return {}
+
+    spec = JobSpec("partitions", slow, 3600)
+    first = threading.Thread(target=lambda: run_once(engine, settings, spec, now=NOW))
+    first.start()
+    try:
+        assert started.wait(30)
+        second = run_once(engine, settings, spec, now=NOW + timedelta(hours=1))  # the next boundary, same process
+    finally:
+        first.join()
+    assert second is not None and slots == [NOW, NOW + timedelta(hours=1)]
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT status FROM job_runs WHERE job_name = 'partitions' ORDER BY slot")).scalars(
+        ).all() == ["ok", "ok"]

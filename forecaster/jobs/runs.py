@@ -312,6 +312,18 @@ def _sweep_once(engine: Engine) -> None:
 #: What starting a run found instead of a claim: the job's lock held by another session (it runs elsewhere).
 _LOCKED = "locked"
 
+#: One lock per job name in this process. The advisory lock is per database session, and each run takes it on a
+#: connection of its own, so two runs of one job in this process (the scheduler's catch-up run at start,
+#: ``<name>@start``, and the job's next boundary) would see each other as "another process" and the later one
+#: would skip its slot. The later run waits for the earlier one here instead, then claims its own slot.
+_RUNNING_HERE: dict[str, threading.Lock] = {}
+_RUNNING_HERE_GUARD = threading.Lock()
+
+
+def _running_here(job_name: str) -> threading.Lock:
+    with _RUNNING_HERE_GUARD:
+        return _RUNNING_HERE.setdefault(job_name, threading.Lock())
+
 
 def run_once(engine: Engine, settings: Settings, spec: JobSpec, *, now: datetime,
              sleep: Callable[[float], None] = time.sleep, db_wait_s: float | None = None,
@@ -323,7 +335,8 @@ def run_once(engine: Engine, settings: Settings, spec: JobSpec, *, now: datetime
 
     The run holds the job's advisory lock from before the claim until its
     outcome is recorded: when another process holds it (runs the job, any
-    slot), this one skips. Under the lock, the job's dead claims are marked
+    slot), this one skips; a run of the same job in this process is waited
+    for instead (:data:`_RUNNING_HERE`). Under the lock, the job's dead claims are marked
     ``abandoned`` and a dead claim of this slot is taken over. While the job
     runs, a heartbeat extends the claim's lease (``lease_s``, default
     :data:`LEASE_S`).
@@ -348,6 +361,12 @@ def run_once(engine: Engine, settings: Settings, spec: JobSpec, *, now: datetime
         the job runs in another process, or the database stayed away for the
         whole wait.
     """
+    with _running_here(spec.name):  # a run of this job in this process first (see _RUNNING_HERE)
+        return _run_once(engine, settings, spec, now=now, sleep=sleep, db_wait_s=db_wait_s, lease_s=lease_s)
+
+
+def _run_once(engine: Engine, settings: Settings, spec: JobSpec, *, now: datetime, sleep: Callable[[float], None],
+              db_wait_s: float | None, lease_s: float | None) -> dict | None:
     slot = slot_for(now, spec.every_s, spec.offset_s)
     budget = settings.job_db_wait_s if db_wait_s is None else db_wait_s
     lease_s = LEASE_S if lease_s is None else lease_s
