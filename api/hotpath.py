@@ -51,6 +51,8 @@ class RecommendationHotPath:
         raw = scope.get("raw_path")
         if raw is not None and not raw.endswith(RAW_SUFFIX):
             return None
+        if "//" in path:  # an empty segment: no id when sent as such (api.model_routes); the app decides
+            return None
         model_id = path[len(PREFIX):-len(SUFFIX)]
         if not model_id:
             return None
