@@ -22,6 +22,15 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+#: Upper bounds shared by several settings: each keeps the datetime, timedelta and SQL arithmetic the setting feeds
+#: finite (datetime.max is 9999-12-31; 1,000,000 days overflowed the retention jobs every slot).
+MAX_DAYS = 36_500  # retention ages, days: a hundred years
+MAX_GPUS = 10_000_000  # GPU counts and budgets
+MAX_BYTES = 1 << 60  # byte budgets (1 EiB), well inside a signed 64-bit integer
+MAX_FUTURE_SKEW_S = 366 * 86_400  # how far ahead of now an ingested timestamp may be
+#: PostgreSQL's lock_timeout takes at most 2,147,483,647 ms (INT_MAX); a pushed batch sets it from this in ms.
+MAX_PUSH_LOCK_TIMEOUT_S = 2_147_483
+
 #: Most ``prewarm serve`` worker processes (``PREWARM_API_WORKERS``), and most that 'auto' picks.
 MAX_API_WORKERS = 64
 AUTO_API_WORKERS_MAX = 8
@@ -147,9 +156,10 @@ class Settings(BaseSettings):
     """Service settings; see README for the full list with defaults."""
 
     # hide_input_in_errors: str() of a ValidationError from Settings() would show DATABASE_URL with its password;
-    # load_settings shows each bad value itself, the URL masked
+    # load_settings shows each bad value itself, the URL masked.
+    # allow_inf_nan=False: no float setting takes inf or nan (PREWARM_MAX_FUTURE_SKEW_S=inf made every push a 500).
     model_config = SettingsConfigDict(env_prefix="PREWARM_", extra="ignore", validate_default=True,
-                                      hide_input_in_errors=True)
+                                      hide_input_in_errors=True, allow_inf_nan=False)
 
     environment: Literal["development", "production"] = "development"
 
@@ -160,9 +170,9 @@ class Settings(BaseSettings):
         description="SQLAlchemy URL of PostgreSQL; unset starts an embedded server under data_dir.",
     )
     data_dir: Path = Field(default_factory=_default_data_dir)
-    db_wait_timeout_s: float = Field(default=60.0, gt=0)
+    db_wait_timeout_s: float = Field(default=60.0, gt=0, le=86_400)
     db_retry_attempts: int = Field(default=5, ge=1, le=50)
-    db_retry_base_delay_s: float = Field(default=0.5, ge=0)
+    db_retry_base_delay_s: float = Field(default=0.5, ge=0, le=60)
     db_migration_lock_timeout_s: float = Field(
         default=3.0, gt=0, le=600,
         description="How long a migration statement waits for a table lock (lock_timeout) before that upgrade "
@@ -204,15 +214,15 @@ class Settings(BaseSettings):
 
     # --- ingest ---------------------------------------------------------
     auto_register_models: bool = False
-    max_future_skew_s: float = Field(default=300.0, ge=0)
+    max_future_skew_s: float = Field(default=300.0, ge=0, le=MAX_FUTURE_SKEW_S)
     partition_days_ahead: int = Field(default=7, ge=1, le=366)
     # Retention of invocations (forecaster.store.retention): whole UTC days before today.
-    invocations_minute_days: int = Field(default=7, ge=1, description="Days of per-minute counts kept as ingested.")
+    invocations_minute_days: int = Field(default=7, ge=1, le=MAX_DAYS, description="Days of per-minute counts kept as ingested.")
     invocations_5min_days: int = Field(
-        default=35, ge=1, description="Days after which 5-minute buckets are rolled up to hourly ones.")
+        default=35, ge=1, le=MAX_DAYS, description="Days after which 5-minute buckets are rolled up to hourly ones.")
     invocations_retention_days: int = Field(
-        default=400, ge=1, description="Days after which invocations and their coverage are dropped entirely.")
-    retention_interval_s: int = Field(default=3600, ge=60, description="How often the retention job runs.")
+        default=400, ge=1, le=MAX_DAYS, description="Days after which invocations and their coverage are dropped entirely.")
+    retention_interval_s: int = Field(default=3600, ge=60, le=604_800, description="How often the retention job runs.")
     # Retention of plans, actions, job runs, cold starts and transfers (forecaster.store.history_retention).
     plans_retention_days: int = Field(
         default=30, ge=0, le=36_500,
@@ -239,7 +249,7 @@ class Settings(BaseSettings):
         description="Hours back the forecast_errors job scores hours never scored and re-scores hours late "
                     "counts touched.")
     error_rollup_retention_days: int = Field(
-        default=8, ge=1, description="Days of the error rollup kept (the fleet view's longest window is 7 days; "
+        default=8, ge=1, le=MAX_DAYS, description="Days of the error rollup kept (the fleet view's longest window is 7 days; "
                                      "about 80 bytes per model, horizon and hour).")
 
     # --- Prometheus -----------------------------------------------------
@@ -263,7 +273,7 @@ class Settings(BaseSettings):
                     "before t (example: forecaster.ingest.prometheus.EXAMPLE_BURST_QUERY_TEMPLATE; it needs a "
                     "scrape interval of 5 s or less). Each minute's peak moves the model's burst factor. Unset: only "
                     "models labelled prometheus_burst_query have one read.")
-    prometheus_lag_s: int = Field(default=120, ge=0, description="Wait this long before a minute is final.")
+    prometheus_lag_s: int = Field(default=120, ge=0, le=86_400, description="Wait this long before a minute is final.")
     prometheus_backfill_minutes: int = Field(
         default=60, ge=1, le=10_080, description="How far back a model never ingested from Prometheus starts.")
     prometheus_max_catch_up_minutes: int = Field(
@@ -272,20 +282,20 @@ class Settings(BaseSettings):
                     "database or scheduler down): it resumes at the end of its coverage, at most this many minutes "
                     "before now (default 15 days, Prometheus' default retention); older minutes are reported as "
                     "skipped.")
-    prometheus_timeout_s: float = Field(default=10.0, gt=0)
+    prometheus_timeout_s: float = Field(default=10.0, gt=0, le=3600)
 
     # --- API ------------------------------------------------------------
     api_host: str = "127.0.0.1"
     api_port: int = Field(default=8080, ge=1, le=65535)
-    default_cold_start_s: float = Field(default=45.0, gt=0, description="Lead time when no cold start was observed.")
+    default_cold_start_s: float = Field(default=45.0, gt=0, le=86_400, description="Lead time when no cold start was observed.")
     recommendation_quantile: float = Field(default=0.9, gt=0, lt=1)
     forecast_fresh_s: float = Field(
-        default=180.0, gt=0,
+        default=180.0, gt=0, le=86_400,
         description="A model's forecast older than this is not served as a replica floor (REST reason "
                     "forecast_stale, KEDA scaler FAILED_PRECONDITION, no gauge sample), and /readyz fails.")
-    ingest_retry_after_s: int = Field(default=5, ge=1)
+    ingest_retry_after_s: int = Field(default=5, ge=1, le=3600)
     api_snapshot_refresh_s: float = Field(
-        default=2.0, ge=0, description="How often the API reloads new forecast runs; 0 = on every request.")
+        default=2.0, ge=0, le=3600, description="How often the API reloads new forecast runs; 0 = on every request.")
     # KEDA external scaler (gRPC, api/keda_scaler.py), served by the API process next to REST when a port is set
     keda_grpc_port: int | None = Field(
         default=None, ge=0, le=65535,
@@ -311,16 +321,16 @@ class Settings(BaseSettings):
                     "one per CPU core this process may use, at most 8. /metrics then reports one worker per scrape.")
 
     # --- scheduler ------------------------------------------------------
-    ingest_interval_s: int = Field(default=60, ge=1)
-    partition_maintenance_interval_s: int = Field(default=3600, ge=60)
-    forecast_interval_s: int = Field(default=60, ge=1)
+    ingest_interval_s: int = Field(default=60, ge=1, le=86_400)
+    partition_maintenance_interval_s: int = Field(default=3600, ge=60, le=86_400)
+    forecast_interval_s: int = Field(default=60, ge=1, le=86_400)
     forecast_horizon_min: int = Field(default=60, ge=1, le=1440)
-    forecast_lookback_min: int = Field(default=1440, ge=60, description="History the forecast job conditions on.")
+    forecast_lookback_min: int = Field(default=1440, ge=60, le=527_040, description="History the forecast job conditions on.")
     forecast_retention_days: int = Field(
-        default=2, ge=1,
+        default=2, ge=1, le=MAX_DAYS,
         description="Days of forecast runs kept: whole daily partitions older than this are dropped. The table "
                     "grows by about 1.8 KB per model per minute (60 minutes x point, p_any, 5 quantiles as real).")
-    train_window_min: int = Field(default=7 * 1440, ge=240, description="History the nightly retrain learns from.")
+    train_window_min: int = Field(default=7 * 1440, ge=240, le=527_040, description="History the nightly retrain learns from.")
     plan_horizon_min: int = Field(default=10, ge=1, le=60, description="Minutes ahead the planner plans.")
 
     # --- planner costs and limits (forecaster.planning; see PlannerSettings for each) ---
@@ -338,7 +348,7 @@ class Settings(BaseSettings):
         default=True, description="Charge a cold start for every request queued behind it, not the first only.")
     planner_replica_utilisation: float = Field(default=0.8, gt=0, le=1, description="Share of a replica planned busy.")
     planner_gpu_budget: float | None = Field(
-        default=None, ge=0, description="GPUs the planner may hold warm; unset: the fleet's less the headroom.")
+        default=None, ge=0, le=MAX_GPUS, description="GPUs the planner may hold warm; unset: the fleet's less the headroom.")
     planner_gpu_headroom: float = Field(default=0.1, ge=0, lt=1, description="Share of GPUs left to the reactive path.")
     planner_max_transfers_per_node: int = Field(default=2, ge=0, le=1024)
     planner_max_transfers_per_registry: int = Field(default=48, ge=0, le=100_000)
@@ -354,7 +364,7 @@ class Settings(BaseSettings):
     planner_quantile_for_shape: float = Field(default=0.9, gt=0, lt=1)
     # budget mode (forecaster.planning.budget): the cold cost follows a stated waste budget
     planner_waste_budget_gpu_seconds_per_hour: float | None = Field(
-        default=None, ge=0, allow_inf_nan=False,
+        default=None, ge=0, le=MAX_GPUS * 3600, allow_inf_nan=False,
         description="Budget mode: idle GPU-seconds per hour the planner may spend (replicas held but not used); "
                     "each plan scales every cold cost by a factor a controller moves from the spend so far. Unset "
                     "(and no _pct): no budget, the cold costs as configured.")
@@ -377,7 +387,7 @@ class Settings(BaseSettings):
     planner_waste_budget_max_factor: float = Field(
         default=1000.0, ge=1, le=1e6, allow_inf_nan=False,
         description="Budget mode keeps the cold cost within [1/f, f] x the configured one.")
-    retrain_holdout_min: int = Field(default=120, ge=30, description="Held-out tail scoring challenger vs champion.")
+    retrain_holdout_min: int = Field(default=120, ge=30, le=527_040, description="Held-out tail scoring challenger vs champion.")
     retrain_hour_utc: int = Field(default=3, ge=0, le=23)
 
     # --- scale-out (forecaster.distributed) -------------------------------
@@ -385,10 +395,10 @@ class Settings(BaseSettings):
         default=None,
         description="tcp://host:8786 of a Dask scheduler: retrain, backtests and the forecast job run as Dask tasks "
                     "per shard of series. Unset: a local process pool of shard_workers (1 = in this process).")
-    dask_connect_timeout_s: float = Field(default=30.0, gt=0)
+    dask_connect_timeout_s: float = Field(default=30.0, gt=0, le=3600)
     shard_workers: int = Field(default=1, ge=1, le=256, description="Local worker processes when no Dask is set.")
     shard_max_series: int = Field(
-        default=5000, ge=1, description="Series per shard; each shard of similar series gets its own ensemble.")
+        default=5000, ge=1, le=10_000_000, description="Series per shard; each shard of similar series gets its own ensemble.")
     shard_retries: int = Field(default=2, ge=0, le=20, description="Extra attempts for a shard that fails.")
     forecast_deadline_intervals: float = Field(
         default=2.0, gt=0, le=60, allow_inf_nan=False,
@@ -423,26 +433,26 @@ class Settings(BaseSettings):
                     "Jobs where no agent runs); kinds not named stay dry-run.")
     actuator_kill_switch: bool = Field(default=False, description="Hard stop: every action is dropped.")
     actuator_max_actions_per_minute: int = Field(
-        default=600, ge=0, description="Actions started per minute at most; the rest are dropped with a reason.")
+        default=600, ge=0, le=10_000_000, description="Actions started per minute at most; the rest are dropped with a reason.")
     actuator_gpu_budget: int | None = Field(
-        default=None, ge=0,
+        default=None, ge=0, le=MAX_GPUS,
         description="GPUs scale-ahead may hold above the reactive asks, all models together; unset: no cap at the "
                     "actuator (the planner keeps within its own budget, planner_gpu_budget).")
     actuator_max_attempts: int = Field(default=4, ge=1, le=50)
-    actuator_retry_base_delay_s: float = Field(default=5.0, ge=0)
+    actuator_retry_base_delay_s: float = Field(default=5.0, ge=0, le=3600)
     actuator_parallelism: int = Field(default=8, ge=1, le=256)
     agent_url_template: str = Field(default="http://{node}:7070", description="Node agent URL; {node} = node id.")
     agent_token: SecretStr | None = Field(default=None, description="Bearer token of the node agents.")
-    agent_connect_timeout_s: float = Field(default=5.0, gt=0)
+    agent_connect_timeout_s: float = Field(default=5.0, gt=0, le=3600)
 
     # --- node agent (forecaster.agent, `prewarm agent`) -------------------
     agent_host: str = "127.0.0.1"
     agent_port: int = Field(default=7070, ge=1, le=65535)
     agent_node_name: str | None = Field(default=None, description="Node id the agent reports; default hostname.")
     agent_cache_dir: Path | None = Field(default=None, description="Weights cache; default data_dir/weights-cache.")
-    agent_cache_max_bytes: int | None = Field(default=None, ge=0, description="LRU disk budget of the cache.")
-    agent_disk_reserve_bytes: int = Field(default=1 << 30, ge=0, description="Free disk never used by the cache.")
-    agent_host_max_bytes: int = Field(default=16 << 30, ge=0, description="Weights kept resident in host memory.")
+    agent_cache_max_bytes: int | None = Field(default=None, ge=0, le=MAX_BYTES, description="LRU disk budget of the cache.")
+    agent_disk_reserve_bytes: int = Field(default=1 << 30, ge=0, le=MAX_BYTES, description="Free disk never used by the cache.")
+    agent_host_max_bytes: int = Field(default=16 << 30, ge=0, le=MAX_BYTES, description="Weights kept resident in host memory.")
     agent_containerd_socket: Path = Path("/run/containerd/containerd.sock")
     agent_registry_auth_file: Path | None = Field(default=None, description="Docker config JSON with registry auths.")
     agent_s3_endpoint_url: str | None = None
@@ -452,18 +462,18 @@ class Settings(BaseSettings):
     agent_max_concurrent_pulls: int = Field(default=2, ge=1, le=64)
     agent_max_concurrent_preloads: int = Field(default=2, ge=1, le=64)
     agent_preload_streams: int = Field(default=4, ge=1, le=64, description="Parallel ranged reads per object.")
-    agent_preload_part_bytes: int = Field(default=16 << 20, ge=1 << 20)
+    agent_preload_part_bytes: int = Field(default=16 << 20, ge=1 << 20, le=5 << 30)
     agent_preload_buffer_bytes: int = Field(default=1 << 20, ge=64 << 10, le=64 << 20,
                                             description="Read buffer per stream; memory ~ streams x this.")
-    agent_default_deadline_s: float = Field(default=600.0, gt=0)
+    agent_default_deadline_s: float = Field(default=600.0, gt=0, le=86_400)
 
     # --- Kubernetes backend ------------------------------------------------
     kubernetes_namespace: str = "default"
     kubernetes_kubeconfig: Path | None = Field(default=None, description="Unset: in-cluster config, then ~/.kube.")
     kubernetes_model_label: str = "prewarm.io/model"
     kubernetes_prepull_helper_image: str = "busybox:1.36"
-    kubernetes_job_ttl_s: int = Field(default=600, ge=0)
-    kubernetes_job_wait_s: float = Field(default=300.0, ge=0)
+    kubernetes_job_ttl_s: int = Field(default=600, ge=0, le=2_592_000)
+    kubernetes_job_wait_s: float = Field(default=300.0, ge=0, le=86_400)
     kubernetes_owner_deployment: str | None = Field(default=None, description="Deployment that owns pre-pull Jobs.")
     kubernetes_image_pull_secret: str | None = None
     kubernetes_hpa_index_ttl_s: float = Field(
@@ -479,22 +489,22 @@ class Settings(BaseSettings):
         description="Longest span one ingested batch may cover (first window start to last window end), days; "
                     "longer is refused with 422 / exit 2 before any partition is created.")
     api_max_body_bytes: int = Field(
-        default=32 << 20, ge=1024,
+        default=32 << 20, ge=1024, le=1 << 32,
         description="Largest request body the API reads, bytes; larger is refused with 413 (a 200,000-row push "
                     "is about 14 MB).")
     embedded_start_timeout_s: float = Field(
-        default=300.0, gt=0,
+        default=300.0, gt=0, le=86_400,
         description="How long starting the embedded PostgreSQL may take, seconds (covers crash recovery).")
     embedded_supervise_interval_s: float = Field(
-        default=1.0, ge=0,
+        default=1.0, ge=0, le=3600,
         description="How often a serving process checks that the embedded PostgreSQL runs and restarts it; 0 = "
                     "never.")
     job_db_wait_s: float = Field(
-        default=120.0, ge=0,
+        default=120.0, ge=0, le=86_400,
         description="How long a scheduled job's slot waits for an absent database (claim, rerun, record), seconds; "
                     "a 60 s outage loses no slot.")
     push_lock_timeout_s: float = Field(
-        default=2.0, ge=0,
+        default=2.0, ge=0, le=MAX_PUSH_LOCK_TIMEOUT_S,
         description="How long a pushed batch waits for another writer of the same models, seconds; then 503 with "
                     "Retry-After (busy), not a hung request. 0 = wait as long as it takes (file ingest always does).")
     token_cache_s: float = Field(

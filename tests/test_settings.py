@@ -161,3 +161,108 @@ def test_mask_url(url, shown):
     from forecaster.settings import mask_url
 
     assert mask_url(url) == shown
+
+
+# --- floats: finite, and bounded where the database or datetime arithmetic has a limit ------------------------------
+
+
+def _numeric_fields():
+    """(name, field, types) of every Settings field whose value may be an int or a float (bool is not)."""
+    import types
+    import typing
+
+    from forecaster.settings import Settings
+
+    for name, field in Settings.model_fields.items():
+        annotation = field.annotation
+        members = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
+            else (annotation,)
+        numeric = {t for t in members if t in (int, float)}
+        if numeric:
+            yield name, field, numeric
+
+
+@pytest.mark.parametrize("name", [name for name, _, types in _numeric_fields() if float in types])
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "Infinity"])
+def test_no_float_setting_takes_inf_or_nan(monkeypatch, name, value):
+    """PREWARM_MAX_FUTURE_SKEW_S=inf and PREWARM_PUSH_LOCK_TIMEOUT_S=inf were accepted and made every push a 500."""
+    env_name = f"PREWARM_{name.upper()}"
+    monkeypatch.setenv(env_name, value)
+    with pytest.raises(SettingsError, match=f"{env_name}='{value}': Input should be a finite number"):
+        load_settings()
+
+
+def test_push_lock_timeout_fits_postgresqls_lock_timeout(monkeypatch):
+    """10,000,000 s was accepted, then every push was a 422 'value out of the database's range' blaming the client:
+    lock_timeout is set in ms and takes at most 2,147,483,647."""
+    monkeypatch.setenv("PREWARM_PUSH_LOCK_TIMEOUT_S", "10000000")
+    with pytest.raises(SettingsError, match="PREWARM_PUSH_LOCK_TIMEOUT_S='10000000': Input should be less than or "
+                                            "equal to 2147483"):
+        load_settings()
+    from forecaster.settings import MAX_PUSH_LOCK_TIMEOUT_S
+
+    assert round(MAX_PUSH_LOCK_TIMEOUT_S * 1000) <= 2_147_483_647  # forecaster.store.db sets it in ms
+    monkeypatch.setenv("PREWARM_PUSH_LOCK_TIMEOUT_S", str(MAX_PUSH_LOCK_TIMEOUT_S))
+    assert load_settings().push_lock_timeout_s == MAX_PUSH_LOCK_TIMEOUT_S
+
+
+def test_future_skew_is_bounded(monkeypatch):
+    monkeypatch.setenv("PREWARM_MAX_FUTURE_SKEW_S", "1e12")
+    with pytest.raises(SettingsError, match="PREWARM_MAX_FUTURE_SKEW_S='1e12': Input should be less than or equal"):
+        load_settings()
+
+
+# --- every number has an upper bound -------------------------------------------------------------------------------
+
+#: Numeric settings with no ``le``/``lt`` in their Field, and why that is safe.
+UNBOUNDED_ALLOWED = {
+    "api_workers": "int | 'auto': its before-validator (_workers) refuses anything but 1-64 or 'auto'",
+}
+
+
+def test_every_numeric_setting_has_an_upper_bound():
+    """Some 37 int and float settings had none: 1,000,000 retention days or a lag of 1e11 s loaded fine and then
+    failed their jobs every slot (OverflowError). A new numeric setting needs a bound or a reason here."""
+    import annotated_types
+
+    unbounded = [name for name, field, _ in _numeric_fields()
+                 if not any(isinstance(m, (annotated_types.Le, annotated_types.Lt)) for m in field.metadata)
+                 and name not in UNBOUNDED_ALLOWED]
+    assert unbounded == []
+
+
+def test_every_upper_bound_keeps_time_arithmetic_finite():
+    """The largest value of each time setting still works as a timedelta either side of now (datetime's range)."""
+    from datetime import datetime, timedelta, timezone
+
+    import annotated_types
+
+    now = datetime.now(timezone.utc)
+    unit = {"_days": "days", "_min": "minutes", "_minutes": "minutes", "_h": "hours", "_s": "seconds"}
+    for name, field, _ in _numeric_fields():
+        bound = next((m.le if isinstance(m, annotated_types.Le) else m.lt for m in field.metadata
+                      if isinstance(m, (annotated_types.Le, annotated_types.Lt))), None)
+        suffix = next((s for s in unit if name.endswith(s)), None)
+        if bound is None or suffix is None:
+            continue
+        span = timedelta(**{unit[suffix]: bound})
+        assert now - span < now + span, name
+
+
+@pytest.mark.parametrize(("env", "value"), [
+    ("PREWARM_FORECAST_RETENTION_DAYS", "1000000"),
+    ("PREWARM_INVOCATIONS_RETENTION_DAYS", "1000000"),
+    ("PREWARM_ERROR_ROLLUP_RETENTION_DAYS", "1000000"),
+    ("PREWARM_PROMETHEUS_LAG_S", "100000000000"),
+])
+def test_sizes_that_overflowed_their_jobs_are_refused_at_load(monkeypatch, env, value):
+    monkeypatch.setenv(env, value)
+    with pytest.raises(SettingsError, match=f"{env}='{value}': Input should be less than or equal to"):
+        load_settings()
+
+
+def test_a_hundred_years_of_retention_is_accepted(monkeypatch):
+    for name in ("INVOCATIONS_MINUTE_DAYS", "INVOCATIONS_5MIN_DAYS", "INVOCATIONS_RETENTION_DAYS",
+                 "FORECAST_RETENTION_DAYS", "ERROR_ROLLUP_RETENTION_DAYS"):
+        monkeypatch.setenv(f"PREWARM_{name}", "36500")
+    assert load_settings().invocations_retention_days == 36_500
