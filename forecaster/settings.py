@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 import platformdirs
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, ValidationInfo, field_validator, model_validator
@@ -156,7 +156,7 @@ class Settings(BaseSettings):
     """Service settings; see README for the full list with defaults."""
 
     # hide_input_in_errors: str() of a ValidationError from Settings() would show DATABASE_URL with its password;
-    # load_settings shows each bad value itself, the URL masked.
+    # load_settings shows each bad value itself, secrets hidden and URLs masked.
     # allow_inf_nan=False: no float setting takes inf or nan (PREWARM_MAX_FUTURE_SKEW_S=inf made every push a 500).
     model_config = SettingsConfigDict(env_prefix="PREWARM_", extra="ignore", validate_default=True,
                                       hide_input_in_errors=True, allow_inf_nan=False)
@@ -554,7 +554,7 @@ class Settings(BaseSettings):
             return None  # unset or empty (docker compose passes ""): no Dask
         value = value.strip()
         if "://" not in value:
-            raise ValueError(f"must be a scheduler address such as tcp://host:8786, got {value!r}")
+            raise ValueError(f"must be a scheduler address such as tcp://host:8786, got {mask_url(value)!r}")
         return value
 
     @field_validator("prometheus_query_template", "prometheus_burst_query_template")
@@ -648,6 +648,29 @@ class Settings(BaseSettings):
         return self.data_dir / "postgres"
 
 
+#: Settings whose value is never shown in a message: SecretStr fields, and names ending in token, secret, password or
+#: key (not PREWARM_TOKEN_CACHE_S, a number).
+_SECRET_NAME = re.compile(r"(?i)(token|secret|passw(or)?d|_key|_key_id)$")
+
+
+def _is_secret(env_name: str) -> bool:
+    field = Settings.model_fields.get(env_name.lower().removeprefix("prewarm_"))
+    if field is not None and (field.annotation is SecretStr or SecretStr in get_args(field.annotation)):
+        return True
+    return _SECRET_NAME.search(env_name) is not None
+
+
+def _shown_input(env_name: str, value: object) -> str:
+    """``value`` of setting ``env_name`` as an error message shows it: a secret as ``'***'``, a URL's password masked."""
+    if _is_secret(env_name):
+        return "'***'"
+    if isinstance(value, str):
+        return repr(mask_url(value))
+    if isinstance(value, (dict, list, tuple)):
+        return "(not shown)"  # not a single value: it could carry anything
+    return repr(value)
+
+
 def load_settings(**overrides: object) -> Settings:
     """Load settings from the environment (and ``PREWARM_SETTINGS_FILE``).
 
@@ -662,15 +685,18 @@ def load_settings(**overrides: object) -> Settings:
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
-            name = str(err["loc"][0]) if err["loc"] else "settings"
+            if not err["loc"]:
+                # a cross-field check (model_validator): its input is the whole settings dict, secrets and all;
+                # the message names the settings and values concerned itself
+                problems.append(err["msg"])
+                continue
+            name = str(err["loc"][0])
             if name.lower() in ("database_url", "prewarm_database_url"):
-                env_name = "PREWARM_DATABASE_URL" if os.environ.get("PREWARM_DATABASE_URL") else "DATABASE_URL"
+                env_name = "PREWARM_DATABASE_URL" if (os.environ.get("PREWARM_DATABASE_URL") or "").strip() \
+                    else "DATABASE_URL"
             elif name.upper().startswith("PREWARM_"):
                 env_name = name.upper()
             else:
                 env_name = f"PREWARM_{name.upper()}"
-            shown = err.get("input")
-            if env_name.endswith("DATABASE_URL") and isinstance(shown, str):
-                shown = mask_url(shown)
-            problems.append(f"{env_name}={shown!r}: {err['msg']}")
+            problems.append(f"{env_name}={_shown_input(env_name, err.get('input'))}: {err['msg']}")
         raise SettingsError("invalid settings: " + "; ".join(problems)) from None

@@ -331,6 +331,19 @@ def test_negative_future_skew_exits_2(cli):
     assert "greater than or equal to 0" in result.stderr
 
 
+def test_a_cross_field_settings_error_prints_no_secret(runner):
+    """It printed PREWARM_SETTINGS={...}: the whole input, database password, agent token and S3 key in clear."""
+    result = runner.invoke(app, ["db", "current"], env={
+        "DATABASE_URL": "postgresql://prewarm:Db-Passw0rd-XYZ@db.internal:5432/prewarm",
+        "PREWARM_AGENT_TOKEN": "agent-token-SECRET-123", "PREWARM_AGENT_S3_SECRET_ACCESS_KEY": "s3-SECRET-KEY-456",
+        "PREWARM_PLANS_RETENTION_DAYS": "1"})
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: invalid settings: Value error, PREWARM_PLANS_RETENTION_DAYS=1 would delete")
+    for secret in ("Db-Passw0rd-XYZ", "agent-token-SECRET-123", "s3-SECRET-KEY-456", "PREWARM_SETTINGS="):
+        assert secret not in result.output
+    assert result.stderr.count("\n") == 1
+
+
 def test_missing_settings_file_exits_2(cli, tmp_path):
     missing = tmp_path / "nope.env"
     result = cli("db", "current", PREWARM_SETTINGS_FILE=str(missing))

@@ -163,6 +163,33 @@ def test_mask_url(url, shown):
     assert mask_url(url) == shown
 
 
+# --- cross-field errors and secret settings: never the secrets in the message ---------------------------------------
+
+
+def test_a_cross_field_error_shows_its_message_and_no_secret(monkeypatch):
+    """A model_validator's error has no location: its 'input' is the whole settings dict, which was printed as
+    PREWARM_SETTINGS={...} with the database password, the agent token and the S3 secret key in clear."""
+    monkeypatch.setenv("DATABASE_URL", "postgresql://prewarm:Db-Passw0rd-XYZ@db.internal:5432/prewarm")
+    monkeypatch.setenv("PREWARM_AGENT_TOKEN", "agent-token-SECRET-123")
+    monkeypatch.setenv("PREWARM_AGENT_S3_SECRET_ACCESS_KEY", "s3-SECRET-KEY-456")
+    monkeypatch.setenv("PREWARM_PLANS_RETENTION_DAYS", "1")
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    message = str(info.value)
+    for secret in ("Db-Passw0rd-XYZ", "agent-token-SECRET-123", "s3-SECRET-KEY-456"):
+        assert secret not in message
+    assert "PREWARM_SETTINGS=" not in message and "{" not in message
+    assert "PREWARM_PLANS_RETENTION_DAYS=1 would delete" in message
+
+
+def test_a_bad_value_of_a_secret_setting_is_not_shown(monkeypatch):
+    with pytest.raises(SettingsError) as info:
+        load_settings(agent_token=["tok-SECRET-789"], agent_s3_secret_access_key=["s3-SECRET-KEY-456"])
+    message = str(info.value)
+    assert "tok-SECRET-789" not in message and "s3-SECRET-KEY-456" not in message
+    assert "PREWARM_AGENT_TOKEN='***'" in message and "PREWARM_AGENT_S3_SECRET_ACCESS_KEY='***'" in message
+
+
 # --- floats: finite, and bounded where the database or datetime arithmetic has a limit ------------------------------
 
 
