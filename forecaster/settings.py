@@ -17,7 +17,7 @@ from typing import Literal, get_args
 
 import platformdirs
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, ValidationInfo, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,6 +98,10 @@ def parse_actuator_routes(value: str | None) -> dict[str, str]:
     return routes
 
 
+#: The two names of the database URL, the first one set (and not empty) taken.
+_DATABASE_URL_NAMES = ("PREWARM_DATABASE_URL", "DATABASE_URL")
+
+
 class SettingsError(ValueError):
     """Settings could not be loaded; the message names each bad variable and value."""
 
@@ -161,12 +165,27 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PREWARM_", extra="ignore", validate_default=True,
                                       hide_input_in_errors=True, allow_inf_nan=False)
 
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """The default sources, less empty database URLs: of ``PREWARM_DATABASE_URL`` and ``DATABASE_URL`` the
+        first one present is taken, so an empty ``PREWARM_DATABASE_URL=`` (a compose file's blank) hid a real
+        ``DATABASE_URL`` and the embedded database was opened instead. An empty one is now as if unset."""
+        for source in (env_settings, dotenv_settings):
+            if isinstance(source, EnvSettingsSource):  # the dotenv source is one too
+                source.env_vars = {name: value for name, value in source.env_vars.items()
+                                   if not (name.upper() in _DATABASE_URL_NAMES and not (value or "").strip())}
+        return init_settings, env_settings, dotenv_settings, file_secret_settings
+
     environment: Literal["development", "production"] = "development"
 
     # --- database -------------------------------------------------------
     database_url: str | None = Field(
         default=None, repr=False,  # it may hold a password
-        validation_alias=AliasChoices("PREWARM_DATABASE_URL", "DATABASE_URL"),
+        validation_alias=AliasChoices(*_DATABASE_URL_NAMES),
         description="SQLAlchemy URL of PostgreSQL; unset starts an embedded server under data_dir.",
     )
     data_dir: Path = Field(default_factory=_default_data_dir)

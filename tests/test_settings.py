@@ -293,3 +293,32 @@ def test_a_hundred_years_of_retention_is_accepted(monkeypatch):
                  "FORECAST_RETENTION_DAYS", "ERROR_ROLLUP_RETENTION_DAYS"):
         monkeypatch.setenv(f"PREWARM_{name}", "36500")
     assert load_settings().invocations_retention_days == 36_500
+
+
+# --- an empty PREWARM_DATABASE_URL is as if unset ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("empty", ["", "  "])
+def test_an_empty_prewarm_database_url_does_not_hide_database_url(monkeypatch, empty):
+    """The alias choice took the first name present: PREWARM_DATABASE_URL='' won, '' became None, and an embedded
+    database was opened (development) or DATABASE_URL said missing (production) while it was set."""
+    monkeypatch.setenv("DATABASE_URL", "postgresql://u:p@db:5432/prewarm")
+    monkeypatch.setenv("PREWARM_DATABASE_URL", empty)
+    assert load_settings().database_url == "postgresql+psycopg://u:p@db:5432/prewarm"
+    monkeypatch.setenv("PREWARM_ENVIRONMENT", "production")
+    assert load_settings().database_url == "postgresql+psycopg://u:p@db:5432/prewarm"
+
+
+def test_an_empty_database_url_in_the_environment_does_not_hide_the_settings_files(monkeypatch, tmp_path):
+    env_file = tmp_path / "prewarm.env"
+    env_file.write_text("DATABASE_URL=postgresql://u:p@db:5432/prewarm\n")
+    monkeypatch.setenv("PREWARM_SETTINGS_FILE", str(env_file))
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    monkeypatch.setenv("PREWARM_DATABASE_URL", "")
+    assert load_settings().database_url == "postgresql+psycopg://u:p@db:5432/prewarm"
+
+
+def test_prewarm_database_url_still_comes_first(monkeypatch):
+    monkeypatch.setenv("DATABASE_URL", "postgresql://u:p@db:5432/other")
+    monkeypatch.setenv("PREWARM_DATABASE_URL", "postgresql://u:p@db:5432/prewarm")
+    assert load_settings().database_url == "postgresql+psycopg://u:p@db:5432/prewarm"
