@@ -548,6 +548,16 @@ class Settings(BaseSettings):
         _check_database_url(value)
         return value
 
+    @field_validator("api_host", "agent_host")
+    @classmethod
+    def _host_not_empty(cls, value: str) -> str:
+        # an empty host made uvicorn listen on every interface ("http://:8080")
+        value = value.strip()
+        if not value:
+            raise ValueError("must be an address or host name to listen on (127.0.0.1: this host only; 0.0.0.0: "
+                             "every interface); it is empty")
+        return value
+
     @field_validator("api_workers", mode="before")
     @classmethod
     def _workers(cls, value: object) -> int | str:

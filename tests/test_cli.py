@@ -344,6 +344,14 @@ def test_a_cross_field_settings_error_prints_no_secret(runner):
     assert result.stderr.count("\n") == 1
 
 
+def test_an_empty_api_host_exits_2_naming_it(runner):
+    # an unreachable database: were the host taken, serve would stop there (exit 3) instead of listening
+    result = runner.invoke(app, ["serve", "--no-scheduler"], env={
+        "PREWARM_API_HOST": "", "DATABASE_URL": "postgresql://u@127.0.0.1:1/x", "PREWARM_DB_WAIT_TIMEOUT_S": "1"})
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: invalid settings: PREWARM_API_HOST='': ")
+
+
 def test_missing_settings_file_exits_2(cli, tmp_path):
     missing = tmp_path / "nope.env"
     result = cli("db", "current", PREWARM_SETTINGS_FILE=str(missing))

@@ -322,3 +322,20 @@ def test_prewarm_database_url_still_comes_first(monkeypatch):
     monkeypatch.setenv("DATABASE_URL", "postgresql://u:p@db:5432/other")
     monkeypatch.setenv("PREWARM_DATABASE_URL", "postgresql://u:p@db:5432/prewarm")
     assert load_settings().database_url == "postgresql+psycopg://u:p@db:5432/prewarm"
+
+
+# --- listen addresses are never empty -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("env", ["PREWARM_API_HOST", "PREWARM_AGENT_HOST"])
+@pytest.mark.parametrize("value", ["", "   "])
+def test_an_empty_listen_host_is_refused_naming_the_setting(monkeypatch, env, value):
+    """PREWARM_API_HOST='' was accepted and `prewarm serve` listened on every interface."""
+    monkeypatch.setenv(env, value)
+    with pytest.raises(SettingsError, match=f"{env}='{value}': .*it is empty"):
+        load_settings()
+
+
+def test_a_listen_host_is_stripped(monkeypatch):
+    monkeypatch.setenv("PREWARM_API_HOST", " 0.0.0.0 ")
+    assert load_settings().api_host == "0.0.0.0"
