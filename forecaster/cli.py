@@ -57,7 +57,8 @@ def _fail(message: str, code: int) -> None:
 
 def _settings() -> Settings:
     try:
-        return load_settings()
+        # a misspelt PREWARM_* name is printed (not only logged: -v or not, the operator sees it), then ignored
+        return load_settings(warn=lambda line: typer.echo(f"warning: {line}", err=True))
     except SettingsError as exc:
         _fail(str(exc), 2)
         raise  # unreachable

@@ -9,10 +9,12 @@ the environment itself.
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 import re
 from pathlib import Path
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, get_args
 
 import platformdirs
@@ -20,6 +22,8 @@ from pydantic import AliasChoices, Field, SecretStr, ValidationError, Validation
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+log = logging.getLogger(__name__)
 
 
 #: Upper bounds shared by several settings: each keeps the datetime, timedelta and SQL arithmetic the setting feeds
@@ -700,8 +704,39 @@ def _shown_input(env_name: str, value: object) -> str:
     return repr(value)
 
 
-def load_settings(**overrides: object) -> Settings:
+#: ``PREWARM_*`` names the project reads that are not settings (tests, benchmarks, the serve supervisor's heartbeat).
+_OTHER_PREWARM_NAMES = frozenset({"PREWARM_SETTINGS_FILE", "PREWARM_SCHEDULER_HEARTBEAT_FILE",
+                                  "PREWARM_REPORT_SCREENSHOT"})
+_OTHER_PREWARM_PREFIXES = ("PREWARM_TEST_", "PREWARM_BENCH_")
+
+
+def unknown_setting_names(env_file: str | os.PathLike[str] | None = None) -> list[str]:
+    """One line for each ``PREWARM_*`` name in the environment or ``env_file`` that is no setting, with the nearest
+    setting's name where one is close (a misspelt ``PREWARM_ACTUATOR_KILLSWITCH`` left the kill switch off without
+    a word). Not refused: other tools may set ``PREWARM_*`` variables of their own."""
+    known = sorted({f"PREWARM_{name.upper()}" for name in Settings.model_fields} | set(_DATABASE_URL_NAMES))
+    found: dict[str, str] = {name.upper(): "the environment" for name in os.environ}
+    if env_file:
+        from dotenv import dotenv_values
+
+        for name in dotenv_values(env_file):
+            found.setdefault(name.upper(), f"the settings file {os.fspath(env_file)}")
+    lines = []
+    for name, where in sorted(found.items()):
+        if not name.startswith("PREWARM_") or name in known or name in _OTHER_PREWARM_NAMES \
+                or name.startswith(_OTHER_PREWARM_PREFIXES):
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        lines.append(f"{name} (in {where}) is not a setting and is ignored{hint}")
+    return lines
+
+
+def load_settings(*, warn: Callable[[str], None] | None = None, **overrides: object) -> Settings:
     """Load settings from the environment (and ``PREWARM_SETTINGS_FILE``).
+
+    Each ``PREWARM_*`` name that is no setting is passed to ``warn`` (default: logged at WARNING), the nearest
+    setting suggested; loading goes on.
 
     Raises:
         SettingsError: naming each invalid variable, its value and the reason.
@@ -709,6 +744,8 @@ def load_settings(**overrides: object) -> Settings:
     env_file = os.environ.get("PREWARM_SETTINGS_FILE")
     if env_file and not Path(env_file).is_file():
         raise SettingsError(f"PREWARM_SETTINGS_FILE={env_file!r}: no such file")
+    for line in unknown_setting_names(env_file):
+        (warn or log.warning)(line)
     try:
         return Settings(_env_file=env_file, **overrides)  # type: ignore[call-arg]
     except ValidationError as exc:

@@ -344,6 +344,22 @@ def test_a_cross_field_settings_error_prints_no_secret(runner):
     assert result.stderr.count("\n") == 1
 
 
+def test_a_misspelt_setting_name_is_printed_with_the_nearest_one(runner, tmp_path):
+    """PREWARM_ACTUATOR_KILLSWITCH=true (for _KILL_SWITCH) was ignored without a word."""
+    env_file = tmp_path / "prewarm.env"
+    env_file.write_text("PREWARM_PLANNER_GPU_BUGET=4\n")
+    result = runner.invoke(app, ["db", "current"], env={
+        "PREWARM_ACTUATOR_KILLSWITCH": "true", "PREWARM_SETTINGS_FILE": str(env_file),
+        "PREWARM_PLANS_RETENTION_DAYS": "1"})  # and an invalid one, so that no database is needed to see the warning
+    assert result.exit_code == 2
+    lines = result.stderr.splitlines()
+    assert lines[0] == ("warning: PREWARM_ACTUATOR_KILLSWITCH (in the environment) is not a setting and is ignored; "
+                        "did you mean PREWARM_ACTUATOR_KILL_SWITCH?")
+    assert lines[1].startswith("warning: PREWARM_PLANNER_GPU_BUGET (in the settings file ")
+    assert lines[1].endswith("did you mean PREWARM_PLANNER_GPU_BUDGET?")
+    assert lines[2].startswith("error: invalid settings: ")
+
+
 def test_an_empty_api_host_exits_2_naming_it(runner):
     # an unreachable database: were the host taken, serve would stop there (exit 3) instead of listening
     result = runner.invoke(app, ["serve", "--no-scheduler"], env={

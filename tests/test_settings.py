@@ -339,3 +339,35 @@ def test_an_empty_listen_host_is_refused_naming_the_setting(monkeypatch, env, va
 def test_a_listen_host_is_stripped(monkeypatch):
     monkeypatch.setenv("PREWARM_API_HOST", " 0.0.0.0 ")
     assert load_settings().api_host == "0.0.0.0"
+
+
+# --- misspelt PREWARM_* names are warned about, with the nearest setting --------------------------------------------
+
+
+def test_a_misspelt_setting_is_warned_about_with_the_nearest_name(monkeypatch, tmp_path, caplog):
+    """PREWARM_ACTUATOR_KILLSWITCH=true was ignored without a word: the kill switch stayed off."""
+    env_file = tmp_path / "prewarm.env"
+    env_file.write_text("PREWARM_PLANNER_GPU_BUGET=4\n")
+    monkeypatch.setenv("PREWARM_SETTINGS_FILE", str(env_file))
+    monkeypatch.setenv("PREWARM_ACTUATOR_KILLSWITCH", "true")
+    monkeypatch.setenv("PREWARM_TEST_ADMIN_URL", "postgresql://x@y/z")  # the project's own, not a setting: no word
+    with caplog.at_level("WARNING", logger="forecaster.settings"):
+        settings = load_settings()
+    assert settings.actuator_kill_switch is False  # warned, not refused
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "PREWARM_ACTUATOR_KILLSWITCH (in the environment) is not a setting and is ignored; did you mean "
+        "PREWARM_ACTUATOR_KILL_SWITCH?",
+        f"PREWARM_PLANNER_GPU_BUGET (in the settings file {env_file}) is not a setting and is ignored; did you "
+        "mean PREWARM_PLANNER_GPU_BUDGET?",
+    ]
+
+
+def test_known_names_are_not_warned_about(monkeypatch, caplog):
+    monkeypatch.setenv("PREWARM_ACTUATOR_KILL_SWITCH", "true")
+    monkeypatch.setenv("prewarm_api_port", "8081")  # names are not case-sensitive
+    monkeypatch.setenv("DATABASE_URL", "postgresql://u@db/prewarm")
+    monkeypatch.setenv("PREWARM_DATABASE_URL", "postgresql://u@db/prewarm")
+    with caplog.at_level("WARNING", logger="forecaster.settings"):
+        assert load_settings().api_port == 8081
+    assert [r for r in caplog.records if r.levelname == "WARNING"] == []
