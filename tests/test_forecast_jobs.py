@@ -340,3 +340,43 @@ def test_a_member_failing_at_forecast_time_is_in_each_runs_summary_and_warned_on
     assert len(warnings) == 1 and "switched failed at forecast time for 80 series" in warnings[0]
     monkeypatch.setattr(Switched, "failing", False)
     assert forecast_job(engine, ingested, DAY_END + timedelta(minutes=2), cache=cache)["member_failures"] == {}
+
+
+def _damaged_sharded_champion(engine, settings):
+    """A sharded champion (4 shards of 25) whose shard s2's file is damaged after it was accepted: a cache that
+    holds it, and the settings (no shard retries)."""
+    settings = settings.model_copy(update={"shard_retries": 0})
+    trained = retrain_job(engine, settings, DAY_END, cache=registry.ChampionCache(),
+                          ensemble_factory=sharded(MovingAverage(60)))
+    cache = registry.ChampionCache()
+    cache.get(engine)
+    shards = settings.models_dir / trained["version"] / "shards"
+    (shards / "s2.pkl").write_bytes((shards / "s2.pkl").read_bytes()[:100])
+    return settings, cache
+
+
+def test_a_run_with_a_fallback_shard_reaches_a_polling_snapshot_whole(engine, ingested, monkeypatch):
+    """The run's versioned rows and its fallback rows (no version) used to be two transactions with one
+    issued_at; the API snapshot loads only runs issued after the newest it has, so a poll between the two commits
+    left the failed shard's models on an older run for good. Now the run is one write."""
+    import forecaster.jobs.forecasting as forecasting
+    from api.snapshot import ForecastSnapshot
+
+    settings, cache = _damaged_sharded_champion(engine, ingested)
+    snapshot = ForecastSnapshot(engine, refresh_s=2.0, settings=settings, clock=lambda: DAY_END)
+    snapshot.refresh()
+    write = forecasting.write_forecast_arrays
+
+    def polled_after_each_commit(*args, **kwargs):
+        rows = write(*args, **kwargs)
+        snapshot.refresh()  # a poll of the snapshot landing right after this commit
+        return rows
+
+    monkeypatch.setattr(forecasting, "write_forecast_arrays", polled_after_each_commit)
+    issued = DAY_END + timedelta(minutes=1)
+    result = forecast_job(engine, settings, issued, cache=cache)
+    assert result["fallback_series"] == 25
+    snapshot.refresh()
+    stale = [m for m, view in snapshot.models.items() if view.forecast is None or view.forecast.issued_at != issued]
+    assert len(snapshot.models) == 100 and not stale
+    assert _stored_versions(engine, issued) == {result["model_version"]: 75, None: 25}

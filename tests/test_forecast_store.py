@@ -270,3 +270,26 @@ def test_arrays_and_long_frame_store_the_same_run(models):
     with pytest.raises(ValueError, match="whole minutes"):
         write_forecast_arrays(models, list(points), first + timedelta(seconds=30), {"point": point},
                               issued_at=later + MINUTE, model_version_id=None)
+
+
+def test_a_run_with_a_version_per_model_is_one_write(models, tmp_path):
+    """A sharded champion's run whose failed shard was forecast by the fallback model stores those models without
+    a version and the others under the champion's: one call, one transaction (a reader that loads runs issued
+    after the newest it has seen must never find a part of one)."""
+    from forecaster.forecast.registry import register
+
+    register(models, version_id="v1", path=tmp_path / "v1", status="champion", train_start=None, train_end=None,
+             members=[], scores={})
+    first = NOW.replace(second=0) + MINUTE
+    ids = ["llama", "mistral", "phi"]
+    point = np.arange(9.0).reshape(3, 3)
+    with pytest.raises(ValueError, match="2 versions for 3 models"):
+        write_forecast_arrays(models, ids, first, {"point": point}, issued_at=NOW, model_version_id=["v1", None])
+    assert write_forecast_arrays(models, ids, first, {"point": point, "q0.9": point + 1}, issued_at=NOW,
+                                 model_version_id=["v1", None, "v1"]) == 9
+    with models.connect() as conn:
+        stored = {m: latest_forecast(conn, model_id=m) for m in ids}
+        assert {m: s.model_version_id for m, s in stored.items()} == {"llama": "v1", "mistral": None, "phi": "v1"}
+        assert all(s.issued_at == NOW for s in stored.values())
+        assert stored["mistral"].frame["point"].tolist() == [3.0, 4.0, 5.0]
+        assert conn.execute(text("SELECT count(*) FROM forecasts")).scalar() == 3

@@ -139,17 +139,14 @@ def forecast_job(engine: Engine, settings: Settings, now: datetime, *, cache: Ch
     first_target = (panel.start + panel.n_steps * panel.step).to_pydatetime()
     rates = history_request_rate_rpm(panel.values)
     fallback = np.ones(panel.n_series, dtype=bool) if version is None else getattr(ensemble, "fallback_rows_", None)
-    if version is None or fallback is None or not fallback.any():
-        rows = write_forecast_arrays(engine, list(panel.ids), first_target, columns, issued_at=now,
-                                     model_version_id=version, request_rate_rpm=rates)
-    else:  # a failed shard's series were forecast by the fallback model, not by this version: two writes, each
-        # replacing its own models' rows of this run in its own transaction
-        rows = 0
-        for which, label in ((~fallback, version), (fallback, None)):
-            if which.any():
-                rows += write_forecast_arrays(engine, list(panel.ids[which]), first_target,
-                                              {k: v[which] for k, v in columns.items()}, issued_at=now,
-                                              model_version_id=label, request_rate_rpm=rates[which])
+    labels = version
+    if version is not None and fallback is not None and fallback.any():
+        # a failed shard's series were forecast by the fallback model, not by this version: stored without one.
+        # One write all the same: the API snapshot loads only runs issued after the newest it has seen, so a
+        # run committed in two parts with one issued_at would lose the second part for good to a poll between
+        labels = [None if fell else version for fell in fallback]
+    rows = write_forecast_arrays(engine, list(panel.ids), first_target, columns, issued_at=now,
+                                 model_version_id=labels, request_rate_rpm=rates)
     return {"models": panel.n_series, "rows": rows, "model_version": version,
             "no_history": len(ids) - panel.n_series, "read_s": round(read_s, 3), "read": history_cache.last_read,
             "forecast_s": round(forecast_s, 3), "shards": getattr(ensemble, "forecast_run_", None),

@@ -291,13 +291,29 @@ def _fill_array(rows: np.ndarray, prefix: str, shape: tuple[int, ...], values: n
 BLOCK_ROWS = 8192
 
 
-def _copy_blocks(runs: _Runs, *, issued_at: datetime, model_version_id: str | None) -> Iterator[bytes]:
+def _version_codes(model_version_id, n_models: int) -> tuple[list[bytes | None], np.ndarray]:
+    """The distinct versions (encoded; None = no version) and each model's index into them.
+
+    ``model_version_id`` is one version for every model, or a sequence of one per model."""
+    if model_version_id is None or isinstance(model_version_id, str):
+        return [None if model_version_id is None else model_version_id.encode()], np.zeros(n_models, dtype=np.int64)
+    per_model = list(model_version_id)
+    if len(per_model) != n_models:
+        raise ValueError(f"model_version_id: {len(per_model)} versions for {n_models} models")
+    distinct = list(dict.fromkeys(per_model))
+    index = {v: i for i, v in enumerate(distinct)}
+    return ([None if v is None else str(v).encode() for v in distinct],
+            np.fromiter((index[v] for v in per_model), dtype=np.int64, count=n_models))
+
+
+def _copy_blocks(runs: _Runs, *, issued_at: datetime, model_version_id) -> Iterator[bytes]:
     """``COPY ... (FORMAT binary)`` data, one row per model, built as numpy structured arrays.
 
     Rows of equal byte length (same id length, number of target minutes, p_any
-    present or not, request rate known or not) share one fixed layout; up to :data:`BLOCK_ROWS` of
-    them are filled column by column and serialised with one ``tobytes``. The
-    first block starts with the COPY signature, the last one ends with its trailer.
+    present or not, request rate known or not, same model version) share one fixed layout; up to
+    :data:`BLOCK_ROWS` of them are filled column by column and serialised with one ``tobytes``. The
+    first block starts with the COPY signature, the last one ends with its trailer. ``model_version_id``:
+    one for all models, or one per model (:func:`_version_codes`).
     """
     id_bytes = [m.encode() for m in runs.model_ids]
     id_len = np.fromiter((len(b) for b in id_bytes), dtype=np.int64, count=len(id_bytes))
@@ -306,16 +322,17 @@ def _copy_blocks(runs: _Runs, *, issued_at: datetime, model_version_id: str | No
         # a model whose p_any is all NaN stores NULL, as the row layout did
         has_p_any = np.add.reduceat(~np.isnan(runs.p_any), runs.starts) > 0
     issued_us = (issued_at - datetime(2000, 1, 1, tzinfo=timezone.utc)) // timedelta(microseconds=1)
-    version = None if model_version_id is None else model_version_id.encode()
+    versions, version_of = _version_codes(model_version_id, len(id_bytes))
     n_levels = len(runs.levels)
     levels = np.asarray(runs.levels, dtype=np.float32)
     has_rate = np.zeros(len(id_bytes), dtype=bool) if runs.request_rate_rpm is None else \
         ~np.isnan(runs.request_rate_rpm)
-    keys = pd.DataFrame({"id_len": id_len, "t": runs.lengths, "p": has_p_any, "r": has_rate})
+    keys = pd.DataFrame({"id_len": id_len, "t": runs.lengths, "p": has_p_any, "r": has_rate, "v": version_of})
     yield COPY_SIGNATURE
-    for (length, steps, with_p_any, with_rate), group in keys.groupby(["id_len", "t", "p", "r"],
-                                                                      sort=False).indices.items():
+    for (length, steps, with_p_any, with_rate, which), group in keys.groupby(["id_len", "t", "p", "r", "v"],
+                                                                             sort=False).indices.items():
         steps = int(steps)
+        version = versions[int(which)]
         fields = [("nf", ">i2"), ("id_len", ">i4"), ("id", f"S{int(length)}"),
                   ("iss_len", ">i4"), ("iss", ">i8"), ("ft_len", ">i4"), ("ft", ">i8"),
                   ("st_len", ">i4"), ("st", ">i4"), ("mv_len", ">i4")]
@@ -397,7 +414,7 @@ def write_forecast_arrays(
     columns: dict[str, np.ndarray],
     *,
     issued_at: datetime,
-    model_version_id: str | None,
+    model_version_id: str | None | Sequence[str | None],
     request_rate_rpm: np.ndarray | None = None,
 ) -> int:
     """Store one forecast run from ``(models x minutes)`` arrays, as the forecast job produces them.
@@ -410,6 +427,10 @@ def write_forecast_arrays(
         model_ids: one per array row.
         first_target: the target minute of column 0 (every model's first target).
         columns: ``point``, optional ``p_any``, and ``q<level>`` arrays, each ``(models, minutes)``.
+        model_version_id: the registry version that produced the run, or one per model (a sharded champion
+            whose failed shard was forecast by the fallback model: None for those rows). Every row of the run is
+            written in one transaction whatever the versions, so a reader that loads runs issued after the
+            newest it has seen never sees a part of one.
         request_rate_rpm: ``(models,)`` each model's requests per minute over the history forecast from
             (:func:`~forecaster.contracts.forecast.history_request_rate_rpm`); NaN where not known.
     """
@@ -434,10 +455,11 @@ def write_forecast_arrays(
                  levels=tuple(levels[c] for c in ordered), quantiles=q,
                  request_rate_rpm=None if request_rate_rpm is None else _valid_rates(
                      np.asarray(request_rate_rpm, dtype="float64").reshape(n_models), model_ids))
+    _version_codes(model_version_id, n_models)  # a wrong count is refused before anything is written
     return _store_runs(engine, runs, issued_at=issued_at, model_version_id=model_version_id)
 
 
-def _store_runs(engine: Engine, runs: _Runs, *, issued_at: datetime, model_version_id: str | None) -> int:
+def _store_runs(engine: Engine, runs: _Runs, *, issued_at: datetime, model_version_id) -> int:
     """Write validated runs (one row per model) in one transaction, replacing the same ``issued_at``."""
     if issued_at.tzinfo is None:
         issued_at = issued_at.replace(tzinfo=timezone.utc)
