@@ -380,3 +380,32 @@ def test_a_run_with_a_fallback_shard_reaches_a_polling_snapshot_whole(engine, in
     stale = [m for m, view in snapshot.models.items() if view.forecast is None or view.forecast.issued_at != issued]
     assert len(snapshot.models) == 100 and not stale
     assert _stored_versions(engine, issued) == {result["model_version"]: 75, None: 25}
+
+
+def test_a_failed_shards_fallback_is_fitted_once_over_the_forecast_jobs_runs(engine, ingested, monkeypatch):
+    """Each run forecasts a copy of the cached champion (holding the run's executor); the failed shard's fallback
+    used to be kept on that throwaway copy, so it was fitted again on every run instead of once an hour."""
+    settings, cache = _damaged_sharded_champion(engine, ingested)
+    fits = []
+    fit = Ensemble.fit_panel
+
+    def counted(self, panel):
+        if self.members == []:  # a fallback-only ensemble
+            fits.append(panel.n_series)
+        return fit(self, panel)
+
+    monkeypatch.setattr(Ensemble, "fit_panel", counted)
+    for minute in (1, 2, 3):
+        result = forecast_job(engine, settings, DAY_END + timedelta(minutes=minute), cache=cache)
+        assert set(result["fallback_shards"]) == {"s2"} and result["fallback_series"] == 25
+    assert fits == [25]
+    # the retrain's holdout forecast of the champion (on the batch executor) fits a fallback of its own, on its
+    # past origins, and leaves the forecast job's be
+    from forecaster.jobs.forecasting import _with_executor, history
+
+    _, champion = cache.get(engine)
+    panel = history(engine, model_ids(engine), end=DAY_END, minutes=240)
+    _with_executor(champion, settings).forecast(panel, [120, 135], 15)
+    assert fits == [25, 25]
+    result = forecast_job(engine, settings, DAY_END + timedelta(minutes=4), cache=cache)
+    assert set(result["fallback_shards"]) == {"s2"} and fits == [25, 25]

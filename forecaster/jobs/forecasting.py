@@ -70,11 +70,18 @@ def _with_executor(model, settings: Settings, purpose: str = BATCH):
     forecast job (its own executor, see :func:`~forecaster.distributed.executor.executor_for`) and the retrain
     (which forecasts it on the holdout on the batch executor), and setting the executor on the shared object
     would let one job's run land on the other's executor.
+
+    The forecast job's copies share the shared object's ``fallbacks_`` (failed shards' fallback models, each kept
+    for :data:`~forecaster.forecast.sharded.FALLBACK_REFIT`): on a copy of its own each run would fit them again.
+    Any other purpose's copy gets an empty one of its own (the retrain's holdout forecasts past origins; its
+    fallbacks would only displace the forecast job's).
     """
     if isinstance(model, ShardedEnsemble):
         shared, model = model, object.__new__(type(model))
+        fallbacks = shared.__dict__.setdefault("fallbacks_", {}) if purpose == FORECAST else {}
         # not copy.copy: that goes through __getstate__, which drops the loaded shards and the model's folder
         model.__dict__.update(shared.__dict__)
+        model.fallbacks_ = fallbacks
         model.executor = executor_for(settings, purpose)
     return model
 
