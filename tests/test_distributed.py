@@ -584,3 +584,36 @@ def test_a_shard_failing_at_forecast_time_keeps_its_fallback_for_an_hour(tmp_pat
     assert set(loaded.fallback_shards_) == {"s1"} and loaded.fallback_shards_["s1"]["series"] == 10
     assert np.flatnonzero(loaded.fallback_rows_).tolist() == rows.tolist()
     assert "fallbacks_" not in loaded.__getstate__()  # not part of the saved model
+
+
+def _worker_processes() -> set[int]:
+    import psutil
+
+    return {child.pid for child in psutil.Process().children(recursive=True)
+            if child.is_running() and child.status() != psutil.STATUS_ZOMBIE
+            and "resource_tracker" not in " ".join(child.cmdline())}
+
+
+def test_the_retrains_pool_ends_with_it_and_the_forecast_pool_stays(engine, ingested):
+    """The retrain's batch pool (whose workers load the champion's shards for the holdout forecast, as the forecast
+    pool's do) used to be cached for the process lifetime: two pools of workers each holding the champion. Now the
+    retrain runs on a pool of its own that is closed when it ends; the forecast job's pool stays."""
+    from forecaster.distributed import executor as executor_module
+
+    cache = registry.ChampionCache()
+    quick = functools.partial(ShardedEnsemble, functools.partial(Ensemble, members=[MovingAverage(60)], horizon=30),
+                              shard_max_series=50)
+    retrain_job(engine, ingested, DAY_END, cache=cache, ensemble_factory=quick)  # the champion, in process
+    pool = ingested.model_copy(update={"shard_workers": 2})
+    others = _worker_processes()
+    forecast_job(engine, pool, DAY_END, cache=cache)  # starts the forecast pool, which loads the champion's shards
+    forecast_workers = _worker_processes() - others
+    assert len(forecast_workers) == 2
+    result = retrain_job(engine, pool, DAY_END.replace(minute=1), cache=cache, ensemble_factory=quick)
+    assert result["shards"]["backend"] == "pool" and "champion" in result["scores"]  # the holdout ran on its pool
+    deadline = time.monotonic() + 30
+    while (_worker_processes() - others) != forecast_workers and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _worker_processes() - others == forecast_workers  # the retrain's workers are gone, the forecast's stay
+    assert [key[:2] for key in executor_module._cache] == [("pool", "forecast")]
+    assert forecast_job(engine, pool, DAY_END.replace(minute=2), cache=cache)["models"] == 100

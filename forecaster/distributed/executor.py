@@ -49,7 +49,8 @@ import uuid
 import warnings
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -515,36 +516,59 @@ def forecast_deadline_s(settings) -> float:
     return settings.forecast_deadline_intervals * settings.forecast_interval_s
 
 
+def _executor_key(settings, purpose: str) -> tuple:
+    if purpose not in PURPOSES:
+        raise ValueError(f"purpose must be one of {PURPOSES}, got {purpose!r}")
+    deadline = forecast_deadline_s(settings) if purpose == FORECAST else None
+    if settings.dask_scheduler_address:
+        return ("dask", purpose, settings.dask_scheduler_address, settings.shard_retries, deadline)
+    if settings.shard_workers > 1:
+        return ("pool", purpose, settings.shard_workers, settings.shard_retries, deadline)
+    return ("inline", purpose, settings.shard_retries, deadline)
+
+
+def new_executor(settings, purpose: str = BATCH) -> Executor:
+    """A new executor of the settings for ``purpose`` (see :func:`executor_for`), not cached: its caller closes it."""
+    key = _executor_key(settings, purpose)
+    deadline = key[-1]
+    if key[0] == "dask":
+        return DaskExecutor(settings.dask_scheduler_address, settings.shard_retries, settings.dask_connect_timeout_s,
+                            deadline_s=deadline, priority=FORECAST_DASK_PRIORITY if purpose == FORECAST else 0)
+    if key[0] == "pool":
+        return PoolExecutor(settings.shard_workers, settings.shard_retries, deadline_s=deadline,
+                            niceness=BATCH_NICENESS if purpose == BATCH else 0)
+    return InlineExecutor(settings.shard_retries, deadline_s=deadline)
+
+
+@contextmanager
+def job_executor(settings, purpose: str = BATCH) -> Iterator[Executor]:
+    """A new executor (:func:`new_executor`) for one job, closed when the job ends.
+
+    The nightly retrain and the backtests run on one of these: their pool's workers (each holding the shards it
+    fitted or loaded, the champion's included) end with the job instead of staying for the process lifetime next
+    to the forecast job's own pool, and two such jobs at once never close each other's pool.
+    """
+    executor = new_executor(settings, purpose)
+    try:
+        yield executor
+    finally:
+        executor.close()
+
+
 def executor_for(settings, purpose: str = BATCH) -> Executor:
     """The executor the settings ask for, created once per process (and purpose) and reused.
 
     ``purpose="forecast"`` (the per-minute forecast job) gets executors of its own: a pool of its own (so its
     shards never wait behind a retrain's fits in the other pool's queue), a deadline of
     :func:`forecast_deadline_s` per run, and on Dask a higher task priority. ``"batch"`` (retrain, backtests):
-    no deadline, and on a pool workers that run at a lower CPU priority (:data:`BATCH_NICENESS`).
+    no deadline, and on a pool workers that run at a lower CPU priority (:data:`BATCH_NICENESS`). The retrain and
+    the backtest jobs do not keep theirs: they run on a :func:`job_executor`, closed when they end.
     """
-    if purpose not in PURPOSES:
-        raise ValueError(f"purpose must be one of {PURPOSES}, got {purpose!r}")
-    deadline = forecast_deadline_s(settings) if purpose == FORECAST else None
-    if settings.dask_scheduler_address:
-        key = ("dask", purpose, settings.dask_scheduler_address, settings.shard_retries, deadline)
-    elif settings.shard_workers > 1:
-        key = ("pool", purpose, settings.shard_workers, settings.shard_retries, deadline)
-    else:
-        key = ("inline", purpose, settings.shard_retries, deadline)
+    key = _executor_key(settings, purpose)
     with _cache_lock:
         executor = _cache.get(key)
         if executor is None:
-            if key[0] == "dask":
-                executor = DaskExecutor(settings.dask_scheduler_address, settings.shard_retries,
-                                        settings.dask_connect_timeout_s, deadline_s=deadline,
-                                        priority=FORECAST_DASK_PRIORITY if purpose == FORECAST else 0)
-            elif key[0] == "pool":
-                executor = PoolExecutor(settings.shard_workers, settings.shard_retries, deadline_s=deadline,
-                                        niceness=BATCH_NICENESS if purpose == BATCH else 0)
-            else:
-                executor = InlineExecutor(settings.shard_retries, deadline_s=deadline)
-            _cache[key] = executor
+            executor = _cache[key] = new_executor(settings, purpose)
         return executor
 
 

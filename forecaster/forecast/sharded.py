@@ -375,7 +375,7 @@ class ShardedEnsemble:
 
 
 def production_model(settings, *, members: Sequence[Member] | None = None, quantiles: Sequence[float] = FORECAST_LEVELS,
-                     progress: Callable[[str], None] | None = None) -> ShardedEnsemble:
+                     progress: Callable[[str], None] | None = None, executor=None) -> ShardedEnsemble:
     """The product's forecaster, unfitted: what the nightly retrain trains and the replays' ensemble source uses.
 
     The default ensemble (:func:`~forecaster.forecast.ensemble.default_members`
@@ -389,6 +389,8 @@ def production_model(settings, *, members: Sequence[Member] | None = None, quant
         members: unfitted members instead of the default ones (tests, quick replays); the fallback is added.
         quantiles: quantile levels of the output.
         progress: called with one line per stage.
+        executor: the executor to run on; default: the settings' batch executor
+            (:func:`~forecaster.distributed.executor.executor_for`).
     """
     import functools
 
@@ -399,5 +401,5 @@ def production_model(settings, *, members: Sequence[Member] | None = None, quant
                                 horizon=settings.forecast_horizon_min, quantiles=tuple(quantiles),
                                 fit_threads=settings.forecast_fit_threads,
                                 weighting=settings.forecast_weighting)
-    return ShardedEnsemble(factory, shard_max_series=settings.shard_max_series, executor=executor_for(settings),
-                           progress=progress)
+    return ShardedEnsemble(factory, shard_max_series=settings.shard_max_series,
+                           executor=executor or executor_for(settings), progress=progress)

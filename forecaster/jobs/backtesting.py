@@ -81,15 +81,17 @@ def run_store_backtest(
     if settings is None:
         model = Ensemble(members=select_members(members, protocol.horizon), horizon=protocol.horizon,
                          progress=progress)
+        forecasts = run_backtest(model, panel, protocol)
     else:
-        from forecaster.distributed.executor import executor_for
+        from forecaster.distributed.executor import job_executor
         from forecaster.forecast.sharded import ShardedEnsemble
 
-        model = ShardedEnsemble(
-            functools.partial(Ensemble, members=select_members(members, protocol.horizon, settings),
-                              horizon=protocol.horizon, weighting=settings.forecast_weighting),
-            shard_max_series=settings.shard_max_series, executor=executor_for(settings), progress=progress)
-    forecasts = run_backtest(model, panel, protocol)
+        with job_executor(settings) as executor:  # its pool's workers end with the backtest
+            model = ShardedEnsemble(
+                functools.partial(Ensemble, members=select_members(members, protocol.horizon, settings),
+                                  horizon=protocol.horizon, weighting=settings.forecast_weighting),
+                shard_max_series=settings.shard_max_series, executor=executor, progress=progress)
+            forecasts = run_backtest(model, panel, protocol)
     for peer in (Naive(), MovingAverage(int(60 / (step_seconds / 60)) or 1)):
         peer_model = Ensemble(members=[peer], horizon=protocol.horizon, fallback=False)
         peer_forecasts = run_backtest(peer_model, panel, protocol)

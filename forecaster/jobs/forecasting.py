@@ -27,7 +27,7 @@ import pandas as pd
 from sqlalchemy import Engine
 
 from forecaster.contracts.forecast import history_request_rate_rpm
-from forecaster.distributed.executor import BATCH, FORECAST, executor_for
+from forecaster.distributed.executor import BATCH, FORECAST, executor_for, job_executor
 from forecaster.forecast.backtest import MethodForecasts, Protocol, evaluate
 from forecaster.forecast.ensemble import Ensemble
 from forecaster.forecast.panel import Panel
@@ -63,8 +63,9 @@ def history(engine: Engine, ids: list[str], *, end: datetime, minutes: int) -> P
     return Panel(np.asarray(ids, dtype=object)[known], grid_ds[0], pd.Timedelta(minutes=1), grid[known])
 
 
-def _with_executor(model, settings: Settings, purpose: str = BATCH):
-    """``model``, a sharded one on the executor of these settings for ``purpose`` (Dask, pool or inline).
+def _with_executor(model, settings: Settings, purpose: str = BATCH, *, executor=None):
+    """``model``, a sharded one on ``executor`` or else the executor of these settings for ``purpose`` (Dask, pool
+    or inline; see :func:`~forecaster.distributed.executor.executor_for`).
 
     A sharded model comes back as a shallow copy that holds the executor: the cached champion is shared by the
     forecast job (its own executor, see :func:`~forecaster.distributed.executor.executor_for`) and the retrain
@@ -82,18 +83,18 @@ def _with_executor(model, settings: Settings, purpose: str = BATCH):
         # not copy.copy: that goes through __getstate__, which drops the loaded shards and the model's folder
         model.__dict__.update(shared.__dict__)
         model.fallbacks_ = fallbacks
-        model.executor = executor_for(settings, purpose)
+        model.executor = executor if executor is not None else executor_for(settings, purpose)
     return model
 
 
-def default_model(settings: Settings, *, progress=None) -> ShardedEnsemble:
+def default_model(settings: Settings, *, progress=None, executor=None) -> ShardedEnsemble:
     """The production challenger: the default ensemble on shards of <= ``shard_max_series`` similar series.
 
     Built by :func:`forecaster.forecast.sharded.production_model`, the one factory
     the replays' :class:`~forecaster.planning.ensemble_source.EnsembleForecast`
     uses too; its output has every level of ``FORECAST_LEVELS`` and ``p_any``.
     """
-    return production_model(settings, progress=progress)
+    return production_model(settings, progress=progress, executor=executor)
 
 
 _fallbacks: dict[str, tuple[datetime, Ensemble]] = {}  # database#horizon -> (fitted at, model)
@@ -198,18 +199,24 @@ def retrain_job(engine: Engine, settings: Settings, now: datetime, *, cache: Cha
     # no point learning from days before any data
     panel = Panel(panel.ids, panel.start + first_known * panel.step, panel.step, panel.values[:, first_known:])
     protocol = _holdout_protocol(panel.n_steps, settings.retrain_holdout_min, horizon=15)
-    factory = ensemble_factory or functools.partial(
-        default_model, settings, progress=lambda line: log.info("retrain: %s", line))
-    challenger = _with_executor(factory(), settings).fit_panel(panel.head(protocol.fit_steps))
-    arrays = challenger.forecast(panel, protocol.origins, protocol.horizon)
-    candidates = {"challenger": MethodForecasts(arrays[challenger.name], arrays.get("q0.1"), arrays.get("q0.9"))}
-    champion_id, champion = cache.get(engine)
-    if champion is not None:
-        try:
-            theirs = _with_executor(champion, settings).forecast(panel, protocol.origins, protocol.horizon)
-            candidates["champion"] = MethodForecasts(theirs[champion.name], theirs.get("q0.1"), theirs.get("q0.9"))
-        except Exception as error:  # a champion that cannot forecast these series loses by default
-            log.warning("champion %s could not forecast the holdout: %s", champion_id, error)
+    # a batch executor of this run's own, closed when it ends: its pool's workers hold the challenger's shards
+    # and, after the holdout forecast, the champion's; kept for the process lifetime they doubled the memory of
+    # the forecast job's own pool, which holds the champion's shards too
+    with job_executor(settings, BATCH) as executor:
+        factory = ensemble_factory or functools.partial(
+            default_model, settings, progress=lambda line: log.info("retrain: %s", line), executor=executor)
+        challenger = _with_executor(factory(), settings, executor=executor).fit_panel(panel.head(protocol.fit_steps))
+        arrays = challenger.forecast(panel, protocol.origins, protocol.horizon)
+        candidates = {"challenger": MethodForecasts(arrays[challenger.name], arrays.get("q0.1"), arrays.get("q0.9"))}
+        champion_id, champion = cache.get(engine)
+        if champion is not None:
+            try:
+                theirs = _with_executor(champion, settings, executor=executor).forecast(
+                    panel, protocol.origins, protocol.horizon)
+                candidates["champion"] = MethodForecasts(theirs[champion.name], theirs.get("q0.1"),
+                                                         theirs.get("q0.9"))
+            except Exception as error:  # a champion that cannot forecast these series loses by default
+                log.warning("champion %s could not forecast the holdout: %s", champion_id, error)
     result = evaluate(panel, protocol, candidates)
     scores = {name: _scores(result, name) for name in candidates}
     version_id = f"{end:%Y%m%dT%H%M}-{uuid.uuid4().hex[:6]}"  # data time + a suffix: reruns never collide
