@@ -10,10 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import threading
 import time
-from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
@@ -29,6 +26,7 @@ from forecaster.store.forecasts import ensure_forecast_partitions
 from forecaster.store.partitions import ensure_partitions
 from forecaster.store.replays import start_replay, write_replay_outcomes
 from forecaster.store.tokens import create_token
+from tests.uvicorn_fixtures import serving
 
 #: Budget mode as the served app is configured, and the plans that stored its state.
 BUDGET = WasteBudget(pct=100.0)
@@ -133,29 +131,6 @@ def seed(engine) -> dict[str, list[int]]:
                          {"t": END - timedelta(minutes=BUDGET_PLANS - k), "s": json.dumps({"budget": state.as_dict()})})
         conn.execute(text("ANALYZE"))
     return action_ids
-
-
-@contextmanager
-def serving(app):
-    """``app`` on a free loopback port under uvicorn, in a thread; its base URL."""
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 20
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
 
 
 @pytest.fixture

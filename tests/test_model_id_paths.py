@@ -7,9 +7,6 @@ id. The hot path (``api.hotpath``) must take them too, and give way where the ro
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from datetime import datetime, timedelta, timezone
 from urllib.parse import quote
 
@@ -24,6 +21,7 @@ from forecaster.ingest.service import push_cold_starts, push_counts
 from forecaster.store.catalog import ServingModelSpec, upsert_models
 from forecaster.store.forecasts import write_forecasts
 from forecaster.store.tokens import create_token
+from tests.uvicorn_fixtures import serving
 
 NOW = datetime(2026, 11, 29, 12, 0, 30, tzinfo=timezone.utc)
 T0 = datetime(2026, 11, 29, 11, 50, tzinfo=timezone.utc)
@@ -154,28 +152,12 @@ def test_the_hot_path_serves_odd_ids_as_the_route_does(engine, settings, app_and
 
 def test_odd_ids_over_a_real_socket(engine, settings, app_and_tokens):
     """uvicorn's own decoding of the path (raw_path kept), not the test client's."""
-    import uvicorn
-
     read, _ = app_and_tokens
     app = create_app(settings, engine, clock=lambda: NOW)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 20
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.02)
-        base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with serving(app) as base:
         with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {read}"}) as client:
             for model_id in ("meta-llama/Llama-3-8B", "what?#x", "ΟΔΟΣ/μοντέλο-7b", "org/forecast"):
                 for route in ("/v1/models/{}", "/v1/models/{}/forecast", "/v1/models/{}/series"):
                     response = client.get(route.format(encoded(model_id)))
                     assert response.status_code == 200, (model_id, route, response.text)
                     assert model_id in (response.json().get("model_id"), response.json().get("id"))
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
