@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine
 
 from forecaster.settings import Settings
 from forecaster.store.db import ping
@@ -44,7 +44,8 @@ from forecaster.store.job_runs import (
     extend_lease,
     finish_slot,
     job_lock_held,
-    job_lock_key,
+    release_job_lock,
+    try_job_lock,
     live_claim_elsewhere,
     owner_is_gone,
     process_owner,
@@ -149,7 +150,6 @@ class _JobLock:
         self.job_name = job_name
         self.owner = owner
         self.lease_s = lease_s
-        self.key = job_lock_key(job_name)
         self.conn: Connection | None = None
         self.locked = False
         self._stop = threading.Event()
@@ -163,7 +163,7 @@ class _JobLock:
             conn.execution_options(isolation_level="AUTOCOMMIT")
             conn.detach()  # its own: not a pool slot for the whole run, really closed (and unlocked) at the end
             self.conn = conn
-            self.locked = bool(conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": self.key}).scalar())
+            self.locked = try_job_lock(conn, self.job_name)
         except BaseException:
             self.close()
             raise
@@ -175,7 +175,7 @@ class _JobLock:
             return
         try:
             if locked:  # at once: a closed session's backend lets go of its locks only as it exits, a bit later
-                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": self.key})
+                release_job_lock(conn, self.job_name)
         except Exception:  # noqa: BLE001 - a dead connection: the server has dropped the lock with it
             log.debug("job %s: unlocking failed", self.job_name, exc_info=True)
         finally:
@@ -208,8 +208,7 @@ class _JobLock:
                                     "process holds the job's lock now; this run goes on", self.job_name,
                                     slot.isoformat())
                 elif not self.locked:
-                    self.locked = bool(self.conn.execute(text("SELECT pg_try_advisory_lock(:k)"),
-                                                         {"k": self.key}).scalar())
+                    self.locked = try_job_lock(self.conn, self.job_name)
                 if not extend_lease(self.conn, self.job_name, slot, owner=self.owner, lease_s=self.lease_s) \
                         and not lost:
                     lost = True

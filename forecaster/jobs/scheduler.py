@@ -34,12 +34,12 @@ from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 from apscheduler.util import obj_to_ref
-from sqlalchemy import Engine, inspect, text
+from sqlalchemy import Engine
 
 from forecaster.jobs.heartbeat import HEARTBEAT_EVERY_S, SchedulerHeartbeat
 from forecaster.jobs.runs import JobSpec, run_once, slot_for
 from forecaster.settings import Settings
-from forecaster.store.job_runs import last_ok_slot
+from forecaster.store.job_runs import last_ok_slot, stored_scheduler_jobs
 
 log = logging.getLogger(__name__)
 
@@ -242,12 +242,8 @@ CATCH_UP_AT_START = frozenset({"partitions", "retention"})
 def _stored_jobs(engine: Engine) -> dict[str, dict]:
     """The jobs in the job store as APScheduler pickled them (``Job.__getstate__``: trigger, args, next run time...),
     by id; none before the first start. A job that cannot be read back is left out (it is replaced)."""
-    if not inspect(engine).has_table(JOB_TABLE):
-        return {}
-    with engine.connect() as conn:
-        rows = conn.execute(text(f"SELECT id, job_state FROM {JOB_TABLE}")).all()
     stored = {}
-    for job_id, job_state in rows:
+    for job_id, job_state in stored_scheduler_jobs(engine, JOB_TABLE):
         try:
             stored[job_id] = pickle.loads(job_state)
         except Exception:  # noqa: BLE001 - a class since moved or renamed: the job is added afresh

@@ -16,7 +16,7 @@ import socket
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine, inspect, text
 
 #: A claim that died: its lease ran out or its process is gone (a status of ``job_runs``).
 ABANDONED = "abandoned"
@@ -80,6 +80,25 @@ def job_lock_key(job_name: str) -> int:
     """The key of ``job_name``'s session-level advisory lock (a signed 64-bit hash of the name)."""
     digest = hashlib.blake2b(f"prewarm.job:{job_name}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big", signed=True)
+
+
+def try_job_lock(conn: Connection, job_name: str) -> bool:
+    """Take ``job_name``'s session-level advisory lock on ``conn`` if no other session holds it (True)."""
+    return bool(conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": job_lock_key(job_name)}).scalar())
+
+
+def release_job_lock(conn: Connection, job_name: str) -> None:
+    """Let go of ``job_name``'s advisory lock held on ``conn`` at once (a closed session's backend lets go of its
+    locks only as it exits, a little later)."""
+    conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": job_lock_key(job_name)})
+
+
+def stored_scheduler_jobs(engine: Engine, table: str) -> list[tuple[str, bytes]]:
+    """``(id, job_state)`` of every job in APScheduler's job store ``table``; none before its first start."""
+    if not inspect(engine).has_table(table):
+        return []
+    with engine.connect() as conn:
+        return [(r[0], r[1]) for r in conn.execute(text(f"SELECT id, job_state FROM {table}"))]
 
 
 @dataclass(frozen=True)
