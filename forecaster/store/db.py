@@ -445,16 +445,21 @@ def migration_lock(engine: Engine) -> Iterator[Connection]:
     (logged with the holder's pid) without a lock timeout: the holder's attempts are bounded.
     """
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.exec_driver_sql("SET lock_timeout = 0")
-        got = conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": MIGRATION_LOCK_KEY}).scalar()
-        if not got:
-            holder = conn.execute(text(
-                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND database = "
-                "(SELECT oid FROM pg_database WHERE datname = current_database()) "
-                "AND ((classid::bigint << 32) | objid::bigint) = :k LIMIT 1"), {"k": MIGRATION_LOCK_KEY}).scalar()
-            log.warning("another process (database pid %s) is migrating the schema; waiting for it to finish", holder)
-            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": MIGRATION_LOCK_KEY})
-            log.info("migration lock acquired")
+        try:
+            conn.exec_driver_sql("SET lock_timeout = 0")
+            got = conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": MIGRATION_LOCK_KEY}).scalar()
+            if not got:
+                holder = conn.execute(text(
+                    "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND database = "
+                    "(SELECT oid FROM pg_database WHERE datname = current_database()) "
+                    "AND ((classid::bigint << 32) | objid::bigint) = :k LIMIT 1"), {"k": MIGRATION_LOCK_KEY}).scalar()
+                log.warning("another process (database pid %s) is migrating the schema; waiting for it to finish",
+                            holder)
+                conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": MIGRATION_LOCK_KEY})
+                log.info("migration lock acquired")
+        except BaseException:  # interrupted while waiting: the session's lock_timeout must not go back to the pool
+            conn.invalidate()
+            raise
         try:
             yield conn
         finally:
