@@ -2,6 +2,17 @@
 
 These classes describe the schema for queries; the schema itself is created
 only by the Alembic migrations in ``migrations/`` (never by ``create_all``).
+
+They must still describe what the migrations create, including every index and
+unique constraint and the column types: ``alembic check`` and ``alembic revision
+--autogenerate`` compare this metadata with a migrated database, and whatever
+is missing here comes out as a ``drop_index`` / ``drop_constraint`` in the next
+generated migration. ``tests/test_migrations.py`` asserts there is no
+difference. Objects that cannot be declared here (the daily partitions of
+``invocations`` and ``forecasts``) are left out by ``include_name`` in
+``migrations/env.py``. Autogenerate does not compare CHECK constraints, nor an
+index's WHERE or INCLUDE; those are written out here anyway where they belong
+to an index, so that the index reads as what the migration built.
 Times are ``timestamptz`` in UTC; sizes in bytes; durations in seconds.
 """
 
@@ -24,6 +35,7 @@ from sqlalchemy import (
     SmallInteger,
     String,
     Text,
+    UniqueConstraint,
     func,
     text,
 )
@@ -92,6 +104,8 @@ class Coverage(Base):
     step_seconds: Mapped[int] = mapped_column(Integer, primary_key=True)
     ranges = mapped_column(TSTZMULTIRANGE, nullable=False)
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+    __table_args__ = (Index("coverage_known_until", text("upper(ranges)")),)  # 0009
 
 
 class SourceCursor(Base):
@@ -166,6 +180,13 @@ class ColdStart(Base):
             "uid); '' when the sender has none. Part of the key cold_starts_event_key (migration 0019).")
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
+    __table_args__ = (
+        # One event per replica start: the same observation pushed twice is one row (0001; event_id since 0019).
+        UniqueConstraint("model_id", "node_id", "started_at", "event_id", name="cold_starts_event_key"),
+        Index("cold_starts_model_time", "model_id", "started_at"),  # 0001
+        Index("cold_starts_time_model", "started_at", "model_id"),  # 0010
+    )
+
 
 class Transfer(Base):
     """One pre-pull or pre-load a node agent carried out: bytes moved, seconds in total and per phase.
@@ -191,6 +212,11 @@ class Transfer(Base):
     cache_state: Mapped[str | None] = mapped_column(String(32), doc="What the node had before: none or disk.")
     source: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+    __table_args__ = (
+        UniqueConstraint("model_id", "node_id", "kind", "started_at", name="transfers_event_key"),  # 0007
+        Index("transfers_started_at", "started_at"),  # 0007
+    )
 
 
 class Node(Base):
@@ -238,6 +264,11 @@ class ModelVersion(Base):
     kind: Mapped[str] = mapped_column(String(16), default="forecast")  # forecast | latency (one champion each)
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
+    __table_args__ = (
+        # At most one champion of each kind (0007).
+        Index("model_versions_one_champion", "kind", unique=True, postgresql_where=text("status = 'champion'")),
+    )
+
 
 class Forecast(Base):
     """One forecast run of one model: its target minutes as arrays (range-partitioned by day of ``issued_at``).
@@ -280,6 +311,12 @@ class Plan(Base):
     summary: Mapped[dict] = mapped_column(JSONB, default=dict)
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
+    __table_args__ = (Index("plans_planned_at", "planned_at", "id"),)  # 0016
+
+
+#: The time an action is about (migrations 0003, 0009, 0011): ``forecaster.store.dashboard`` filters on it.
+_ACTION_TIME_SQL = "coalesce(not_before, updated_at)"
+
 
 class Action(Base):
     """One pre-warm action of a plan: spec (what, where, when) plus status (what happened)."""
@@ -310,6 +347,29 @@ class Action(Base):
     started_at: Mapped[datetime | None] = mapped_column(TZ)
     finished_at: Mapped[datetime | None] = mapped_column(TZ)
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+    __table_args__ = (
+        Index("actions_plan", "plan_id"),  # 0001
+        Index("actions_status_deadline", "status", "deadline"),  # 0001
+        # One open (pending or running) unit of work per key (0002).
+        Index("actions_open_key", "key", unique=True, postgresql_where=text("status IN ('pending', 'running')")),
+        Index("actions_started", "started_at"),  # 0002
+        Index("actions_model_kind", "model_id", "kind", "finished_at"),  # 0002
+        Index("actions_model_time", "model_id", text(_ACTION_TIME_SQL)),  # 0003
+        Index("actions_time", text(_ACTION_TIME_SQL)),  # 0009
+        Index("actions_succeeded_time_model", text(_ACTION_TIME_SQL), "model_id",  # 0011
+              postgresql_include=["not_before", "updated_at"], postgresql_where=text("status = 'succeeded'")),
+        Index("actions_scale_latest", "model_id", text("coalesce(finished_at, started_at) DESC NULLS LAST"),  # 0015
+              text("id DESC"), postgresql_where=text(
+                  "kind IN ('scale', 'release') AND status IN ('succeeded', 'running') AND detail ? 'ahead_gpus'")),
+        Index("actions_replicas_newest", "model_id", text("updated_at DESC"), text("id DESC"),  # 0015
+              postgresql_where=text("kind IN ('scale', 'release') AND status = 'succeeded'")),
+        Index("actions_artefacts_recent", "updated_at",  # 0015
+              postgresql_where=text("kind IN ('prepull', 'preload') AND status = 'succeeded' AND node_id IS NOT NULL")),
+        Index("actions_finished_age", text("coalesce(finished_at, updated_at)"), "id",  # 0016
+              postgresql_where=text("status IN ('succeeded', 'failed', 'dropped')")),
+        Index("actions_updated", text("updated_at DESC"), text("id DESC")),  # 0016
+    )
 
 
 class ModelAheadGpus(Base):
@@ -343,8 +403,9 @@ class ActuatorControl(Base):
     """The actuator's global kill switch (one row), shared by the API and every actuating process."""
 
     __tablename__ = "actuator_control"
+    __table_args__ = (CheckConstraint("id = 1", name="actuator_control_single_row"),)
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    id: Mapped[int] = mapped_column(SmallInteger, primary_key=True)  # always 1 (migration 0002)
     paused: Mapped[bool] = mapped_column(Boolean, default=False)
     reason: Mapped[str | None] = mapped_column(Text)
     updated_by: Mapped[str | None] = mapped_column(String(128))
