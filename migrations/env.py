@@ -12,8 +12,9 @@ that is not in a transaction when it is handed in: Alembic treats an open
 transaction as the caller's and runs everything inside it.
 
 Autogenerate (``alembic check``, ``alembic revision --autogenerate``) compares
-``Base.metadata`` with the database. The metadata declares every table, index
-and unique constraint the migrations create (``tests/test_migrations.py``
+``Base.metadata`` with the database, server defaults included
+(``compare_server_default``). The metadata declares every table, index, unique
+constraint, column type and server default the migrations create (``tests/test_migrations.py``
 holds it to that); what it cannot declare is left out by :func:`partition_filter`:
 the daily partitions of ``invocations`` and ``forecasts`` (``invocations_20261129``,
 ``forecasts_20261129``), which ingest, the forecast job and retention create and
@@ -62,6 +63,7 @@ def partition_filter(connection: Connection):
 
 def _run(connection) -> None:
     context.configure(connection=connection, target_metadata=target_metadata, transaction_per_migration=True,
+                      compare_server_default=True,
                       include_name=partition_filter(connection))
     with context.begin_transaction():
         context.run_migrations()

@@ -2,18 +2,21 @@
 
 These classes describe the schema for queries; the schema itself is created
 only by the Alembic migrations in ``migrations/`` (never by ``create_all``).
-
-They must still describe what the migrations create, including every index and
-unique constraint and the column types: ``alembic check`` and ``alembic revision
---autogenerate`` compare this metadata with a migrated database, and whatever
-is missing here comes out as a ``drop_index`` / ``drop_constraint`` in the next
-generated migration. ``tests/test_migrations.py`` asserts there is no
-difference. Objects that cannot be declared here (the daily partitions of
-``invocations`` and ``forecasts``) are left out by ``include_name`` in
-``migrations/env.py``. Autogenerate does not compare CHECK constraints, nor an
-index's WHERE or INCLUDE; those are written out here anyway where they belong
-to an index, so that the index reads as what the migration built.
 Times are ``timestamptz`` in UTC; sizes in bytes; durations in seconds.
+
+The metadata must still state what the migrations create: every index and
+unique constraint, the column types and the server defaults (identity columns
+included). ``alembic check`` and ``alembic revision --autogenerate`` compare it
+with a migrated database (``compare_server_default`` is on in
+``migrations/env.py``), and whatever is missing here comes out as a
+``drop_index``, ``drop_constraint`` or ``alter_column`` in the next generated
+migration; ``tests/test_migrations.py`` asserts there is no difference. A
+Python-side ``default=`` stays next to its ``server_default`` where the code had
+one, so the ORM's inserts send what they always sent. The daily partitions of
+``invocations`` and ``forecasts`` cannot be declared here; ``include_name`` in
+``migrations/env.py`` leaves them out. Autogenerate compares neither CHECK
+constraints nor an index's WHERE or INCLUDE; the indexes state theirs anyway,
+so that each reads as what its migration built.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Identity,
     Index,
     Integer,
     LargeBinary,
@@ -36,6 +40,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
     func,
     text,
 )
@@ -48,6 +53,8 @@ class Base(DeclarativeBase):
 
 
 TZ = DateTime(timezone=True)
+#: The server default of the JSONB columns that hold an object.
+EMPTY_OBJECT = text("'{}'::jsonb")
 
 
 class ServingModel(Base):
@@ -60,14 +67,14 @@ class ServingModel(Base):
     image_size_bytes: Mapped[int | None] = mapped_column(BigInteger)
     weights_uri: Mapped[str | None] = mapped_column(Text)
     weights_size_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    gpus_per_replica: Mapped[int] = mapped_column(Integer, default=1)
+    gpus_per_replica: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     replica_rps: Mapped[float | None] = mapped_column(Float, doc="Requests per second one replica sustains.")
     cold_start_slo_s: Mapped[float | None] = mapped_column(Float)
     burst_factor: Mapped[float | None] = mapped_column(
         Float, doc="Peak 10-second request rate over the minute's mean (forecaster.contracts.bursts); 1 to 6.")
     burst_through: Mapped[datetime | None] = mapped_column(
         TZ, doc="End of the newest minute that moved burst_factor (Prometheus' burst query, pushed peak_10s).")
-    labels: Mapped[dict] = mapped_column(JSONB, default=dict)
+    labels: Mapped[dict] = mapped_column(JSONB, default=dict, server_default=EMPTY_OBJECT)
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
@@ -143,7 +150,7 @@ class IngestBatch(Base):
 
     __tablename__ = "ingest_batches"
 
-    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
     source: Mapped[str] = mapped_column(String(128))
     kind: Mapped[str] = mapped_column(String(32))  # "counts" | "cold_starts"
     content_sha256: Mapped[str] = mapped_column(String(64), unique=True)
@@ -160,7 +167,7 @@ class ColdStart(Base):
 
     __tablename__ = "cold_starts"
 
-    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
     model_id: Mapped[str] = mapped_column(String(256), ForeignKey("serving_models.id", ondelete="CASCADE"))
     node_id: Mapped[str] = mapped_column(String(256))
     started_at: Mapped[datetime] = mapped_column(TZ)
@@ -197,7 +204,7 @@ class Transfer(Base):
 
     __tablename__ = "transfers"
 
-    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
     model_id: Mapped[str] = mapped_column(String(256), ForeignKey("serving_models.id", ondelete="CASCADE"))
     node_id: Mapped[str] = mapped_column(String(256))
     kind: Mapped[str] = mapped_column(String(16))  # prepull | preload
@@ -225,12 +232,12 @@ class Node(Base):
     __tablename__ = "nodes"
 
     id: Mapped[str] = mapped_column(String(256), primary_key=True)
-    gpus_total: Mapped[int] = mapped_column(Integer, default=0)
-    gpus_free: Mapped[int] = mapped_column(Integer, default=0)
+    gpus_total: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    gpus_free: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     disk_free_bytes: Mapped[int | None] = mapped_column(BigInteger)
     host_memory_free_bytes: Mapped[int | None] = mapped_column(BigInteger)
     network_bytes_per_s: Mapped[float | None] = mapped_column(Float)
-    labels: Mapped[dict] = mapped_column(JSONB, default=dict)
+    labels: Mapped[dict] = mapped_column(JSONB, default=dict, server_default=EMPTY_OBJECT)
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
 
@@ -244,7 +251,7 @@ class NodeCacheEntry(Base):
     ref: Mapped[str] = mapped_column(Text, primary_key=True)  # image reference or weights URI
     tier: Mapped[str] = mapped_column(String(16), primary_key=True)  # image | disk | host | gpu
     size_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    in_use: Mapped[bool] = mapped_column(Boolean, default=False)
+    in_use: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
 
@@ -258,10 +265,11 @@ class ModelVersion(Base):
     path: Mapped[str] = mapped_column(Text)
     train_start: Mapped[datetime | None] = mapped_column(TZ)
     train_end: Mapped[datetime | None] = mapped_column(TZ)
-    members: Mapped[list] = mapped_column(JSONB, default=list)
-    scores: Mapped[dict] = mapped_column(JSONB, default=dict)
+    members: Mapped[list] = mapped_column(JSONB, default=list, server_default=text("'[]'::jsonb"))
+    scores: Mapped[dict] = mapped_column(JSONB, default=dict, server_default=EMPTY_OBJECT)
     code_version: Mapped[str | None] = mapped_column(String(64))
-    kind: Mapped[str] = mapped_column(String(16), default="forecast")  # forecast | latency (one champion each)
+    # forecast | latency (one champion each)
+    kind: Mapped[str] = mapped_column(String(16), default="forecast", server_default="forecast")
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
     __table_args__ = (
@@ -306,9 +314,9 @@ class Plan(Base):
 
     __tablename__ = "plans"
 
-    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
     planned_at: Mapped[datetime] = mapped_column(TZ)
-    summary: Mapped[dict] = mapped_column(JSONB, default=dict)
+    summary: Mapped[dict] = mapped_column(JSONB, default=dict, server_default=EMPTY_OBJECT)
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
     __table_args__ = (Index("plans_planned_at", "planned_at", "id"),)  # 0016
@@ -323,26 +331,27 @@ class Action(Base):
 
     __tablename__ = "actions"
 
-    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
     plan_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("plans.id", ondelete="SET NULL"))
     kind: Mapped[str] = mapped_column(String(16))  # prepull | preload | scale | release
     model_id: Mapped[str | None] = mapped_column(String(256))
     node_id: Mapped[str | None] = mapped_column(String(256))
     target: Mapped[str | None] = mapped_column(Text)
-    spec: Mapped[dict] = mapped_column(JSONB, default=dict)
+    spec: Mapped[dict] = mapped_column(JSONB, default=dict, server_default=EMPTY_OBJECT)
     not_before: Mapped[datetime | None] = mapped_column(TZ)
     deadline: Mapped[datetime | None] = mapped_column(TZ)
     reason: Mapped[str | None] = mapped_column(String(64))
     expected_benefit: Mapped[float | None] = mapped_column(Float)
     expected_cost: Mapped[float | None] = mapped_column(Float)
-    status: Mapped[str] = mapped_column(String(16), default="pending")
+    status: Mapped[str] = mapped_column(String(16), default="pending", server_default="pending")
     status_reason: Mapped[str | None] = mapped_column(String(64))
-    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     # Added by migration 0002 (actuation).
     key: Mapped[str | None] = mapped_column(Text, doc="Idempotency key: one open unit of work per key.")
     backend: Mapped[str | None] = mapped_column(String(32))  # dry-run | agent | kubernetes
-    detail: Mapped[dict] = mapped_column(JSONB, default=dict, doc="What was done (or would be), timings, errors.")
+    detail: Mapped[dict] = mapped_column(JSONB, default=dict, server_default=EMPTY_OBJECT,
+                                         doc="What was done (or would be), timings, errors.")
     next_attempt_at: Mapped[datetime | None] = mapped_column(TZ)
     started_at: Mapped[datetime | None] = mapped_column(TZ)
     finished_at: Mapped[datetime | None] = mapped_column(TZ)
@@ -406,7 +415,7 @@ class ActuatorControl(Base):
     __table_args__ = (CheckConstraint("id = 1", name="actuator_control_single_row"),)
 
     id: Mapped[int] = mapped_column(SmallInteger, primary_key=True)  # always 1 (migration 0002)
-    paused: Mapped[bool] = mapped_column(Boolean, default=False)
+    paused: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     reason: Mapped[str | None] = mapped_column(Text)
     updated_by: Mapped[str | None] = mapped_column(String(128))
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
@@ -426,8 +435,9 @@ class JobRun(Base):
     slot: Mapped[datetime] = mapped_column(TZ, primary_key=True)
     started_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     finished_at: Mapped[datetime | None] = mapped_column(TZ)
-    status: Mapped[str] = mapped_column(String(16), default="running")  # running | ok | failed | abandoned
-    detail: Mapped[dict] = mapped_column(JSONB, default=dict)
+    # running | ok | failed | abandoned
+    status: Mapped[str] = mapped_column(String(16), default="running", server_default="running")
+    detail: Mapped[dict] = mapped_column(JSONB, default=dict, server_default=EMPTY_OBJECT)
     owner: Mapped[str | None] = mapped_column(String(255))  # host:pid:token of the claiming process
     lease_expires_at: Mapped[datetime | None] = mapped_column(TZ, server_default=text("now() + interval '1 day'"))
     attempt: Mapped[int] = mapped_column(Integer, server_default="1")
@@ -440,11 +450,11 @@ class ApiToken(Base):
 
     __tablename__ = "api_tokens"
 
-    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
     name: Mapped[str] = mapped_column(String(128), unique=True)
     token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
     scopes: Mapped[list[str]] = mapped_column(ARRAY(String(16)))
-    revoked: Mapped[bool] = mapped_column(Boolean, default=False)
+    revoked: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     last_used_at: Mapped[datetime | None] = mapped_column(TZ)
 
@@ -464,7 +474,7 @@ class BacktestRun(Base):
 
     __tablename__ = "backtest_runs"
 
-    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     data_start: Mapped[datetime] = mapped_column(TZ)
     data_end: Mapped[datetime] = mapped_column(TZ)
@@ -498,7 +508,7 @@ class Replay(Base):
 
     __tablename__ = "replays"
 
-    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
     source: Mapped[str] = mapped_column(String(64))
     window_start: Mapped[datetime] = mapped_column(TZ)
     window_end: Mapped[datetime] = mapped_column(TZ)
