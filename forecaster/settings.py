@@ -417,7 +417,8 @@ class Settings(BaseSettings):
     dask_scheduler_address: str | None = Field(
         default=None,
         description="tcp://host:8786 of a Dask scheduler: retrain, backtests and the forecast job run as Dask tasks "
-                    "per shard of series. Unset: a local process pool of shard_workers (1 = in this process).")
+                    "per shard of series. Unset: a local process pool of shard_workers (1 = in this process, except "
+                    "the forecast job's shards: one child process, see forecast_in_process).")
     dask_connect_timeout_s: float = Field(default=30.0, gt=0, le=3600)
     shard_workers: int = Field(default=1, ge=1, le=256, description="Local worker processes when no Dask is set.")
     shard_max_series: int = Field(
@@ -430,8 +431,16 @@ class Settings(BaseSettings):
                     "forecast with their fallback, so a hung worker costs at most this long instead of every run "
                     "after it. Above 1 so that a healthy run slower than the interval (100,000 models on 2 cores: "
                     "up to ~76 s of shards, docs/scale.md) keeps its ensemble forecasts; below 1 (e.g. 0.75) a hang "
-                    "never costs a slot, but shards slower than that get the fallback. Not enforceable in process "
-                    "(shard_workers=1): there it only stops the retries.")
+                    "never costs a slot, but shards slower than that get the fallback. Enforced with "
+                    "shard_workers=1 too (the forecast job's shards then run in one child process), except with "
+                    "forecast_in_process, where it only stops the retries. On Dask the run returns at the "
+                    "deadline but a hung task keeps its worker thread.")
+    forecast_in_process: bool = Field(
+        default=False,
+        description="With shard_workers=1 and no Dask, run the forecast job's shards in the job's own process "
+                    "instead of one child process: no child (its memory, its spawn on the first run, the shards' "
+                    "history sent to it each run), but nothing can stop a hung shard there, so "
+                    "forecast_deadline_intervals does not bound the job. For tests and tiny fleets.")
     forecast_fit_threads: int = Field(
         default=1, ge=1, le=64,
         description="Ensemble members one shard fits at once, each on its own thread (the fitted model is the same "

@@ -617,3 +617,67 @@ def test_the_retrains_pool_ends_with_it_and_the_forecast_pool_stays(engine, inge
     assert _worker_processes() - others == forecast_workers  # the retrain's workers are gone, the forecast's stay
     assert [key[:2] for key in executor_module._cache] == [("pool", "forecast")]
     assert forecast_job(engine, pool, DAY_END.replace(minute=2), cache=cache)["models"] == 100
+
+
+def test_forecast_job_returns_at_its_deadline_with_the_default_settings(engine, ingested, tmp_path):
+    """With the default ``shard_workers=1`` the forecast job's shards used to run in the job's own process, where
+    nothing can stop a hung one: the deadline did nothing and one shard stuck in a native call hung the job (and,
+    through the scheduler's one-instance rule, every later run) for good. The default now runs them in one child
+    process, killed at the deadline like a pool's workers."""
+    assert ingested.shard_workers == 1 and ingested.dask_scheduler_address is None  # the product's defaults
+    with engine.connect() as conn:
+        victim = conn.execute(text("SELECT id FROM serving_models ORDER BY id LIMIT 1")).scalar()
+    marker = tmp_path / "hang"
+    factory = functools.partial(ShardedEnsemble, functools.partial(
+        HangingEnsemble, members=[MovingAverage(60)], horizon=30, marker=str(marker), poison=(victim,)),
+        shard_max_series=25)
+    cache = registry.ChampionCache()
+    retrain_job(engine, ingested, DAY_END, cache=cache, ensemble_factory=factory)  # no hang yet
+    settings = ingested.model_copy(update={"forecast_interval_s": 4, "forecast_deadline_intervals": 1.0})
+    executor = executor_for(settings, "forecast")
+    others = _worker_processes()
+    executor.deadline_s = None  # the deadline below is the hung shard's, not the spawn's (slow on a loaded box)
+    first = forecast_job(engine, settings, DAY_END, cache=cache)  # starts the forecast job's worker, loads the shards
+    executor.deadline_s = 4.0
+    assert first["models"] == 100 and not first["shards"]["failed_shards"]
+    worker = _worker_processes() - others
+    marker.touch()
+    issued = DAY_END.replace(second=10)
+    box: dict = {}
+    job = threading.Thread(target=lambda: box.setdefault("out", forecast_job(engine, settings, issued, cache=cache)),
+                           daemon=True)
+    started = time.monotonic()
+    job.start()
+    try:
+        job.join(60)
+        seconds = time.monotonic() - started
+        assert "out" in box, "the forecast job still waits on the hung shard 60 s later (deadline 4 s)"
+    finally:
+        marker.unlink(missing_ok=True)  # releases the hung shard wherever it still runs
+        job.join(60)
+    out = box["out"]
+    assert seconds < 4 + 25
+    _, champion = cache.get(engine)
+    hung = champion.shard_of_[victim]
+    assert out["shards"]["backend"] == "pool" and out["shards"]["workers"] == 1
+    assert hung in out["shards"]["timed_out_shards"] and "deadline" in out["shards"]["failed_shards"][hung]
+    assert out["models"] == 100 and _forecast_models(engine, issued) == 100  # the hung shard's on its fallback
+    assert len(worker) == 1 and all(_process_gone(pid) for pid in worker), "the hung worker was left running"
+    executor.deadline_s = None
+    after = forecast_job(engine, settings, DAY_END.replace(minute=1), cache=cache)  # a fresh worker serves the next
+    assert after["models"] == 100 and not after["shards"]["failed_shards"]
+    assert _worker_processes() - others and not (_worker_processes() & worker)
+
+
+def test_the_forecast_jobs_default_executor_can_be_stopped_at_its_deadline(tmp_path):
+    """With ``shard_workers=1`` the retrain and backtests run in process, the forecast job on one worker process
+    (a pool of one, which the deadline can kill); in process only when asked for."""
+    settings = Settings(database_url="postgresql+psycopg://nobody@127.0.0.1:1/none", data_dir=tmp_path / "data",
+                        models_dir=tmp_path / "models")
+    assert settings.shard_workers == 1 and not settings.forecast_in_process
+    forecast = executor_for(settings, "forecast")
+    assert isinstance(forecast, PoolExecutor) and forecast.workers == 1 and forecast.deadline_s == 2.0 * 60
+    assert forecast.niceness == 0
+    assert isinstance(executor_for(settings), InlineExecutor) and executor_for(settings).deadline_s is None
+    in_process = executor_for(settings.model_copy(update={"forecast_in_process": True}), "forecast")
+    assert isinstance(in_process, InlineExecutor) and in_process.deadline_s == 2.0 * 60

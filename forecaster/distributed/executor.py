@@ -10,7 +10,10 @@ The retrain, the backtests and the forecast job split their series into shards
   (``spawn``ed: the scheduler process has threads, and torch does not survive
   ``fork`` well);
 * :class:`InlineExecutor` when ``PREWARM_SHARD_WORKERS=1``: the same function,
-  shard after shard, in this process.
+  shard after shard, in this process; except for the forecast job, whose shards
+  then run on a :class:`PoolExecutor` of one worker (shard after shard in one
+  child process) so that its deadline can kill a hung shard; in this process
+  only with ``PREWARM_FORECAST_IN_PROCESS=true``, where the deadline cannot.
 
 Whatever the backend, a shard that raises (or whose worker dies) is tried
 again up to ``retries`` more times; a shard that still fails is reported in
@@ -28,7 +31,10 @@ again up to ``retries`` more times; a shard that still fails is reported in
   :func:`executor_for`) stops waiting when it passes: the pool's workers are
   killed (a fresh pool serves the next run), Dask's futures cancelled, and every
   shard not finished by then is reported failed, so its caller falls back
-  instead of waiting on a hung worker forever.
+  instead of waiting on a hung worker forever. Neither this process nor Dask can
+  stop a running shard: in this process the run waits for it (the deadline only
+  stops the retries), and on Dask a hung task keeps its worker thread after the
+  run has returned, until it ends or the worker is restarted.
 
 The forecast job gets executors of its own (``purpose="forecast"``): its own
 pool, so its shards never queue behind the nightly retrain's fits, whose pool
@@ -212,7 +218,8 @@ class Executor(ABC):
 class InlineExecutor(Executor):
     """Shard after shard in this process: the reference the other backends must match.
 
-    A deadline cannot stop a shard here; it only stops the retries once it has passed.
+    A deadline cannot stop a shard here; it only stops the retries once it has passed. The forecast job runs
+    here only with ``forecast_in_process`` (:func:`executor_for`).
     """
 
     backend = "inline"
@@ -522,7 +529,9 @@ def _executor_key(settings, purpose: str) -> tuple:
     deadline = forecast_deadline_s(settings) if purpose == FORECAST else None
     if settings.dask_scheduler_address:
         return ("dask", purpose, settings.dask_scheduler_address, settings.shard_retries, deadline)
-    if settings.shard_workers > 1:
+    # the forecast job's shards leave this process even for one worker: only a worker process can be killed at the
+    # deadline (a shard hung in a native call in this process would hang the job, and every later run, for good)
+    if settings.shard_workers > 1 or (purpose == FORECAST and not settings.forecast_in_process):
         return ("pool", purpose, settings.shard_workers, settings.shard_retries, deadline)
     return ("inline", purpose, settings.shard_retries, deadline)
 
@@ -560,7 +569,9 @@ def executor_for(settings, purpose: str = BATCH) -> Executor:
 
     ``purpose="forecast"`` (the per-minute forecast job) gets executors of its own: a pool of its own (so its
     shards never wait behind a retrain's fits in the other pool's queue), a deadline of
-    :func:`forecast_deadline_s` per run, and on Dask a higher task priority. ``"batch"`` (retrain, backtests):
+    :func:`forecast_deadline_s` per run, and on Dask a higher task priority. Without Dask its shards run in worker
+    processes even with ``shard_workers=1`` (a pool of one), which the deadline can kill; in this process only with
+    ``forecast_in_process``, where a hung shard holds the job past its deadline. ``"batch"`` (retrain, backtests):
     no deadline, and on a pool workers that run at a lower CPU priority (:data:`BATCH_NICENESS`). The retrain and
     the backtest jobs do not keep theirs: they run on a :func:`job_executor`, closed when they end.
     """
