@@ -409,3 +409,17 @@ def test_a_failed_shards_fallback_is_fitted_once_over_the_forecast_jobs_runs(eng
     assert fits == [25, 25]
     result = forecast_job(engine, settings, DAY_END + timedelta(minutes=4), cache=cache)
     assert set(result["fallback_shards"]) == {"s2"} and fits == [25, 25]
+
+
+def test_a_version_whose_registration_fails_leaves_no_folder(engine, ingested, monkeypatch):
+    import forecaster.jobs.forecasting as forecasting
+
+    def outage(*args, **kwargs):
+        raise ConnectionError("the database went away (simulated)")
+
+    monkeypatch.setattr(forecasting, "register", outage)
+    with pytest.raises(ConnectionError):
+        retrain_job(engine, ingested, DAY_END, cache=registry.ChampionCache(),
+                    ensemble_factory=small(SeasonalNaive(15)))
+    left = sorted(p.name for p in ingested.models_dir.iterdir() if not p.name.startswith("latency-"))
+    assert left == []  # neither the published folder nor its staging folder

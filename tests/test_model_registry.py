@@ -174,3 +174,83 @@ def test_the_hourly_retention_job_prunes_model_versions_with_the_settings(engine
     detail = retention_job(engine, settings, now)["model_versions"]
     assert detail["deleted"] == ["v0", "v1"]
     assert sorted(p.name for p in settings.models_dir.iterdir()) == [".trash", "v2", "v3", "v4"]
+
+
+def _disk_full(*args, **kwargs):
+    raise OSError(28, "No space left on device (simulated)")
+
+
+def test_a_save_that_fails_leaves_no_staging_folder(tmp_path, monkeypatch):
+    models = tmp_path / "models"
+    model = _sharded_ensemble()
+    monkeypatch.setattr(registry.pickle, "dump", _disk_full)  # the disk fills up while the model file is written
+    with pytest.raises(OSError, match="No space left"):
+        registry.save_version(model, models, version_id="v1", train_start=None, train_end=None, scores={})
+    assert list(models.iterdir()) == []  # neither .v1.partial nor v1
+
+
+def test_a_latency_model_save_or_registration_that_fails_leaves_no_folder(engine, settings, now, monkeypatch):
+    import forecaster.coldstart.service as service
+    from forecaster.coldstart.model import ColdStartModel
+
+    real_save = ColdStartModel.save
+
+    def save_then_fill_the_disk(self, folder):
+        real_save(self, folder)
+        raise OSError(28, "No space left on device (simulated)")
+
+    monkeypatch.setattr(ColdStartModel, "save", save_then_fill_the_disk)
+    with pytest.raises(OSError, match="No space left"):
+        service.train_latency_model(engine, settings, now)
+    assert list(settings.models_dir.iterdir()) == []
+    monkeypatch.setattr(ColdStartModel, "save", real_save)
+    monkeypatch.setattr(service, "insert_version", lambda *a, **k: _disk_full())  # the database write fails
+    with pytest.raises(OSError):
+        service.train_latency_model(engine, settings, now)
+    assert list(settings.models_dir.iterdir()) == []
+
+
+def test_retention_removes_day_old_leftovers_of_unfinished_saves_and_nothing_else(engine, settings, now,
+                                                                                   monkeypatch):
+    import time
+
+    import forecaster.store.model_retention as model_retention
+
+    models = settings.models_dir
+    named = "20190716T0000-aaaaaa"
+    _version(engine, models, named, age=timedelta(0), now=now)  # a registered version (row young: not pruned)
+    leftovers = [".20190716T0001-bbbbbb.partial", ".latency-20190716T0001-bbbbbb.partial",  # killed saves
+                 "20190716T0002-cccccc", "latency-20190716T0002-cccccc"]  # published, never registered
+    others = [".notes.partial", "scratch", "latency-tables", ".20190716T0003-dddddd.partial.bak", "v1"]
+    for name in leftovers + others:
+        (models / name / "shards").mkdir(parents=True)
+        (models / name / "shards" / "s0.pkl").write_bytes(b"x" * 100)
+
+    young = prune_model_versions(engine, models, now=now, retention_days=2, kept=1)  # written just now: all stay
+    assert set(leftovers + others + [named]) <= {p.name for p in models.iterdir()}
+
+    monkeypatch.setattr(model_retention, "LEFTOVER_AGE_S", 0.0, raising=False)  # as a day later
+    time.sleep(0.01)
+    detail = prune_model_versions(engine, models, now=now, retention_days=2, kept=1)
+
+    assert sorted(p.name for p in models.iterdir() if p.name != ".trash") == sorted(others + [named])
+    assert young["partial_removed"] == [] and young["orphans_removed"] == []
+    assert sorted(detail["partial_removed"]) == sorted(leftovers[:2])
+    assert sorted(detail["orphans_removed"]) == sorted(leftovers[2:])
+    assert not any((models / ".trash").iterdir())
+    assert _statuses(engine) == {named: "retired"}
+
+
+def test_the_leftover_sweep_goes_by_the_wall_clock_age_of_everything_in_a_folder(engine, settings):
+    import time
+
+    from forecaster.store.model_retention import sweep_leftovers
+
+    models = settings.models_dir
+    staging = models / ".20190716T0001-bbbbbb.partial"
+    (staging / "shards").mkdir(parents=True)
+    (staging / "shards" / "s0.pkl").write_bytes(b"x")
+    old = time.time() - 3 * 86400
+    os.utime(staging, (old, old))  # the folder's own times say nothing of a shard file still being written
+    assert sweep_leftovers(engine, models) == ([], [])
+    assert sweep_leftovers(engine, models, clock=lambda: time.time() + 86400) == ([staging.name], [])

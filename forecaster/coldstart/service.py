@@ -119,18 +119,26 @@ def train_latency_model(engine: Engine, settings: Settings, now: datetime, *,
     final = Path(settings.models_dir) / version_id
     staging = Path(settings.models_dir) / f".{version_id}.partial"
     shutil.rmtree(staging, ignore_errors=True)
-    model.save(staging)
-    publish_dir(staging, final)  # on disk before the row below names it: a power loss leaves no empty booster
+    try:
+        model.save(staging)
+        publish_dir(staging, final)  # on disk before the row below names it: a power loss leaves no empty booster
+    except BaseException:  # a full disk, an interrupt: no staging folder is left behind
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     train_start = pd.to_datetime(events["started_at"], utc=True, errors="coerce").min() if len(events) else None
     scores = {"n_events": model.n_events_, "n_transfers": model.n_transfers_, "skipped": model.skipped_,
               "train_days": settings.latency_train_days, "max_events": settings.latency_train_max_events,
               "recent_weight": model.weight_, "node_weight": model.node_weight_, "validation": model.validation_,
               "rates_bytes_per_s": model.rates_.rates_,
               "rate_observations": model.rates_.n_, "fit_s": round(time.perf_counter() - started, 3)}
-    insert_version(engine, version_id=version_id, path=final, status="challenger",
-                   train_start=None if train_start is None or pd.isna(train_start) else train_start.to_pydatetime(),
-                   train_end=now, members=["trees", "recent", "node_median", "transfers"] if model.trees_ else ["prior", "transfers"],
-                   scores=scores, code_version=_code_version(), kind=KIND)
+    members = ["trees", "recent", "node_median", "transfers"] if model.trees_ else ["prior", "transfers"]
+    try:
+        insert_version(engine, version_id=version_id, path=final, status="challenger",
+                       train_start=None if train_start is None or pd.isna(train_start) else train_start.to_pydatetime(),
+                       train_end=now, members=members, scores=scores, code_version=_code_version(), kind=KIND)
+    except BaseException:  # no row will ever name the folder: it goes now (one a kill leaves, the retention sweep)
+        shutil.rmtree(final, ignore_errors=True)
+        raise
     promote_version(engine, version_id)
     with _lock:
         _models[_key(engine, settings)] = (version_id, model)

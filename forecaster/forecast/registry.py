@@ -65,6 +65,16 @@ def save_version(
     staging = Path(models_dir) / f".{version_id}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
+    try:
+        _write_version(ensemble, staging, version_id=version_id, train_start=train_start, train_end=train_end,
+                       scores=scores)
+        return publish_dir(staging, final)
+    except BaseException:  # a full disk, a pickling error, an interrupt: no staging folder is left behind
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _write_version(ensemble, staging: Path, *, version_id: str, train_start, train_end, scores: dict) -> None:
     progress = getattr(ensemble, "progress", None)
     try:
         ensemble.progress = None  # a logging callback is not part of the model (and may not pickle)
@@ -84,7 +94,6 @@ def save_version(
         "code_version": code_version(),
     }
     (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, default=str) + "\n")
-    return publish_dir(staging, final)
 
 
 def member_report(ensemble) -> list[dict]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import shutil
 import time
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -223,9 +224,16 @@ def retrain_job(engine: Engine, settings: Settings, now: datetime, *, cache: Cha
     path = save_version(challenger, settings.models_dir, version_id=version_id,
                         train_start=panel.start.to_pydatetime(),
                         train_end=(panel.start + protocol.fit_steps * panel.step).to_pydatetime(), scores=scores)
-    register(engine, version_id=version_id, path=path, status="challenger", train_start=panel.start.to_pydatetime(),
-             train_end=(panel.start + protocol.fit_steps * panel.step).to_pydatetime(),
-             members=[m["name"] for m in _members(challenger)], scores=scores)
+    try:
+        register(engine, version_id=version_id, path=path, status="challenger",
+                 train_start=panel.start.to_pydatetime(),
+                 train_end=(panel.start + protocol.fit_steps * panel.step).to_pydatetime(),
+                 members=[m["name"] for m in _members(challenger)], scores=scores)
+    except BaseException:
+        # a database outage (or an interrupt) before the row exists: no row will ever name this folder, and a
+        # rerun saves a version of its own; a folder left by a kill here goes with the retention job's sweep
+        shutil.rmtree(path, ignore_errors=True)
+        raise
     promoted, decision = _promotion(scores, champion_id=champion_id if champion is not None else None)
     log.info("retrain: challenger %s %s: %s", version_id, "promoted" if promoted else "not promoted", decision)
     if promoted:

@@ -23,12 +23,24 @@ commit. A crash or a failed commit leaves at most a trash entry, which the next 
 (:func:`sweep_trash`): its row ``deleted``, it is removed; not (the mark never committed), it is renamed back. A
 champion row never names a missing folder: :func:`~forecaster.store.registry.promote_version` refuses a version
 marked deleted while it waited for the lock.
+
+Leftovers of saves that never finished (:func:`sweep_leftovers`), each only once nothing in it has changed for
+:data:`LEFTOVER_AGE_S` (wall clock: a save in progress, or a retrain registering the folder it has just published,
+is never touched) and only under a name the registry gives (:data:`VERSION_NAME`, :data:`STAGING_NAME`; anything
+else in ``models_dir`` is left alone):
+
+* a staging folder ``.<version>.partial`` (forecast or latency model) that a killed save left (a failed save
+  removes its own);
+* a version folder that no ``model_versions`` row names, whatever its status (published, then the process was
+  killed or the database was away before the row was written; a retrain whose ``register`` raises removes its
+  own): nothing will ever load or delete it. It goes through the trash like a pruned version.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -45,6 +57,13 @@ log = logging.getLogger(__name__)
 TRASH_DIR = ".trash"
 #: Seconds a run spends deleting before it leaves the rest to the next run.
 RUN_BUDGET_S = 300.0
+#: The name of a version folder the registry writes: a forecasting version (``<YYYYmmddTHHMM>-<6 hex>``,
+#: :func:`~forecaster.jobs.forecasting.retrain_job`) or a latency model's (``latency-`` before it).
+VERSION_NAME = re.compile(r"(?:latency-)?\d{8}T\d{4}-[0-9a-f]{6}")
+#: The staging folder a version is written into before it is renamed into place.
+STAGING_NAME = re.compile(r"\.(?:latency-)?\d{8}T\d{4}-[0-9a-f]{6}\.partial")
+#: Seconds since anything in a leftover last changed before :func:`sweep_leftovers` removes it.
+LEFTOVER_AGE_S = 86400.0
 
 
 @dataclass
@@ -56,6 +75,8 @@ class PrunedVersions:
     failed: list[str] = field(default_factory=list)  # the folder could not be moved (logged); tried next run
     trash_removed: int = 0  # leftovers of an interrupted run removed
     trash_restored: int = 0  # folders of an interrupted run put back (their delete never committed)
+    partial_removed: list[str] = field(default_factory=list)  # staging folders a killed save left
+    orphans_removed: list[str] = field(default_factory=list)  # version folders no row names
     more: bool = False  # the budget ran out; the rest next run
 
 
@@ -69,6 +90,7 @@ def prune_model_versions(engine: Engine, models_dir: str | Path, *, now: datetim
     models_dir = Path(models_dir)
     result = PrunedVersions()
     result.trash_removed, result.trash_restored = sweep_trash(engine, models_dir)
+    result.partial_removed, result.orphans_removed = sweep_leftovers(engine, models_dir)
     with engine.connect() as conn:
         candidates = conn.execute(text(
             "SELECT id, path FROM (SELECT id, path, status, created_at, "
@@ -131,6 +153,70 @@ def sweep_trash(engine: Engine, models_dir: Path) -> tuple[int, int]:
         _remove(entry)
         removed += 1
     return removed, restored
+
+
+def sweep_leftovers(engine: Engine, models_dir: Path, *, min_age_s: float | None = None,
+                    clock=time.time) -> tuple[list[str], list[str]]:
+    """Remove the staging folders of saves that never finished and the version folders no row names (module
+    docstring), each only when nothing in it changed for ``min_age_s`` (default :data:`LEFTOVER_AGE_S`;
+    ``clock``: the wall clock, as the files' times are).
+
+    Returns:
+        (staging folders removed, version folders removed), by name.
+    """
+    models_dir = Path(models_dir)
+    try:
+        entries = sorted(models_dir.iterdir())
+    except FileNotFoundError:
+        return [], []
+    now = clock()
+    min_age_s = LEFTOVER_AGE_S if min_age_s is None else min_age_s
+
+    def stale(entry: Path) -> bool:
+        return entry.is_dir() and not entry.is_symlink() and now - _last_change(entry) >= min_age_s
+
+    partial = [entry for entry in entries if STAGING_NAME.fullmatch(entry.name) and stale(entry)]
+    for entry in partial:
+        shutil.rmtree(entry, ignore_errors=True)
+    if partial:
+        log.warning("retention: removed %d staging folders of model saves that never finished (%s)", len(partial),
+                    ", ".join(entry.name for entry in partial))
+    folders = [entry for entry in entries if VERSION_NAME.fullmatch(entry.name) and stale(entry)]
+    orphans = []
+    if folders:
+        with engine.connect() as conn:
+            named = set(conn.execute(text("SELECT id FROM model_versions WHERE id = ANY(:ids)"),
+                                     {"ids": [entry.name for entry in folders]}).scalars())
+        for folder in folders:
+            if folder.name in named:
+                continue
+            entry = models_dir / TRASH_DIR / folder.name
+            try:
+                entry.parent.mkdir(exist_ok=True)
+                os.rename(folder, entry)
+            except OSError as error:
+                log.error("retention: orphaned model folder %s could not be moved to the trash (%s)", folder, error)
+                continue
+            _remove(entry)  # no row: the next run's sweep_trash removes what stays
+            orphans.append(folder.name)
+        if orphans:
+            log.warning("retention: removed %d model version folders that no model_versions row names (a save "
+                        "whose registration never happened: %s)", len(orphans), ", ".join(orphans))
+    return [entry.name for entry in partial], orphans
+
+
+def _last_change(folder: Path) -> float:
+    """The newest modification or status change of ``folder`` and of everything under it (a rename changes the
+    renamed folder's ctime: a version published a moment ago is new however old its files)."""
+    newest = 0.0
+    for root, dirs, files in os.walk(folder):
+        for name in [".", *dirs, *files]:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            newest = max(newest, st.st_mtime, st.st_ctime)
+    return newest
 
 
 def _remove(entry: Path) -> None:
