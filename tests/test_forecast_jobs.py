@@ -411,6 +411,102 @@ def test_a_failed_shards_fallback_is_fitted_once_over_the_forecast_jobs_runs(eng
     assert set(result["fallback_shards"]) == {"s2"} and fits == [25, 25]
 
 
+def _break_at_forecast_time(settings, version: str) -> None:
+    """Rewrite ``version``'s model file as code from before ``shard_of_`` would have pickled it: it loads, and
+    raises when it forecasts."""
+    import pickle
+
+    path = settings.models_dir / version / "ensemble.pkl"
+    model = pickle.loads(path.read_bytes())
+    del model.__dict__["shard_of_"]
+    path.write_bytes(pickle.dumps(model))
+
+
+def test_a_champion_that_loads_but_fails_to_forecast_is_replaced_by_the_previous_one_in_the_same_run(
+        engine, ingested):
+    first = retrain_job(engine, ingested, DAY_END, cache=registry.ChampionCache(),
+                        ensemble_factory=sharded(SeasonalNaive(15)))
+    second = retrain_job(engine, ingested, DAY_END + timedelta(minutes=1), cache=registry.ChampionCache(),
+                         ensemble_factory=sharded(SeasonalNaive(15)))
+    registry.promote(engine, second["version"])
+    _break_at_forecast_time(ingested, second["version"])
+    seconds = [0.0]
+    cache = registry.ChampionCache(retry_after_s=600, clock=lambda: seconds[0])
+
+    result = forecast_job(engine, ingested, DAY_END, cache=cache)
+
+    # the run went on with the previous champion and stored every row under its version
+    assert result["models"] == 100 and result["rows"] == 6000 and result["model_version"] == first["version"]
+    assert f"champion {second['version']} failed to forecast" in result["champion_error"]
+    assert _stored_versions(engine, DAY_END) == {first["version"]: 100}
+    seconds[0] = 60.0  # the next minute: the failed champion is not tried again before retry_after_s
+    result = forecast_job(engine, ingested, DAY_END + timedelta(minutes=1), cache=cache)
+    assert result["model_version"] == first["version"] and second["version"] in result["champion_error"]
+    # the nightly retrain replaces the champion that cannot forecast (it is not compared with the former one)
+    third = retrain_job(engine, ingested, DAY_END + timedelta(minutes=2), cache=cache,
+                        ensemble_factory=sharded(MovingAverage(1440)))
+    assert third["promoted"] and third["previous_champion"] == second["version"]
+    assert "unusable" in third["decision"] and "failed to forecast" in third["decision"]
+    assert registry.champion(engine).id == third["version"]
+
+
+def test_a_sole_champion_that_fails_to_forecast_leaves_the_run_to_the_fallback_model(engine, ingested):
+    only = retrain_job(engine, ingested, DAY_END, cache=registry.ChampionCache(),
+                       ensemble_factory=sharded(SeasonalNaive(15)))
+    _break_at_forecast_time(ingested, only["version"])
+    result = forecast_job(engine, ingested, DAY_END, cache=registry.ChampionCache())
+    assert result["models"] == 100 and result["rows"] == 6000 and result["model_version"] is None
+    assert only["version"] in result["champion_error"]
+    assert _stored_versions(engine, DAY_END) == {None: 100}
+
+
+def test_a_version_saved_in_another_artefact_format_is_refused_at_load(engine, ingested):
+    first = retrain_job(engine, ingested, DAY_END, cache=registry.ChampionCache(),
+                        ensemble_factory=small(SeasonalNaive(15)))
+    second = retrain_job(engine, ingested, DAY_END + timedelta(minutes=1), cache=registry.ChampionCache(),
+                         ensemble_factory=small(SeasonalNaive(15)))
+    registry.promote(engine, second["version"])
+    metadata_file = ingested.models_dir / second["version"] / "metadata.json"
+    metadata = json.loads(metadata_file.read_text())
+    metadata_file.write_text(json.dumps({**metadata, "artefact_format": 999}))  # saved by code of a future format
+
+    result = forecast_job(engine, ingested, DAY_END, cache=registry.ChampionCache())
+
+    assert result["model_version"] == first["version"] and result["rows"] == 6000
+    assert f"champion {second['version']} could not be loaded" in result["champion_error"]
+    assert "artefact format 999" in result["champion_error"]
+    assert metadata["artefact_format"] == registry.ARTEFACT_FORMAT  # what save_version wrote
+    # saved before the field existed: read as the legacy format, which is this one (a failure at forecast time is
+    # caught by the forecast job)
+    del metadata["artefact_format"]
+    metadata_file.write_text(json.dumps(metadata))
+    assert registry.load_ensemble(metadata_file.parent) is not None
+
+
+def test_a_champion_whose_files_are_gone_is_replaced_by_the_retrain_not_compared_with_a_former_one(
+        engine, ingested):
+    import shutil
+
+    first = retrain_job(engine, ingested, DAY_END, cache=registry.ChampionCache(),
+                        ensemble_factory=sharded(SeasonalNaive(15)))
+    second = retrain_job(engine, ingested, DAY_END + timedelta(minutes=1), cache=registry.ChampionCache(),
+                         ensemble_factory=sharded(SeasonalNaive(15)))
+    registry.promote(engine, second["version"])
+    shutil.rmtree(ingested.models_dir / second["version"])
+    cache = registry.ChampionCache()  # a scheduler started after the deletion: it holds the former champion
+    assert forecast_job(engine, ingested, DAY_END + timedelta(minutes=2), cache=cache)["model_version"] == \
+        first["version"]
+
+    # a challenger worse than the former champion: still promoted, the champion cannot forecast at all
+    third = retrain_job(engine, ingested, DAY_END + timedelta(minutes=3), cache=cache,
+                        ensemble_factory=sharded(MovingAverage(1440)))
+
+    assert third["previous_champion"] == second["version"] and third["promoted"]
+    assert f"champion {second['version']} is unusable" in third["decision"]
+    assert second["version"] in third["champion_error"] and "champion" not in third["scores"]
+    assert registry.champion(engine).id == third["version"]
+
+
 def test_a_version_whose_registration_fails_leaves_no_folder(engine, ingested, monkeypatch):
     import forecaster.jobs.forecasting as forecasting
 
@@ -423,3 +519,19 @@ def test_a_version_whose_registration_fails_leaves_no_folder(engine, ingested, m
                     ensemble_factory=small(SeasonalNaive(15)))
     left = sorted(p.name for p in ingested.models_dir.iterdir() if not p.name.startswith("latency-"))
     assert left == []  # neither the published folder nor its staging folder
+
+
+def test_an_unwritable_models_dir_fails_the_retrain_before_the_fit(engine, ingested):
+    blocker = ingested.models_dir.parent / "not-a-folder"
+    blocker.write_text("a file where models_dir's parent should be")
+    settings = ingested.model_copy(update={"models_dir": blocker / "models"})
+    fits = []
+
+    def factory():
+        fits.append(1)
+        return small(SeasonalNaive(15))()
+
+    with pytest.raises(OSError) as raised:
+        retrain_job(engine, settings, DAY_END, cache=registry.ChampionCache(), ensemble_factory=factory)
+    assert fits == []  # failed before the challenger was built, let alone fitted
+    assert "models_dir is not writable" in str(raised.value) and str(settings.models_dir) in str(raised.value)

@@ -31,6 +31,21 @@ log = logging.getLogger(__name__)
 
 ENSEMBLE_FILE = "ensemble.pkl"
 METADATA_FILE = "metadata.json"
+#: Layout of what :func:`save_version` pickles (the ensemble classes' attributes, the shard files). Written to each
+#: version's ``metadata.json`` as ``artefact_format`` and compared by :func:`load_ensemble`: a version saved in
+#: another format is refused at load (:class:`ArtefactFormatError`), like a missing file, rather than accepted and
+#: failing at its first forecast. Raise it whenever a change to those classes makes older pickles unusable.
+ARTEFACT_FORMAT = 1
+#: The format a ``metadata.json`` without ``artefact_format`` is read as: versions saved before the field existed,
+#: by code whose pickles are this format's. Such a version from older code still (one pickled before a later
+#: attribute was added) loads; that is safe because the forecast job catches a champion that then fails to forecast
+#: and forecasts with the previous champion or the fallback model (:meth:`ChampionCache.failed`). Once
+#: :data:`ARTEFACT_FORMAT` is raised, versions without the field are refused like any other older format.
+LEGACY_ARTEFACT_FORMAT = 1
+
+
+class ArtefactFormatError(ValueError):
+    """A version folder saved in another :data:`ARTEFACT_FORMAT` (or whose ``metadata.json`` cannot be read)."""
 
 
 def code_version() -> str:
@@ -92,6 +107,7 @@ def _write_version(ensemble, staging: Path, *, version_id: str, train_start, tra
         "failures": dict(getattr(ensemble, "failures_", {})),
         "scores": scores,
         "code_version": code_version(),
+        "artefact_format": ARTEFACT_FORMAT,
     }
     (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, default=str) + "\n")
 
@@ -121,13 +137,34 @@ def load_ensemble(path: Path):
     there and whole (:meth:`~forecaster.forecast.sharded.ShardedEnsemble.verify_shards`, a few bytes per file):
     a version with a missing or truncated shard file raises
     :class:`~forecaster.forecast.sharded.ShardFilesError` like one with a missing ``ensemble.pkl``.
+
+    Before anything is unpickled, the version's ``artefact_format`` (``metadata.json``) is compared with
+    :data:`ARTEFACT_FORMAT`: another format, or a ``metadata.json`` that is missing or cannot be read, raises
+    :class:`ArtefactFormatError` (a load failure: :class:`ChampionCache` goes on with what it holds).
     """
+    check_artefact_format(path)
     with open(Path(path) / ENSEMBLE_FILE, "rb") as handle:
         ensemble = pickle.load(handle)
     if hasattr(ensemble, "attach"):  # a sharded ensemble reads its shard files from this folder
         ensemble.attach(Path(path))
         ensemble.verify_shards()
     return ensemble
+
+
+def check_artefact_format(path: Path) -> None:
+    """Raise :class:`ArtefactFormatError` unless the version at ``path`` was saved in :data:`ARTEFACT_FORMAT`
+    (a ``metadata.json`` without the field counts as :data:`LEGACY_ARTEFACT_FORMAT`)."""
+    try:
+        metadata = json.loads((Path(path) / METADATA_FILE).read_text())
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as error:
+        raise ArtefactFormatError(f"{Path(path) / METADATA_FILE} cannot be read: {error!r}") from error
+    found = metadata.get("artefact_format", LEGACY_ARTEFACT_FORMAT) if isinstance(metadata, dict) else None
+    if found != ARTEFACT_FORMAT:
+        raise ArtefactFormatError(f"model version at {path} was saved in artefact format {found!r} "
+                                  f"(code {metadata.get('code_version') if isinstance(metadata, dict) else None}); "
+                                  f"this code reads format {ARTEFACT_FORMAT}")
 
 
 def register(engine: Engine, *, version_id: str, path: Path, status: str, train_start, train_end,
@@ -155,13 +192,17 @@ class ChampionCache:
     """Loads the champion once per version; the forecast job asks it every minute.
 
     A champion whose artefacts cannot be loaded (its folder deleted or not yet mounted, a truncated pickle, a
-    shard file missing or cut short (:func:`load_ensemble`), code that no longer unpickles it) never stops the
-    job: the error is logged and kept in :attr:`last_error`, the job goes on with the ensemble it already holds
-    (the previous champion, reported under its own version) or, when it holds none (a scheduler started after the
-    promotion), with the newest former champion that loads (:func:`~forecaster.store.registry.retired_versions`:
-    the one whose files the retention job keeps), else with the fallback model; the load is tried again
-    ``retry_after_s`` later rather than every minute. The version is not marked failed here: a volume that comes
-    back heals by itself, and the nightly retrain promotes a challenger over a champion that cannot forecast.
+    shard file missing or cut short (:func:`load_ensemble`), another :data:`ARTEFACT_FORMAT`, code that no longer
+    unpickles it) never stops the job: the error is logged and kept in :attr:`last_error`, the job goes on with the
+    ensemble it already holds (the previous champion, reported under its own version) or, when it holds none (a
+    scheduler started after the promotion), with the newest former champion that loads
+    (:func:`~forecaster.store.registry.retired_versions`: the one whose files the retention job keeps), else with
+    the fallback model; the load is tried again ``retry_after_s`` later rather than every minute. A version that
+    loads but then fails to forecast is treated the same way once the job reports it (:meth:`failed`): it is
+    dropped, and the next :meth:`get` answers with the newest former champion that loads (or nothing: the
+    fallback model). The version is not marked failed in the database: a volume that comes back heals by itself,
+    and the nightly retrain promotes a challenger over a champion that cannot forecast (:attr:`champion_id` and
+    :attr:`champion_loaded` tell it whether what :meth:`get` answered is the champion row itself).
     """
 
     def __init__(self, *, retry_after_s: float = 600.0, clock=time.monotonic) -> None:
@@ -171,15 +212,26 @@ class ChampionCache:
         self.retry_after_s = retry_after_s
         self._clock = clock
         self.last_error: str | None = None
+        #: the champion row's version at the last :meth:`get` (None: no champion row)
+        self.champion_id: str | None = None
+
+    @property
+    def champion_loaded(self) -> bool:
+        """Whether the last :meth:`get` answered with the champion row's own version (not a former champion, not
+        nothing while a champion row exists)."""
+        return self.champion_id is not None and self._version == self.champion_id and self._ensemble is not None
 
     def get(self, engine: Engine):
         """``(version id, ensemble)`` to forecast with; ``(None, None)`` when there is nothing to load."""
         info = champion(engine)
+        self.champion_id = None if info is None else info.id
         if info is None:
             return None, None
         if info.id != self._version:
             failed_at = self._failed_at.get(info.id)
             if failed_at is not None and self._clock() - failed_at < self.retry_after_s:
+                if self._ensemble is None:  # dropped after a failed forecast, or nothing loaded yet
+                    self._load_previous(engine, info.id)
                 return self._version, self._ensemble
             log.info("loading champion model %s from %s", info.id, info.path)
             try:
@@ -197,6 +249,17 @@ class ChampionCache:
             self._failed_at.pop(info.id, None)
             self.last_error = None
         return info.id, self._ensemble
+
+    def failed(self, version_id: str, error: BaseException) -> None:
+        """``version_id`` (what :meth:`get` answered) loaded but raised ``error`` when it forecast: drop it, keep
+        the error in :attr:`last_error`, and leave it alone for ``retry_after_s``; the next :meth:`get` answers
+        with the newest former champion that loads, else ``(None, None)`` (the fallback model)."""
+        role = "champion" if version_id == self.champion_id else "former champion"
+        self.last_error = f"{role} {version_id} failed to forecast: {error!r}"
+        self._failed_at[version_id] = self._clock()
+        if self._version == version_id:
+            self._version, self._ensemble = None, None
+        log.error("%s; forecasting again without it, retrying it in %.0f s", self.last_error, self.retry_after_s)
 
     def _load_previous(self, engine: Engine, champion_id: str) -> None:
         """Hold the newest former champion that loads (none held yet, the champion unusable)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import shutil
+import tempfile
 import time
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -125,6 +126,11 @@ def forecast_job(engine: Engine, settings: Settings, now: datetime, *, cache: Ch
     champion the shards. ``fallback_shards`` are the shards that failed on every attempt (shard -> series, error)
     and were forecast by a fallback-only model; those rows are stored without a model version (NULL, as the
     no-champion fallback's are), the other rows under the champion's, and ``fallback_series`` counts them.
+
+    A champion that loads but raises when it forecasts does not stop the job: the error is logged and reported as
+    ``champion_error``, the cache drops that version (:meth:`~forecaster.forecast.registry.ChampionCache.failed`,
+    retried ``retry_after_s`` later) and the run forecasts again with the newest former champion that loads, else
+    with the fallback model, and stores those rows.
     """
     started = time.perf_counter()
     ids = model_ids(engine)
@@ -135,13 +141,23 @@ def forecast_job(engine: Engine, settings: Settings, now: datetime, *, cache: Ch
     if not panel.n_series:
         return {"models": 0, "skipped": f"no known history for any of {len(ids)} models"}
     read_s = time.perf_counter() - started
-    version, ensemble = cache.get(engine)
-    if ensemble is None:
-        # No champion yet (first day): the fallback member alone, fitted on what we have, once an hour.
-        ensemble = _fallback_model(engine, panel, end, settings.forecast_horizon_min)
     h = settings.forecast_horizon_min
-    ensemble = _with_executor(ensemble, settings, FORECAST)
-    arrays = ensemble.forecast(panel, [panel.n_steps], h)
+    while True:
+        version, ensemble = cache.get(engine)
+        if ensemble is None:
+            # No champion yet (first day), or none that forecasts: the fallback member alone, fitted on what we
+            # have, once an hour.
+            ensemble = _with_executor(_fallback_model(engine, panel, end, h), settings, FORECAST)
+            arrays = ensemble.forecast(panel, [panel.n_steps], h)
+            break
+        ensemble = _with_executor(ensemble, settings, FORECAST)
+        try:
+            arrays = ensemble.forecast(panel, [panel.n_steps], h)
+            break
+        except Exception as error:  # a version that loads but cannot forecast (code it was not pickled for...)
+            # dropped for retry_after_s; forecast again with the newest former champion that loads, or the
+            # fallback model. Each failed version is left out of the next get(), so this ends.
+            cache.failed(version, error)
     forecast_s = time.perf_counter() - started - read_s
     columns = {("point" if k == ensemble.name else k): v[:, 0, :] for k, v in arrays.items()
                if k in (ensemble.name, "p_any") or k.startswith("q")}
@@ -190,6 +206,7 @@ def retrain_job(engine: Engine, settings: Settings, now: datetime, *, cache: Cha
             default: the full default ensemble.
     """
     started = time.perf_counter()
+    _check_models_dir(settings.models_dir)  # before hours of fitting, not at the save after them
     latency_model = _retrain_latency_model(engine, settings, now)
     ids = model_ids(engine)
     end = _minute(now)
@@ -210,6 +227,13 @@ def retrain_job(engine: Engine, settings: Settings, now: datetime, *, cache: Cha
         arrays = challenger.forecast(panel, protocol.origins, protocol.horizon)
         candidates = {"challenger": MethodForecasts(arrays[challenger.name], arrays.get("q0.1"), arrays.get("q0.9"))}
         champion_id, champion = cache.get(engine)
+        unusable = None
+        if cache.champion_id is not None and not cache.champion_loaded:
+            # the champion row's own version does not load or failed to forecast (the cache may hold a former
+            # champion in its place): the challenger is not compared with that one, it replaces the champion
+            unusable = cache.last_error or f"champion {cache.champion_id} could not be loaded"
+            log.warning("retrain: %s; the challenger is compared with no champion", unusable)
+            champion_id, champion = cache.champion_id, None
         if champion is not None:
             try:
                 theirs = _with_executor(champion, settings, executor=executor).forecast(
@@ -234,34 +258,40 @@ def retrain_job(engine: Engine, settings: Settings, now: datetime, *, cache: Cha
         # rerun saves a version of its own; a folder left by a kill here goes with the retention job's sweep
         shutil.rmtree(path, ignore_errors=True)
         raise
-    promoted, decision = _promotion(scores, champion_id=champion_id if champion is not None else None)
+    promoted, decision = _promotion(scores, champion_id=champion_id, unusable=unusable)
     log.info("retrain: challenger %s %s: %s", version_id, "promoted" if promoted else "not promoted", decision)
     if promoted:
         promote(engine, version_id)
     else:
         set_status(engine, version_id, "rejected")  # never champion; "retired" is a former champion
     return {"version": version_id, "promoted": promoted, "decision": decision, "previous_champion": champion_id,
-            "scores": scores, "failures": dict(getattr(challenger, "failures_", {})), "series": panel.n_series,
+            "champion_error": unusable, "scores": scores, "failures": dict(getattr(challenger, "failures_", {})),
+            "series": panel.n_series,
             "shards": getattr(challenger, "fit_run_", None), "latency_model": latency_model,
             "seconds": round(time.perf_counter() - started, 1)}
 
 
-def _promotion(scores: dict, *, champion_id: str | None) -> tuple[bool, str]:
+def _promotion(scores: dict, *, champion_id: str | None, unusable: str | None = None) -> tuple[bool, str]:
     """Whether the challenger replaces the champion, and why (the retrain's ``decision``).
 
-    Without a champion, or with one that could not forecast the holdout (no ``champion`` scores), the challenger
-    is promoted whatever it scored: something must forecast. Otherwise only a finite challenger wQL not above a
+    Without a champion, with one that the cache could not use (``unusable``: its files do not load, or it failed
+    to forecast) or with one that could not forecast the holdout (no ``champion`` scores), the challenger is
+    promoted whatever it scored: something must forecast. Otherwise only a finite challenger wQL not above a
     finite champion wQL promotes it. A missing or infinite score is no comparison: a holdout with no known minute
     (an ingest outage before the retrain) scores both None, one whose actuals are all 0 scores NaN (None) for a
     perfect forecast and inf for any other; the champion, which already forecast well enough to be kept, stays.
 
     Args:
         scores: :func:`_scores` per candidate (``challenger``, and ``champion`` when it forecast the holdout).
-        champion_id: the champion's version, None when there is none (or none could be loaded).
+        champion_id: the champion row's version, None when there is none.
+        unusable: why the champion itself cannot forecast (its files do not load, or it failed to forecast in the
+            forecast job: ``ChampionCache.last_error``); None when the retrain holds it.
     """
     ours = scores["challenger"]["wql"]
     if champion_id is None:
         return True, "no champion to compare with"
+    if unusable is not None:
+        return True, f"champion {champion_id} is unusable: {unusable}"
     if "champion" not in scores:
         return True, f"champion {champion_id} could not forecast the holdout"
     theirs = scores["champion"]["wql"]
@@ -271,6 +301,21 @@ def _promotion(scores: dict, *, champion_id: str | None) -> tuple[bool, str]:
     if ours <= theirs:
         return True, f"challenger wQL {ours:.4f} <= champion {champion_id}'s {theirs:.4f}"
     return False, f"challenger wQL {ours:.4f} > champion {champion_id}'s {theirs:.4f}"
+
+
+def _check_models_dir(models_dir) -> None:
+    """Raise ``PermissionError``/``OSError`` naming ``models_dir`` unless a file can be created in it (created
+    when missing): the retrain saves its challenger there only after the fit."""
+    from pathlib import Path
+
+    try:
+        Path(models_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=models_dir, prefix=".write-probe-") as probe:  # unnamed where it can be
+            probe.write(b"x")
+    except OSError as error:
+        # OSError(errno, ...) comes back as its subclass (PermissionError, FileNotFoundError...), as the error was
+        raise OSError(error.errno, f"models_dir is not writable, so no challenger could be saved; not fitting one "
+                                   f"({error.strerror or error})", str(models_dir)) from error
 
 
 def _retrain_latency_model(engine: Engine, settings: Settings, now: datetime) -> str | None:
