@@ -601,3 +601,22 @@ def test_times_no_reader_can_place_are_refused_naming_the_row(tmp_path, fmt, tex
     with pytest.raises(IngestError) as refused:
         read_trace(write(tmp_path / ("t.jsonl" if fmt == "mooncake" else "t.csv"), text), fmt=fmt)
     assert (refused.value.reason, refused.value.row, refused.value.field) == ("bad_timestamp", row, field)
+
+
+# --------------------------------------------------------------------------- damaged headers and missing steps
+
+
+AZ19_HEAD = "HashOwner,HashApp,HashFunction,Trigger,"
+
+
+@pytest.mark.parametrize("fmt, text, row, field", [
+    ("long", "unique_id,ds,y\nbig,2024-03-01T00:00:00Z,9007199254740993\n", 1, "y"),
+    ("azure2019", AZ19_HEAD + "minute_1,minute_2\no,a,f5,http,1,9007199254740993\n", 1, "minute_2"),
+])
+def test_a_count_of_2_to_the_53_plus_1_is_refused_not_rounded(tmp_path, fmt, text, row, field):
+    """An int64 column went through float64, where 2^53 + 1 is 2^53: stored off by one."""
+    with pytest.raises(IngestError, match="9007199254740993") as refused:
+        batch_of(read_trace(write(tmp_path / "t.csv", text), fmt=fmt))
+    assert (refused.value.reason, refused.value.row, refused.value.field) == ("count_too_large", row, field)
+    fine = text.replace("9007199254740993", "9007199254740992")
+    assert batch_of(read_trace(write(tmp_path / "t.csv", fine), fmt=fmt)).counts["y"].max() == 2**53

@@ -186,6 +186,12 @@ def parse_counts(raw: pd.DataFrame) -> np.ndarray:
                 raise IngestError("count_too_large", f"count exceeds {MAX_COUNT:,} per step",
                                   row=_row_of(raw, int(position)), field=_field_of(raw, int(position), "y"),
                                   value=safe_value(original))
+    with np.errstate(invalid="ignore"):
+        too_large = np.isfinite(values) & (values > MAX_COUNT)
+    if pd.api.types.is_integer_dtype(y) and len(y):
+        # int64 (a CSV column of whole numbers) is cast to float64 above, where 2^53 + 1 is 2^53 and passed: compare
+        # the integers themselves (below the limit float64 holds them exactly)
+        too_large = (y > MAX_COUNT).to_numpy(dtype=bool, na_value=False)
     not_numeric = (numeric.isna().to_numpy() & ~pd.isna(y).to_numpy()) | is_bool
     with np.errstate(invalid="ignore"):
         checks = (
@@ -194,7 +200,7 @@ def parse_counts(raw: pd.DataFrame) -> np.ndarray:
             (np.isinf(values), "infinite", "count is infinite"),
             (values < 0, "negative_count", "count is negative"),
             (np.isfinite(values) & (values != np.floor(values)), "non_integer_count", "count is not a whole number"),
-            (np.isfinite(values) & (values > MAX_COUNT), "count_too_large", f"count exceeds {MAX_COUNT:,} per step"),
+            (too_large, "count_too_large", f"count exceeds {MAX_COUNT:,} per step"),
         )
     # Report the first bad row, whatever is wrong with it.
     firsts = [(_first_bad(mask), order) for order, (mask, _, _) in enumerate(checks)]
