@@ -620,3 +620,50 @@ def test_a_count_of_2_to_the_53_plus_1_is_refused_not_rounded(tmp_path, fmt, tex
     assert (refused.value.reason, refused.value.row, refused.value.field) == ("count_too_large", row, field)
     fine = text.replace("9007199254740993", "9007199254740992")
     assert batch_of(read_trace(write(tmp_path / "t.csv", fine), fmt=fmt)).counts["y"].max() == 2**53
+
+# --------------------------------------------------------------------------- ingest_trace_file: validate, then read
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ("azure2019", AZ19_HEAD + "minute_1,minute_2\no,a,f\x00z,http,1,2\n"),
+    ("azure2019", AZ19_HEAD + "minute_1,minute_2\no,a,f1,http,1,2\no,a,f\x00z,http,0,0\n"),  # no count at all
+    ("azure2021", "app,func,end_timestamp,duration\na,f\x00z,1.0,0.5\n"),
+])
+def test_a_nul_in_a_model_id_is_the_validators_message(engine, settings, now, tmp_path, fmt, text):
+    """The overlap read ran before validation: PostgreSQL's DataError (exit 1) instead of the precise message."""
+    from forecaster.ingest.service import ingest_trace_file
+
+    with pytest.raises(IngestError, match="U\\+0000") as refused:
+        ingest_trace_file(engine, settings, write(tmp_path / "t.csv", text), now=now, fmt=fmt, register=True)
+    assert (refused.value.reason, refused.value.field) == ("bad_model_id", "unique_id")
+    assert _stored_total(engine) == 0
+
+
+@pytest.mark.parametrize("register", [True, False])
+def test_the_reads_before_the_write_are_retried(engine, settings, now, tmp_path, monkeypatch, register):
+    """The overlap read and the catalogue read ran once: the database gone for a moment ended the ingest (exit 1)
+    where the write retries."""
+    from sqlalchemy.exc import OperationalError
+
+    from forecaster.ingest import service
+    from forecaster.store.catalog import register_missing
+
+    if not register:
+        with engine.begin() as conn:
+            register_missing(conn, ["f1"])
+    calls = Counter()
+
+    def failing_once(name, real):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            if calls[name] == 1:
+                raise OperationalError("SELECT", {}, Exception("server closed the connection unexpectedly"))
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(service, "covered_within", failing_once("covered_within", service.covered_within))
+    monkeypatch.setattr(service, "known_model_ids", failing_once("known_model_ids", service.known_model_ids))
+    path = write(tmp_path / "t.csv", AZ19_HEAD + "minute_1,minute_2\no,a,f1,http,1,2\n")
+    result = service.ingest_trace_file(engine, settings, path, now=now, register=register)
+    assert result.invocations == 3 and _stored_total(engine) == 3
+    assert calls == Counter({"covered_within": 2, **({} if register else {"known_model_ids": 2})})

@@ -83,8 +83,25 @@ def ingest_frame(
     the batch's transaction (:func:`~forecaster.store.invocations.write_count_batch`).
     """
     register_models = _register(settings, register)
-    known = None if register_models else known_model_ids(engine)
-    batch = build_count_batch(
+    batch = _validate(engine, settings, raw, source=source, step_seconds=step_seconds, now=now, windows=windows,
+                      register_models=register_models)
+    return write_with_retry(engine, settings, batch, register=register_models, report_zeroed=report_zeroed,
+                            lock_timeout_s=lock_timeout_s, then=then)
+
+
+def _read_with_retry(engine: Engine, settings: Settings, read: Callable[[], object], what: str):
+    """A read of the ingest path, retried as the write is: the database going away just before it must not end
+    an ingest that the write would have carried through."""
+    return run_with_retry(read, attempts=settings.db_retry_attempts, base_delay_s=settings.db_retry_base_delay_s,
+                          what=what)
+
+
+def _validate(engine: Engine, settings: Settings, raw: pd.DataFrame, *, source: str, step_seconds: int,
+              now: datetime, windows: pd.DataFrame | None, register_models: bool) -> CountBatch:
+    """The validated batch of ``raw`` (registered models only, unless ``register_models``)."""
+    known = None if register_models else _read_with_retry(engine, settings, lambda: known_model_ids(engine),
+                                                          f"models of {source}")
+    return build_count_batch(
         raw,
         source=source,
         step_seconds=step_seconds,
@@ -94,8 +111,6 @@ def ingest_frame(
         windows=windows,
         max_span_days=settings.max_batch_span_days,
     )
-    return write_with_retry(engine, settings, batch, register=register_models, report_zeroed=report_zeroed,
-                            lock_timeout_s=lock_timeout_s, then=then)
 
 
 def ingest_trace_file(
@@ -114,12 +129,15 @@ def ingest_trace_file(
     from forecaster.ingest.traces import read_trace
 
     trace = read_trace(Path(path), fmt=fmt, start=start, step_seconds=step_seconds, model_id=model_id)
-    overlap = [] if trace.windows is None else covered_within(engine, trace.windows, source=trace.source,
-                                                              step_seconds=trace.step_seconds)
-    result = ingest_frame(
-        engine, settings, trace.raw, source=trace.source, step_seconds=trace.step_seconds, now=now,
-        windows=trace.windows, register=register, report_zeroed=True,
-    )
+    register_models = _register(settings, register)
+    # validated first: the overlap is read with the batch's checked windows (a model id PostgreSQL cannot hold,
+    # NUL, ended here in a database error rather than the validator's message)
+    batch = _validate(engine, settings, trace.raw, source=trace.source, step_seconds=trace.step_seconds, now=now,
+                      windows=trace.windows, register_models=register_models)
+    overlap = [] if trace.windows is None else _read_with_retry(
+        engine, settings, lambda: covered_within(engine, batch.windows, source=trace.source,
+                                                 step_seconds=trace.step_seconds), f"coverage of {trace.source}")
+    result = write_with_retry(engine, settings, batch, register=register_models, report_zeroed=True)
     if overlap and not result.duplicate:
         result = replace(result, warnings=result.warnings + (_overlap_warning(overlap, trace.source),))
     if not trace.burst_factors:
@@ -258,7 +276,8 @@ def _push_events(engine: Engine, settings: Settings, events: Iterable[Mapping[st
                  source: str, register: bool | None, validate, write, what: str) -> dict:
     """Validate a pushed batch of observations and write it in one retried transaction."""
     register_models = _register(settings, register)
-    known = None if register_models else known_model_ids(engine)
+    known = None if register_models else _read_with_retry(engine, settings, lambda: known_model_ids(engine),
+                                                          f"models of {what}")
     frame = validate(events, now=now, max_future_skew_s=settings.max_future_skew_s, known_models=known)
     if frame.empty:
         raise IngestError("empty_batch", f"the batch holds no {what}")

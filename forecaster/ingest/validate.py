@@ -325,6 +325,12 @@ def _check_windows(
         if windows[col].isna().any():
             raise IngestError("bad_window", f"a window has no {col}", field=col)
     windows["unique_id"] = windows["unique_id"].astype(str).str.strip()
+    # a model with no count in the batch (an all-zero row of a wide trace) is checked here, not with the counts
+    for uid in pd.unique(windows["unique_id"]):
+        problem = "is empty" if not uid else text_problem(uid, max_length=MAX_ID_LENGTH)
+        if problem:
+            raise IngestError("missing_model" if not uid else "bad_model_id", f"model id {problem}",
+                              field="unique_id", value=safe_value(uid))
     if known_models is not None and not windows["unique_id"].isin(known_models).all():
         uid = windows.loc[~windows["unique_id"].isin(known_models), "unique_id"].iloc[0]
         raise IngestError("unknown_model", f"model {uid!r} is not registered", field="unique_id", value=uid)
