@@ -128,7 +128,9 @@ def ingest_trace_file(
     """Ingest one trace file in any supported format (see :mod:`forecaster.ingest.traces`)."""
     from forecaster.ingest.traces import read_trace
 
-    trace = read_trace(Path(path), fmt=fmt, start=start, step_seconds=step_seconds, model_id=model_id)
+    # zero cells of a wide file are left to the windows (a raw row per cell took ~90x the file's size)
+    trace = read_trace(Path(path), fmt=fmt, start=start, step_seconds=step_seconds, model_id=model_id,
+                       keep_zeros=False)
     register_models = _register(settings, register)
     # validated first: the overlap is read with the batch's checked windows (a model id PostgreSQL cannot hold,
     # NUL, ended here in a database error rather than the validator's message)

@@ -42,6 +42,7 @@ not the file name.
 
 from __future__ import annotations
 
+import csv
 import gzip
 import io
 import json
@@ -57,7 +58,8 @@ import pandas as pd
 
 from forecaster.contracts.batches import COUNT_COLUMNS, IngestError
 from forecaster.contracts.bursts import burst_factors
-from forecaster.store.fields import ISO_8601, safe_value
+from forecaster.ingest.validate import MAX_COUNT, parse_counts
+from forecaster.store.fields import ISO_8601, safe_repr, safe_value
 
 TRACE_FORMATS = ("azure2019", "huawei5min", "azure_llm2023", "mooncake", "azure2021", "long")
 
@@ -127,18 +129,41 @@ def _open_text(path: Path) -> io.TextIOBase:
     return open(path, encoding="utf-8-sig")
 
 
+def _header(path: Path) -> list[str]:
+    """The CSV header's column names, stripped of spaces and quotes as :func:`detect_format` reads them."""
+    first = _first_line(path)
+    if not first:
+        return []
+    return [name.strip() for name in next(csv.reader([first]))]
+
+
 def _read_csv(path: Path, text_columns: tuple[str, ...] = ()) -> pd.DataFrame:
     """Read a CSV keeping blank lines as rows, so ``row`` matches the file.
 
-    ``text_columns`` are read as strings (hash ids must never become numbers).
+    ``text_columns`` are read as strings (hash ids must never become numbers). Column names are stripped of
+    spaces, as :func:`detect_format` reads them (``minute_2 `` is ``minute_2``). A name that appears twice is an
+    IngestError (``duplicate_column``): pandas renamed the second copy ``name.1``, which a reader then ignored
+    (its counts lost) or, in a wide file of channels, ingested as another model.
     """
-    return pd.read_csv(
+    names = _header(path)
+    seen: dict[str, int] = {}
+    for position, name in enumerate(names, start=1):
+        if name in seen:
+            raise IngestError("duplicate_column", f"column {safe_repr(name)} appears twice in the header (columns "
+                              f"{seen[name]} and {position}); nothing was ingested", field=name)
+        seen[name] = position
+    # pandas keeps the spaces around a name: ask for the text columns under the names as written too
+    written = next(csv.reader([_first_line(path, strip=False)]), []) if names else []
+    frame = pd.read_csv(
         path,
         compression=_compression(path),
-        dtype={c: str for c in text_columns},
+        dtype={c: str for c in list(text_columns) + [w for w in written if w.strip() in text_columns]},
         skip_blank_lines=False,
         low_memory=False,
     )
+    if len(frame.columns) == len(names):
+        frame.columns = names
+    return frame
 
 
 def _require_columns(frame: pd.DataFrame, required: tuple[str, ...], fmt: str) -> None:
@@ -182,40 +207,76 @@ def _windows(ids: object, start: pd.Timestamp, end: pd.Timestamp) -> pd.DataFram
     )
 
 
-def _melt_wide(
-    values: np.ndarray,
+def _wide_counts(values: np.ndarray, column_names: list[str]) -> np.ndarray:
+    """The cells of a (rows x columns) matrix as int64 counts, checked as validation checks a count
+    (:func:`~forecaster.ingest.validate.parse_counts`), or an IngestError naming the first bad cell (in file
+    order) by its data row and column."""
+    n_rows, n_cols = values.shape
+    if values.dtype.kind in "iu":  # whole numbers already (the Azure day): only their range to check
+        bad = _first_bad_cell((values < 0) | (values > MAX_COUNT))
+        if bad is None:
+            return values.astype("int64", copy=False)
+        values = values.reshape(-1)[bad:bad + 1].reshape(1, 1)  # parse_counts names what is wrong with it
+        row, col = divmod(bad, n_cols)
+        try:
+            parse_counts(pd.DataFrame({"y": values.reshape(-1)}))
+        except IngestError as exc:
+            raise IngestError(exc.reason, str(exc).split(": ", 1)[-1], row=row + 1, field=column_names[col],
+                              value=exc.value) from None
+    try:
+        counts = parse_counts(pd.DataFrame({"y": values.reshape(-1)}))
+    except IngestError as exc:
+        row, col = divmod(int(exc.row) - 1, n_cols)
+        message = str(exc).split(": ", 1)[-1]
+        raise IngestError(exc.reason, message, row=row + 1, field=column_names[col], value=exc.value) from None
+    return counts.reshape(n_rows, n_cols)
+
+
+def _first_bad_cell(bad: np.ndarray) -> int | None:
+    """Flat (C order) position of the first true cell, or None."""
+    if not bad.any():
+        return None
+    return int(np.argmax(bad.reshape(-1)))
+
+
+def _expand_cells(
+    counts: np.ndarray,
     *,
+    keep_zeros: bool,
     row_ds_ns: np.ndarray,
     column_ds_ns: np.ndarray,
     column_names: list[str],
     row_ids: np.ndarray | None = None,
     column_ids: np.ndarray | None = None,
 ) -> pd.DataFrame:
-    """Flatten a (rows x columns) matrix to the raw long frame, keeping every cell.
+    """The raw long frame of a checked (rows x columns) count matrix: every cell, or with ``keep_zeros=False``
+    the non-zero ones.
 
-    Cells come out row by row (C order), so the first bad cell validation finds
-    is also the first one in the file. ``ds`` of a cell is ``row_ds_ns[r] +
-    column_ds_ns[c]`` (ns since the epoch); the model id comes from the rows
-    (``row_ids``, Azure: one function per row) or from the columns
-    (``column_ids``, Huawei: one channel per column); pass exactly one.
+    Ingest leaves zeros out: the trace's coverage windows speak for them (validation leaves zeros out of a
+    batch's counts anyway), and a long frame of every cell took about 90 times the CSV's size in memory (83% of
+    the Azure 2019 day is zeros). Cells come out row by row (C order), as in the file. ``ds`` of a cell is
+    ``row_ds_ns[r] + column_ds_ns[c]`` (ns since the epoch); the model id comes from the rows (``row_ids``,
+    Azure: one function per row) or from the columns (``column_ids``, Huawei: one channel per column); pass
+    exactly one.
     """
-    n_rows, n_cols = values.shape
-    # Categoricals: a day of 1,350 functions repeats each 64-character id 1,440 times.
+    n_cols = counts.shape[1]
+    cells = np.arange(counts.size) if keep_zeros else np.flatnonzero(counts.reshape(-1))
+    rows, cols = np.divmod(cells, n_cols)
     if row_ids is not None:
         id_codes, id_names = pd.factorize(np.asarray(row_ids, dtype=object))
-        id_codes = np.repeat(id_codes, n_cols)
+        id_codes = id_codes[rows]
     else:
         id_codes, id_names = pd.factorize(np.asarray(column_ids, dtype=object))
-        id_codes = np.tile(id_codes, n_rows)
+        id_codes = id_codes[cols]
     field_codes, field_names = pd.factorize(np.asarray(column_names, dtype=object))
-    ds_ns = np.repeat(row_ds_ns, n_cols) + np.tile(column_ds_ns, n_rows)
     return pd.DataFrame(
         {
+            # Categoricals: a day of 1,350 functions repeats each 64-character id hundreds of times.
             "unique_id": pd.Categorical.from_codes(id_codes, categories=id_names),
-            "ds": _utc_from_ns(ds_ns),
-            "y": values.reshape(-1),
-            "row": np.repeat(np.arange(1, n_rows + 1, dtype="int64"), n_cols),
-            "field": pd.Categorical.from_codes(np.tile(field_codes, n_rows), categories=field_names),
+            "ds": _utc_from_ns(row_ds_ns[rows] + column_ds_ns[cols]),
+            "y": counts.reshape(-1)[cells],
+            "row": (rows + 1).astype("int64"),
+            "field": pd.Categorical.from_codes(field_codes[cols], categories=field_names),
         }
     )
 
@@ -277,7 +338,15 @@ def _timestamp_column(text: pd.Series, field: str, fmt: str) -> pd.Series:
                           "{!r} is not an ISO 8601 time (such as 2024-01-02T00:00:00Z)", field)
     stamps = pd.to_datetime(text, utc=True, errors="coerce", format=fmt)
     _refuse_first(stamps.isna().to_numpy(), text, "bad_timestamp", "cannot read {!r} as a timestamp", field)
-    return stamps
+    # pandas may parse to seconds; a time nanoseconds cannot hold (2300-01-01) failed later with a message that
+    # named neither row nor column
+    _refuse_first(((stamps < _EARLIEST_NS) | (stamps > _LATEST_NS)).to_numpy(), text, "bad_timestamp",
+                  "{!r} is outside the times a trace can hold (1678 to 2261)", field)
+    return stamps.dt.as_unit("ns")
+
+
+_EARLIEST_NS = pd.Timestamp("1678-01-01", tz="UTC")
+_LATEST_NS = pd.Timestamp("2261-12-31", tz="UTC")
 
 
 #: Offsets from a trace's origin beyond this many minutes (a century) are refused: past about 1.5e11 minutes the
@@ -307,27 +376,83 @@ def _check_ids(frame: pd.DataFrame, column: str) -> np.ndarray:
 # --------------------------------------------------------------------------- readers
 
 
-def _read_azure2019(path: Path, start: pd.Timestamp) -> RawTrace:
-    """Azure Functions 2019 wide file: ``minute_k`` -> ``start + (k-1)`` minutes.
+#: The columns of an Azure Functions 2019 file besides ``minute_<k>``.
+AZURE2019_ID_COLUMNS = ("HashOwner", "HashApp", "HashFunction", "Trigger")
 
-    Every cell becomes one raw row, zeros included (a zero minute is a real
-    zero, so the window is the whole span ``[start, start + N min)`` for every
-    function). Duplicate ``HashFunction`` rows are kept so that validation
-    reports them instead of silently merging two functions.
-    """
-    frame = _read_csv(path, text_columns=("HashFunction", "HashOwner", "HashApp"))
-    minute_columns = [c for c in frame.columns if _MINUTE_COLUMN.fullmatch(str(c))]
-    _require_columns(frame, ("HashFunction",), "azure2019")
+
+def _unknown_column(name: str, position: int, fmt: str, expected: str) -> IngestError:
+    what = f"column {position} has no name" if not name else f"unknown column {safe_repr(name)} (column {position})"
+    return IngestError("unknown_column", f"{fmt}: {what}; expected {expected}; nothing was ingested",
+                       field=name or f"column {position}")
+
+
+def _azure2019_minutes(columns: list[str]) -> tuple[list[str], np.ndarray]:
+    """The ``minute_<k>`` columns and their offsets (k - 1) from the origin, or an IngestError: a column that is
+    neither an id column nor ``minute_<k>`` (``unknown_column``: it was skipped and its minute stored as a known
+    zero), ``minute_0``, a minute a century or more away (``bad_column``), or a minute missing between
+    ``minute_1`` and the last (``missing_step``: it was stored as a known zero). Real files hold every minute."""
+    minute_columns, offsets = [], []
+    for position, name in enumerate(columns, start=1):
+        if name in AZURE2019_ID_COLUMNS:
+            continue
+        match = _MINUTE_COLUMN.fullmatch(name)
+        if not match:
+            raise _unknown_column(name, position, "azure2019", f"{list(AZURE2019_ID_COLUMNS)} and minute_1 .. minute_N")
+        minute_columns.append(name)
+        offsets.append(int(match.group(1)) - 1)
     if not minute_columns:
         raise IngestError("missing_column", "azure2019 input has no minute_<k> columns", field="minute_1")
-    offsets = np.array([int(_MINUTE_COLUMN.fullmatch(c).group(1)) - 1 for c in minute_columns])
-    if (offsets < 0).any():
-        raise IngestError("bad_column", "minute columns are numbered from minute_1", field="minute_0")
-    function_ids = frame["HashFunction"].to_numpy(dtype=object)
-    raw = _melt_wide(
-        frame[minute_columns].to_numpy(),
-        row_ds_ns=np.zeros(len(frame), dtype="int64"),
-        column_ds_ns=start.value + offsets.astype("int64") * _MINUTE_NS,
+    offsets_array = np.asarray(offsets, dtype="int64")
+    for name, offset in zip(minute_columns, offsets):
+        if offset < 0:
+            raise IngestError("bad_column", "minute columns are numbered from minute_1", field=name)
+        if offset >= MAX_OFFSET_MINUTES:
+            raise IngestError("bad_column", f"column {safe_repr(name)} is more than a century after the trace's "
+                              f"origin (at most minute_{MAX_OFFSET_MINUTES})", field=name)
+    if len(set(offsets)) != len(offsets):  # minute_2 and minute_02
+        twice = offsets_array[pd.Series(offsets_array).duplicated().to_numpy()][0]
+        names = [n for n, o in zip(minute_columns, offsets) if o == twice]
+        raise IngestError("duplicate_column", f"columns {names[0]!r} and {names[1]!r} are the same minute",
+                          field=names[1])
+    present = np.zeros(int(offsets_array.max()) + 1, dtype=bool)
+    present[offsets_array] = True
+    if not present.all():
+        first = int(np.flatnonzero(~present)[0]) + 1
+        raise IngestError("missing_step", f"column minute_{first} is missing (the file has minute_1 .. "
+                          f"minute_{len(present)} but {int((~present).sum())} of them are missing); a missing "
+                          "minute is not a zero: write its zeros, or cut the file where the gap starts",
+                          field=f"minute_{first}")
+    return minute_columns, offsets_array
+
+
+def _read_azure2019(path: Path, start: pd.Timestamp, keep_zeros: bool = True) -> RawTrace:
+    """Azure Functions 2019 wide file: ``minute_k`` -> ``start + (k-1)`` minutes.
+
+    Every cell is checked here (a bad one is named by data row and ``minute_k``); the raw frame holds every
+    cell, or the non-zero ones (``keep_zeros=False``: the window, the whole span ``[start, start + N min)`` for
+    every function, makes the others known zeros). A function that appears twice is an IngestError (``duplicate``) rather than two rows
+    merged. The columns must be the id columns and ``minute_1 .. minute_N``, none missing
+    (:func:`_azure2019_minutes`).
+    """
+    frame = _read_csv(path, text_columns=("HashFunction", "HashOwner", "HashApp"))
+    _require_columns(frame, ("HashFunction",), "azure2019")
+    minute_columns, offsets = _azure2019_minutes([str(c) for c in frame.columns])
+    function_ids = _check_ids(frame, "HashFunction")
+    stripped = pd.Series(function_ids).str.strip()
+    again = stripped.duplicated(keep=False).to_numpy()
+    if again.any():
+        first = int(np.flatnonzero(again)[0])
+        rows = np.flatnonzero(again & (stripped == stripped.iloc[first]).to_numpy())[:2] + 1
+        raise IngestError("duplicate", f"function {safe_repr(stripped.iloc[first])} appears more than once "
+                          f"(rows {rows[0]} and {rows[1]})", row=int(rows[1]), field="HashFunction",
+                          value=safe_value(stripped.iloc[first]))
+    counts = _wide_counts(frame[minute_columns].to_numpy(), minute_columns)
+    del frame
+    raw = _expand_cells(
+        counts,
+        keep_zeros=keep_zeros,
+        row_ds_ns=np.zeros(counts.shape[0], dtype="int64"),
+        column_ds_ns=start.value + offsets * _MINUTE_NS,
         column_names=minute_columns,
         row_ids=function_ids,
     )
@@ -335,23 +460,49 @@ def _read_azure2019(path: Path, start: pd.Timestamp) -> RawTrace:
     return RawTrace(raw, 60, _windows(function_ids, start, end), "trace:azure2019")
 
 
-def _read_huawei5min(path: Path) -> RawTrace:
+_HUAWEI_STEP_NS = 300 * 1_000_000_000
+
+
+def _read_huawei5min(path: Path, keep_zeros: bool = True) -> RawTrace:
     """Huawei Cloud 5-minute wide file: one series per channel column, step 300 s.
 
     ``date`` is read as UTC (the upstream dates are a relative axis, "a randomly
-    selected 30 days in 2016"). The window is ``[first date, last date + 5 min)``
-    for every channel; values are kept as read (floats such as ``5879.0``) for
-    validation to check that they are whole.
+    selected 30 days in 2016"). The dates must be 5-minute steps, each once, none missing between the first and
+    the last (a missing row is not a zero: ``missing_step`` names it); every column but ``date`` is a channel,
+    and must have a name. The window is ``[first date, last date + 5 min)`` for every channel; each cell is
+    checked here (whole, non-negative); the raw frame holds every cell, or the non-zero ones (``keep_zeros``).
     """
     frame = _read_csv(path, text_columns=("date",))
     _require_columns(frame, ("date",), "huawei5min")
     channels = [str(c) for c in frame.columns if c != "date"]
     if not channels:
         raise IngestError("missing_column", "huawei5min input has no channel columns")
+    for position, name in enumerate(map(str, frame.columns), start=1):
+        if not name or name.startswith("Unnamed: "):
+            raise _unknown_column("", position, "huawei5min", "date and one named column per channel")
     dates = _timestamp_column(frame["date"], "date", "mixed")
     dates_ns = dates.dt.as_unit("ns").astype("int64").to_numpy()
-    raw = _melt_wide(
-        frame[channels].to_numpy(),
+    _refuse_first(dates_ns % _HUAWEI_STEP_NS != 0, frame["date"], "bad_timestamp",
+                  "{!r} is not on a 5-minute step", "date")
+    seen = pd.Series(dates_ns).duplicated().to_numpy()
+    if seen.any():
+        second = int(np.flatnonzero(seen)[0])
+        first = int(np.flatnonzero(dates_ns == dates_ns[second])[0])
+        raise IngestError("duplicate", f"date {frame['date'].iloc[second]!r} appears more than once (rows "
+                          f"{first + 1} and {second + 1})", row=second + 1, field="date",
+                          value=safe_value(frame["date"].iloc[second]))
+    if len(dates_ns):
+        steps = (np.sort(dates_ns) - dates_ns.min()) // _HUAWEI_STEP_NS
+        gap = np.flatnonzero(steps != np.arange(len(steps)))
+        if len(gap):
+            missing = pd.Timestamp(int(dates_ns.min() + int(gap[0]) * _HUAWEI_STEP_NS), tz="UTC")
+            raise IngestError("missing_step", f"no row for {missing.isoformat()} (5-minute steps from the first "
+                              "date to the last); a missing row is not a zero: write its zeros, or cut the file "
+                              "where the gap starts", field="date", value=missing.isoformat())
+    counts = _wide_counts(frame[channels].to_numpy(), channels)
+    raw = _expand_cells(
+        counts,
+        keep_zeros=keep_zeros,
         row_ds_ns=dates_ns,
         column_ds_ns=np.zeros(len(channels), dtype="int64"),
         column_names=channels,
@@ -510,11 +661,11 @@ def _read_long(path: Path, step_seconds: int) -> RawTrace:
 # --------------------------------------------------------------------------- public API
 
 
-def _first_line(path: Path) -> str:
+def _first_line(path: Path, *, strip: bool = True) -> str:
     with _open_text(path) as fh:
         for line in fh:
             if line.strip():
-                return line.strip()
+                return line.strip() if strip else line.rstrip("\r\n")
     return ""
 
 
@@ -566,6 +717,7 @@ def read_trace(
     start: datetime | None = None,
     step_seconds: int = 60,
     model_id: str | None = None,
+    keep_zeros: bool = True,
 ) -> RawTrace:
     """Read one trace file into a :class:`RawTrace` (unvalidated).
 
@@ -578,6 +730,9 @@ def read_trace(
         step_seconds: step width for ``long`` only (the other formats fix it).
         model_id: service name for single-service formats (``azure_llm2023``,
             ``mooncake``); refused for the others, whose ids come from the file.
+        keep_zeros: for the wide formats (``azure2019``, ``huawei5min``), a raw row per cell; ``False`` leaves
+            the zero cells out (the windows cover them: what ingest writes is the same, in a fraction of the
+            memory). Either way every cell is checked.
 
     Raises:
         IngestError: unreadable structure (missing column, bad timestamp, bad
@@ -592,12 +747,13 @@ def read_trace(
         raise ValueError(f"start= applies only to {list(_RELATIVE_TIME_FORMATS)}; {fmt} has real timestamps")
     if model_id is not None and fmt not in _SINGLE_SERVICE_FORMATS:
         raise ValueError(f"model_id= applies only to {list(_SINGLE_SERVICE_FORMATS)}; {fmt} names its models")
-    return _READERS[fmt](path, start=start, step_seconds=step_seconds, model_id=model_id)
+    return _READERS[fmt](path, start=start, step_seconds=step_seconds, model_id=model_id, keep_zeros=keep_zeros)
 
 
 _READERS: dict[str, Callable[..., RawTrace]] = {
-    "azure2019": lambda p, start, **_: _read_azure2019(p, _origin(start, AZURE2019_DEFAULT_START)),
-    "huawei5min": lambda p, **_: _read_huawei5min(p),
+    "azure2019": lambda p, start, keep_zeros, **_: _read_azure2019(p, _origin(start, AZURE2019_DEFAULT_START),
+                                                                   keep_zeros),
+    "huawei5min": lambda p, keep_zeros, **_: _read_huawei5min(p, keep_zeros),
     "azure_llm2023": lambda p, model_id, **_: _read_azure_llm2023(p, model_id),
     "mooncake": lambda p, start, model_id, **_: _read_mooncake(p, _origin(start, MOONCAKE_DEFAULT_START), model_id),
     "azure2021": lambda p, start, **_: _read_azure2021(p, _origin(start, AZURE2021_DEFAULT_START)),
