@@ -80,21 +80,28 @@ def _copy_counts(conn: Connection, counts: pd.DataFrame) -> None:
     a model id holding ``\\`` or ``"`` was stored under another id (``gpu\\x31`` as ``gpu1``) or refused."""
     if counts.empty:
         return
-    buffer = io.StringIO()
-    out = pd.DataFrame(
-        {
-            "model_id": counts["unique_id"].to_numpy(),
-            "minute": np.char.add(
-                np.datetime_as_string(counts["ds"].dt.tz_convert(None).to_numpy(), unit="s"), "+00:00"
-            ),
-            "count": counts["y"].to_numpy(),
-        }
-    )
-    out.to_csv(buffer, sep="\t", header=False, index=False)
     raw = conn.connection.driver_connection  # psycopg.Connection
     statement = "COPY invocations (model_id, minute, count) FROM STDIN (FORMAT csv, DELIMITER E'\\t')"
     with driver_errors(conn, statement), raw.cursor() as cur, cur.copy(statement) as copy:
-        copy.write(buffer.getvalue())
+        # in pieces: the text of a whole batch at once (and its fixed-width minute strings) took several times
+        # the batch's size in memory
+        for first in range(0, len(counts), COPY_CHUNK_ROWS):
+            part = counts.iloc[first:first + COPY_CHUNK_ROWS]
+            buffer = io.StringIO()
+            pd.DataFrame(
+                {
+                    "model_id": part["unique_id"].to_numpy(),
+                    "minute": np.char.add(
+                        np.datetime_as_string(part["ds"].dt.tz_convert(None).to_numpy(), unit="s"), "+00:00"
+                    ),
+                    "count": part["y"].to_numpy(),
+                }
+            ).to_csv(buffer, sep="\t", header=False, index=False)
+            copy.write(buffer.getvalue())
+
+
+#: Rows of counts per piece of :func:`_copy_counts`' COPY (one COPY, one transaction).
+COPY_CHUNK_ROWS = 50_000
 
 
 def _window_arrays(batch: CountBatch) -> dict[str, list]:
@@ -415,19 +422,21 @@ def write_count_batch(engine: Engine, batch: CountBatch, *, register_models: boo
         params = {**arrays, "lo": min(arrays["starts"]), "hi": max(arrays["ends"])}
         zeroed: list = []
         if report_zeroed:
-            counts = batch.counts
-            zeroed = conn.execute(
-                text(f"WITH d AS ({delete} RETURNING i.model_id, i.minute, i.count) "
-                     "SELECT d.model_id, count(*), sum(d.count), min(d.minute), max(d.minute) FROM d "
-                     "LEFT JOIN unnest(CAST(:new_ids AS text[]), CAST(:new_minutes AS timestamptz[])) AS n(model_id, "
-                     "minute) ON n.model_id = d.model_id AND n.minute = d.minute "
-                     "WHERE n.model_id IS NULL AND d.count > 0 GROUP BY d.model_id ORDER BY d.model_id"),
-                {**params, "new_ids": counts["unique_id"].astype(str).tolist(),
-                 "new_minutes": list(counts["ds"].dt.to_pydatetime())},
-            ).all()
+            # The stored non-zero rows the delete removes are kept aside, and those the batch does not write again
+            # are found after its COPY: the batch's keys sent as lists of Python datetimes and ids were, with the
+            # whole COPY text, most of the peak memory of a large trace's write (bench/ingest.py --memory).
+            conn.execute(text(f"CREATE TEMPORARY TABLE replaced_counts ON COMMIT DROP AS WITH d AS ({delete} "
+                              "RETURNING i.model_id, i.minute, i.count) SELECT * FROM d WHERE d.count > 0"), params)
         else:
             conn.execute(text(delete), params)
         _copy_counts(conn, batch.counts)
+        if report_zeroed:
+            zeroed = conn.execute(
+                text("SELECT d.model_id, count(*), sum(d.count), min(d.minute), max(d.minute) FROM replaced_counts d "
+                     "WHERE NOT EXISTS (SELECT 1 FROM invocations i WHERE i.model_id = d.model_id "
+                     "AND i.minute = d.minute) GROUP BY d.model_id ORDER BY d.model_id")
+            ).all()
+            conn.execute(text("DROP TABLE replaced_counts"))
         conn.execute(
             text(
                 "INSERT INTO coverage (model_id, source, step_seconds, ranges) "
