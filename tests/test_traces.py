@@ -624,6 +624,19 @@ def test_a_repeated_header_name_is_refused(tmp_path, fmt, text, name):
     assert (refused.value.reason, refused.value.field) == ("duplicate_column", name)
 
 
+@pytest.mark.parametrize("fmt, text", [
+    ("long", "unique_id,ds,y\nly,2024-04-01T00:00:00Z,1,7\nly,2024-04-01T00:01:00Z,2,7\n"),
+    ("huawei5min", "date,chA\n2016-01-01 00:00:00,5,7\n2016-01-01 00:05:00,1,1\n"),
+    ("azure2019", AZ19_HEAD + "minute_1,minute_2\no,a,f1,http,1,2,30\n"),
+])
+def test_rows_with_one_field_more_than_the_header_are_refused(tmp_path, fmt, text):
+    """With one trailing field on every row pandas took the first column as the index and shifted every name one
+    column right (the long file's ``y`` read the 7s); each was read without an error."""
+    with pytest.raises(IngestError, match="more fields than the header") as refused:
+        read_trace(write(tmp_path / "t.csv", text), fmt=fmt)
+    assert refused.value.reason == "extra_field"
+
+
 def test_azure2019_header_names_are_stripped_and_other_columns_refused(tmp_path):
     """``minute_2 `` (a trailing space) was skipped and its minute stored as a known zero (50 requests lost)."""
     spaced = read_trace(write(tmp_path / "a.csv", AZ19_HEAD + "minute_1,minute_2 ,minute_3\no,a,f2,http,1,50,3\n"))

@@ -48,6 +48,7 @@ import io
 import json
 import math
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -154,13 +155,21 @@ def _read_csv(path: Path, text_columns: tuple[str, ...] = ()) -> pd.DataFrame:
         seen[name] = position
     # pandas keeps the spaces around a name: ask for the text columns under the names as written too
     written = next(csv.reader([_first_line(path, strip=False)]), []) if names else []
-    frame = pd.read_csv(
-        path,
-        compression=_compression(path),
-        dtype={c: str for c in list(text_columns) + [w for w in written if w.strip() in text_columns]},
-        skip_blank_lines=False,
-        low_memory=False,
-    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", pd.errors.ParserWarning)
+        # index_col=False: when every row has one field more than the header, pandas would otherwise take the first
+        # column as an index and shift every name one column right (ids read as counts, the last column dropped)
+        frame = pd.read_csv(
+            path,
+            compression=_compression(path),
+            dtype={c: str for c in list(text_columns) + [w for w in written if w.strip() in text_columns]},
+            skip_blank_lines=False,
+            low_memory=False,
+            index_col=False,
+        )
+    if any(issubclass(w.category, pd.errors.ParserWarning) for w in caught):
+        raise IngestError("extra_field", f"rows have more fields than the header's {len(names)} columns; "
+                          "nothing was ingested")
     if len(frame.columns) == len(names):
         frame.columns = names
     return frame
