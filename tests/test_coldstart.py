@@ -309,3 +309,45 @@ def test_train_save_load_through_the_registry(engine, settings, now):
     assert rows == {first: "retired", second: "champion"}
     assert champion(engine).id == "f1"  # the forecasting champion is another kind, untouched
     assert latency_version(engine, settings) == second
+
+
+def _one_model_events(n: int, *, seconds: float, state: str | None, start: datetime, node: str = "n1"
+                      ) -> pd.DataFrame:
+    return pd.DataFrame({"model_id": "a", "node_id": node, "started_at": [start + timedelta(minutes=7 * k)
+                                                                           for k in range(n)],
+                         "total_seconds": seconds, "cache_state": state, "image_bytes": 9e9, "weights_bytes": 1e9})
+
+
+def test_a_start_of_unknown_tier_is_never_learned_as_a_start_from_nothing():
+    """The collector leaves cache_state out when it found no Pulled event, the API calls such starts 'unknown':
+    ten warm 16 s starts without a tier must not teach the model that a start from nothing takes 16 s."""
+    t0 = datetime(2026, 11, 20, tzinfo=UTC)
+    known = pd.concat([_one_model_events(40, seconds=120.0, state="none", start=t0),
+                       _one_model_events(20, seconds=16.0, state="host", start=t0 + timedelta(minutes=3))],
+                      ignore_index=True)
+    unknown = _one_model_events(10, seconds=16.0, state=None, start=t0 + timedelta(days=1))
+    sizes = pd.DataFrame({"image_bytes": [9e9], "weights_bytes": [1e9]}, index=pd.Index(["a"]))
+
+    def from_nothing(model: ColdStartModel) -> float:
+        table = model.latency_table(sizes, hour=3, nodes=["n1"])
+        return float(table.loc[table["state"] == "none", "total_s"].iloc[0])
+
+    clean = small_model().fit(known)
+    fitted = small_model().fit(pd.concat([known, unknown], ignore_index=True))
+    assert fitted.skipped_ == {"unknown_cache_state": 10} and fitted.n_events_ == 60
+    assert from_nothing(fitted) == pytest.approx(from_nothing(clean))
+    assert from_nothing(clean) > 60
+    observed = small_model().fit(known)
+    observed.observe(unknown)  # conditioning on newer starts skips them too
+    assert len(observed.history_) == 60 and from_nothing(observed) == pytest.approx(from_nothing(clean))
+
+
+def test_a_zero_second_total_is_skipped_not_learned():
+    """A total of 0 (or 1e-320) stored before ingest refused it is no cold start: three of them drove the
+    from-nothing prediction to 2.5 s."""
+    events = synthetic_events(60, seed=4)
+    events.loc[0, "total_seconds"] = 0.0
+    events.loc[1, "total_seconds"] = 1e-320
+    events.loc[2, "total_seconds"] = 0.05
+    model = small_model().fit(events)
+    assert model.skipped_ == {"bad_total": 3} and model.n_events_ == 57

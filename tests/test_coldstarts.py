@@ -14,6 +14,7 @@ from forecaster.contracts.phases import CACHE_STATES, PHASES
 from forecaster.ingest.coldstarts import validate_cold_starts
 from forecaster.ingest.service import push_cold_starts
 from forecaster.store.catalog import ServingModelSpec, upsert_models
+from forecaster.store.fields import MIN_COLD_START_S
 
 UTC = timezone.utc
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)  # the conftest ``now``
@@ -173,6 +174,9 @@ BAD_EVENTS = [
     pytest.param(event(total_seconds=None), "missing_field", "total_seconds", id="none-total"),
     pytest.param(event(image_pull_s=-1.5), "negative_duration", "image_pull_s", id="negative-phase"),
     pytest.param(event(total_seconds=-3), "negative_duration", "total_seconds", id="negative-total"),
+    pytest.param(event(total_seconds=0), "zero_duration", "total_seconds", id="zero-total"),
+    pytest.param(event(total_seconds=1e-320), "zero_duration", "total_seconds", id="denormal-total"),
+    pytest.param(event(total_seconds=0.05), "zero_duration", "total_seconds", id="total-below-the-floor"),
     pytest.param(event(total_seconds=float("nan")), "nan", "total_seconds", id="nan-total"),
     pytest.param(event(total_seconds=math.inf), "infinite", "total_seconds", id="inf-total"),
     pytest.param(event(total_seconds=10**400), "duration_too_long", "total_seconds", id="int-past-any-float"),
@@ -305,3 +309,11 @@ def test_an_event_id_tells_two_starts_at_the_same_instant_apart_and_is_checked()
         with pytest.raises(IngestError) as info:
             validate_cold_starts([event(**same, event_id=bad)], now=NOW)
         assert (info.value.reason, info.value.field) == (reason, "event_id")
+
+
+def test_a_zero_phase_is_accepted_where_a_zero_total_is_not(registered, settings, now):
+    """Phases may be 0 (an image already present); the total must be a cold start (>= MIN_COLD_START_S)."""
+    result = push_cold_starts(registered, settings, [event(image_pull_s=0.0, cache_state="image",
+                                                           total_seconds=MIN_COLD_START_S)], now=now)
+    assert result == {"inserted": 1, "updated": 0}
+

@@ -10,7 +10,7 @@ bandwidth), ``concurrent_node_transfers`` and
 against the same registry, when the start began). :func:`load_cold_starts`
 builds this frame from the store, deriving the concurrency from overlapping
 cold starts with a sort and sweep (:func:`running_at_start`, O(n log n)).
-Rows the model cannot use (a start dated ``0001-01-01``, NaN or infinite
+Rows the model cannot use (a start dated ``0001-01-01``, no ``cache_state``, NaN or infinite
 seconds) are skipped and counted (:func:`clean_events`), never raised.
 
 Transfers (pre-pulls and pre-loads the node agents carried out, from the
@@ -62,6 +62,7 @@ from forecaster.coldstart.treegrid import TreeGrid, UnsupportedBooster
 from forecaster.contracts.latency import NodeLatencyTable
 from forecaster.contracts.phases import PHASES, START_STATES
 from forecaster.contracts.fleetconfig import FleetConfig
+from forecaster.store.fields import MIN_COLD_START_S
 
 TARGETS = (*PHASES, "total_seconds")
 STATE_RANKS = {"none": 0, "image": 1, "disk": 2, "host": 3, "gpu": 4, "sleeping": 4}
@@ -98,6 +99,8 @@ FILE_NAMES = {"metadata": "metadata.json", "booster": "{target}.txt"}
 #: A cold start stamped before this (UTC) is a broken clock, not an observation (e.g. ``0001-01-01``).
 EARLIEST_STARTED_S = 946_684_800.0  # 2000-01-01T00:00:00Z
 _EPOCH = pd.Timestamp("1970-01-01", tz="UTC")
+#: The shortest total the model learns from (what ingest accepts): 0 s is no cold start.
+MIN_TOTAL_S = MIN_COLD_START_S
 
 
 def _started_seconds(events: pd.DataFrame) -> np.ndarray:
@@ -132,9 +135,13 @@ def clean_events(events: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, int]]:
 
     Dropped (counted under the key in brackets): an unreadable start, or a
     dated one before 2000-01-01 (``bad_started_at``); a total that is missing,
-    NaN, infinite or negative (``bad_total``); a phase that is infinite or
+    NaN, infinite, negative or below :data:`MIN_TOTAL_S` (``bad_total``: stored before ingest refused it); a phase that is infinite or
     negative (``bad_phase``; NaN means "not reported" and is kept); an infinite
-    or negative size (``bad_size``). Adds ``started_s`` (seconds).
+    or negative size (``bad_size``); no ``cache_state`` (``unknown_cache_state``: the collector leaves it out
+    when it found no kubelet ``Pulled`` event, the API calls such a start ``unknown``). A start of unknown tier is
+    never guessed into one: taken as a start from nothing, ten warm 16 s starts made the from-nothing prediction
+    16 s. It cannot feed the node-wide residual either, since that residual is measured against the prior of the
+    start's own tier. Adds ``started_s`` (seconds).
 
     Returns:
         The kept rows (index reset) and ``{reason: count}`` for the dropped ones.
@@ -146,13 +153,15 @@ def clean_events(events: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, int]]:
         bad_start |= frame["started_s"].to_numpy() < EARLIEST_STARTED_S
     total = pd.to_numeric(frame.get("total_seconds", pd.Series(np.nan, index=frame.index)), errors="coerce") \
         .to_numpy(dtype="float64")
-    bad_total = ~np.isfinite(total) | (total < 0)
+    bad_total = ~np.isfinite(total) | (total < MIN_TOTAL_S)
     bad_phase = np.zeros(len(frame), dtype=bool)
     for phase in PHASES:
         if phase in frame.columns:
             values = pd.to_numeric(frame[phase], errors="coerce").to_numpy(dtype="float64")
             bad_phase |= np.isinf(values) | (values < 0)
             frame[phase] = values
+    state = frame["cache_state"] if "cache_state" in frame.columns else pd.Series(None, index=frame.index)
+    unknown_state = ~state.isin(list(STATE_RANKS)).to_numpy()
     bad_size = np.zeros(len(frame), dtype=bool)
     for column in ("image_bytes", "weights_bytes"):
         if column in frame.columns:
@@ -162,7 +171,7 @@ def clean_events(events: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, int]]:
     skipped = {}
     drop = np.zeros(len(frame), dtype=bool)
     for name, mask in (("bad_started_at", bad_start), ("bad_total", bad_total), ("bad_phase", bad_phase),
-                       ("bad_size", bad_size)):
+                       ("bad_size", bad_size), ("unknown_cache_state", unknown_state)):
         mask = mask & ~drop  # each dropped row counted once, under its first reason
         if mask.any():
             skipped[name] = int(mask.sum())
@@ -559,6 +568,8 @@ class ColdStartModel:
         new["started_s"] = _started_seconds(new)
         if "total_seconds" not in new.columns:
             new["total_seconds"] = np.nan
+        # rows with a total come through clean_events (no unknown tier); a question asked without a tier is
+        # answered for a start from nothing, the slowest tier (never a stored start's guessed tier)
         new["cache_state"] = new["cache_state"].fillna("none").astype(str)
         new["node_id"] = (new["node_id"] if "node_id" in new.columns else pd.Series("-", index=new.index)) \
             .fillna("-").astype(str)
@@ -1000,7 +1011,7 @@ def with_concurrency(frame: pd.DataFrame) -> pd.DataFrame:
     start = _started_seconds(frame)
     total = pd.to_numeric(frame["total_seconds"], errors="coerce").to_numpy(dtype="float64")
     end = start + np.where(np.isfinite(total) & (total >= 0), total, np.nan)
-    pulling = (frame["cache_state"].fillna("none") == "none").to_numpy()
+    pulling = (frame["cache_state"] == "none").to_numpy()  # a start of unknown tier is not counted as a pull
     node_counts = np.zeros(len(frame))
     for rows in frame.groupby(frame["node_id"].astype(str), sort=False).indices.values():
         node_counts[rows] = running_at_start(start[rows], end[rows])

@@ -10,7 +10,7 @@ import pandas as pd
 
 from forecaster.contracts.batches import IngestError
 from forecaster.contracts.phases import CACHE_STATES, PHASES
-from forecaster.store.fields import (MAX_COLD_START_S, MIN_TIMESTAMP, id_problem, safe_repr, safe_value,
+from forecaster.store.fields import (MAX_COLD_START_S, MIN_COLD_START_S, MIN_TIMESTAMP, id_problem, safe_repr, safe_value,
                                       timestamp_text_problem)
 
 REQUIRED = ("model_id", "node_id", "started_at", "total_seconds")
@@ -19,8 +19,11 @@ KNOWN_FIELDS = frozenset((*REQUIRED, *PHASES, "cache_state", "event_id"))
 PHASE_SUM_TOLERANCE = 1.05
 
 
-def parse_seconds(row: int, field: str, value: object, *, required: bool) -> float | None:
-    """A duration field in seconds: finite, >= 0, at most ``MAX_COLD_START_S``; None when absent and optional."""
+def parse_seconds(row: int, field: str, value: object, *, required: bool, minimum: float = 0.0) -> float | None:
+    """A duration field in seconds: finite, >= 0, at most ``MAX_COLD_START_S``; None when absent and optional.
+
+    ``minimum`` > 0 (the total: :data:`MIN_COLD_START_S`) also refuses a value below it (``zero_duration``).
+    """
     if value is None:
         if required:
             raise IngestError("missing_field", "value is required", row=row, field=field)
@@ -42,6 +45,9 @@ def parse_seconds(row: int, field: str, value: object, *, required: bool) -> flo
     if number < 0:
         raise IngestError("negative_duration", f"duration is negative: {number:g}", row=row, field=field,
                           value=value)
+    if minimum > 0 and number < minimum:
+        raise IngestError("zero_duration", f"duration {number:g} s is shorter than {minimum:g} s, the shortest "
+                          "possible cold start", row=row, field=field, value=safe_value(value))
     if number > MAX_COLD_START_S:
         raise IngestError("duration_too_long", f"duration {number:g} s is longer than {MAX_COLD_START_S:g} s "
                           "(one day)", row=row, field=field, value=safe_repr(value))
@@ -58,7 +64,7 @@ def validate_cold_starts(
     """Check cold-start events; return them as a frame, or raise on the first bad one.
 
     Each event needs ``model_id``, ``node_id``, ``started_at`` (ISO time or
-    datetime; naive means UTC) and ``total_seconds``; the phases in
+    datetime; naive means UTC) and ``total_seconds`` (at least :data:`MIN_COLD_START_S`); the phases in
     :data:`PHASES`, ``cache_state`` (one of :data:`CACHE_STATES`) and ``event_id`` are optional. ``event_id``
     tells apart starts of one model on one node at the same instant (two replicas of a scale-up; the collector
     sends the pod's uid); without it an event is its (model, node, start). An event repeated inside a batch (same
@@ -115,7 +121,8 @@ def validate_cold_starts(
         if known_models is not None and model_id not in known_models:
             raise IngestError("unknown_model", f"model {model_id!r} is not registered", row=position,
                               field="model_id", value=model_id)
-        total = parse_seconds(position, "total_seconds", event.get("total_seconds"), required=True)
+        total = parse_seconds(position, "total_seconds", event.get("total_seconds"), required=True,
+                              minimum=MIN_COLD_START_S)
         phases = {p: parse_seconds(position, p, event.get(p), required=False) for p in PHASES}
         phase_sum = sum(v for v in phases.values() if v is not None)
         if total is not None and phase_sum > total * PHASE_SUM_TOLERANCE + 1e-9:

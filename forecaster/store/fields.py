@@ -46,6 +46,10 @@ MIN_REPLICA_RPS, MAX_REPLICA_RPS = 1e-3, 1e6
 MIN_SLO_S, MAX_SLO_S = 1e-3, 86_400.0
 #: Longest cold start (total or one phase) accepted, seconds.
 MAX_COLD_START_S = 86_400.0
+#: Shortest cold-start total accepted, seconds: a new replica is a process that starts, loads a model and passes a
+#: readiness check, which takes longer than this; a total of 0 (or 1e-320) is a broken clock or an unset field (three
+#: of them once drove the from-nothing prediction to 2.5 s). Phases may be 0 (an image already present).
+MIN_COLD_START_S = 0.1
 #: Most labels on one model.
 MAX_LABELS = 64
 #: Range of a PostgreSQL ``bigint``.
