@@ -12,7 +12,7 @@ from sqlalchemy.exc import DBAPIError
 from forecaster.contracts.batches import IngestError
 from forecaster.contracts.phases import CACHE_STATES, PHASES
 from forecaster.ingest.coldstarts import validate_cold_starts
-from forecaster.ingest.service import push_cold_starts
+from forecaster.ingest.service import push_cold_starts, store_observed_cold_starts
 from forecaster.store.catalog import ServingModelSpec, upsert_models
 from forecaster.store.fields import MIN_COLD_START_S
 
@@ -317,3 +317,20 @@ def test_a_zero_phase_is_accepted_where_a_zero_total_is_not(registered, settings
                                                            total_seconds=MIN_COLD_START_S)], now=now)
     assert result == {"inserted": 1, "updated": 0}
 
+
+def test_observed_rows_are_told_apart_by_event_id_when_another_row_is_bad(registered, settings, now):
+    """The per-row path of store_observed_cold_starts (taken when any row is bad) keys rows as the table does, with
+    event_id: two replicas created in the same second on one node are two cold starts, as on the all-good path."""
+    a = event(event_id="uid-A", total_seconds=40.0)
+    b = event(event_id="uid-B", total_seconds=42.0)
+    bad = event(model_id="ghost", event_id="uid-C")
+    again = event(event_id="uid-A", total_seconds=41.0)
+    result = store_observed_cold_starts(registered, settings, [a, b, bad, again], now=now,
+                                        source="actuator-kubernetes")
+    assert (result["inserted"], result["rejected"]) == (2, 2)
+    assert result["rejected_reasons"] == {"unknown_model": 1, "duplicate": 1}
+    duplicate = [r for r in result["rejected_rows"] if r["reason"] == "duplicate"]
+    assert duplicate[0]["row"] == 4 and "event_id" in duplicate[0]["message"]
+    with registered.connect() as conn:
+        stored = conn.execute(text("SELECT event_id, total_seconds FROM cold_starts ORDER BY event_id")).all()
+    assert [tuple(r) for r in stored] == [("uid-A", 40.0), ("uid-B", 42.0)]

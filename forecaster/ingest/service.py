@@ -311,9 +311,10 @@ def store_observed_cold_starts(engine: Engine, settings: Settings, events: Itera
     Unlike :func:`push_cold_starts` (the REST route: all or nothing, a re-send updates), one bad row (a pod of a
     model not in the catalogue, an impossible duration) must not keep the others of a collector run out of the
     store: rows are validated one by one, the good ones written in one retried transaction, the rejected ones
-    counted by reason. Two rows with the same (model, node, start) -- two replicas created in the same second on
-    one node, since ``creationTimestamp`` has whole seconds -- cannot both be stored under the table's key: the
-    first is kept and the other rejected as ``duplicate``. A row already stored is left as it is (first observation
+    counted by reason. Rows are told apart by the table's key, (model, node, start, ``event_id``): two replicas
+    created in the same second on one node (``creationTimestamp`` has whole seconds) differ in ``event_id`` (the
+    pod's uid) and are both stored, with or without another bad row in the run; a row repeating another's key is
+    rejected as ``duplicate`` (the first kept). A row already stored is left as it is (first observation
     wins): the collector sees each pod on every run, and a restarted pod's later figures are not its cold start.
 
     Returns:
@@ -341,11 +342,13 @@ def store_observed_cold_starts(engine: Engine, settings: Settings, events: Itera
                 message = str(exc).split(": ", 1)[-1] if exc.row is not None else str(exc)
                 rejected.append({"row": position, "reason": exc.reason, "field": exc.field, "message": message})
                 continue
-            key = (one.at[0, "model_id"], one.at[0, "node_id"], one.at[0, "started_at"])
+            # the table's key (migration 0019): two replicas created in the same second on one node differ in
+            # event_id (the pod's uid) and are two cold starts; the same key twice is the same event sent twice
+            key = (one.at[0, "model_id"], one.at[0, "node_id"], one.at[0, "started_at"], one.at[0, "event_id"])
             if key in first_row:
                 rejected.append({"row": position, "reason": "duplicate", "field": "started_at",
-                                 "message": f"same model, node and start second as row {first_row[key]} (replicas "
-                                            "created in the same second on one node); the first is kept"})
+                                 "message": f"same model, node, start and event_id as row {first_row[key]}; the "
+                                            "first is kept"})
                 continue
             first_row[key] = position
             frames.append(one)
