@@ -514,6 +514,13 @@ class Settings(BaseSettings):
                     "LIST of a namespace's HPAs per period (the plan job builds its backend each plan, so at most "
                     "one per plan), then a GET of the one HPA per action; an HPA created since is seen at the next "
                     "listing. 0: list on every lookup.")
+    kubernetes_coldstart_max_start_s: float = Field(
+        default=10_800.0, ge=60, le=86_400,
+        description="Longest plausible cold start (seconds, creation to first Ready) the Kubernetes collector "
+                    "believes: it counts only pods created at or after its watermark (on its first run: now) less "
+                    "this, and drops a creation -> Ready longer than this. Ready's lastTransitionTime moves when a "
+                    "readiness probe fails and recovers (restartCount stays 0), so a pod created long before would "
+                    "otherwise be stored from its creation to that later transition (a 90 s start as 19,800 s).")
 
     # --- hardening (issue 12): bounds at the edge, supervision ------------
     max_batch_span_days: float = Field(

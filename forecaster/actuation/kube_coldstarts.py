@@ -16,6 +16,14 @@ only for an event without a uid), at or after the pod's creation: never an init 
 ``storage-initializer``), a sidecar's, or the pull of an earlier pod of the same name (a recreated StatefulSet
 replica). A pull longer than the whole cold start is dropped.
 
+Ready's ``lastTransitionTime`` is the *latest* transition: a readiness probe that fails and recovers moves it
+(``restartCount`` stays 0), and a pod created at 06:00, first Ready at 06:01:30 and flapped at 11:30 reads as a
+19,800 s start. The pod status keeps no earlier transition, so only pods created at or after the watermark (on the
+first run, now) less ``max_start_s`` (the longest plausible cold start, ``PREWARM_KUBERNETES_COLDSTART_MAX_START_S``)
+count, and a creation -> Ready longer than ``max_start_s`` is dropped: a flap after that window is never taken as the
+start. Pods whose first Ready fell in a collector outage longer than the window are lost, not misread. A flap within
+the window of a pod's creation is still read as its start (nothing in the pod status tells it apart).
+
 A pod whose containers restarted (``restartCount > 0`` or a ``lastState.terminated``) is left out: its ``Ready``
 time and its container's start are those of the last restart, not of the cold start. So are prewarm's own pre-pull
 Job pods (they carry the model label too).
@@ -33,7 +41,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -152,7 +160,8 @@ def _is_prepull(meta: dict) -> bool:
 
 def cold_starts_from_k8s(pods: list[dict], events: list[dict], *, model_label: str = "prewarm.io/model",
                          since: datetime | None = None, model_by_workload: dict[str, str] | None = None,
-                         pods_from_events: bool = False) -> list[dict]:
+                         pods_from_events: bool = False, now: datetime | None = None,
+                         max_start_s: float | None = None) -> list[dict]:
     """Cold-start events (the ``cold_starts`` push schema) from pods (camelCase JSON) and events.
 
     Pods not yet ready, that became ready before ``since``, whose containers restarted, or that are prewarm's
@@ -163,7 +172,13 @@ def cold_starts_from_k8s(pods: list[dict], events: list[dict], *, model_label: s
             was seen by an earlier run; one created earlier and ready since still counts.
         pods_from_events: also count pods known only from their events (an exported events file, see the module
             docstring); never for the live API.
+        now, max_start_s: with ``max_start_s``, only pods created at or after ``since`` (None: ``now``; both
+            None: no bound) less ``max_start_s`` count, and none whose creation -> Ready exceeds it (see the module
+            docstring: Ready's transition time moves when a readiness probe flaps).
     """
+    created_after = None
+    if max_start_s is not None and (since is not None or now is not None):
+        created_after = (since if since is not None else now) - timedelta(seconds=max_start_s)
     by_object: dict[tuple[str, str], list[dict]] = {}  # ("uid", uid), or ("name", name) for events without a uid
     for event in events:
         involved = _involved(event)
@@ -176,7 +191,7 @@ def cold_starts_from_k8s(pods: list[dict], events: list[dict], *, model_label: s
     found = []
     seen_names: set[str] = set()
     seen_uids: set[str] = set()
-    restarted = 0
+    restarted = stale = 0
     for pod in pods:
         meta = pod.get("metadata") or {}
         name = meta.get("name")
@@ -197,6 +212,10 @@ def cold_starts_from_k8s(pods: list[dict], events: list[dict], *, model_label: s
             continue
         ready_at = _time(ready.get("lastTransitionTime"))
         if ready_at is None or ready_at < created or (since is not None and ready_at < since):
+            continue
+        if max_start_s is not None and ((created_after is not None and created < created_after)
+                                        or (ready_at - created).total_seconds() > max_start_s):
+            stale += 1
             continue
         if _restarted(status):
             restarted += 1
@@ -221,6 +240,9 @@ def cold_starts_from_k8s(pods: list[dict], events: list[dict], *, model_label: s
     if restarted:
         log.info("%d ready model pods left out: their containers restarted, so their Ready time is not the cold "
                  "start's", restarted)
+    if stale:
+        log.info("%d ready model pods left out: created before the collector's window or ready more than %.0f s "
+                 "after creation, so their Ready time need not be their first", stale, max_start_s)
     if pods_from_events:
         found.extend(_cold_starts_from_events(by_object, seen_names, seen_uids, since=since,
                                               mapping=model_by_workload or {}))

@@ -235,7 +235,7 @@ class KubernetesBackend:
     def __init__(self, api_client, *, namespace: str = "default", model_label: str = "prewarm.io/model",
                  helper_image: str = "busybox:1.36", job_ttl_s: int = 600, job_wait_s: float = 300.0,
                  owner_deployment: str | None = None, image_pull_secret: str | None = None,
-                 hpa_index_ttl_s: float = 60.0,
+                 hpa_index_ttl_s: float = 60.0, coldstart_max_start_s: float = 10_800.0,
                  clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
                  sleep: Callable[[float], None] = time.sleep, poll_s: float = 2.0,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
@@ -254,6 +254,7 @@ class KubernetesBackend:
         self.job_wait_s = job_wait_s
         self.owner_deployment = owner_deployment
         self.image_pull_secret = image_pull_secret
+        self.coldstart_max_start_s = coldstart_max_start_s
         self.clock = clock
         self.sleep = sleep
         self.poll_s = poll_s
@@ -279,7 +280,8 @@ class KubernetesBackend:
                        job_wait_s=settings.kubernetes_job_wait_s,
                        owner_deployment=settings.kubernetes_owner_deployment,
                        image_pull_secret=settings.kubernetes_image_pull_secret,
-                       hpa_index_ttl_s=settings.kubernetes_hpa_index_ttl_s)
+                       hpa_index_ttl_s=settings.kubernetes_hpa_index_ttl_s,
+                       coldstart_max_start_s=settings.kubernetes_coldstart_max_start_s)
         options.update(overrides)
         return cls(api_client, **options)
 
@@ -528,6 +530,8 @@ class KubernetesBackend:
 
         ``since``: pods that became Ready before it are left out (the collector's watermark). Only listed pods
         count: the events of a pod not in the list (deleted, or not a model's) are never a cold start of their own.
+        Only pods created at or after ``since`` (on the first run, the clock's now) less ``coldstart_max_start_s``
+        count, so a later Ready transition (a readiness probe that failed and recovered) is never taken as the start.
         """
         from forecaster.actuation.kube_coldstarts import cold_starts_from_k8s
 
@@ -535,7 +539,8 @@ class KubernetesBackend:
         events = self.core.list_namespaced_event(self.namespace, field_selector="involvedObject.kind=Pod").items
         serialise = self.api_client.sanitize_for_serialization
         return cold_starts_from_k8s([serialise(p) for p in pods], [serialise(e) for e in events],
-                                    model_label=self.model_label, since=since)
+                                    model_label=self.model_label, since=since, now=self.clock(),
+                                    max_start_s=self.coldstart_max_start_s)
 
 
 def _api_failure(exc, what: str, **detail) -> Outcome:
