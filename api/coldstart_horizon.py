@@ -9,7 +9,9 @@ latency model is called directly for the models asked about (not through the ser
 the plan job and the snapshot share and a per-model answer would evict), unless the API's snapshot holds the
 whole catalogue's table for this hour, champion and fleet: their rows are then read from it. The lead time is the
 predicted start from the tier a new replica would start from (its warmest cached tier on any node, or on the node
-asked about) plus the planner's margins (``PREWARM_PLANNER_LEAD_MARGIN_S`` / ``_FRAC``).
+asked about) plus the planner's margins (``PREWARM_PLANNER_LEAD_MARGIN_S`` / ``_FRAC``). A model without
+registered sizes is answered from its own observed starts, else ``PREWARM_DEFAULT_COLD_START_S``, as the plan job's
+table answers it; ``PredictedHorizon.source`` says which.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import pandas as pd
 from sqlalchemy import Engine, text
 
 from api.snapshot import HeldLatencyTable, planner_settings_for
-from forecaster.coldstart.service import latency_version, load_latency_model
+from forecaster.coldstart.service import latency_model_at, latency_version
 from forecaster.contracts.latency import NodeLatencyTable
 from forecaster.contracts.phases import START_STATES
 from forecaster.planning.lead_time import start_seconds_by_state
@@ -45,6 +47,9 @@ class PredictedHorizon:
         latency_model_version: the latency champion (None: the physics prior, nothing trained yet).
         hour_utc: the hour the prediction is for.
         node_id: the node asked about, or None (the fleet's nodes, reduced as the planner does).
+        source: model id -> where its figures come from: ``latency_model``; ``observed`` (no registered sizes:
+            its own starts, see :meth:`~forecaster.coldstart.model.ColdStartModel.sizeless_fallback`); or
+            ``default`` (no sizes and no start of its own: ``PREWARM_DEFAULT_COLD_START_S``).
     """
 
     predicted_s: pd.DataFrame
@@ -53,6 +58,7 @@ class PredictedHorizon:
     latency_model_version: str | None
     hour_utc: int
     node_id: str | None = None
+    source: pd.Series | None = None
 
 
 def _sizes(conn, model_ids: list[str]) -> pd.DataFrame:
@@ -97,18 +103,29 @@ def predict_horizon(engine: Engine, settings: Settings, now: datetime, model_ids
     hour = now.astimezone(timezone.utc).hour
     nodes = [node] if node is not None else (fleet_nodes or None)
     version = latency_version(engine, settings)
+    _, model = latency_model_at(engine, settings, now=now, hour=hour)  # what the plan job's table predicts with
+    default_s = float(settings.default_cold_start_s)
+    source = model.sizeless_fallback(sizes, default_s)[2].reindex(ids).fillna("latency_model")
     table = None if held is None or not fleet_nodes else _rows_of(held, sizes, hour, version, fleet_nodes, node)
     if table is None:
-        model = load_latency_model(engine, settings)
-        table = model.latency_table(sizes, hour=hour) if nodes is None else \
-            model.node_latency_table(sizes, hour=hour, nodes=nodes)
+        table = model.latency_table(sizes, hour=hour, default_s=default_s) if nodes is None else \
+            model.node_latency_table(sizes, hour=hour, nodes=nodes, default_s=default_s)
     # on the one node asked about there is nothing to reduce over; over the fleet, the planner's reduction
     predicted = start_seconds_by_state(table, ids, fleet if node is None and nodes else None)
     states = states.reindex(ids).fillna("none")
     start = predicted.to_numpy()[np.arange(len(ids)), [START_STATES.index(s) for s in states]]
     lead = pd.Series(np.asarray(planner_settings_for(settings).lead(start), dtype="float64"), index=predicted.index)
     return PredictedHorizon(predicted_s=predicted, start_state=states, lead_time_s=lead,
-                            latency_model_version=version, hour_utc=hour, node_id=node)
+                            latency_model_version=version, hour_utc=hour, node_id=node, source=source)
+
+
+def lead_source(engine: Engine, settings: Settings, now: datetime, model_id: str) -> str:
+    """Where the planner's figures for ``model_id`` come from (``PredictedHorizon.source``) without predicting:
+    ``latency_model``, ``observed`` or ``default`` (its sizes and, for a model without them, its own starts)."""
+    with engine.connect() as conn:
+        sizes = _sizes(conn, [model_id])
+    _, model = latency_model_at(engine, settings, now=now)
+    return str(model.sizeless_fallback(sizes, float(settings.default_cold_start_s))[2].iloc[0])
 
 
 def _rows_of(held: HeldLatencyTable, sizes: pd.DataFrame, hour: int, version: str | None,

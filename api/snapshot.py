@@ -222,7 +222,7 @@ class ForecastSnapshot:
             fleet = fleet_from_store(self.engine, now=now, default_cold_cost=settings.planner_cold_cost)
             nodes = list(fleet.nodes.index.astype(str)) if len(fleet.nodes) else None
             hour = now.astimezone(timezone.utc).hour
-            table = latency_table(self.engine, settings, models, hour=hour, nodes=nodes)
+            table = latency_table(self.engine, settings, models, hour=hour, nodes=nodes, now=now)
             self.latency_model_version = latency_version(self.engine, settings)
             self.held_latency = HeldLatencyTable(table, hour, self.latency_model_version, models) \
                 if isinstance(table, NodeLatencyTable) else None

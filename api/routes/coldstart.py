@@ -39,6 +39,10 @@ class ColdStartHorizonPublic(BaseModel):
                                             "reduced per tier as the planner does.")
     hour_utc: int = Field(description="UTC hour the prediction is for (the latency model's tables are hourly).")
     latency_model_version: str | None = Field(description="The latency model (None: the physics prior).")
+    source: str = Field(description="Where the predicted seconds come from: latency_model; observed (the model "
+                                    "has no registered sizes: the p90 of its own starts, per tier where it has "
+                                    "some); or default (no sizes and no start of its own: "
+                                    "PREWARM_DEFAULT_COLD_START_S).")
     tiers: list[TierPublic] = Field(description="Predicted seconds per start tier, coldest first.")
     start_tier: str = Field(description="The tier a replica started now would start from (warmest cached).")
     predicted_start_s: float = Field(description="Predicted seconds from ``start_tier``.")
@@ -81,6 +85,7 @@ def get_cold_start_horizon(model_id: ModelIdPath, request: Request, engine: Engi
     return ColdStartHorizonPublic(
         model_id=model_id, node_id=node, hour_utc=horizon.hour_utc,
         latency_model_version=horizon.latency_model_version,
+        source="latency_model" if horizon.source is None else str(horizon.source[model_id]),
         tiers=[TierPublic(tier=t, predicted_s=float(predicted[t])) for t in START_STATES],
         start_tier=start_tier, predicted_start_s=float(predicted[start_tier]),
         lead_time_s=float(horizon.lead_time_s[model_id]), lead_margin_s=margins.lead_margin_s,

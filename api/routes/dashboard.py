@@ -139,7 +139,9 @@ class ColdStartsPublic(BaseModel):
     predicted_stored: bool = Field(description="False when the store holds no cold-start predictions.")
     lead_time_s: float = Field(description="Lead time (s) the recommendation endpoint assumes now: the planner's, "
                                            "from the latency model's predicted start.")
-    lead_time_source: str = Field(description="latency_model (the planner's prediction) or default (not available).")
+    lead_time_source: str = Field(description="latency_model (the planner's prediction); observed (the planner's "
+                                              "figure for a model without registered sizes: its own starts); or "
+                                              "default (no sizes and no start of its own, or no prediction).")
     lead_time_start_state: str | None = Field(default=None, description="The state a new replica would start "
                                               "from (its warmest cached state on any node).")
     latency_model_version: str | None = Field(default=None, description="Latency model version (None: the "
@@ -389,19 +391,27 @@ async def get_cold_starts(model_id: str, request: Request, engine: EngineDep, se
             raise _unavailable(settings) from None
         if on_node is None:
             raise HTTPException(status_code=404, detail=f"unknown node {node!r}")
-        lead, state = on_node
+        lead, state, source = on_node
         return ColdStartsPublic(
             model_id=model_id, start=start, end=end, observed=[ColdStartPublic(**e) for e in view.observed],
             predicted=view.predicted, predicted_stored=view.predicted_stored, lead_time_s=lead,
-            lead_time_source="latency_model", lead_time_start_state=state,
+            lead_time_source=source, lead_time_start_state=state,
             latency_model_version=snapshot.latency_model_version, observed_median_s=view.lead_time_s,
             node_id=node,
             note=None if view.predicted_stored else "no cold-start predictions are stored; showing observed only")
+    source = "default"
+    if predicted:
+        from api.coldstart_horizon import lead_source
+
+        try:
+            source = await run_in_threadpool(lead_source, engine, settings, clock(), model_id)
+        except OperationalError:
+            raise _unavailable(settings) from None
     return ColdStartsPublic(
         model_id=model_id, start=start, end=end, observed=[ColdStartPublic(**e) for e in view.observed],
         predicted=view.predicted, predicted_stored=view.predicted_stored,
         lead_time_s=model_view.lead_time_s if predicted else settings.default_cold_start_s,
-        lead_time_source="latency_model" if predicted else "default",
+        lead_time_source=source,
         lead_time_start_state=model_view.start_state if model_view is not None else None,
         latency_model_version=snapshot.latency_model_version, observed_median_s=view.lead_time_s,
         note=None if view.predicted_stored else "no cold-start predictions are stored; showing observed only",
@@ -409,8 +419,8 @@ async def get_cold_starts(model_id: str, request: Request, engine: EngineDep, se
 
 
 def _node_lead_time(engine, settings, now: datetime, model_id: str, node: str, held=None
-                    ) -> tuple[float, str] | None:
-    """(lead seconds, start state) of a start of ``model_id`` on ``node``; None when the fleet has no such node.
+                    ) -> tuple[float, str, str] | None:
+    """(lead seconds, start state, source of the figures) of a start of ``model_id`` on ``node``; None when the fleet has no such node.
 
     The numbers of ``GET /v1/models/{id}/cold-start?node=`` (:func:`api.coldstart_horizon.predict_horizon`): the
     model's own rows and the node, not the fleet, read from the snapshot's held table where it answers for them
@@ -422,7 +432,8 @@ def _node_lead_time(engine, settings, now: datetime, model_id: str, node: str, h
     horizon = predict_horizon(engine, settings, now, [model_id], node=node, held=held)
     if horizon is None:
         return None
-    return float(horizon.lead_time_s[model_id]), str(horizon.start_state[model_id])
+    source = "latency_model" if horizon.source is None else str(horizon.source[model_id])
+    return float(horizon.lead_time_s[model_id]), str(horizon.start_state[model_id]), source
 
 
 @router.get("/models/{model_id}/actions", response_model=TimelinePublic, responses=_UNKNOWN_MODEL)

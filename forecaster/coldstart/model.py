@@ -91,6 +91,13 @@ HISTORY_LEVELS = (
     (("node_id",), "log_residual", 15, (None, "node_residual", "n_node")),
 )
 FILE_NAMES = {"metadata": "metadata.json", "booster": "{target}.txt"}
+#: A model with no registered sizes (image and weights both 0 or unknown: auto-registered by a push) is predicted
+#: from its own observed starts, not by the 0-byte physics prior (about 12-15 s from every tier), until it has
+#: this many of its own starts and the trees are fitted (see :meth:`ColdStartModel.sizeless_fallback`).
+SIZELESS_OWN_STARTS = 10
+#: The level of a sizeless model's own starts it is predicted at: the p90 (a lead time too short misses the
+#: start, one too long only warms a replica a little early), per tier where the tier has starts.
+SIZELESS_QUANTILE = 0.9
 
 
 # --------------------------------------------------------------------------- features
@@ -540,6 +547,17 @@ class ColdStartModel:
         """The fleet physics with the rates learned from transfers (the prior's own before ``fit``)."""
         return getattr(self, "config_", self.config)
 
+    def observed_copy(self, events: pd.DataFrame) -> "ColdStartModel":
+        """A copy of this model that has observed ``events`` (:meth:`observe`); this one is left as it is (the
+        service keeps the champion as loaded and observes on a copy, so the same events give the same copy)."""
+        import copy
+
+        other = copy.copy(self)
+        other.recent_ = RecentLatencyMember(self.recent_.alpha)
+        other.recent_.level_ = dict(self.recent_.level_)
+        other.observe(events)
+        return other
+
     def observe(self, events: pd.DataFrame) -> None:
         """Condition on newer cold starts without refitting (history and recent errors)."""
         events, _ = clean_events(events)
@@ -612,7 +630,7 @@ class ColdStartModel:
         return out.sort_values("_row").drop(columns="_row").reset_index(drop=True)
 
     def latency_table(self, models: pd.DataFrame, *, hour: int, concurrent: float = 0.0,
-                      registry_pulls: float = 0.0, nodes=None) -> pd.DataFrame:
+                      registry_pulls: float = 0.0, nodes=None, default_s: float | None = None) -> pd.DataFrame:
         """Planner latency input for every model (index ``model_id``, ``image_bytes``, ``weights_bytes``) and state.
 
         Args:
@@ -628,23 +646,29 @@ class ColdStartModel:
                 reported in the history. The long frame of
                 :meth:`node_latency_table` (meant for a few models or nodes;
                 the planner reads the arrays).
+            default_s: where given (the service passes ``PREWARM_DEFAULT_COLD_START_S``), a model without
+                sizes is answered from its own starts, else with this (:meth:`sizeless_fallback`).
 
         Returns:
             ``model_id, state, total_s``, the phases, and ``node_id`` when ``nodes`` is given.
         """
         if nodes is not None:
             return self.node_latency_table(models, hour=hour, concurrent=concurrent, registry_pulls=registry_pulls,
-                                           nodes=nodes).to_frame()
+                                           nodes=nodes, default_s=default_s).to_frame()
         base = self._base_rows(models, hour=hour, concurrent=concurrent, registry_pulls=registry_pulls)
         pred = self.predict(base)
+        total = pred["total_seconds"].to_numpy(dtype="float64").reshape(len(models), len(START_STATES))
+        if default_s is not None:
+            rows, seconds, _ = self.sizeless_fallback(models, default_s)
+            total[rows] = seconds
         out = pd.DataFrame({"model_id": base["model_id"], "state": base["cache_state"],
-                            "total_s": pred["total_seconds"].to_numpy()})
+                            "total_s": total.reshape(-1)})
         for phase in PHASES:
             out[phase] = pred[phase].to_numpy()
         return out
 
     def node_latency_table(self, models: pd.DataFrame, *, hour: int, nodes, concurrent: float = 0.0,
-                           registry_pulls: float = 0.0) -> NodeLatencyTable:
+                           registry_pulls: float = 0.0, default_s: float | None = None) -> NodeLatencyTable:
         """Predicted seconds per (model, node, state) as arrays: what :meth:`latency_table` answers per node.
 
         Exact: every cell is what :meth:`predict` gives for that (model, node,
@@ -666,6 +690,7 @@ class ColdStartModel:
         Args:
             nodes: as :meth:`latency_table`'s (a sequence of node ids, or a frame indexed by ``node_id`` with an
                 optional ``node_bytes_per_s``).
+            default_s: as :meth:`latency_table`'s (a sizeless model's cells are its own starts' on every node).
         """
         base = self._base_rows(models, hour=hour, concurrent=concurrent, registry_pulls=registry_pulls)
         node_ids, bandwidth = self._node_inputs(nodes)
@@ -677,8 +702,58 @@ class ColdStartModel:
         except UnsupportedBooster as exc:  # a booster TreeGrid cannot read: row by row, one node at a time
             warnings.warn(f"per-node latency row by row ({exc})", RuntimeWarning, stacklevel=2)
             total = self._node_totals_by_row(base, node_ids, bandwidth)
+        if default_s is not None:
+            rows, seconds, _ = self.sizeless_fallback(models, default_s)
+            total[rows] = seconds[:, None, :].astype("float32")
         return NodeLatencyTable(model_ids=pd.Index(models.index.astype(str)), node_ids=pd.Index(node_ids),
                                 per_node={"total_s": total}, per_model=per_model)
+
+    def sizeless_fallback(self, models: pd.DataFrame, default_s: float
+                          ) -> tuple[np.ndarray, np.ndarray, pd.Series]:
+        """What a model without registered sizes is predicted at, where the latency model cannot answer for it.
+
+        A model whose ``image_bytes`` and ``weights_bytes`` are both 0 or missing (auto-registered by a push)
+        would get the physics prior of 0 bytes (about 12-15 s from every tier), and trees that never saw its
+        sizes. While it has fewer than :data:`SIZELESS_OWN_STARTS` starts of its own in the history, or no trees
+        are fitted (fewer than ``min_events`` in the fleet), it is predicted from its own starts instead: per
+        tier the :data:`SIZELESS_QUANTILE` of that tier's starts, a tier without any the same of all its starts
+        (a warm tier then gets the colder figure: a longer lead, never a missed start), and with no start of its
+        own ``default_s`` (``PREWARM_DEFAULT_COLD_START_S``) for every tier.
+
+        Returns:
+            The positions in ``models`` of the models that fall back, their seconds (positions x
+            :data:`START_STATES`) and, per model id of ``models``, the source of its figures: ``latency_model``,
+            ``observed`` (its own starts) or ``default``.
+        """
+        ids = models.index.astype(str)
+        sizes = models[["image_bytes", "weights_bytes"]].apply(pd.to_numeric, errors="coerce").fillna(0.0)
+        sizeless = ((sizes["image_bytes"] <= 0) & (sizes["weights_bytes"] <= 0)).to_numpy()
+        source = pd.Series("latency_model", index=ids, dtype=object)
+        if not sizeless.any():
+            return np.zeros(0, dtype=np.int64), np.zeros((0, len(START_STATES))), source
+        history = self.history_[self.history_["model_id"].astype(str).isin(set(ids[sizeless]))]
+        totals = pd.to_numeric(history["total_seconds"], errors="coerce")
+        own = history.assign(total_seconds=totals)[np.isfinite(totals.to_numpy(dtype="float64"))]
+        counts = own.groupby(own["model_id"].astype(str)).size()
+        overall = own.groupby(own["model_id"].astype(str))["total_seconds"].quantile(SIZELESS_QUANTILE)
+        per_tier = own.groupby([own["model_id"].astype(str), own["cache_state"].astype(str)])["total_seconds"] \
+            .quantile(SIZELESS_QUANTILE)
+        rows, seconds = [], []
+        for position in np.flatnonzero(sizeless):
+            model_id = ids[position]
+            n = int(counts.get(model_id, 0))
+            if self.trees_ is not None and n >= SIZELESS_OWN_STARTS:
+                continue
+            if n == 0:
+                seconds.append([float(default_s)] * len(START_STATES))
+                source[model_id] = "default"
+            else:
+                fallback = float(overall[model_id])
+                seconds.append([float(per_tier.get((model_id, state), fallback)) for state in START_STATES])
+                source[model_id] = "observed"
+            rows.append(position)
+        return (np.asarray(rows, dtype=np.int64), np.asarray(seconds, dtype="float64").reshape(-1, len(START_STATES)),
+                source)
 
     def _base_rows(self, models: pd.DataFrame, *, hour: int, concurrent: float, registry_pulls: float
                    ) -> pd.DataFrame:
@@ -836,7 +911,8 @@ class ColdStartModel:
                 "n_transfers": getattr(self, "n_transfers_", 0),
                 "rates": {} if getattr(self, "rates_", None) is None else self.rates_.rates_,
                 "rate_observations": {} if getattr(self, "rates_", None) is None else self.rates_.n_,
-                "recent": [[list(k), v] for k, v in self.recent_.level_.items()]}
+                "recent": [[list(k), v] for k, v in self.recent_.level_.items()],
+                "through_id": getattr(self, "through_id_", None)}
         (folder / FILE_NAMES["metadata"]).write_text(json.dumps(meta, indent=1))
         self.history_.to_csv(folder / "history.csv.gz", index=False)
         return folder
@@ -852,6 +928,8 @@ class ColdStartModel:
         model.validation_ = meta.get("validation", {})
         model.skipped_ = meta.get("skipped", {})
         model.n_transfers_ = meta.get("n_transfers", 0)
+        # versions saved before it: None, observe nothing (their history's ids are unknown) until the next retrain
+        model.through_id_ = meta.get("through_id")
         model.rates_ = TransferRateMember()
         model.rates_.rates_ = dict(meta.get("rates", {}))
         model.rates_.n_ = dict(meta.get("rate_observations", {}))

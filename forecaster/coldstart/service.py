@@ -9,9 +9,22 @@
   minute or every refresh: one index probe for the champion's id, the model
   itself loaded once per version. With no version saved yet it answers with
   the physics prior (no data yet is a normal answer, not an error).
+* Between refits the champion observes the cold starts stored since its
+  training (:func:`_observed`, ``ColdStartModel.observe``: history and the
+  recent member's drift): those with a higher ``cold_starts.id`` than it was
+  trained through that started before the table's cutoff, the start of the
+  table's hour less :data:`PREFETCH_LEAD_MIN` minutes. The cutoff moves once
+  an hour, so a new cold start shows in the next hour's table (at most about
+  65 minutes later) and the table is still built once an hour (a late-arriving
+  start changes the key and rebuilds it). Every process observes the same
+  rows in the same order on a copy of the champion as loaded, so the plan
+  job, the API and a prefetch child answer alike; the observed rows' count
+  and highest id are part of the cache and file keys.
 * :func:`latency_table` is the planner's latency input from that model,
-  cached per (version, hour, catalogue sizes): the same numbers for the plan
-  job and the API's lead time. :func:`prefetch_next_hour` builds the next
+  cached per (version, observed rows, hour, catalogue sizes): the same numbers for the plan
+  job and the API's lead time. A model without registered sizes is answered
+  from its own starts, else ``PREWARM_DEFAULT_COLD_START_S``
+  (``ColdStartModel.sizeless_fallback``), never the 0-byte prior. :func:`prefetch_next_hour` builds the next
   hour's table in a background thread in the last minutes of an hour, so the
   first plan of the hour does not pay the build (70 s at 100,000 models).
   Per-node tables of a saved champion are also written as files beside the
@@ -40,11 +53,13 @@ import pandas as pd
 from sqlalchemy import Engine
 
 from forecaster.coldstart import table_files
-from forecaster.coldstart.model import ColdStartModel, load_cold_starts
+from forecaster.coldstart.model import ColdStartModel, load_cold_starts, with_concurrency
+from forecaster.contracts.phases import PHASES
 from forecaster.contracts.fleetconfig import FleetConfig
 from forecaster.contracts.latency import NodeLatencyTable
 from forecaster.settings import Settings
 from forecaster.store.files import publish_dir
+from forecaster.store.coldstarts import cold_start_id_watermark, cold_starts_after_summary, read_cold_starts_after
 from forecaster.store.registry import champion_version, insert_version, promote_version
 from forecaster.store.transfers import read_transfers
 
@@ -110,11 +125,13 @@ def train_latency_model(engine: Engine, settings: Settings, now: datetime, *,
         The new version id (``latency-<YYYYmmddTHHMM>-<6 hex>``).
     """
     started = time.perf_counter()
+    through_id = cold_start_id_watermark(engine)  # before reading: a start stored meanwhile is observed later
     events = load_cold_starts(engine, days=settings.latency_train_days, max_events=settings.latency_train_max_events,
                               until=now)
     transfers = read_transfers(engine, days=settings.latency_train_days, until=now,
                                max_rows=settings.latency_train_max_events)
     model = ColdStartModel(config=config, tree_params=tree_params).fit(events, transfers)
+    model.through_id_ = through_id
     version_id = f"{KIND}-{now.astimezone(timezone.utc):%Y%m%dT%H%M}-{uuid.uuid4().hex[:6]}"
     final = Path(settings.models_dir) / version_id
     staging = Path(settings.models_dir) / f".{version_id}.partial"
@@ -148,9 +165,27 @@ def train_latency_model(engine: Engine, settings: Settings, now: datetime, *,
 
 
 def ensure_latency_model(engine: Engine, settings: Settings, now: datetime) -> str:
-    """The latency champion's id, training the first one when none is saved yet (the first start)."""
+    """The latency champion's id, training the first one when none is saved yet (the first start), and training
+    again while the champion is the physics prior alone (fitted on fewer than ``min_events`` cold starts: a fresh
+    install's first plan) as soon as the store holds ``min_events`` more cold starts than it was fitted on
+    (one ``count(*)`` a plan while there is no fitted champion; nothing once there is one)."""
     info = champion_version(engine, kind=KIND)
-    return info.id if info is not None else train_latency_model(engine, settings, now)
+    if info is None:
+        return train_latency_model(engine, settings, now)
+    if "trees" in (info.members or []):
+        return info.id
+    scores = info.scores or {}
+    seen = int(scores.get("n_events", 0)) + sum(int(v) for v in (scores.get("skipped") or {}).values())
+    min_events = ColdStartModel().min_events
+    with engine.connect() as conn:
+        from sqlalchemy import text
+
+        stored = int(conn.execute(text("SELECT count(*) FROM cold_starts")).scalar_one())
+    if stored >= seen + min_events:
+        log.info("latency champion %s is the prior alone (%d cold starts); %d are stored now: training",
+                 info.id, seen, stored)
+        return train_latency_model(engine, settings, now)
+    return info.id
 
 
 def load_latency_model(engine: Engine, settings: Settings, *, config: FleetConfig = FleetConfig()
@@ -204,8 +239,67 @@ def _current(engine: Engine, settings: Settings, config: FleetConfig) -> tuple[s
     return version, model
 
 
+#: database#models_dir -> (version, cutoff, count, highest id, the champion having observed those rows)
+_observed_models: dict[str, tuple] = {}
+
+
+def observation_cutoff(now: datetime | None, hour: int) -> datetime:
+    """The start time before which stored cold starts are observed for a table of UTC ``hour`` asked at ``now``:
+    the start of that hour (this hour's or the next one's) less :data:`PREFETCH_LEAD_MIN` minutes. The plan of
+    any minute of an hour and the prefetch for it in the previous hour's last minutes get the same cutoff."""
+    now = datetime.now(timezone.utc) if now is None else now.astimezone(timezone.utc)
+    start = now.replace(minute=0, second=0, microsecond=0) + timedelta(hours=(int(hour) - now.hour) % 24)
+    if start > now + timedelta(hours=1):  # an hour already begun (asked for an earlier hour of the day)
+        start -= timedelta(hours=24)
+    return start - timedelta(minutes=PREFETCH_LEAD_MIN)
+
+
+def _observed(engine: Engine, settings: Settings, version: str | None, model: ColdStartModel,
+              cutoff: datetime) -> tuple[tuple | None, ColdStartModel]:
+    """The champion having observed the cold starts stored since its training that started before ``cutoff``.
+
+    Returns ``(observation key, model)``: the key ``(cutoff, count, highest id)`` goes into the table keys, None
+    when nothing is observed (the prior, a version saved before training watermarks, nothing new). One
+    ``count``/``max`` range scan of the primary key a call; the rows are read and observed (on a copy of the
+    champion as loaded, so a process that just started answers as one that has run for hours) only when that
+    changed: the cutoff moves once an hour.
+    """
+    through = getattr(model, "through_id_", None)
+    if version is None or through is None:
+        return None, model
+    count, highest = cold_starts_after_summary(engine, after_id=through, started_before=cutoff)
+    if count == 0:
+        return None, model
+    key = _key(engine, settings)
+    state = (version, cutoff, count, highest)
+    with _lock:
+        held = _observed_models.get(key)
+    if held is not None and held[:4] == state:
+        return (cutoff.isoformat(), count, highest), held[4]
+    started = time.perf_counter()
+    events = read_cold_starts_after(engine, after_id=through, started_before=cutoff)
+    for column in ("total_seconds", *PHASES, "image_bytes", "weights_bytes", "node_bytes_per_s"):
+        events[column] = pd.to_numeric(events[column], errors="coerce").astype("float64")
+    observed = model.observed_copy(with_concurrency(events) if len(events) else events)
+    with _lock:
+        _observed_models[key] = (*state, observed)
+    log.info("latency model %s observed %d cold starts stored since its training (before %s) in %.2f s", version,
+             count, cutoff.isoformat(), time.perf_counter() - started)
+    return (cutoff.isoformat(), count, highest), observed
+
+
+def latency_model_at(engine: Engine, settings: Settings, *, now: datetime | None = None, hour: int | None = None
+                     ) -> tuple[str | None, ColdStartModel]:
+    """(champion version, the champion having observed the cold starts since its training) for a table of
+    ``hour`` (default ``now``'s) asked at ``now``: what :func:`latency_table` predicts with."""
+    now = datetime.now(timezone.utc) if now is None else now
+    hour = now.astimezone(timezone.utc).hour if hour is None else hour
+    version, model = _current(engine, settings, FleetConfig())
+    return version, _observed(engine, settings, version, model, observation_cutoff(now, hour))[1]
+
+
 def latency_table(engine: Engine, settings: Settings, models: pd.DataFrame, *, hour: int,
-                  nodes=None) -> "pd.DataFrame | NodeLatencyTable":
+                  nodes=None, now: datetime | None = None) -> "pd.DataFrame | NodeLatencyTable":
     """Predicted seconds per model and start state (the planner's latency input) from the latency champion.
 
     Args:
@@ -229,12 +323,12 @@ def latency_table(engine: Engine, settings: Settings, models: pd.DataFrame, *, h
         so a prefetch never evicts the table of the hour being planned), ``_TABLE_BYTES_KEPT`` bytes of them
         (least recently used dropped first).
     """
-    table = _cached_or_built(_request(engine, settings, models, hour=hour, nodes=nodes))
+    table = _cached_or_built(_request(engine, settings, models, hour=hour, nodes=nodes, now=now))
     return table if isinstance(table, NodeLatencyTable) else table.copy()
 
 
 def prefetch_latency_table(engine: Engine, settings: Settings, models: pd.DataFrame, *, hour: int,
-                           nodes=None) -> threading.Thread | None:
+                           nodes=None, now: datetime | None = None) -> threading.Thread | None:
     """Start building :func:`latency_table`'s table for ``hour`` in a background daemon thread.
 
     What the call would build, made ahead so that the first caller of that hour finds it cached (or, still
@@ -249,7 +343,7 @@ def prefetch_latency_table(engine: Engine, settings: Settings, models: pd.DataFr
     Returns:
         The started thread (join it, or :func:`wait_for_prefetches`), or None when nothing was started.
     """
-    request = _request(engine, settings, models, hour=hour, nodes=nodes)
+    request = _request(engine, settings, models, hour=hour, nodes=nodes, now=now)
     with _lock:
         if request.key in _tables or request.key in _building or any(t.is_alive() for t in _prefetches):
             return None
@@ -286,7 +380,8 @@ def prefetch_next_hour(engine: Engine, settings: Settings, models: pd.DataFrame,
     utc = now.astimezone(timezone.utc)
     if utc.minute < 60 - PREFETCH_LEAD_MIN:
         return None
-    return prefetch_latency_table(engine, settings, models, hour=(utc + timedelta(hours=1)).hour, nodes=nodes)
+    return prefetch_latency_table(engine, settings, models, hour=(utc + timedelta(hours=1)).hour, nodes=nodes,
+                                  now=now)
 
 
 def wait_for_prefetches(timeout_s: float | None = None) -> bool:
@@ -324,12 +419,15 @@ class _TableRequest:
     models_dir: Path | None = None
     file_key: dict | None = None
     files_kept: int = 0
+    #: a model without sizes and without starts of its own is answered with this (``PREWARM_DEFAULT_COLD_START_S``)
+    default_s: float | None = None
 
     def build(self) -> "pd.DataFrame | NodeLatencyTable":
         """The table itself (seconds to a minute at 100,000 models; pure computation, no database)."""
         if self.node_ids is None:
-            return self.model.latency_table(self.sizes, hour=self.hour)
-        return self.model.node_latency_table(self.sizes, hour=self.hour, nodes=list(self.node_ids))
+            return self.model.latency_table(self.sizes, hour=self.hour, default_s=self.default_s)
+        return self.model.node_latency_table(self.sizes, hour=self.hour, nodes=list(self.node_ids),
+                                             default_s=self.default_s)
 
 
 class _Build:
@@ -340,21 +438,30 @@ class _Build:
         self.table: "pd.DataFrame | NodeLatencyTable | None" = None
 
 
-def _request(engine: Engine, settings: Settings, models: pd.DataFrame, *, hour: int, nodes) -> _TableRequest:
-    """The champion (one index probe) and the cache key of a table request; the sizes copied for the build."""
+def _request(engine: Engine, settings: Settings, models: pd.DataFrame, *, hour: int, nodes,
+             now: datetime | None = None) -> _TableRequest:
+    """The champion (one index probe), having observed the cold starts since its training (one range scan; see
+    :func:`_observed`), and the cache key of a table request; the sizes copied for the build."""
     version, model = _current(engine, settings, FleetConfig())
+    observation, model = _observed(engine, settings, version, model, observation_cutoff(now, hour))
+    default_s = float(settings.default_cold_start_s)
     sizes = models[["image_bytes", "weights_bytes"]].astype("float64")
     digest = int(pd.util.hash_pandas_object(sizes, index=True).sum())
     node_ids = None if nodes is None else tuple(str(n) for n in nodes)
     if node_ids is not None and not all(node_ids):
         raise ValueError("node ids must be non-empty strings")
-    key = (_key(engine, settings), version, int(hour), len(sizes), digest, node_ids)
+    key = (_key(engine, settings), version, observation, default_s, int(hour), len(sizes), digest, node_ids)
     shared = version is not None and node_ids is not None and settings.latency_table_files_kept > 0
-    file_key = table_files.table_key(version=version, hour=hour, n_models=len(sizes), sizes_digest=digest,
+    # the file key's version names what was observed and the default too: another process reads only a table
+    # computed from the same champion, the same observed rows and the same default
+    shown = version if observation is None else f"{version}+obs-{observation[1]}-{observation[2]}-" \
+        f"{observation[0][:16]}"
+    shown = f"{shown}+d{default_s:g}" if shown is not None else None
+    file_key = table_files.table_key(version=shown, hour=hour, n_models=len(sizes), sizes_digest=digest,
                                      node_ids=node_ids) if shared else None
     return _TableRequest(key=key, model=model, sizes=sizes, hour=int(hour), node_ids=node_ids,
                          models_dir=Path(settings.models_dir) if shared else None, file_key=file_key,
-                         files_kept=settings.latency_table_files_kept)
+                         files_kept=settings.latency_table_files_kept, default_s=default_s)
 
 
 def _cached_or_built(request: _TableRequest) -> "pd.DataFrame | NodeLatencyTable":

@@ -105,7 +105,7 @@ def predicted_latency(engine: Engine, fleet: FleetState, *, now: datetime, setti
     """
     from forecaster.coldstart.service import latency_table
 
-    return latency_table(engine, settings or Settings(), fleet.models, hour=now.astimezone(timezone.utc).hour,
+    return latency_table(engine, settings or Settings(), fleet.models, hour=now.astimezone(timezone.utc).hour, now=now,
                          nodes=_latency_nodes(fleet))
 
 

@@ -129,3 +129,35 @@ def read_cold_start_events(engine: Engine, *, days: float | None = None, max_eve
     with engine.connect() as conn:
         return pd.DataFrame(conn.execute(query, {"days": days, "limit": max_events, "until": until}).mappings().all(),
                             columns=columns)
+
+
+def cold_start_id_watermark(engine: Engine) -> int:
+    """The highest ``cold_starts.id`` stored (0 when none): what a latency model was trained through."""
+    with engine.connect() as conn:
+        return int(conn.execute(text("SELECT coalesce(max(id), 0) FROM cold_starts")).scalar_one())
+
+
+def cold_starts_after_summary(engine: Engine, *, after_id: int, started_before: datetime) -> tuple[int, int]:
+    """(count, highest id) of the cold starts stored with ``id > after_id`` that started before ``started_before``:
+    one range scan of the primary key over what arrived since a model's training."""
+    with engine.connect() as conn:
+        row = conn.execute(text("SELECT count(*), coalesce(max(id), 0) FROM cold_starts WHERE id > :after "
+                                "AND started_at < :before"), {"after": int(after_id), "before": started_before}).one()
+    return int(row[0]), int(row[1])
+
+
+def read_cold_starts_after(engine: Engine, *, after_id: int, started_before: datetime) -> pd.DataFrame:
+    """The cold starts stored with ``id > after_id`` that started before ``started_before`` (oldest first), in
+    :func:`read_cold_start_events`' columns: what a loaded latency model observes between its refits."""
+    columns = ["model_id", "node_id", "started_at", "total_seconds", *PHASES, "cache_state", "image_bytes",
+               "weights_bytes", "node_bytes_per_s"]
+    query = text(
+        "SELECT c.model_id, c.node_id, c.started_at, c.total_seconds, c.image_pull_s, c.weight_fetch_s, "
+        "c.weight_load_s, c.runtime_init_s, c.registration_s, c.cache_state, "
+        "COALESCE(m.image_size_bytes, 0) AS image_bytes, COALESCE(m.weights_size_bytes, 0) AS weights_bytes, "
+        "n.network_bytes_per_s AS node_bytes_per_s "
+        "FROM cold_starts c JOIN serving_models m ON m.id = c.model_id LEFT JOIN nodes n ON n.id = c.node_id "
+        "WHERE c.id > :after AND c.started_at < :before ORDER BY c.started_at, c.id")
+    with engine.connect() as conn:
+        return pd.DataFrame(conn.execute(query, {"after": int(after_id), "before": started_before}).mappings().all(),
+                            columns=columns)
