@@ -50,7 +50,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pandas as pd
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 
 from forecaster.coldstart import table_files
 from forecaster.coldstart.model import ColdStartModel, load_cold_starts, with_concurrency
@@ -178,8 +178,6 @@ def ensure_latency_model(engine: Engine, settings: Settings, now: datetime) -> s
     seen = int(scores.get("n_events", 0)) + sum(int(v) for v in (scores.get("skipped") or {}).values())
     min_events = ColdStartModel().min_events
     with engine.connect() as conn:
-        from sqlalchemy import text
-
         stored = int(conn.execute(text("SELECT count(*) FROM cold_starts")).scalar_one())
     if stored >= seen + min_events:
         log.info("latency champion %s is the prior alone (%d cold starts); %d are stored now: training",
