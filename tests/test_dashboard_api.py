@@ -11,7 +11,6 @@ from fastapi.testclient import TestClient
 from sqlalchemy import text
 
 from api.main import create_app
-from forecaster.contracts.fleetconfig import FleetConfig
 from forecaster.planning.fleet import PlannerSettings
 from forecaster.ingest.service import push_cold_starts, push_counts
 from forecaster.store.catalog import ServingModelSpec, upsert_models
@@ -176,16 +175,17 @@ def test_cold_starts_observed_only_and_says_no_prediction_is_stored(client, flee
     assert [(e["started_at"], e["total_seconds"], e["node_id"]) for e in body["observed"]] == [
         ("2026-11-29T11:52:00Z", 40.0, "n1"), ("2026-11-29T11:58:00Z", 60.0, "n1")]
     assert body["predicted"] == [] and body["predicted_stored"] is False and "observed only" in body["note"]
-    # the lead time is the planner's, from the latency model (no version trained yet: the physics prior; the
-    # catalogue gives no sizes, so a start from nothing is runtime start-up plus registration)
-    prior_total = FleetConfig().runtime_init_s + FleetConfig().registration_s
+    # the lead time is the planner's. The catalogue gives no sizes and no version is trained yet (the model has
+    # seen none of llama's starts): not the 0-byte physics prior (runtime start-up plus registration, ~12 s) but
+    # PREWARM_DEFAULT_COLD_START_S, and the source says so
     assert (body["lead_time_source"], body["latency_model_version"], body["lead_time_start_state"]) == (
-        "latency_model", None, "none")
-    assert body["lead_time_s"] == pytest.approx(PlannerSettings().lead(prior_total))
+        "default", None, "none")
+    assert body["lead_time_s"] == pytest.approx(PlannerSettings().lead(settings.default_cold_start_s))
     assert body["observed_median_s"] == 50.0  # median of 40, 50, 60, kept beside it
     quiet = client.get("/v1/models/mistral/coldstarts", params=window).json()
     assert quiet["observed"] == [] and quiet["observed_median_s"] is None
-    assert quiet["lead_time_s"] == pytest.approx(PlannerSettings().lead(prior_total))
+    assert quiet["lead_time_s"] == pytest.approx(PlannerSettings().lead(settings.default_cold_start_s))
+    assert quiet["lead_time_source"] == "default"
 
 
 def test_action_timeline_keeps_actions_overlapping_the_window(client, fleet_data):

@@ -657,7 +657,7 @@ class ColdStartModel:
                                            nodes=nodes, default_s=default_s).to_frame()
         base = self._base_rows(models, hour=hour, concurrent=concurrent, registry_pulls=registry_pulls)
         pred = self.predict(base)
-        total = pred["total_seconds"].to_numpy(dtype="float64").reshape(len(models), len(START_STATES))
+        total = pred["total_seconds"].to_numpy(dtype="float64", copy=True).reshape(len(models), len(START_STATES))
         if default_s is not None:
             rows, seconds, _ = self.sizeless_fallback(models, default_s)
             total[rows] = seconds

@@ -422,10 +422,10 @@ class _TableRequest:
 
     def build(self) -> "pd.DataFrame | NodeLatencyTable":
         """The table itself (seconds to a minute at 100,000 models; pure computation, no database)."""
+        extra = {} if self.default_s is None else {"default_s": self.default_s}
         if self.node_ids is None:
-            return self.model.latency_table(self.sizes, hour=self.hour, default_s=self.default_s)
-        return self.model.node_latency_table(self.sizes, hour=self.hour, nodes=list(self.node_ids),
-                                             default_s=self.default_s)
+            return self.model.latency_table(self.sizes, hour=self.hour, **extra)
+        return self.model.node_latency_table(self.sizes, hour=self.hour, nodes=list(self.node_ids), **extra)
 
 
 class _Build:

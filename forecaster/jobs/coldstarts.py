@@ -10,7 +10,9 @@ recorded in ``job_runs``, and never a plan. A backend that cannot see cold start
 Watermark: every run lists the namespace's model pods (what the cluster holds now, not its history) but pushes
 only those that became Ready at or after the slot of the job's last successful, not skipped, run less
 :data:`WATERMARK_MARGIN_S` (clock skew between nodes and the scheduler, status updates reaching the API late). A
-failed run does not move it, so the next run covers the gap; the first run pushes every ready pod there is.
+failed run does not move it, so the next run covers the gap; the first run pushes every ready pod there is that was
+created within ``PREWARM_KUBERNETES_COLDSTART_MAX_START_S`` of now (the backend counts only pods created at or after
+the watermark less that bound: a later Ready transition of an older pod, a readiness flap, is not its cold start).
 Pods the margin shows again are kept as stored (first observation wins).
 """
 
