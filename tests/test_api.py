@@ -204,11 +204,11 @@ def test_recommendation_covers_demand_at_the_cold_start_lead_time(client, engine
     put_model(client, tokens)  # 2 rps per replica = 120 per minute
     store_forecast(engine)
     body = client.get("/v1/models/llama/recommendation", headers=auth(tokens["read"])).json()
-    # no latency model trained yet: the physics prior; no sizes registered, so a start from nothing is runtime
-    # start-up + registration (12.3 s), with the planner's margins 12.3 * 1.2 + 5 = 19.76 s: ready at 12:00,
-    # q0.9 there is 150/min -> 2 replicas; now 150/min -> 2
+    # no latency model trained yet and no sizes registered: not the 0-byte physics prior (runtime start-up +
+    # registration, 12.3 s) but PREWARM_DEFAULT_COLD_START_S (45 s), with the planner's margins 45 * 1.2 + 5 =
+    # 59 s: ready at 12:00, q0.9 there is 150/min -> 2 replicas; now 150/min -> 2
     assert (body["replicas_now"], body["replicas_at_lead_time"]) == (2, 2)
-    assert body["lead_time_s"] == pytest.approx(12.3 * 1.2 + 5.0)
+    assert body["lead_time_s"] == pytest.approx(settings.default_cold_start_s * 1.2 + 5.0)
     # observed cold starts of ~5 minutes, once the latency model is trained on them, move the lead time into the
     # spike (450/min -> 4 replicas)
     events = [{"model_id": "llama", "node_id": f"n{i % 3}", "started_at": f"2026-11-29T10:{i:02d}:00Z",
