@@ -298,8 +298,9 @@ def test_pruning_beside_a_busy_actuator_loses_no_count(engine):
 def insert_cold_starts(engine, model: str, days_before: list[float], newest: datetime = NOW) -> None:
     with engine.begin() as conn:
         conn.execute(text("INSERT INTO serving_models (id) VALUES (:m) ON CONFLICT DO NOTHING"), {"m": model})
-        conn.execute(text("INSERT INTO cold_starts (model_id, node_id, started_at, total_seconds, source) "
-                          "VALUES (:m, 'n1', :t, :s, 'test')"),
+        # with a tier: the latency model never learns from a start of unknown tier (skipped, unknown_cache_state)
+        conn.execute(text("INSERT INTO cold_starts (model_id, node_id, started_at, total_seconds, cache_state, "
+                          "source) VALUES (:m, 'n1', :t, :s, 'none', 'test')"),
                      [{"m": model, "t": newest - d * DAY, "s": 10.0 + i} for i, d in enumerate(days_before)])
 
 
