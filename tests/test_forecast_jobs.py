@@ -535,3 +535,38 @@ def test_an_unwritable_models_dir_fails_the_retrain_before_the_fit(engine, inges
         retrain_job(engine, settings, DAY_END, cache=registry.ChampionCache(), ensemble_factory=factory)
     assert fits == []  # failed before the challenger was built, let alone fitted
     assert "models_dir is not writable" in str(raised.value) and str(settings.models_dir) in str(raised.value)
+
+class _BadSeries:
+    """A champion whose output has one series with an infinite value and one with negative values."""
+
+    name = "bad-series"
+
+    def forecast(self, panel, origins, h):
+        import numpy as np
+
+        point = np.full((panel.n_series, 1, h), 5.0)
+        point[0, 0, 3] = np.inf
+        point[1, 0, :] = -2.0
+        return {"bad-series": point, "q0.9": point + 1.0, "p_any": np.full_like(point, 0.5)}
+
+
+class _BadSeriesCache:
+    last_error = None
+
+    def get(self, engine):
+        return None, _BadSeries()
+
+
+def test_one_bad_series_never_fails_the_forecast_job(engine, ingested, caplog):
+    """The store refuses infinite and negative values; the job drops the infinite series (its model keeps its
+    previous run) and clips the negative one to 0, logged and counted, and stores every other model."""
+    ids = model_ids(engine)
+    with caplog.at_level("WARNING", logger="forecaster.jobs.forecasting"):
+        result = forecast_job(engine, ingested, DAY_END, cache=_BadSeriesCache())
+    assert result["dropped_series"] == 1 and result["clipped_series"] == 1
+    assert result["rows"] == (result["models"] - 1) * ingested.forecast_horizon_min
+    assert "not stored this run" in caplog.text and "clipped to 0" in caplog.text
+    with engine.connect() as conn:
+        stored = dict(conn.execute(text("SELECT model_id, (SELECT min(v) FROM unnest(point) v) FROM forecasts")).all())
+    assert len(stored) == result["models"] - 1 and min(stored.values()) == 0.0
+    assert len(ids) >= result["models"]

@@ -31,7 +31,7 @@ def run_frame(model_id: str, first: datetime, points: list[float], *, p_any: flo
                           "point": points})
     if p_any is not None:
         frame["p_any"] = p_any
-    frame["q0.1"] = frame["point"] - band
+    frame["q0.1"] = (frame["point"] - band).clip(lower=0.0)  # the store refuses negative values
     frame["q0.5"] = frame["point"]
     frame["q0.9"] = frame["point"] + band
     return frame
@@ -165,7 +165,7 @@ def test_newest_runs_as_arrays_per_model_and_cut_to_a_window(models):
     assert newest.issued_at_s[i] == NOW.timestamp() and newest.first_target_s[i] == first.timestamp()
     assert newest.point[newest.offsets[i]:newest.offsets[i + 1]].tolist() == [float(k) for k in range(60)]
     assert newest.levels[i] == (0.1, 0.5, 0.9) and newest.quantiles(i).shape == (60, 3)
-    assert newest.quantiles(i)[7].tolist() == [-3.0, 7.0, 17.0]
+    assert newest.quantiles(i)[7].tolist() == [0.0, 7.0, 17.0]
     assert since.model_ids == ["llama"]
     j = cut.model_ids.index("llama")
     assert cut.first_target_s[j] == (first + 2 * MINUTE).timestamp()
@@ -255,7 +255,7 @@ def test_arrays_and_long_frame_store_the_same_run(models):
         expected = {m: latest_forecast(conn, model_id=m).frame for m in points}
     later = NOW + MINUTE
     point = np.array(list(points.values()))
-    columns = {"point": point, "p_any": np.full_like(point, 0.25), "q0.9": point + 10, "q0.1": point - 10,
+    columns = {"point": point, "p_any": np.full_like(point, 0.25), "q0.9": point + 10, "q0.1": np.maximum(point - 10, 0.0),
                "q0.5": point}
     assert write_forecast_arrays(models, list(points), first, columns, issued_at=later,
                                  model_version_id=None) == long_rows == 6
@@ -293,3 +293,38 @@ def test_a_run_with_a_version_per_model_is_one_write(models, tmp_path):
         assert all(s.issued_at == NOW for s in stored.values())
         assert stored["mistral"].frame["point"].tolist() == [3.0, 4.0, 5.0]
         assert conn.execute(text("SELECT count(*) FROM forecasts")).scalar() == 3
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, -1.0, 1e39])
+def test_infinite_negative_or_too_large_values_are_refused_naming_the_model(models, bad):
+    """The serving side reads these with math.ceil and int64 (an infinite or negative run crashed it or answered 0);
+    the plan step refused them. Nothing is written, from either writer."""
+    first = NOW.replace(second=0)
+    frame = pd.concat([run_frame("llama", first, [5.0] * 3), run_frame("mistral", first, [5.0] * 3)],
+                      ignore_index=True)
+    frame.loc[4, "q0.9"] = bad
+    with pytest.raises(ValueError, match="'mistral' has an infinite, negative or too large value"):
+        write_forecasts(models, frame, issued_at=NOW, model_version_id=None)
+    point = np.full((2, 3), 5.0)
+    columns = {"point": point.copy(), "q0.9": point + 1}
+    columns["point"][1, 2] = bad
+    with pytest.raises(ValueError, match="'mistral' has an infinite, negative or too large value"):
+        write_forecast_arrays(models, ["llama", "mistral"], first, columns, issued_at=NOW, model_version_id=None)
+    with pytest.raises(ValueError, match="p_any"):
+        write_forecast_arrays(models, ["llama", "mistral"], first, {"point": point, "p_any": point},
+                              issued_at=NOW, model_version_id=None)
+    assert rows(models) == []
+
+
+def test_a_run_stamped_ahead_of_the_database_clock_is_refused(models):
+    with models.connect() as conn:
+        db_now = conn.execute(text("SELECT clock_timestamp()")).scalar()
+    first = db_now.replace(second=0, microsecond=0)
+    with pytest.raises(ValueError, match="ahead of the database's clock"):
+        write_forecasts(models, run_frame("llama", first, [5.0] * 3), issued_at=db_now + timedelta(minutes=30),
+                        model_version_id=None)
+    assert rows(models) == []
+    # a writer a few seconds ahead is within the tolerance
+    write_forecasts(models, run_frame("llama", first, [5.0] * 3), issued_at=db_now + timedelta(seconds=20),
+                    model_version_id=None)
+    assert len(rows(models)) == 1

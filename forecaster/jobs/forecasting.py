@@ -38,7 +38,7 @@ from forecaster.forecast.sharded import ShardedEnsemble, production_model
 from forecaster.jobs.history import HistoryCache
 from forecaster.settings import Settings
 from forecaster.store.catalog import known_model_ids
-from forecaster.store.forecasts import write_forecast_arrays
+from forecaster.store.forecasts import MAX_FORECAST_VALUE, write_forecast_arrays
 from forecaster.store.invocations import read_grid
 
 log = logging.getLogger(__name__)
@@ -170,15 +170,53 @@ def forecast_job(engine: Engine, settings: Settings, now: datetime, *, cache: Ch
         # One write all the same: the API snapshot loads only runs issued after the newest it has seen, so a
         # run committed in two parts with one issued_at would lose the second part for good to a poll between
         labels = [None if fell else version for fell in fallback]
-    rows = write_forecast_arrays(engine, list(panel.ids), first_target, columns, issued_at=now,
-                                 model_version_id=labels, request_rate_rpm=rates)
-    return {"models": panel.n_series, "rows": rows, "model_version": version,
+    ids_out, columns, rates, labels, unusable = usable_series(list(panel.ids), columns, rates, labels)
+    rows = write_forecast_arrays(engine, ids_out, first_target, columns, issued_at=now,
+                                 model_version_id=labels, request_rate_rpm=rates) if ids_out else 0
+    return {"models": panel.n_series, "rows": rows, **unusable, "model_version": version,
             "no_history": len(ids) - panel.n_series, "read_s": round(read_s, 3), "read": history_cache.last_read,
             "forecast_s": round(forecast_s, 3), "shards": getattr(ensemble, "forecast_run_", None),
             "member_failures": dict(getattr(ensemble, "forecast_failures_", {})),
             "fallback_shards": dict(getattr(ensemble, "fallback_shards_", {})),
             "fallback_series": int(fallback.sum()) if fallback is not None else 0,
             "champion_error": cache.last_error, "seconds": round(time.perf_counter() - started, 3)}
+
+
+def usable_series(ids: list[str], columns: dict[str, np.ndarray], rates: np.ndarray | None, labels
+                  ) -> tuple[list[str], dict[str, np.ndarray], np.ndarray | None, object, dict]:
+    """The forecast's series as the store takes them: a series with a NaN, infinite or too large value (a member's
+    output gone wrong) is dropped, its model keeping its previous run (which ages into ``forecast_stale``, and the
+    plan job holds the model's level), and negative values are clipped to 0, each logged and counted
+    (``dropped_series``, ``clipped_series``), so that one bad series never fails the whole run.
+    ``p_any`` is clipped to [0, 1]. Returns ``(ids, columns, rates, labels, counts)``."""
+    values = [k for k in columns if k != "p_any"]
+    bad = np.zeros(len(ids), dtype=bool)
+    negative = np.zeros(len(ids), dtype=bool)
+    for k in values:
+        v = np.asarray(columns[k], dtype="float64")
+        bad |= ~(np.isfinite(v) & (v <= MAX_FORECAST_VALUE)).all(axis=1)
+        negative |= (v < 0).any(axis=1)
+    negative &= ~bad
+    out = dict(columns)
+    if negative.any():
+        log.warning("forecast job: %d series had negative values, clipped to 0 (e.g. %s)", int(negative.sum()),
+                    ", ".join(str(ids[i]) for i in np.flatnonzero(negative)[:5]))
+        for k in values:
+            out[k] = np.maximum(np.asarray(out[k], dtype="float64"), 0.0)
+    if "p_any" in out and out["p_any"] is not None:
+        p = np.asarray(out["p_any"], dtype="float64")
+        out["p_any"] = np.where(np.isnan(p), p, np.clip(p, 0.0, 1.0))
+    if bad.any():
+        log.warning("forecast job: %d series had NaN, infinite or too large values and are not stored this run "
+                    "(their models keep their previous run): %s", int(bad.sum()),
+                    ", ".join(str(ids[i]) for i in np.flatnonzero(bad)[:5]))
+        keep = ~bad
+        ids = [m for m, k in zip(ids, keep) if k]
+        out = {k: np.asarray(v)[keep] for k, v in out.items()}
+        rates = None if rates is None else np.asarray(rates)[keep]
+        if isinstance(labels, list):
+            labels = [label for label, k in zip(labels, keep) if k]
+    return ids, out, rates, labels, {"dropped_series": int(bad.sum()), "clipped_series": int(negative.sum())}
 
 
 def _holdout_protocol(n_steps: int, holdout: int, horizon: int) -> Protocol:

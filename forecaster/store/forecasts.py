@@ -212,15 +212,48 @@ def _model_blocks(ids: pd.Series, target: np.ndarray) -> tuple[np.ndarray | None
     return order, [str(u) for u in uniques[sorted_codes[starts]]], starts
 
 
+#: Largest value a forecast may hold: the columns are ``real`` (float32), and a larger float64 is stored as infinity.
+MAX_FORECAST_VALUE = float(np.finfo(np.float32).max)
+#: Seconds a run's ``issued_at`` may be ahead of the database's clock (a writer's clock a little ahead). A run
+#: stamped further ahead is refused at write; readers (the API snapshot, /readyz) load none issued further ahead
+#: of their own clock, and the plan job none issued after its ``now``.
+MAX_ISSUED_AHEAD_S = 60.0
+
+
+def bad_value_rows(point: np.ndarray, q: np.ndarray, p_any: np.ndarray | None = None) -> np.ndarray:
+    """Per value row, whether it is unusable: NaN, infinite, negative or beyond ``real`` in ``point`` or a quantile,
+    or a ``p_any`` outside [0, 1] (NaN ``p_any`` is "not known" and allowed)."""
+    point = np.asarray(point, dtype="float64")
+    bad = ~((point >= 0) & (point <= MAX_FORECAST_VALUE))  # NaN fails this too
+    if q.size:
+        bad |= ~((q >= 0) & (q <= MAX_FORECAST_VALUE)).all(axis=1)
+    if p_any is not None:
+        p = np.asarray(p_any, dtype="float64")
+        bad |= ~np.isnan(p) & ~((p >= 0) & (p <= 1))
+    return bad
+
+
+def _refuse_bad_values(point: np.ndarray, q: np.ndarray, p_any: np.ndarray | None, model_of) -> None:
+    """Refuse values no reader can use, naming the first model that has one (``model_of(row)``)."""
+    if np.isnan(point).any() or np.isnan(q).any():
+        raise ValueError("forecast has NaN values; the forecast job must fall back, not store NaN")
+    bad = bad_value_rows(point, q, p_any)
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        values = [float(point[row]), *map(float, q[row])] + ([] if p_any is None else [float(p_any[row])])
+        raise ValueError(f"forecast of model {model_of(row)!r} has an infinite, negative or too large value "
+                         f"(point and quantiles must be finite, >= 0 and <= {MAX_FORECAST_VALUE:.3g}; p_any in "
+                         f"[0, 1] or NaN): {values}; nothing was written")
+
+
 def _runs(frame: pd.DataFrame) -> _Runs:
     """Validate the long frame and regroup it per model, vectorised (no Python loop per value)."""
     columns = quantile_columns(frame)
     ordered = sorted(columns, key=columns.get)
     point = frame["point"].to_numpy(dtype="float64")
     q = frame[ordered].to_numpy(dtype="float64") if ordered else np.empty((len(frame), 0))
-    if np.isnan(point).any() or np.isnan(q).any():
-        raise ValueError("forecast has NaN values; the forecast job must fall back, not store NaN")
     p_any = frame["p_any"].to_numpy(dtype="float64") if "p_any" in frame else None
+    _refuse_bad_values(point, q, p_any, lambda row: str(frame["unique_id"].iloc[row]))
     rate = frame[REQUEST_RATE_COLUMN].to_numpy(dtype="float64") if REQUEST_RATE_COLUMN in frame else None
     target = _target_us(frame["ds"])
     order, ids, starts = _model_blocks(frame["unique_id"], target)
@@ -398,8 +431,11 @@ def write_forecasts(
         Target minutes written (models x minutes; the table holds one row per model).
 
     Raises:
-        ValueError: NaN in ``point`` or a quantile, or a model whose target
-            minutes are not consecutive whole minutes (the model is named).
+        ValueError: NaN, an infinite, negative or too large value (beyond
+            ``real``) in ``point`` or a quantile, a ``p_any`` outside [0, 1],
+            a model whose target minutes are not consecutive whole minutes
+            (the model is named), or an ``issued_at`` more than
+            :data:`MAX_ISSUED_AHEAD_S` ahead of the database's clock.
             Nothing is written then.
     """
     if frame.empty:
@@ -442,8 +478,8 @@ def write_forecast_arrays(
     ordered = sorted(levels, key=levels.get)
     q = (np.stack([np.asarray(columns[c], dtype="float64").reshape(-1) for c in ordered], axis=1) if ordered
          else np.empty((n_models * n_minutes, 0)))
-    if np.isnan(point).any() or np.isnan(q).any():
-        raise ValueError("forecast has NaN values; the forecast job must fall back, not store NaN")
+    p_any_flat = None if columns.get("p_any") is None else np.asarray(columns["p_any"], "float64").reshape(-1)
+    _refuse_bad_values(point.reshape(-1), q, p_any_flat, lambda row: str(model_ids[row // n_minutes]))
     first_ts = pd.Timestamp(first_target)
     first_us = (first_ts.tz_localize("UTC") if first_ts.tzinfo is None else first_ts).value // 1000  # ns -> us
     if first_us % (STEP_SECONDS * 1_000_000):
@@ -463,6 +499,12 @@ def _store_runs(engine: Engine, runs: _Runs, *, issued_at: datetime, model_versi
     """Write validated runs (one row per model) in one transaction, replacing the same ``issued_at``."""
     if issued_at.tzinfo is None:
         issued_at = issued_at.replace(tzinfo=timezone.utc)
+    with engine.connect() as conn:
+        db_now = conn.execute(text("SELECT clock_timestamp()")).scalar()
+    if (issued_at - db_now).total_seconds() > MAX_ISSUED_AHEAD_S:
+        raise ValueError(f"forecast run issued_at {issued_at.isoformat()} is {(issued_at - db_now).total_seconds():.0f} s "
+                         f"ahead of the database's clock ({db_now.isoformat()}; at most {MAX_ISSUED_AHEAD_S:g} s "
+                         "allowed): is this writer's clock ahead? Nothing was written")
     ensure_forecast_partitions(engine, [issued_at.astimezone(timezone.utc).date()])
     with engine.begin() as conn:
         replaced = conn.execute(text("SELECT EXISTS (SELECT 1 FROM forecasts WHERE issued_at = :t)"),
