@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import sys
 import threading
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from forecaster.settings import Settings
 from forecaster.store.db import make_engine
 from forecaster.store.tokens import RevocationListener
 
+
+log = logging.getLogger(__name__)
 
 #: Seconds a thread holding the GIL keeps it while another waits, in a serving process with a refresher.
 SWITCH_INTERVAL_S = 0.001
@@ -90,8 +93,15 @@ def create_app(settings: Settings, engine: Engine, *, clock: Callable[[], dateti
             sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
 
             def refresh_forever() -> None:
+                # nothing may end this loop but stop: a refresh that raised would leave the snapshot frozen
+                # (every recommendation forecast_stale) until the process restarts
                 while not stop.wait(settings.api_snapshot_refresh_s):
-                    refresh_and_freeze()
+                    try:
+                        refresh_and_freeze()
+                    except Exception:  # noqa: BLE001 - logged; the next round tries again
+                        snapshot.healthy = False
+                        log.exception("forecast snapshot refresher: refresh failed; retrying in %g s",
+                                      settings.api_snapshot_refresh_s)
 
             refresher = threading.Thread(target=refresh_forever, name="forecast-snapshot", daemon=True)
             refresher.start()

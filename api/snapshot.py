@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import numpy as np
 import pandas as pd
@@ -45,7 +45,7 @@ from forecaster.planning.recommendation import MinuteQuantiles
 from forecaster.planning.step import planner_settings
 from forecaster.settings import Settings
 from forecaster.store.catalog import read_catalogue_sizes
-from forecaster.store.forecasts import read_newest_runs
+from forecaster.store.forecasts import MAX_ISSUED_AHEAD_S, read_newest_runs
 from forecaster.store.nodecache import warmest_cached_states
 
 log = logging.getLogger(__name__)
@@ -101,8 +101,14 @@ class ForecastSnapshot:
     models: dict[str, ModelView] = field(default_factory=dict)
     #: Each model's default recommendation as bytes (None: only the full path answers it); replaced, not mutated.
     prepared: dict[str, PreparedRecommendation | None] = field(default_factory=dict)
-    newest_issued_at: datetime | None = None
-    healthy: bool = False
+    newest_issued_at: datetime | None = None  # the newest run loaded (never more than MAX_ISSUED_AHEAD_S ahead)
+    healthy: bool = False  # the last refresh succeeded
+    last_error: str | None = None  # why the last refresh failed (None: it succeeded)
+    #: time.monotonic() of the last successful refresh (None: none yet)
+    last_success: float | None = None
+    #: runs issued up to this are loaded: the newest loaded run's issue time, but never past the clock at its load,
+    #: so that a run stamped a little ahead (within MAX_ISSUED_AHEAD_S) hides no other model's later runs
+    _cursor: datetime | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _refreshing: threading.Lock = field(default_factory=threading.Lock)
     _last_refresh: float = 0.0
@@ -128,29 +134,39 @@ class ForecastSnapshot:
             self._refreshing.release()
 
     def _refresh(self) -> bool:
+        """One refresh; any failure marks the snapshot unhealthy (answers say ``stale``, /readyz fails) and is
+        logged, never raised: the refresher thread must outlive a pool timeout or a bug as well as a lost database."""
+        try:
+            return self._refresh_once()
+        except OperationalError as exc:
+            self.healthy, self.last_error = False, f"database unavailable: {type(exc.orig).__name__}"
+            log.warning("forecast snapshot: database unavailable, serving what is held: %s", exc.orig)
+        except Exception as exc:  # noqa: BLE001 - e.g. sqlalchemy.exc.TimeoutError (pool exhausted)
+            self.healthy, self.last_error = False, f"refresh failed: {type(exc).__name__}: {exc}"[:300]
+            log.exception("forecast snapshot: refresh failed, serving what is held")
+        return False
+
+    def _refresh_once(self) -> bool:
         settings = self.settings or Settings()
         now = (self.clock or (lambda: datetime.now(timezone.utc)))()
         catalogue = states = leads = None
+        with self.engine.connect() as conn:
+            # runs stamped further ahead of this clock than the tolerance are not loaded (a writer's clock was
+            # ahead): loaded, they would be served as the newest until the clock caught up with them
+            runs = _newer_runs(conn, self._cursor, until=now + timedelta(seconds=MAX_ISSUED_AHEAD_S))
+            fleet_key = (tuple(conn.execute(_CATALOGUE_PROBE).one()), now.astimezone(timezone.utc).hour)
         try:
+            fleet_key += (latency_version(self.engine, settings),)
+        except OperationalError:
+            raise
+        except Exception:  # noqa: BLE001 - a broken latency model must not stop forecasts being served
+            fleet_key += ("unreadable",)
+        if (self.refresh_s == 0 or runs or not self.healthy or fleet_key != self._fleet_key
+                or time.monotonic() - self._fleet_read_at >= FLEET_REFRESH_S):
             with self.engine.connect() as conn:
-                runs = _newer_runs(conn, self.newest_issued_at)
-                fleet_key = (tuple(conn.execute(_CATALOGUE_PROBE).one()), now.astimezone(timezone.utc).hour)
-            try:
-                fleet_key += (latency_version(self.engine, settings),)
-            except OperationalError:
-                raise
-            except Exception:  # noqa: BLE001 - a broken latency model must not stop forecasts being served
-                fleet_key += ("unreadable",)
-            if (self.refresh_s == 0 or runs or not self.healthy or fleet_key != self._fleet_key
-                    or time.monotonic() - self._fleet_read_at >= FLEET_REFRESH_S):
-                with self.engine.connect() as conn:
-                    catalogue = read_catalogue_sizes(conn)
-                    states = warmest_cached_states(conn)
-                leads = self._lead_times(catalogue, states)
-        except OperationalError as exc:
-            self.healthy = False
-            log.warning("forecast snapshot: database unavailable, serving what is held: %s", exc.orig)
-            return False
+                catalogue = read_catalogue_sizes(conn)
+                states = warmest_cached_states(conn)
+            leads = self._lead_times(catalogue, states)
         # Built aside and swapped in: a reader (the event loop's thread) never waits for a fleet's preparation.
         if catalogue is not None:
             known = {}
@@ -163,22 +179,57 @@ class ForecastSnapshot:
                 known[model_id] = view
             changed = None  # every model
         else:
-            known, changed = self.models, runs.keys()
-        newest = self.newest_issued_at
+            known, changed = self.models, set()
+        newest, cursor = self.newest_issued_at, self._cursor
         for model_id, run in runs.items():
-            if model_id in known:
-                known[model_id].forecast = run
+            held = known.get(model_id)
+            if held is not None and (held.forecast is None or run.issued_at >= held.forecast.issued_at):
+                held.forecast = run
+                if changed is not None:
+                    changed.add(model_id)
             newest = run.issued_at if newest is None else max(newest, run.issued_at)
+            loaded_to = min(run.issued_at, now)
+            cursor = loaded_to if cursor is None else max(cursor, loaded_to)
         prepared = self._prepare(known, changed, settings) if changed is None or changed else self.prepared
         with self._lock:
             self.models = known
             self.prepared = prepared
             self.newest_issued_at = newest
+        self._cursor = cursor
         if catalogue is not None:
             self._fleet_key, self._fleet_read_at = fleet_key, time.monotonic()
-        self.healthy = True
-        self._last_refresh = time.monotonic()
+        self.healthy, self.last_error = True, None
+        self._last_refresh = self.last_success = time.monotonic()
         return True
+
+    def readiness(self, now: datetime, fresh_s: float) -> tuple[bool, dict]:
+        """Whether this process's own snapshot serves fresh forecasts: its last refresh succeeded, within
+        ``fresh_s`` seconds, and its newest loaded run is at most ``fresh_s`` old (no run: ready only while no
+        model is registered). The details say which check failed."""
+        detail: dict[str, object] = {}
+        ok = True
+        if not self.healthy:
+            ok = False
+            detail["snapshot"] = self.last_error or "not loaded yet"
+        elif self.last_success is not None and self.refresh_s > 0:
+            since = time.monotonic() - self.last_success
+            detail["snapshot_refreshed_s_ago"] = round(since, 1)
+            if since > fresh_s:
+                ok = False
+                detail["snapshot"] = f"not refreshed for {since:.0f} s (more than {fresh_s:g} s)"
+        if ok:
+            detail["snapshot"] = "ok"
+        newest = self.newest_issued_at
+        if newest is None:
+            with self._lock:
+                registered = len(self.models)
+            detail["forecasts"] = "none yet" if registered == 0 else "none yet for registered models"
+            return ok and registered == 0, detail
+        age_s = (now - newest).total_seconds()
+        detail["forecast_age_s"] = round(age_s, 1)
+        fresh = age_s <= fresh_s
+        detail["forecasts"] = "fresh" if fresh else f"stale (older than {fresh_s:g} s)"
+        return ok and fresh, detail
 
     def _prepare(self, models: dict[str, ModelView], changed, settings: Settings
                  ) -> dict[str, PreparedRecommendation | None]:
@@ -247,9 +298,10 @@ class ForecastSnapshot:
             return self.models.get(model_id)
 
 
-def _newer_runs(conn, since: datetime | None) -> dict[str, MinuteQuantiles]:
-    """Each model's newest run issued after ``since`` (all models' newest without it), streamed with COPY."""
-    runs = read_newest_runs(conn, issued_after=since)
+def _newer_runs(conn, since: datetime | None, until: datetime | None = None) -> dict[str, MinuteQuantiles]:
+    """Each model's newest run issued in ``(since, until]`` (``since`` None: all models' newest up to ``until``),
+    streamed with COPY."""
+    runs = read_newest_runs(conn, issued_after=since, issued_at_most=until)
     out = {}
     minutes_all = runs.target_minutes_s()
     for i, model_id in enumerate(runs.model_ids):

@@ -7,6 +7,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as SATimeoutError
 
 from api.deps import ClockDep, EngineDep, SettingsDep
 
@@ -24,27 +25,29 @@ def healthz(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok" if ok else "unavailable", "scheduler": detail}, status_code=200 if ok else 503)
 
 
-@router.get("/readyz", responses={503: {"description": "Database unreachable or forecasts stale"}})
-def readyz(engine: EngineDep, settings: SettingsDep, clock: ClockDep) -> JSONResponse:
-    """Ready when the database answers and the newest forecast is fresh (or no model is registered yet)."""
+@router.get("/readyz", responses={503: {"description": "Database unreachable, or this process's forecasts stale"}})
+def readyz(request: Request, engine: EngineDep, settings: SettingsDep, clock: ClockDep) -> JSONResponse:
+    """Ready when the database answers and this process's own forecast snapshot serves fresh forecasts: its last
+    refresh succeeded within ``PREWARM_FORECAST_FRESH_S`` and its newest loaded run is no older than that (no run:
+    ready only while no model is registered). What the snapshot serves is what this process's recommendations
+    read, so a process whose refreshes fail (each worker of ``prewarm serve`` has its own snapshot and answers its
+    own probes) is taken out of service rather than answering ``forecast_stale``. Runs stamped more than
+    :data:`~forecaster.store.forecasts.MAX_ISSUED_AHEAD_S` ahead of the clock are never loaded, so one cannot keep
+    the process ready."""
     checks: dict[str, object] = {}
     try:
         with engine.connect() as conn:
             conn.execute(text("SELECT 1"))
-            newest = conn.execute(text("SELECT max(issued_at) FROM forecasts")).scalar()
-            models = conn.execute(text("SELECT count(*) FROM serving_models")).scalar()
         checks["database"] = "ok"
-    except OperationalError as exc:
-        checks["database"] = f"unreachable: {type(exc.orig).__name__}"
+    except (OperationalError, SATimeoutError) as exc:
+        cause = exc.orig if isinstance(exc, OperationalError) else exc
+        checks["database"] = f"unreachable: {type(cause).__name__}"
         return JSONResponse({"status": "unavailable", "checks": checks}, status_code=503)
-    if newest is None:
-        checks["forecasts"] = "none yet" if models == 0 else "none yet for registered models"
-        ok = models == 0
-    else:
-        age_s = (clock() - newest).total_seconds()
-        checks["forecast_age_s"] = round(age_s, 1)
-        ok = age_s <= settings.forecast_fresh_s
-        checks["forecasts"] = "fresh" if ok else f"stale (older than {settings.forecast_fresh_s:g} s)"
+    snapshot = request.app.state.snapshot
+    if settings.api_snapshot_refresh_s == 0:  # no refresher: every read refreshes, and so does this one
+        snapshot.refresh(wait=True)
+    ok, detail = snapshot.readiness(clock(), settings.forecast_fresh_s)
+    checks.update(detail)
     return JSONResponse({"status": "ok" if ok else "unavailable", "checks": checks}, status_code=200 if ok else 503)
 
 
