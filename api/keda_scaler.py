@@ -154,7 +154,7 @@ class ForecastFloor:
         result = recommend(view.forecast, model_id=query.model_id, now=now, lead_time_s=lead_time_s,
                            replica_rps=view.replica_rps, quantile=query.quantile,
                            max_age_s=self.settings.forecast_fresh_s)
-        if result.reason == "forecast_stale":
+        if result.reason in ("forecast_stale", "forecast_invalid"):
             return Floor(result, active=False)
         peak = demand_within_lead(view.forecast, now=now, lead_time_s=lead_time_s, quantile=query.quantile)
         active = peak is not None and replicas_for(peak, view.replica_rps) > 0
@@ -176,6 +176,10 @@ class ForecastFloor:
                               f"{floor.recommendation.forecast_age_s:.0f} s old, older than "
                               f"PREWARM_FORECAST_FRESH_S={self.settings.forecast_fresh_s:g} s (is the forecast job "
                               f"running?); KEDA's fallback applies")
+        if floor.recommendation.reason == "forecast_invalid":
+            raise ScalerError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"model {safe_repr(query.model_id, 260)}'s newest forecast holds an infinite, NaN "
+                              f"or negative demand; KEDA's fallback applies")
         return floor
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic_core import to_json
 
-from forecaster.planning.recommendation import MinuteQuantiles, replicas_for
+from forecaster.planning.recommendation import MAX_REPLICAS, MinuteQuantiles, replicas_for, usable_values
 
 _STALE = (b',"stale":false}', b',"stale":true}')
 
@@ -53,6 +53,7 @@ class PreparedRecommendation:
     demand: np.ndarray | None  # the default quantile's column (invocations per minute), one per target minute
     fixed: bytes | None  # the whole body less the stale flag, when no forecast
     max_age_s: float | None = None  # older forecasts answer forecast_stale (recommend()'s max_age_s)
+    capped_issued: bytes = b""  # issued_and_after for reason replicas_capped (more than MAX_REPLICAS asked for)
 
     def body(self, now_s: float, stale: bool) -> bytes:
         """The response body at ``now_s`` (epoch seconds), as :func:`recommend` and the schema would make it."""
@@ -77,11 +78,14 @@ class PreparedRecommendation:
         index_now = int((current - self.first_minute_s) // 60)
         demand_now = float(demand[index_now] if 0 <= index_now < minutes else demand[0])
         demand_lead = float(max(demand[k] for k in lead_at))
+        replicas_now, replicas_lead = replicas_for(demand_now, self.replica_rps), replicas_for(demand_lead,
+                                                                                               self.replica_rps)
         return b"".join((
-            self.head, str(replicas_for(demand_now, self.replica_rps)).encode(), b',"replicas_at_lead_time":',
-            str(replicas_for(demand_lead, self.replica_rps)).encode(), self.lead_and_level,
+            self.head, str(replicas_now).encode(), b',"replicas_at_lead_time":',
+            str(replicas_lead).encode(), self.lead_and_level,
             b',"demand_now_per_min":', _json(demand_now), b',"demand_at_lead_time_per_min":', _json(demand_lead),
-            self.issued_and_after, age, self.version, _STALE[stale]))
+            self.capped_issued if max(replicas_now, replicas_lead) >= MAX_REPLICAS else self.issued_and_after,
+            age, self.version, _STALE[stale]))
 
 
 _COLUMNS: dict[tuple, int | None] = {}
@@ -105,7 +109,7 @@ class _Fragments:
     """JSON fragments shared by many models (one run's issue time and version, a lead time), made once each."""
 
     def __init__(self) -> None:
-        self.issued: dict[tuple, tuple[bytes, bytes, bytes, bytes]] = {}
+        self.issued: dict[tuple, tuple[bytes, bytes, bytes, bytes, bytes]] = {}
         self.numbers: dict[float | None, bytes] = {}
 
     def number(self, value: float | None) -> bytes:
@@ -114,7 +118,7 @@ class _Fragments:
             made = self.numbers[value] = _json(value)
         return made
 
-    def run(self, forecast: MinuteQuantiles) -> tuple[bytes, bytes, bytes, bytes]:
+    def run(self, forecast: MinuteQuantiles) -> tuple[bytes, bytes, bytes, bytes, bytes]:
         key = (forecast.issued_at, forecast.model_version_id)
         made = self.issued.get(key)
         if made is None:
@@ -123,7 +127,8 @@ class _Fragments:
                 b',"reason":"forecast","forecast_issued_at":' + issued + b',"forecast_age_s":',
                 b',"reason":"forecast_expired","forecast_issued_at":' + issued + b',"forecast_age_s":',
                 b',"reason":"forecast_stale","forecast_issued_at":' + issued + b',"forecast_age_s":',
-                b',"model_version_id":' + _json(forecast.model_version_id))
+                b',"model_version_id":' + _json(forecast.model_version_id),
+                b',"reason":"replicas_capped","forecast_issued_at":' + issued + b',"forecast_age_s":')
         return made
 
 
@@ -157,11 +162,13 @@ def prepare_recommendation(model_id: str, forecast: MinuteQuantiles | None, *, l
     if minutes[-1] - minutes[0] != 60 * (len(minutes) - 1):
         return None  # gaps, or another step: recommend()'s masks, on the full path
     level, demand = _column(forecast, quantile)
-    issued_and_after, expired_issued, stale_issued, version = fragments.run(forecast)
+    if not usable_values(demand):
+        return None  # forecast_invalid: recommend() answers it, on the full path
+    issued_and_after, expired_issued, stale_issued, version, capped_issued = fragments.run(forecast)
     return PreparedRecommendation(
         head, lead_time_s, lead + b',"quantile":' + fragments.number(None if level is None else float(level)),
         issued_and_after, expired_issued, stale_issued, version, replica_rps, forecast.issued_at.timestamp(),
-        float(minutes[0]), np.ascontiguousarray(demand, dtype="float64"), None, max_age_s)
+        float(minutes[0]), np.ascontiguousarray(demand, dtype="float64"), None, max_age_s, capped_issued)
 
 
 def fragments() -> _Fragments:

@@ -20,6 +20,9 @@ from forecaster.store.forecasts import StoredForecast, quantile_columns
 
 #: Below this forecast (requests per minute), no replica is needed.
 MIN_DEMAND_PER_MIN = 0.5
+#: Most replicas a recommendation names (a gRPC int64, a JSON number every client reads, an HPA's int32): a
+#: forecast that asks for more is answered with this many and reason ``replicas_capped``.
+MAX_REPLICAS = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,8 @@ class Recommendation:
     quantile: float | None
     demand_now_per_min: float | None
     demand_at_lead_time_per_min: float | None
-    reason: str  # forecast | no_forecast | forecast_stale | forecast_expired
+    # forecast | replicas_capped | no_forecast | forecast_stale | forecast_expired | forecast_invalid
+    reason: str
     forecast_issued_at: datetime | None
     forecast_age_s: float | None
     model_version_id: str | None
@@ -42,11 +46,21 @@ class Recommendation:
 
 def replicas_for(demand_per_min: float, replica_rps: float | None) -> int:
     """Replicas that serve ``demand_per_min`` when one serves ``replica_rps`` requests per second."""
-    if demand_per_min < MIN_DEMAND_PER_MIN:
+    if not demand_per_min >= MIN_DEMAND_PER_MIN:  # NaN too (callers refuse it first: forecast_invalid)
         return 0
     if not replica_rps:
         return 1
-    return max(1, math.ceil(demand_per_min / (replica_rps * 60.0) - 1e-9))
+    needed = demand_per_min / (replica_rps * 60.0) - 1e-9
+    if not needed < MAX_REPLICAS:  # infinity too
+        return MAX_REPLICAS
+    return max(1, math.ceil(needed))
+
+
+def usable_values(values: np.ndarray) -> bool:
+    """Whether a forecast's demand column can be served: every value finite and >= 0 (the store refuses others
+    at write; a run stored before that, or written around it, answers ``forecast_invalid``)."""
+    values = np.asarray(values, dtype="float64")
+    return bool(((values >= 0) & np.isfinite(values)).all())
 
 
 @dataclass(frozen=True)
@@ -112,6 +126,8 @@ def demand_within_lead(
     if forecast is None or not len(forecast.minutes_s):
         return None
     _, values = _demand_at(forecast, quantile)
+    if not usable_values(values):
+        return None
     current, ready_at = _minute_starts(now, lead_time_s)
     if not ((forecast.minutes_s >= ready_at) & (forecast.minutes_s <= ready_at + 60)).any():
         return None
@@ -140,6 +156,10 @@ def recommend(
     covers an hour, so without the limit a forecast job that stopped would go on
     being served as current for that hour, and autoscalers would never fall back.
     None: no limit.
+
+    A forecast whose demand column holds an infinite, NaN or negative value gives no replicas, reason
+    ``forecast_invalid`` (autoscalers fall back as for ``forecast_stale``); one that asks for more than
+    :data:`MAX_REPLICAS` replicas gives that many, reason ``replicas_capped``.
     """
     forecast = _as_minutes(forecast)
     if forecast is None or not len(forecast.minutes_s):
@@ -149,6 +169,9 @@ def recommend(
     if max_age_s is not None and age_s > max_age_s:
         return Recommendation(model_id, None, None, lead_time_s, level, None, None, "forecast_stale",
                               forecast.issued_at, age_s, forecast.model_version_id)
+    if not usable_values(values):
+        return Recommendation(model_id, None, None, lead_time_s, level, None, None, "forecast_invalid",
+                              forecast.issued_at, age_s, forecast.model_version_id)
     current, ready_at = _minute_starts(now, lead_time_s)
     at_now = values[forecast.minutes_s == current]
     at_lead = values[(forecast.minutes_s >= ready_at) & (forecast.minutes_s <= ready_at + 60)]
@@ -157,15 +180,16 @@ def recommend(
                               forecast.issued_at, age_s, forecast.model_version_id)
     demand_now = float(at_now[0]) if len(at_now) else float(values[0])
     demand_lead = float(at_lead.max())
+    replicas_now, replicas_lead = replicas_for(demand_now, replica_rps), replicas_for(demand_lead, replica_rps)
     return Recommendation(
         model_id=model_id,
-        replicas_now=replicas_for(demand_now, replica_rps),
-        replicas_at_lead_time=replicas_for(demand_lead, replica_rps),
+        replicas_now=replicas_now,
+        replicas_at_lead_time=replicas_lead,
         lead_time_s=lead_time_s,
         quantile=level,
         demand_now_per_min=demand_now,
         demand_at_lead_time_per_min=demand_lead,
-        reason="forecast",
+        reason="replicas_capped" if max(replicas_now, replicas_lead) >= MAX_REPLICAS else "forecast",
         forecast_issued_at=forecast.issued_at,
         forecast_age_s=age_s,
         model_version_id=forecast.model_version_id,
