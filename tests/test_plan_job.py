@@ -210,3 +210,77 @@ def test_budget_history_api_and_metrics_follow_the_plan_jobs_state(engine, setti
     # minutes 6 and 9), and the API says the budget is not set
     assert not unbudgeted["enabled"] and unbudgeted["configured"] is None
     assert [p["interval_min"] for p in unbudgeted["points"]] == [1.0, 3.0]
+
+
+def _replicas(engine) -> dict[str, int]:
+    """Each model's replicas after its newest succeeded scale or release."""
+    with engine.connect() as conn:
+        return dict(conn.execute(text(
+            "SELECT m.id, (SELECT coalesce((detail->>'replicas_after')::int, (spec->>'replicas')::int) FROM actions a "
+            "WHERE a.model_id = m.id AND kind IN ('scale', 'release') AND status = 'succeeded' "
+            "ORDER BY updated_at DESC, id DESC LIMIT 1) FROM serving_models m")).all())
+
+
+def _busy(model: str, start: datetime, level: float = 600.0) -> pd.DataFrame:
+    minutes = pd.date_range(start, periods=60, freq="min")
+    return pd.DataFrame({"unique_id": model, "ds": minutes, "point": level, "p_any": 1.0, "q0.1": level,
+                         "q0.5": level, "q0.9": level * 1.2})
+
+
+def test_a_model_whose_forecast_ran_out_is_held_not_released(engine, settings):
+    """The forecast job stopped forecasting llama (its runs fail) while it forecasts 'idle': llama's last run
+    expires. Without a forecast its zero desired level is no demand: the plan job released all its replicas as
+    idle_release. Now it holds them, and says so."""
+    _setup(engine, spike_at=0)
+    plan_job(engine, settings, NOW)
+    plan_job(engine, settings, NOW + timedelta(minutes=5))
+    held = _replicas(engine)["llama"]
+    assert held and held >= 5
+    later = NOW + timedelta(minutes=65)  # llama's run (60 target minutes from NOW) has run out
+    write_forecasts(engine, _busy("idle", later, 0.0), issued_at=later - timedelta(seconds=20), model_version_id=None)
+    result = plan_job(engine, settings, later)
+    with engine.connect() as conn:
+        llama = conn.execute(text("SELECT kind, reason FROM actions WHERE model_id = 'llama' AND plan_id = "
+                                  "(SELECT max(id) FROM plans)")).all()
+    assert llama == [] and _replicas(engine)["llama"] == held
+    assert result["summary"]["no_forecast"] == 1 and result["summary"]["held_no_forecast"] == 1
+
+
+def test_a_model_with_unusable_forecast_rows_is_held_and_one_forecast_zero_is_released(engine, settings):
+    """Rows with infinite values (stored before the store refused them) make the plan step drop the model: held.
+    A model whose forecast is zero is released as before."""
+    _setup(engine, spike_at=0)
+    with engine.begin() as conn:
+        upsert_models(conn, [ServingModelSpec(id="quiet", image_ref="vllm/vllm-openai:v0.5.4", replica_rps=2.0)])
+    write_forecasts(engine, _busy("quiet", NOW), issued_at=NOW - timedelta(seconds=10), model_version_id=None)
+    plan_job(engine, settings, NOW)
+    plan_job(engine, settings, NOW + timedelta(minutes=5))
+    before = _replicas(engine)
+    assert before["llama"] >= 5 and before["quiet"] >= 5
+    later = NOW + timedelta(minutes=10)
+    write_forecasts(engine, pd.concat([_busy("llama", later), _busy("quiet", later, 0.0).assign(p_any=0.0)]),
+                    issued_at=later - timedelta(seconds=20), model_version_id=None)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE forecasts SET quantiles = array_fill(CAST('Infinity' AS real), ARRAY[3, 60]) "
+                          "WHERE model_id = 'llama' "
+                          "AND issued_at = :t"), {"t": later - timedelta(seconds=20)})
+    result = plan_job(engine, settings, later + timedelta(minutes=30))  # past quiet's keep window
+    assert _replicas(engine)["llama"] == before["llama"]
+    with engine.connect() as conn:
+        planned = conn.execute(text("SELECT model_id, kind, reason FROM actions WHERE plan_id = "
+                                    "(SELECT max(id) FROM plans) AND kind IN ('scale', 'release')")).all()
+    assert planned == [("quiet", "release", "idle_release")]  # (the actuator's guardrails may still drop it)
+    assert "llama" in result["summary"]["skipped_models"] and result["summary"]["held_no_forecast"] == 1
+
+
+def test_plan_job_marks_an_old_run_and_says_when_forecasts_expired(engine, settings, caplog):
+    _setup(engine)
+    with caplog.at_level("WARNING", logger="forecaster.jobs.planning"):
+        fresh = plan_job(engine, settings, NOW)
+        assert fresh["summary"]["forecast_age_s"] == 20.0 and fresh["summary"]["forecast_stale"] is False
+        old = plan_job(engine, settings, NOW + timedelta(minutes=50))
+        assert old["summary"]["forecast_age_s"] == 50 * 60 + 20.0 and old["summary"]["forecast_stale"] is True
+        assert "planning from a forecast run 3020 s old" in caplog.text
+        expired = plan_job(engine, settings, NOW + timedelta(minutes=61))
+    assert expired["skipped"] == "forecasts expired" and expired["forecast_age_s"] == 61 * 60 + 20.0
+    assert "forecasts expired" in caplog.text

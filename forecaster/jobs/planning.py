@@ -23,7 +23,7 @@ from datetime import datetime, timedelta, timezone
 
 import numpy as np
 import pandas as pd
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 
 from forecaster.contracts.fleet import FleetState, build_fleet
 from forecaster.contracts.forecast import REQUEST_RATE_COLUMN
@@ -37,6 +37,13 @@ from forecaster.store.forecasts import read_newest_runs
 from forecaster.store.invocations import read_grid
 
 log = logging.getLogger(__name__)
+
+
+def newest_issued_at(engine: Engine, *, now: datetime) -> datetime | None:
+    """The issue time of the newest run issued at or before ``now`` (None: none), through the ``issued_at`` index."""
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT max(issued_at) FROM forecasts WHERE issued_at <= :now"),
+                            {"now": now}).scalar()
 
 
 def stored_forecast(engine: Engine, *, now: datetime, horizon_min: int) -> pd.DataFrame:
@@ -203,8 +210,18 @@ def plan_job(engine: Engine, settings: Settings, now: datetime, *, actuator=None
 
     started = time.perf_counter()
     forecast = stored_forecast(engine, now=now, horizon_min=settings.plan_horizon_min)
+    newest = newest_issued_at(engine, now=now)
+    age_s = None if newest is None else round((now - newest).total_seconds(), 1)
     if forecast.empty:
-        return {"skipped": "no forecasts yet"}
+        if newest is None:
+            return {"skipped": "no forecasts yet"}
+        log.warning("plan job at %s: forecasts expired (the newest run, issued %s, is %.0f s old and reaches no "
+                    "planned minute); nothing planned, every model's replicas held (is the forecast job running?)",
+                    now.isoformat(), newest.isoformat(), age_s)
+        return {"skipped": "forecasts expired", "forecast_issued_at": newest.isoformat(), "forecast_age_s": age_s}
+    if age_s is not None and age_s > settings.forecast_fresh_s:
+        log.warning("plan job at %s: planning from a forecast run %.0f s old (PREWARM_FORECAST_FRESH_S=%g s; is the "
+                    "forecast job running?)", now.isoformat(), age_s, settings.forecast_fresh_s)
     fleet = fleet_from_store(engine, now=now, default_cold_cost=settings.planner_cold_cost)
     latency = predicted_latency(engine, fleet, now=now, settings=settings)
     budget = budget_state(engine, settings, fleet, now=now)
@@ -215,5 +232,8 @@ def plan_job(engine: Engine, settings: Settings, now: datetime, *, actuator=None
     for report in reports:
         statuses[str(report.status)] = statuses.get(str(report.status), 0) + 1
     prefetched = prefetch_latency(engine, fleet, now=now, settings=settings)
-    return {"actions": len(planned.actions), "carried_out": statuses, "summary": planned.summary,
+    summary = {**planned.summary, "forecast_issued_at": None if newest is None else newest.isoformat(),
+               "forecast_age_s": age_s,
+               "forecast_stale": age_s is not None and age_s > settings.forecast_fresh_s}
+    return {"actions": len(planned.actions), "carried_out": statuses, "summary": summary,
             "seconds": round(time.perf_counter() - started, 3), "latency_prefetch_started": prefetched}

@@ -499,7 +499,10 @@ def plan(
     registry_img = np.array([registry_of(r) for r in models["image_ref"].to_numpy()], dtype=object)
     pull_s = np.nan_to_num(lat.get("none:image_pull_s", np.zeros(n)), nan=0.0)
     id_values = ids.to_numpy()  # (an Index lookup per action costs more than the action)
-    for i in np.flatnonzero((desired.max(axis=1) > 0) | (current > 0)):
+    # a model without a usable forecast (none, expired, or dropped by the plan step for bad values) is held at
+    # its current level: its zero desired level says nothing about its demand, so neither scale nor release it
+    held_no_forecast = int(((current > 0) & ~fa.known).sum())
+    for i in np.flatnonzero(((desired.max(axis=1) > 0) | (current > 0)) & fa.known):
         model_id = id_values[i]
         window = desired[i, :max(1, min(h_count, int(lead_minutes[i]) + 1))]
         keep = int(window.max()) if len(window) else 0
@@ -551,13 +554,15 @@ def plan(
         "budget_denied_replicas": budget_denied,
         "warm_gpus_planned": float((np.maximum(desired.max(axis=1), 0) * gpus).sum()),
         "models_forecast": int(fa.known.sum()),
+        "no_forecast": int((~fa.known).sum()),  # models planned without a usable forecast: no scale or release
+        "held_no_forecast": held_no_forecast,  # of those, models holding replicas, held at their current level
         "forecast_rows_rescaled": fa.rescaled,
     }
     if spend_curve_multipliers is not None:
         need = _need_given_any(fa, cap, spend_curve_busy)
         summary["spend_curve_gpu_s"] = [
             _expected_idle_gpu_s(fa, _held_next_minute(
-                scale_levels(best_state, float(m))[0], current, lead,
+                np.where(fa.known[:, None], scale_levels(best_state, float(m))[0], current[:, None]), current, lead,
                 _keep_minutes(lead, m * c_cold.max(axis=1) / np.maximum(c_idle, 1e-12), h_count,
                               settings.release_hold_min)), need, gpus)
             for m in np.asarray(spend_curve_multipliers, dtype="float64")]

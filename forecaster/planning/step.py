@@ -113,7 +113,9 @@ def _request_rates(forecasts: pd.DataFrame, model_ids: pd.Index) -> np.ndarray:
 
 
 def _usable_forecast(forecasts: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, str]]:
-    """Rows the planner can read; models with a NaN, infinite or negative value are dropped whole."""
+    """Rows the planner can read; models with a NaN, infinite or negative value are dropped whole: they are
+    planned as without a forecast (no scale or release action; their level held, ``summary["held_no_forecast"]``)
+    and named in ``summary["skipped_models"]``."""
     if forecasts.empty:
         return forecasts, {}
     columns = [c for _, c in quantile_levels(forecasts)] + (["p_any"] if "p_any" in forecasts.columns else [])
