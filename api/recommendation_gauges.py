@@ -27,7 +27,7 @@ from datetime import datetime
 import numpy as np
 from prometheus_client.utils import floatToGoString
 
-from forecaster.planning.recommendation import MIN_DEMAND_PER_MIN, recommend
+from forecaster.planning.recommendation import MAX_REPLICAS, MIN_DEMAND_PER_MIN, recommend
 
 NAME = "prewarm_recommended_replicas"
 HEADER = (f"# HELP {NAME} Replicas to have ready, now and at the cold-start lead time\n"
@@ -78,9 +78,10 @@ def _stack(prepared: dict) -> _Stacked:
 
 
 def replicas_for_array(demand_per_min: np.ndarray, replica_rps: np.ndarray) -> np.ndarray:
-    """:func:`~forecaster.planning.recommendation.replicas_for` elementwise (NaN ``replica_rps``: unknown)."""
+    """:func:`~forecaster.planning.recommendation.replicas_for` elementwise (NaN ``replica_rps``: unknown), capped at
+    ``MAX_REPLICAS`` as it is."""
     with np.errstate(invalid="ignore", divide="ignore"):
-        sized = np.maximum(1.0, np.ceil(demand_per_min / (replica_rps * 60.0) - 1e-9))
+        sized = np.minimum(np.maximum(1.0, np.ceil(demand_per_min / (replica_rps * 60.0) - 1e-9)), MAX_REPLICAS)
     return np.where(demand_per_min < MIN_DEMAND_PER_MIN, 0.0, np.where(np.isnan(replica_rps), 1.0, sized))
 
 

@@ -39,7 +39,7 @@ def store_run(engine, model_id: str, issued_at: datetime, points: list[float], b
     if p_any is not None:
         frame["p_any"] = p_any
     if band is not None:
-        frame["q0.1"] = frame["point"] - band
+        frame["q0.1"] = (frame["point"] - band).clip(lower=0.0)  # the store refuses negative values
         frame["q0.9"] = frame["point"] + band
     write_forecasts(engine, frame, issued_at=issued_at, model_version_id=None)
 
