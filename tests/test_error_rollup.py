@@ -41,7 +41,7 @@ def run_frame(models: list[str], issued_at: datetime, points: np.ndarray, first_
     frame = pd.DataFrame({"unique_id": np.repeat(models, steps),
                           "ds": np.tile(pd.date_range(first, periods=steps, freq="min"), len(models)),
                           "point": points.reshape(-1)})
-    frame["q0.1"], frame["q0.9"] = frame["point"] - 5, frame["point"] + 5
+    frame["q0.1"], frame["q0.9"] = (frame["point"] - 5).clip(lower=0.0), frame["point"] + 5
     if with_p_any:
         quarters = np.rint(frame["point"].to_numpy() * 4).astype(np.int64)
         frame["p_any"] = np.where(quarters % 7 == 0, np.nan, (quarters % 5) / 4)
