@@ -536,6 +536,7 @@ def test_an_unwritable_models_dir_fails_the_retrain_before_the_fit(engine, inges
     assert fits == []  # failed before the challenger was built, let alone fitted
     assert "models_dir is not writable" in str(raised.value) and str(settings.models_dir) in str(raised.value)
 
+
 class _BadSeries:
     """A champion whose output has one series with an infinite value and one with negative values."""
 
