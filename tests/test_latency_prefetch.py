@@ -302,3 +302,18 @@ def test_a_build_process_that_dies_is_a_clear_error_not_a_hang(engine, settings)
                                     node_ids=("n0",))
     with pytest.raises(RuntimeError, match="exit code 9"):
         service.build_in_child(request, timeout_s=WAIT_S)
+
+
+class _Built:
+    def build(self):
+        return {"table": 1}
+
+
+def test_a_child_whose_parent_stopped_waiting_ends_quietly():
+    """A prefetch in flight when ``prewarm demo`` ended printed two BrokenPipeError tracebacks from its child: it
+    sent its table to a closed pipe, then tried to send that error down the same pipe."""
+    import multiprocessing
+
+    receiver, sender = multiprocessing.Pipe(duplex=False)
+    receiver.close()  # the parent stopped waiting
+    service._child_build(_Built(), sender, 0)  # returns; nothing raised out of the child's target

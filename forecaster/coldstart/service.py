@@ -614,11 +614,22 @@ def _child_build(request: _TableRequest, sender, nice: int) -> None:
         from threadpoolctl import threadpool_limits
 
         with threadpool_limits(1):
-            sender.send(("table", request.build()))
+            table = request.build()
+        _send_to_parent(sender, ("table", table))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent, which raises it
-        sender.send(("error", traceback.format_exc()))
+        _send_to_parent(sender, ("error", traceback.format_exc()))
     finally:
         sender.close()
+
+
+def _send_to_parent(sender, message: tuple) -> None:
+    """Send ``message`` to the waiting parent; a parent that stopped waiting (it timed out, or its process is
+    ending, as at the end of ``prewarm demo`` with a prefetch in flight) closed the pipe: there is no one to tell,
+    and a traceback from the child about it would only alarm whoever reads the log."""
+    try:
+        sender.send(message)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
 
 
 def _evict() -> None:
