@@ -403,21 +403,8 @@ def test_forecast_job_returns_at_its_deadline_when_a_shard_worker_hangs(engine, 
     settings = ingested.model_copy(update={"shard_workers": 2, "forecast_interval_s": 4,
                                            "forecast_deadline_intervals": 1.0})
     forecast_job(engine, settings, DAY_END, cache=cache)  # starts the forecast pool and loads the shards there
-    marker.touch()
     issued = DAY_END.replace(second=10)
-    box: dict = {}
-    job = threading.Thread(target=lambda: box.setdefault("out", forecast_job(engine, settings, issued, cache=cache)),
-                           daemon=True)
-    started = time.monotonic()
-    job.start()
-    try:
-        job.join(60)
-        seconds = time.monotonic() - started
-        assert "out" in box, "the forecast job still waits on the hung shard 60 s later (deadline 4 s)"
-    finally:
-        marker.unlink(missing_ok=True)  # releases the hung shard wherever it still runs
-        job.join(60)
-    out = box["out"]
+    out, seconds = _forecast_with_a_hung_shard(engine, settings, issued, cache, marker)
     assert seconds < 4 + 25
     _, champion = cache.get(engine)
     hung = champion.shard_of_[victim]
@@ -641,21 +628,8 @@ def test_forecast_job_returns_at_its_deadline_with_the_default_settings(engine, 
     executor.deadline_s = 4.0
     assert first["models"] == 100 and not first["shards"]["failed_shards"]
     worker = _worker_processes() - others
-    marker.touch()
     issued = DAY_END.replace(second=10)
-    box: dict = {}
-    job = threading.Thread(target=lambda: box.setdefault("out", forecast_job(engine, settings, issued, cache=cache)),
-                           daemon=True)
-    started = time.monotonic()
-    job.start()
-    try:
-        job.join(60)
-        seconds = time.monotonic() - started
-        assert "out" in box, "the forecast job still waits on the hung shard 60 s later (deadline 4 s)"
-    finally:
-        marker.unlink(missing_ok=True)  # releases the hung shard wherever it still runs
-        job.join(60)
-    out = box["out"]
+    out, seconds = _forecast_with_a_hung_shard(engine, settings, issued, cache, marker)
     assert seconds < 4 + 25
     _, champion = cache.get(engine)
     hung = champion.shard_of_[victim]
@@ -681,3 +655,22 @@ def test_the_forecast_jobs_default_executor_can_be_stopped_at_its_deadline(tmp_p
     assert isinstance(executor_for(settings), InlineExecutor) and executor_for(settings).deadline_s is None
     in_process = executor_for(settings.model_copy(update={"forecast_in_process": True}), "forecast")
     assert isinstance(in_process, InlineExecutor) and in_process.deadline_s == 2.0 * 60
+
+
+def _forecast_with_a_hung_shard(engine, settings, issued, cache, marker) -> tuple[dict, float]:
+    """Run the forecast job at ``issued`` in a thread with the ``marker`` that hangs one shard in place; its summary
+    and wall seconds (the test fails when it has not returned 60 s later)."""
+    marker.touch()
+    box: dict = {}
+    job = threading.Thread(target=lambda: box.setdefault("out", forecast_job(engine, settings, issued, cache=cache)),
+                           daemon=True)
+    started = time.monotonic()
+    job.start()
+    try:
+        job.join(60)
+        seconds = time.monotonic() - started
+        assert "out" in box, "the forecast job still waits on the hung shard 60 s later (deadline 4 s)"
+    finally:
+        marker.unlink(missing_ok=True)  # releases the hung shard wherever it still runs
+        job.join(60)
+    return box["out"], seconds

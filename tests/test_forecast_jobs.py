@@ -261,6 +261,15 @@ def sharded(*members):
     return lambda: ShardedEnsemble(functools.partial(Ensemble, members=list(members), horizon=60), shard_max_series=25)
 
 
+def _two_champions(engine, ingested, first_factory, second_factory) -> tuple[dict, dict]:
+    """Two retrains a minute apart, the second promoted over the first (the newest former champion); their results."""
+    first = retrain_job(engine, ingested, DAY_END, cache=registry.ChampionCache(), ensemble_factory=first_factory)
+    second = retrain_job(engine, ingested, DAY_END + timedelta(minutes=1), cache=registry.ChampionCache(),
+                         ensemble_factory=second_factory)
+    registry.promote(engine, second["version"])
+    return first, second
+
+
 def _stored_versions(engine, issued_at) -> dict:
     with engine.connect() as conn:
         return dict(conn.execute(text("SELECT model_version_id, count(*) FROM forecasts WHERE issued_at = :t "
@@ -271,11 +280,7 @@ def test_unusable_shard_files_are_found_before_a_champion_is_accepted_and_a_fail
         engine, ingested):
     import forecaster.forecast.sharded as sharded_module
 
-    first = retrain_job(engine, ingested, DAY_END, cache=registry.ChampionCache(),
-                        ensemble_factory=sharded(MovingAverage(60)))
-    second = retrain_job(engine, ingested, DAY_END + timedelta(minutes=1), cache=registry.ChampionCache(),
-                         ensemble_factory=sharded(SeasonalNaive(15)))
-    registry.promote(engine, second["version"])  # the first one is now the newest former champion
+    first, second = _two_champions(engine, ingested, sharded(MovingAverage(60)), sharded(SeasonalNaive(15)))
     shards = ingested.models_dir / second["version"] / "shards"
     (shards / "s1.pkl").rename(shards.parent / "s1.away")  # the volume holds the model file, not yet this shard
     sharded_module._loaded.clear()
@@ -424,11 +429,7 @@ def _break_at_forecast_time(settings, version: str) -> None:
 
 def test_a_champion_that_loads_but_fails_to_forecast_is_replaced_by_the_previous_one_in_the_same_run(
         engine, ingested):
-    first = retrain_job(engine, ingested, DAY_END, cache=registry.ChampionCache(),
-                        ensemble_factory=sharded(SeasonalNaive(15)))
-    second = retrain_job(engine, ingested, DAY_END + timedelta(minutes=1), cache=registry.ChampionCache(),
-                         ensemble_factory=sharded(SeasonalNaive(15)))
-    registry.promote(engine, second["version"])
+    first, second = _two_champions(engine, ingested, sharded(SeasonalNaive(15)), sharded(SeasonalNaive(15)))
     _break_at_forecast_time(ingested, second["version"])
     seconds = [0.0]
     cache = registry.ChampionCache(retry_after_s=600, clock=lambda: seconds[0])
@@ -461,11 +462,7 @@ def test_a_sole_champion_that_fails_to_forecast_leaves_the_run_to_the_fallback_m
 
 
 def test_a_version_saved_in_another_artefact_format_is_refused_at_load(engine, ingested):
-    first = retrain_job(engine, ingested, DAY_END, cache=registry.ChampionCache(),
-                        ensemble_factory=small(SeasonalNaive(15)))
-    second = retrain_job(engine, ingested, DAY_END + timedelta(minutes=1), cache=registry.ChampionCache(),
-                         ensemble_factory=small(SeasonalNaive(15)))
-    registry.promote(engine, second["version"])
+    first, second = _two_champions(engine, ingested, small(SeasonalNaive(15)), small(SeasonalNaive(15)))
     metadata_file = ingested.models_dir / second["version"] / "metadata.json"
     metadata = json.loads(metadata_file.read_text())
     metadata_file.write_text(json.dumps({**metadata, "artefact_format": 999}))  # saved by code of a future format
@@ -487,11 +484,7 @@ def test_a_champion_whose_files_are_gone_is_replaced_by_the_retrain_not_compared
         engine, ingested):
     import shutil
 
-    first = retrain_job(engine, ingested, DAY_END, cache=registry.ChampionCache(),
-                        ensemble_factory=sharded(SeasonalNaive(15)))
-    second = retrain_job(engine, ingested, DAY_END + timedelta(minutes=1), cache=registry.ChampionCache(),
-                         ensemble_factory=sharded(SeasonalNaive(15)))
-    registry.promote(engine, second["version"])
+    first, second = _two_champions(engine, ingested, sharded(SeasonalNaive(15)), sharded(SeasonalNaive(15)))
     shutil.rmtree(ingested.models_dir / second["version"])
     cache = registry.ChampionCache()  # a scheduler started after the deletion: it holds the former champion
     assert forecast_job(engine, ingested, DAY_END + timedelta(minutes=2), cache=cache)["model_version"] == \

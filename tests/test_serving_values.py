@@ -3,11 +3,10 @@ FAILED_PRECONDITION (KEDA), a capped replica count, never a 500, gRPC UNKNOWN or
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 
 import grpc
 import numpy as np
-import pandas as pd
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import text
@@ -17,26 +16,11 @@ from api.main import create_app
 from api.proto import externalscaler_pb2 as pb
 from forecaster.planning.recommendation import MinuteQuantiles, recommend
 from forecaster.store.catalog import ServingModelSpec, upsert_models
-from forecaster.store.forecasts import write_forecasts
-from forecaster.store.tokens import create_token
+from tests import test_serving_faults
 from tests.test_keda_scaler import SteppedClock, _served_stub, ref, status_of
+from tests.test_serving_faults import START, store_run
 
-START = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
-
-
-def store_run(engine, models, issued_at: datetime, q90: float = 150.0) -> None:
-    minutes = pd.date_range(pd.Timestamp(issued_at).floor("min"), periods=60, freq="min")
-    write_forecasts(engine, pd.concat([pd.DataFrame({"unique_id": m, "ds": minutes, "point": q90, "p_any": 1.0,
-                                                     "q0.9": q90}) for m in models]),
-                    issued_at=issued_at, model_version_id=None)
-
-
-@pytest.fixture
-def registered(engine):
-    with engine.begin() as conn:
-        upsert_models(conn, [ServingModelSpec(id=m, replica_rps=2.0) for m in ("a", "b")])
-    token = create_token(engine, name="r", scopes=["read"])
-    return {"Authorization": f"Bearer {token}"}
+registered = test_serving_faults.registered  # the fixture: a read token, models a and b registered
 
 
 # --- fault 4: infinite, negative or huge stored forecasts ----------------------------------------------------
