@@ -155,6 +155,11 @@ class ForecastSnapshot:
             # ahead): loaded, they would be served as the newest until the clock caught up with them
             runs = _newer_runs(conn, self._cursor, until=now + timedelta(seconds=MAX_ISSUED_AHEAD_S))
             fleet_key = (tuple(conn.execute(_CATALOGUE_PROBE).one()), now.astimezone(timezone.utc).hour)
+        # a run stamped a little ahead of this clock is read again until the clock passes it (the cursor stops at
+        # the clock); one a model already holds is not news, and must not rebuild the fleet on every refresh
+        runs = {model_id: run for model_id, run in runs.items()
+                if (held := self.models.get(model_id)) is None or held.forecast is None
+                or run.issued_at > held.forecast.issued_at}
         try:
             fleet_key += (latency_version(self.engine, settings),)
         except OperationalError:
