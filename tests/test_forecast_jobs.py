@@ -564,3 +564,24 @@ def test_one_bad_series_never_fails_the_forecast_job(engine, ingested, caplog):
         stored = dict(conn.execute(text("SELECT model_id, (SELECT min(v) FROM unnest(point) v) FROM forecasts")).all())
     assert len(stored) == result["models"] - 1 and min(stored.values()) == 0.0
     assert len(ids) >= result["models"]
+
+
+def test_an_executor_that_cannot_start_is_not_blamed_on_the_champion(engine, ingested, monkeypatch):
+    """With the forecast job's shards in a child process by default, a pool that could not run them (here its
+    temporary folder, as under a read-only /tmp) was charged to the champion and then to every former champion: the
+    fleet went to the fallback model, and the next retrain promoted its challenger unscored over an 'unusable'
+    champion. Now the run forecasts the same champion in process and says why."""
+    from forecaster.distributed import executor as executor_module
+
+    first, second = _two_champions(engine, ingested, sharded(SeasonalNaive(15)), sharded(SeasonalNaive(15)))
+
+    def read_only(self):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(executor_module.PoolExecutor, "_tokens", read_only)
+    cache = registry.ChampionCache()
+    out = forecast_job(engine, ingested, DAY_END + timedelta(minutes=2), cache=cache)
+    assert out["model_version"] == second["version"] and out["champion_error"] is None
+    assert "Read-only file system" in out["executor_error"] and out["models"] == 100
+    assert _stored_versions(engine, DAY_END + timedelta(minutes=2)) == {second["version"]: 100}
+    assert cache.get(engine)[0] == second["version"]  # still the champion, not dropped for retry_after_s

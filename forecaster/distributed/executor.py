@@ -191,7 +191,14 @@ class Executor(ABC):
             for key in pending:
                 run.attempts[key] = run.attempts.get(key, 0) + 1
             timed_out: list[str] = []
-            errors = self._run_round(fn, pending, run, name or getattr(fn, "__name__", "task"), deadline, timed_out)
+            try:
+                errors = self._run_round(fn, pending, run, name or getattr(fn, "__name__", "task"), deadline,
+                                         timed_out)
+            except ExecutorUnavailable:
+                raise
+            except Exception as error:  # each backend catches its shards' own errors: this is the backend's
+                raise ExecutorUnavailable(f"the {self.backend} executor could not run the shards: "
+                                          f"{_describe(error)}") from error
             for key, error in errors.items():
                 log.warning("shard %s failed on attempt %d of %d: %s", key, attempt, self.retries + 1, error)
             run.failures = errors
@@ -213,6 +220,11 @@ class Executor(ABC):
 
     def close(self) -> None:
         """Release workers / connections (idempotent)."""
+
+
+class ExecutorUnavailable(RuntimeError):
+    """The executor itself could not run shards (no worker process could start, its temporary folder could not be
+    made, the Dask scheduler is gone...): a fault of where the shards run, not of the model they run."""
 
 
 class InlineExecutor(Executor):

@@ -29,7 +29,8 @@ import pandas as pd
 from sqlalchemy import Engine
 
 from forecaster.contracts.forecast import history_request_rate_rpm
-from forecaster.distributed.executor import BATCH, FORECAST, executor_for, job_executor
+from forecaster.distributed.executor import (BATCH, FORECAST, ExecutorUnavailable, InlineExecutor, executor_for,
+                                             job_executor)
 from forecaster.forecast.backtest import MethodForecasts, Protocol, evaluate
 from forecaster.forecast.ensemble import Ensemble
 from forecaster.forecast.panel import Panel
@@ -130,7 +131,9 @@ def forecast_job(engine: Engine, settings: Settings, now: datetime, *, cache: Ch
     A champion that loads but raises when it forecasts does not stop the job: the error is logged and reported as
     ``champion_error``, the cache drops that version (:meth:`~forecaster.forecast.registry.ChampionCache.failed`,
     retried ``retry_after_s`` later) and the run forecasts again with the newest former champion that loads, else
-    with the fallback model, and stores those rows.
+    with the fallback model, and stores those rows. A failure of the executor itself (no worker process could start,
+    no temporary folder: :class:`~forecaster.distributed.executor.ExecutorUnavailable`) is not the champion's: that
+    run forecasts the same champion in this process, logged and reported as ``executor_error``.
     """
     started = time.perf_counter()
     ids = model_ids(engine)
@@ -142,6 +145,7 @@ def forecast_job(engine: Engine, settings: Settings, now: datetime, *, cache: Ch
         return {"models": 0, "skipped": f"no known history for any of {len(ids)} models"}
     read_s = time.perf_counter() - started
     h = settings.forecast_horizon_min
+    executor_error = None
     while True:
         version, ensemble = cache.get(engine)
         if ensemble is None:
@@ -152,7 +156,16 @@ def forecast_job(engine: Engine, settings: Settings, now: datetime, *, cache: Ch
             break
         ensemble = _with_executor(ensemble, settings, FORECAST)
         try:
-            arrays = ensemble.forecast(panel, [panel.n_steps], h)
+            try:
+                arrays = ensemble.forecast(panel, [panel.n_steps], h)
+            except ExecutorUnavailable as error:
+                # where the shards run failed (no worker process could start, no temporary folder...), not the
+                # model: this run forecasts the same champion in this process (its deadline cannot be kept here)
+                executor_error = str(error)
+                log.error("forecast job: %s; this run forecasts in this process", error)
+                ensemble = _with_executor(ensemble, settings, FORECAST,
+                                          executor=InlineExecutor(retries=settings.shard_retries))
+                arrays = ensemble.forecast(panel, [panel.n_steps], h)
             break
         except Exception as error:  # a version that loads but cannot forecast (code it was not pickled for...)
             # dropped for retry_after_s; forecast again with the newest former champion that loads, or the
@@ -179,7 +192,8 @@ def forecast_job(engine: Engine, settings: Settings, now: datetime, *, cache: Ch
             "member_failures": dict(getattr(ensemble, "forecast_failures_", {})),
             "fallback_shards": dict(getattr(ensemble, "fallback_shards_", {})),
             "fallback_series": int(fallback.sum()) if fallback is not None else 0,
-            "champion_error": cache.last_error, "seconds": round(time.perf_counter() - started, 3)}
+            "champion_error": cache.last_error, "executor_error": executor_error,
+            "seconds": round(time.perf_counter() - started, 3)}
 
 
 def usable_series(ids: list[str], columns: dict[str, np.ndarray], rates: np.ndarray | None, labels
