@@ -234,12 +234,16 @@ def test_one_plan_through_the_agent_and_kubernetes_leaves_one_audit_trail(
                                 {"p": submitted.plan_id}).scalar() == {"test": "composite", "actions": 7}
 
         # Cold starts of the replicas it scaled are observed through the scale backend, stored as its own.
-        replica = ready_pod("llama-7d9f8b6c5d-x2x4z", "llama", "node-a", "2026-11-29T10:00:00Z",
-                            "2026-11-29T10:00:31Z", "2026-11-29T10:01:05Z")
+        # created a few minutes before now: the collector's first run counts pods created within
+        # PREWARM_KUBERNETES_COLDSTART_MAX_START_S of now (a Ready time can be a later readiness flap's)
+        def ago(seconds: float) -> str:
+            return (now - timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+        replica = ready_pod("llama-7d9f8b6c5d-x2x4z", "llama", "node-a", ago(300), ago(269), ago(235))
         replica["spec"]["containers"][0]["image"] = replica["status"]["containerStatuses"][0]["image"] = image
         uid = cluster.put(replica)["metadata"]["uid"]
         cluster.put(kubelet_event("llama-7d9f8b6c5d-x2x4z", "Pulled", f'Container image "{image}" already present '
-                                  "on machine", "2026-11-29T10:00:30Z", node="node-a", uid=uid,
+                                  "on machine", ago(270), node="node-a", uid=uid,
                                   field_path="spec.containers{server}"))
         summary = Actuator(engine, settings, backend).collect_observations(now=now)
         assert summary == {"observed": 1, "inserted": 1, "already_stored": 0, "rejected": 0}

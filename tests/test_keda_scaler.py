@@ -30,8 +30,9 @@ from tests.runtime_fixtures import free_port, start, stop_process, wait_until
 from tests.test_api_prepared import REPO, _listening_sockets
 
 START = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
-#: No latency model, no sizes: the physics prior's start from nothing (12.3 s) with the planner's margins.
-PRIOR_LEAD_S = 12.3 * 1.2 + 5.0
+#: No latency model, no sizes, no cold start of its own: PREWARM_DEFAULT_COLD_START_S (45 s) with the planner's
+#: margins (a 0-byte physics prior of 12.3 s before 62da60b)
+DEFAULT_LEAD_S = 45.0 * 1.2 + 5.0
 
 
 class SteppedClock:
@@ -113,7 +114,7 @@ def test_floor_is_the_rest_recommendation_at_the_lead_time(stub, engine, scaler_
         for now, expected in ((START + timedelta(seconds=30), 2), (START + timedelta(minutes=4, seconds=45), 4)):
             clock.now = now
             body = rest.get("/v1/models/llama/recommendation", headers={"Authorization": f"Bearer {token}"}).json()
-            assert body["lead_time_s"] == pytest.approx(PRIOR_LEAD_S)
+            assert body["lead_time_s"] == pytest.approx(DEFAULT_LEAD_S)
             assert body["replicas_at_lead_time"] == expected
             assert floor_value(stub, model="llama") == expected
     # another quantile: q0.5 is 0.6 x q0.9 = 270/min at the spike -> 3 replicas; 0.55 picks the nearest, 0.5
@@ -287,9 +288,10 @@ def test_stream_pushes_active_a_lead_time_before_the_spike_arrives(stub, engine,
     reader = StreamReader(stub.StreamIsActive(ref(model="llama")))
     try:
         assert reader.next() is False  # the current value at once
-        clock.now = START + timedelta(minutes=8, seconds=30)  # lead window 12:08-12:09: still quiet
+        # the lead time is DEFAULT_LEAD_S (59 s): 12:07:30 + 59 s is 12:08:29, its window still quiet
+        clock.now = START + timedelta(minutes=7, seconds=30)
         assert reader.nothing_within(0.5)  # ten checks, no change, nothing sent
-        clock.now = START + timedelta(minutes=9, seconds=10)  # lead window 12:09-12:10 reaches the spike
+        clock.now = START + timedelta(minutes=8, seconds=30)  # 12:09:29: the window reaches the spike at 12:10
         assert reader.next() is True
         assert clock.now < spike_at  # pushed before the demand arrives
         assert floor_value(stub, model="llama") == 5
