@@ -50,7 +50,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pandas as pd
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from forecaster.coldstart import table_files
 from forecaster.coldstart.model import ColdStartModel, load_cold_starts, with_concurrency
@@ -59,7 +59,8 @@ from forecaster.contracts.fleetconfig import FleetConfig
 from forecaster.contracts.latency import NodeLatencyTable
 from forecaster.settings import Settings
 from forecaster.store.files import publish_dir
-from forecaster.store.coldstarts import cold_start_id_watermark, cold_starts_after_summary, read_cold_starts_after
+from forecaster.store.coldstarts import (cold_start_id_watermark, cold_starts_after_summary, count_cold_starts,
+                                        read_cold_starts_after)
 from forecaster.store.registry import champion_version, insert_version, promote_version
 from forecaster.store.transfers import read_transfers
 
@@ -177,8 +178,7 @@ def ensure_latency_model(engine: Engine, settings: Settings, now: datetime) -> s
     scores = info.scores or {}
     seen = int(scores.get("n_events", 0)) + sum(int(v) for v in (scores.get("skipped") or {}).values())
     min_events = ColdStartModel().min_events
-    with engine.connect() as conn:
-        stored = int(conn.execute(text("SELECT count(*) FROM cold_starts")).scalar_one())
+    stored = count_cold_starts(engine)
     if stored >= seen + min_events:
         log.info("latency champion %s is the prior alone (%d cold starts); %d are stored now: training",
                  info.id, seen, stored)

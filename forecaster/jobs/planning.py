@@ -23,7 +23,7 @@ from datetime import datetime, timedelta, timezone
 
 import numpy as np
 import pandas as pd
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from forecaster.contracts.fleet import FleetState, build_fleet
 from forecaster.contracts.forecast import REQUEST_RATE_COLUMN
@@ -33,17 +33,10 @@ from forecaster.planning.step import plan_step, planner_settings, waste_budget
 from forecaster.settings import Settings
 from forecaster.store.actions import newest_plan_budget
 from forecaster.store.fleet import read_fleet_inputs
-from forecaster.store.forecasts import read_newest_runs
+from forecaster.store.forecasts import newest_issued_at, read_newest_runs
 from forecaster.store.invocations import read_grid
 
 log = logging.getLogger(__name__)
-
-
-def newest_issued_at(engine: Engine, *, now: datetime) -> datetime | None:
-    """The issue time of the newest run issued at or before ``now`` (None: none), through the ``issued_at`` index."""
-    with engine.connect() as conn:
-        return conn.execute(text("SELECT max(issued_at) FROM forecasts WHERE issued_at <= :now"),
-                            {"now": now}).scalar()
 
 
 def stored_forecast(engine: Engine, *, now: datetime, horizon_min: int) -> pd.DataFrame:

@@ -131,6 +131,12 @@ def read_cold_start_events(engine: Engine, *, days: float | None = None, max_eve
                             columns=columns)
 
 
+def count_cold_starts(engine: Engine) -> int:
+    """How many cold starts are stored (one ``count(*)``)."""
+    with engine.connect() as conn:
+        return int(conn.execute(text("SELECT count(*) FROM cold_starts")).scalar_one())
+
+
 def cold_start_id_watermark(engine: Engine) -> int:
     """The highest ``cold_starts.id`` stored (0 when none): what a latency model was trained through."""
     with engine.connect() as conn:

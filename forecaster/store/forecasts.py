@@ -54,6 +54,13 @@ COPY_COLUMNS = ("model_id", "issued_at", "first_target", "step_seconds", "model_
                 "quantile_levels", "quantiles", "request_rate_rpm")
 
 
+def newest_issued_at(engine: Engine, *, now: datetime) -> datetime | None:
+    """The issue time of the newest run issued at or before ``now`` (None: none), through the ``issued_at`` index."""
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT max(issued_at) FROM forecasts WHERE issued_at <= :now"),
+                            {"now": now}).scalar()
+
+
 def quantile_columns(frame: pd.DataFrame) -> dict[str, float]:
     """Map the quantile columns of ``frame`` (``q0.9``, ``q0.99``) to their levels, in ascending level.
 
