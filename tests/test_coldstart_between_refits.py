@@ -140,3 +140,26 @@ def test_the_api_reports_where_a_sizeless_models_figures_come_from(engine, setti
         assert dashboard["lead_time_source"] in ("observed", "default")
         if dashboard["lead_time_source"] == "observed":
             assert dashboard["lead_time_s"] > 300.0
+
+
+def test_a_sizeless_models_tiers_without_starts_never_take_a_warmer_tiers_figure(engine, settings):
+    """'warm' has only GPU-resident restarts (3 s): its cold tiers are the default (45 s), not 3 s; 'hot' has
+    starts from host (100 s) only: the colder tiers never plan faster than that; 'cold' has starts from nothing
+    (300 s) and from host (20 s): image and disk take the colder 300 s, host keeps its own."""
+    _nodes(engine, "n1")
+    first = NOW - timedelta(hours=21)
+    events = (_starts("warm", "n1", 3.0, "gpu", first=first, n=4)
+              + _starts("hot", "n1", 100.0, "host", first=first, n=4)
+              + _starts("cold", "n1", 300.0, "none", first=first, n=3)
+              + _starts("cold", "n1", 20.0, "host", first=first + timedelta(minutes=3), n=3))
+    push_cold_starts(engine, settings, events, now=NOW, register=True)
+    _forget_process_state()
+    train_latency_model(engine, settings, NOW)
+    default = settings.default_cold_start_s
+    assert default > 3.0
+    assert _planned(engine, settings, "warm") == pytest.approx({s: default for s in START_STATES})
+    assert _planned(engine, settings, "hot") == pytest.approx({"none": max(default, 100.0),
+                                                               "image": max(default, 100.0),
+                                                               "disk": max(default, 100.0), "host": 100.0})
+    assert _planned(engine, settings, "cold") == pytest.approx({"none": 300.0, "image": 300.0, "disk": 300.0,
+                                                                "host": 20.0})

@@ -458,6 +458,23 @@ HISTORY_COLUMNS = ("model_id", "node_id", "cache_state", "started_s", "total_sec
                    "node_bytes_per_s")
 
 
+def _sizeless_tiers(per_tier: dict[str, float], default_s: float) -> list[float]:
+    """A sizeless model's seconds per :data:`START_STATES` tier from its own starts' figure per cache state
+    (``per_tier``; any :data:`STATE_RANKS` state, warmer ones included): a tier's own figure, else the largest
+    figure of a colder tier, else ``default_s``; then, warmest to coldest, never below the warmer tier's."""
+    out = []
+    for state in START_STATES:
+        if state in per_tier:
+            out.append(per_tier[state])
+            continue
+        colder = [v for s, v in per_tier.items() if STATE_RANKS.get(s, -1) <= STATE_RANKS[state]
+                  and s in STATE_RANKS]
+        out.append(max(colder) if colder else default_s)
+    for k in range(len(out) - 2, -1, -1):  # START_STATES runs coldest first: a colder tier >= the warmer one
+        out[k] = max(out[k], out[k + 1])
+    return out
+
+
 @dataclass
 class ColdStartModel:
     """Trees + recent-error correction + the node's own trailing median; physics prior when there are too few events.
@@ -716,9 +733,11 @@ class ColdStartModel:
         would get the physics prior of 0 bytes (about 12-15 s from every tier), and trees that never saw its
         sizes. While it has fewer than :data:`SIZELESS_OWN_STARTS` starts of its own in the history, or no trees
         are fitted (fewer than ``min_events`` in the fleet), it is predicted from its own starts instead: per
-        tier the :data:`SIZELESS_QUANTILE` of that tier's starts, a tier without any the same of all its starts
-        (a warm tier then gets the colder figure: a longer lead, never a missed start), and with no start of its
-        own ``default_s`` (``PREWARM_DEFAULT_COLD_START_S``) for every tier.
+        tier the :data:`SIZELESS_QUANTILE` of that tier's starts; a tier without any the largest such figure of
+        its colder tiers (a warm tier then gets the colder figure: a longer lead, never a missed start), else
+        ``default_s`` (``PREWARM_DEFAULT_COLD_START_S``): starts from warmer states (a GPU-resident restart of
+        3 s) never set a colder tier's figure. The tiers are then made monotone (a colder tier is never faster
+        than a warmer one), and with no start of its own every tier is ``default_s``.
 
         Returns:
             The positions in ``models`` of the models that fall back, their seconds (positions x
@@ -735,9 +754,11 @@ class ColdStartModel:
         totals = pd.to_numeric(history["total_seconds"], errors="coerce")
         own = history.assign(total_seconds=totals)[np.isfinite(totals.to_numpy(dtype="float64"))]
         counts = own.groupby(own["model_id"].astype(str)).size()
-        overall = own.groupby(own["model_id"].astype(str))["total_seconds"].quantile(SIZELESS_QUANTILE)
         per_tier = own.groupby([own["model_id"].astype(str), own["cache_state"].astype(str)])["total_seconds"] \
             .quantile(SIZELESS_QUANTILE)
+        tiers_of: dict[str, dict[str, float]] = {}
+        for (model_id, state), value in per_tier.items():
+            tiers_of.setdefault(model_id, {})[state] = float(value)
         rows, seconds = [], []
         for position in np.flatnonzero(sizeless):
             model_id = ids[position]
@@ -748,8 +769,7 @@ class ColdStartModel:
                 seconds.append([float(default_s)] * len(START_STATES))
                 source[model_id] = "default"
             else:
-                fallback = float(overall[model_id])
-                seconds.append([float(per_tier.get((model_id, state), fallback)) for state in START_STATES])
+                seconds.append(_sizeless_tiers(tiers_of.get(model_id, {}), float(default_s)))
                 source[model_id] = "observed"
             rows.append(position)
         return (np.asarray(rows, dtype=np.int64), np.asarray(seconds, dtype="float64").reshape(-1, len(START_STATES)),
