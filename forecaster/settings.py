@@ -520,7 +520,13 @@ class Settings(BaseSettings):
                     "believes: it counts only pods created at or after its watermark (on its first run: now) less "
                     "this, and drops a creation -> Ready longer than this. Ready's lastTransitionTime moves when a "
                     "readiness probe fails and recovers (restartCount stays 0), so a pod created long before would "
-                    "otherwise be stored from its creation to that later transition (a 90 s start as 19,800 s).")
+                    "otherwise be stored from its creation to that later transition (a 90 s start as 19,800 s). A start "
+                    "really longer than this is not stored and so never learned: the coldstarts job counts such "
+                    "pods (dropped_long_start) and logs a warning: raise this where loads take longer (a 405B-class "
+                    "model's ~800 GB of weights take about 4.5 h at 50 MB/s). 3 h by default: a longer bound admits "
+                    "more readiness flaps (and GPU waits) of pods never seen Ready before, such as on the "
+                    "collector's first run, as starts of hours, which would stretch the model's lead times "
+                    "silently; a start dropped is counted and warned about.")
 
     # --- hardening (issue 12): bounds at the edge, supervision ------------
     max_batch_span_days: float = Field(

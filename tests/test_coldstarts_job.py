@@ -123,3 +123,24 @@ def test_two_replicas_started_in_the_same_second_on_one_node_are_two_cold_starts
     assert _stored(engine) == [("gpu-node-1", 65.0, "actuator-kubernetes"), ("gpu-node-1", 100.0, "actuator-kubernetes")]
     again = _run(engine, settings, backend, NOW + MINUTE)
     assert (again["inserted"], again["already_stored"]) == (0, 2)
+
+
+def test_starts_longer_than_the_window_are_counted_and_warned_about_not_dropped_quietly(engine, settings, api,
+                                                                                         backend, caplog):
+    """A large model's load: created 09:30, Ready 11:59 (2.5 h) is within the 3 h default and stored. One Ready
+    8 h after creation (a 405B-class load on a slow node, or a flap: they cannot be told apart) is past it: not
+    stored, so never learned; the run says so in its detail (``dropped_long_start``) and at WARNING."""
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO serving_models (id) VALUES ('llm-405b')"))
+    api.put(ready_pod("llm-405b-7d9f8b6c5d-aaaaa", "llm-405b", "gpu-node-1", "2026-11-29T09:30:00Z",
+                      "2026-11-29T09:40:00Z", "2026-11-29T11:59:00Z"))
+    api.put(ready_pod("llm-405b-7d9f8b6c5d-bbbbb", "llm-405b", "gpu-node-2", "2026-11-29T03:59:00Z",
+                      "2026-11-29T04:10:00Z", "2026-11-29T11:59:00Z"))
+    with caplog.at_level("WARNING", logger="forecaster.actuation.kube_coldstarts"):
+        summary = _run(engine, settings, backend, NOW)
+    assert (summary["observed"], summary["inserted"], summary["dropped_long_start"]) == (1, 1, 1)
+    assert _stored(engine) == [("gpu-node-1", 2.5 * 3600 - 60, "actuator-kubernetes")]
+    assert any(r.levelname == "WARNING" and "PREWARM_KUBERNETES_COLDSTART_MAX_START_S" in r.getMessage()
+               for r in caplog.records)
+    again = _run(engine, settings, backend, NOW + MINUTE)  # the margin shows it again: counted again, not stored
+    assert again["dropped_long_start"] == 1 and again["inserted"] == 0

@@ -434,7 +434,7 @@ def test_cold_starts_from_the_api_are_stored(engine, settings, api, backend):
                    node="gpu-node-2"))
     _register(engine, "llama")
     summary = Actuator(engine, settings, backend).collect_observations(now=NOW)
-    assert summary == {"observed": 2, "inserted": 2, "already_stored": 0, "rejected": 0}
+    assert summary == {"observed": 2, "inserted": 2, "already_stored": 0, "rejected": 0, "dropped_long_start": 0}
     with engine.connect() as conn:
         rows = conn.execute(text("SELECT node_id, total_seconds, image_pull_s, weight_load_s, cache_state, source "
                                  "FROM cold_starts ORDER BY started_at")).all()
@@ -496,7 +496,7 @@ def test_the_first_observation_of_a_cold_start_wins(engine, settings, api, backe
     summary = actuator.collect_observations(now=NOW + timedelta(minutes=1))
     with engine.connect() as conn:
         assert conn.execute(text("SELECT total_seconds, weight_load_s FROM cold_starts")).all() == [(65.0, 34.0)]
-    assert summary == {"observed": 1, "inserted": 0, "already_stored": 1, "rejected": 0}
+    assert summary == {"observed": 1, "inserted": 0, "already_stored": 1, "rejected": 0, "dropped_long_start": 0}
 
 
 def test_cold_starts_from_an_exported_events_file(tmp_path):

@@ -325,17 +325,20 @@ class Actuator:
         its watermark: pods that became Ready before it are not pushed again.
 
         Returns:
-            The sink's counts with ``observed`` (rows the backend returned); ``{"skipped": why}`` when the
+            The sink's counts with ``observed`` (rows the backend returned) and the backend's counts of pods it
+            left out (Kubernetes: ``dropped_long_start``, Ready later than ``PREWARM_KUBERNETES_COLDSTART_MAX_START_S``
+            after creation: not stored, not learned); ``{"skipped": why}`` when the
             backend cannot observe cold starts (``dry-run``, ``agent``, a composite whose scale backend is one).
         """
         observe = getattr(self.backend, "observe_cold_starts", None)
         events = None if observe is None else observe(since=since)
         if events is None:
             return {"skipped": f"the {self.backend.name} backend cannot observe cold starts"}
+        drops = dict(getattr(self.backend, "coldstart_drops", None) or {})
         if not events:
-            return {"observed": 0, "inserted": 0, "already_stored": 0, "rejected": 0}
+            return {"observed": 0, "inserted": 0, "already_stored": 0, "rejected": 0, **drops}
         stored = self.ledger.store_observations(events, now=now, source=f"actuator-{self._carrier(ActionKind.SCALE)}")
-        return {"observed": len(events), **stored}
+        return {"observed": len(events), **stored, **drops}
 
 
 def action_from_row(row: dict) -> Action:

@@ -161,7 +161,7 @@ def _is_prepull(meta: dict) -> bool:
 def cold_starts_from_k8s(pods: list[dict], events: list[dict], *, model_label: str = "prewarm.io/model",
                          since: datetime | None = None, model_by_workload: dict[str, str] | None = None,
                          pods_from_events: bool = False, now: datetime | None = None,
-                         max_start_s: float | None = None) -> list[dict]:
+                         max_start_s: float | None = None, dropped: dict | None = None) -> list[dict]:
     """Cold-start events (the ``cold_starts`` push schema) from pods (camelCase JSON) and events.
 
     Pods not yet ready, that became ready before ``since``, whose containers restarted, or that are prewarm's
@@ -175,6 +175,9 @@ def cold_starts_from_k8s(pods: list[dict], events: list[dict], *, model_label: s
         now, max_start_s: with ``max_start_s``, only pods created at or after ``since`` (None: ``now``; both
             None: no bound) less ``max_start_s`` count, and none whose creation -> Ready exceeds it (see the module
             docstring: Ready's transition time moves when a readiness probe flaps).
+        dropped: where given, ``dropped["dropped_long_start"]`` is set to the number of ready pods left out because
+            Ready came more than ``max_start_s`` after their creation (a start longer than the window, which is
+            not learned, or a readiness flap of an older pod: the two cannot be told apart here).
     """
     created_after = None
     if max_start_s is not None and (since is not None or now is not None):
@@ -241,8 +244,12 @@ def cold_starts_from_k8s(pods: list[dict], events: list[dict], *, model_label: s
         log.info("%d ready model pods left out: their containers restarted, so their Ready time is not the cold "
                  "start's", restarted)
     if stale:
-        log.info("%d ready model pods left out: created before the collector's window or ready more than %.0f s "
-                 "after creation, so their Ready time need not be their first", stale, max_start_s)
+        log.warning("%d ready model pods left out: Ready more than %.0f s (PREWARM_KUBERNETES_COLDSTART_MAX_START_S) "
+                    "after creation. Their Ready time need not be their first (a readiness flap), so they are not "
+                    "stored; a start really that long is not learned: raise the setting if starts take longer",
+                    stale, max_start_s)
+    if dropped is not None:
+        dropped["dropped_long_start"] = stale
     if pods_from_events:
         found.extend(_cold_starts_from_events(by_object, seen_names, seen_uids, since=since,
                                               mapping=model_by_workload or {}))

@@ -13,7 +13,8 @@ only those that became Ready at or after the slot of the job's last successful, 
 failed run does not move it, so the next run covers the gap; the first run pushes every ready pod there is that was
 created within ``PREWARM_KUBERNETES_COLDSTART_MAX_START_S`` of now (the backend counts only pods created at or after
 the watermark less that bound: a later Ready transition of an older pod, a readiness flap, is not its cold start).
-Pods the margin shows again are kept as stored (first observation wins).
+Pods the margin shows again are kept as stored (first observation wins). A start longer than that bound is not
+stored, so the latency model never learns it: the run counts such pods (``dropped_long_start``) and logs a warning.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ def coldstarts_job(engine: Engine, settings: Settings, now: datetime, *, backend
 
     Returns:
         The sink's counts (``inserted``, ``already_stored``, ``rejected`` with reasons), ``observed`` (rows the
-        backend returned) and ``since`` (the watermark, ISO; None on the first run); or ``skipped``.
+        backend returned), ``dropped_long_start`` (Kubernetes: ready pods left out because Ready came more than
+        ``PREWARM_KUBERNETES_COLDSTART_MAX_START_S`` after creation; such a start is not learned) and ``since``
+        (the watermark, ISO; None on the first run); or ``skipped``.
     """
     from forecaster.actuation.actuator import Actuator, build_backend
 

@@ -97,6 +97,11 @@ class CompositeBackend:
         observe = getattr(self.backend_for(ActionKind.SCALE), "observe_cold_starts", None)
         return None if observe is None else observe(since=since)
 
+    @property
+    def coldstart_drops(self) -> dict[str, int]:
+        """The scale backend's counts of pods its last :meth:`observe_cold_starts` left out (Kubernetes)."""
+        return dict(getattr(self.backend_for(ActionKind.SCALE), "coldstart_drops", None) or {})
+
     def cleanup(self, *, now: datetime) -> list[str]:
         """The pre-pull backend's cleanup of finished or expired pre-pull Jobs (Kubernetes); else nothing."""
         cleanup = getattr(self.backend_for(ActionKind.PREPULL), "cleanup", None)

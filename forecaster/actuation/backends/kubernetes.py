@@ -255,6 +255,8 @@ class KubernetesBackend:
         self.owner_deployment = owner_deployment
         self.image_pull_secret = image_pull_secret
         self.coldstart_max_start_s = coldstart_max_start_s
+        #: what the last :meth:`observe_cold_starts` left out, by reason (``dropped_long_start``)
+        self.coldstart_drops: dict[str, int] = {}
         self.clock = clock
         self.sleep = sleep
         self.poll_s = poll_s
@@ -532,15 +534,20 @@ class KubernetesBackend:
         count: the events of a pod not in the list (deleted, or not a model's) are never a cold start of their own.
         Only pods created at or after ``since`` (on the first run, the clock's now) less ``coldstart_max_start_s``
         count, so a later Ready transition (a readiness probe that failed and recovered) is never taken as the start.
+        The pods left out for a creation -> Ready longer than that are counted in :attr:`coldstart_drops`
+        (``dropped_long_start``), which the ``coldstarts`` job reports.
         """
         from forecaster.actuation.kube_coldstarts import cold_starts_from_k8s
 
         pods = self.core.list_namespaced_pod(self.namespace, label_selector=self.model_label).items
         events = self.core.list_namespaced_event(self.namespace, field_selector="involvedObject.kind=Pod").items
         serialise = self.api_client.sanitize_for_serialization
-        return cold_starts_from_k8s([serialise(p) for p in pods], [serialise(e) for e in events],
-                                    model_label=self.model_label, since=since, now=self.clock(),
-                                    max_start_s=self.coldstart_max_start_s)
+        dropped: dict = {}
+        found = cold_starts_from_k8s([serialise(p) for p in pods], [serialise(e) for e in events],
+                                     model_label=self.model_label, since=since, now=self.clock(),
+                                     max_start_s=self.coldstart_max_start_s, dropped=dropped)
+        self.coldstart_drops = dropped
+        return found
 
 
 def _api_failure(exc, what: str, **detail) -> Outcome:
