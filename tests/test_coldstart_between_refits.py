@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pandas as pd
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import text
@@ -163,3 +164,25 @@ def test_a_sizeless_models_tiers_without_starts_never_take_a_warmer_tiers_figure
                                                                "disk": max(default, 100.0), "host": 100.0})
     assert _planned(engine, settings, "cold") == pytest.approx({"none": 300.0, "image": 300.0, "disk": 300.0,
                                                                 "host": 20.0})
+
+
+def test_the_plan_and_the_next_hours_prefetch_do_not_evict_each_others_observed_rows(engine, settings, sized,
+                                                                                      monkeypatch):
+    """In an hour's last minutes each plan (this hour's cutoff) is followed by the next hour's prefetch (the next
+    cutoff): the rows since training are read and observed once per cutoff, not twice per plan."""
+    push_cold_starts(engine, settings, _starts("a", "n1", 600.0, "disk", first=NOW - timedelta(hours=2), n=5),
+                     now=NOW)
+    monkeypatch.setattr(service, "PREFETCH_IN_PROCESS", False)
+    reads = []
+    real = service.read_cold_starts_after
+    monkeypatch.setattr(service, "read_cold_starts_after", lambda *a, **kw: reads.append(kw) or real(*a, **kw))
+    models = pd.DataFrame({"image_bytes": [10e9], "weights_bytes": [16e9]}, index=pd.Index(["a"]))
+    last_minutes = NOW.replace(minute=55)
+    tables = []
+    for minute in range(5):
+        now = last_minutes + timedelta(minutes=minute)
+        tables.append(service.latency_table(engine, settings, models, hour=now.hour, now=now))
+        service.prefetch_next_hour(engine, settings, models, now=now)
+        assert service.wait_for_prefetches(60)
+    assert len(reads) == 2, reads  # one per cutoff (this hour's, the next hour's)
+    assert all(t.equals(tables[0]) for t in tables)

@@ -237,8 +237,12 @@ def _current(engine: Engine, settings: Settings, config: FleetConfig) -> tuple[s
     return version, model
 
 
-#: database#models_dir -> (version, cutoff, count, highest id, the champion having observed those rows)
-_observed_models: dict[str, tuple] = {}
+#: (database#models_dir, cutoff) -> (version, count, highest id, the champion having observed those rows), in use
+#: order; :data:`_OBSERVED_KEPT` per database: the plan's cutoff (this hour's) and the prefetch's (the next hour's)
+#: are both held, so in an hour's last minutes neither evicts the other and re-reads every row since training
+_observed_models: "OrderedDict[tuple[str, datetime], tuple]" = OrderedDict()
+#: observed copies kept per database (this hour's cutoff and the next hour's)
+_OBSERVED_KEPT = 2
 
 
 def observation_cutoff(now: datetime | None, hour: int) -> datetime:
@@ -268,12 +272,14 @@ def _observed(engine: Engine, settings: Settings, version: str | None, model: Co
     count, highest = cold_starts_after_summary(engine, after_id=through, started_before=cutoff)
     if count == 0:
         return None, model
-    key = _key(engine, settings)
-    state = (version, cutoff, count, highest)
+    database = _key(engine, settings)
+    key = (database, cutoff)
+    state = (version, count, highest)
     with _lock:
         held = _observed_models.get(key)
-    if held is not None and held[:4] == state:
-        return (cutoff.isoformat(), count, highest), held[4]
+        if held is not None and held[:3] == state:
+            _observed_models.move_to_end(key)
+            return (cutoff.isoformat(), count, highest), held[3]
     started = time.perf_counter()
     events = read_cold_starts_after(engine, after_id=through, started_before=cutoff)
     for column in ("total_seconds", *PHASES, "image_bytes", "weights_bytes", "node_bytes_per_s"):
@@ -281,6 +287,10 @@ def _observed(engine: Engine, settings: Settings, version: str | None, model: Co
     observed = model.observed_copy(with_concurrency(events) if len(events) else events)
     with _lock:
         _observed_models[key] = (*state, observed)
+        _observed_models.move_to_end(key)
+        mine = [k for k in _observed_models if k[0] == database]
+        for stale in mine[:max(0, len(mine) - _OBSERVED_KEPT)]:  # least recently used first
+            del _observed_models[stale]
     log.info("latency model %s observed %d cold starts stored since its training (before %s) in %.2f s", version,
              count, cutoff.isoformat(), time.perf_counter() - started)
     return (cutoff.isoformat(), count, highest), observed
