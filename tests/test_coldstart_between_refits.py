@@ -186,3 +186,49 @@ def test_the_plan_and_the_next_hours_prefetch_do_not_evict_each_others_observed_
         assert service.wait_for_prefetches(60)
     assert len(reads) == 2, reads  # one per cutoff (this hour's, the next hour's)
     assert all(t.equals(tables[0]) for t in tables)
+
+
+def _slow_start_committed_after_training(engine, settings):
+    """A 900 s start from disk whose id is taken before a later row's (the later one commits first), a champion
+    trained between the two commits, then the slow row committed: the id order is not the commit order."""
+    conn = engine.connect()
+    tx = conn.begin()
+    conn.execute(text("INSERT INTO cold_starts (model_id, node_id, started_at, total_seconds, cache_state, source) "
+                      "VALUES ('a', 'n1', :t, 900, 'disk', 'push')"), {"t": NOW - timedelta(hours=2)})
+    slow_id = conn.execute(text("SELECT currval(pg_get_serial_sequence('cold_starts', 'id'))")).scalar_one()
+    push_cold_starts(engine, settings, _starts("a", "n2", 40.0, "host", first=NOW - timedelta(hours=2, minutes=1),
+                                               n=1), now=NOW)
+    _forget_process_state()
+    train_latency_model(engine, settings, NOW - timedelta(minutes=30), tree_params=SMALL_TREES)
+    tx.commit()
+    conn.close()
+    return slow_id
+
+
+def test_a_start_whose_lower_id_commits_after_the_training_is_observed(engine, settings, sized):
+    """Its id is below the training's watermark, but the training could not see it: it is a recorded gap, observed
+    once committed (before, it waited for the next refit), by this process and by one that loads the champion."""
+    slow_id = _slow_start_committed_after_training(engine, settings)
+    _, model = service.latency_model_at(engine, settings, now=NOW)
+    assert (model.history_["total_seconds"] == 900.0).sum() == 1
+    assert slow_id <= model.through_id_ and slow_id in model.gap_ids_
+    trained = service._current(engine, settings, service.FleetConfig())[1]
+    assert len(model.history_) == len(trained.history_) + 1
+    _forget_process_state()  # another process: the champion as saved knows its gaps too
+    _, again = service.latency_model_at(engine, settings, now=NOW)
+    assert (again.history_["total_seconds"] == 900.0).sum() == 1 and len(again.history_) == len(model.history_)
+
+
+def test_too_many_gaps_fall_back_to_re_reading_the_span_without_observing_a_row_twice(engine, settings, sized,
+                                                                                     monkeypatch):
+    """More ids below the watermark unseen than the cap (here 0): the rows above the span's floor are read again and
+    those the champion holds are dropped by key; the late row is observed once."""
+    from forecaster.store import coldstarts
+
+    monkeypatch.setattr(coldstarts, "MAX_GAPS", 0, raising=False)
+    slow_id = _slow_start_committed_after_training(engine, settings)
+    _, model = service.latency_model_at(engine, settings, now=NOW)
+    assert (model.history_["total_seconds"] == 900.0).sum() == 1
+    assert model.gap_ids_ is None and model.gap_floor_id_ < slow_id
+    trained = service._current(engine, settings, service.FleetConfig())[1]
+    assert len(model.history_) == len(trained.history_) + 1  # the 900 s row, nothing trained on twice

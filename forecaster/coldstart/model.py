@@ -932,7 +932,10 @@ class ColdStartModel:
                 "rates": {} if getattr(self, "rates_", None) is None else self.rates_.rates_,
                 "rate_observations": {} if getattr(self, "rates_", None) is None else self.rates_.n_,
                 "recent": [[list(k), v] for k, v in self.recent_.level_.items()],
-                "through_id": getattr(self, "through_id_", None)}
+                "through_id": getattr(self, "through_id_", None),
+                "gap_floor_id": getattr(self, "gap_floor_id_", None),
+                "gap_ids": (None if getattr(self, "gap_ids_", ()) is None
+                            else [int(i) for i in getattr(self, "gap_ids_", ())])}
         (folder / FILE_NAMES["metadata"]).write_text(json.dumps(meta, indent=1))
         self.history_.to_csv(folder / "history.csv.gz", index=False)
         return folder
@@ -950,6 +953,11 @@ class ColdStartModel:
         model.n_transfers_ = meta.get("n_transfers", 0)
         # versions saved before it: None, observe nothing (their history's ids are unknown) until the next retrain
         model.through_id_ = meta.get("through_id")
+        # ids below through_id its training could not see (observed once they commit); versions saved before
+        # gaps were recorded: none. None: too many, the rows above gap_floor_id are re-read and de-duplicated
+        model.gap_floor_id_ = meta.get("gap_floor_id")
+        model.gap_ids_ = None if "gap_ids" in meta and meta["gap_ids"] is None else \
+            tuple(int(i) for i in meta.get("gap_ids") or ())
         model.rates_ = TransferRateMember()
         model.rates_.rates_ = dict(meta.get("rates", {}))
         model.rates_.n_ = dict(meta.get("rate_observations", {}))
@@ -1119,7 +1127,7 @@ def with_concurrency(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def load_cold_starts(engine: Engine, *, days: float | None = None, max_events: int | None = None,
-                     until: datetime | None = None) -> pd.DataFrame:
+                     until: datetime | None = None, conn=None) -> pd.DataFrame:
     """Events for :meth:`ColdStartModel.fit` from the ``cold_starts`` table: those of the ``days`` before the
     newest (or ``until``, where earlier), at most ``max_events`` of the newest (every one when None).
 
@@ -1129,7 +1137,7 @@ def load_cold_starts(engine: Engine, *, days: float | None = None, max_events: i
     """
     from forecaster.store.coldstarts import read_cold_start_events
 
-    frame = read_cold_start_events(engine, days=days, max_events=max_events, until=until)
+    frame = read_cold_start_events(engine, days=days, max_events=max_events, until=until, conn=conn)
     if frame.empty:
         return frame
     for column in ("total_seconds", *PHASES, "image_bytes", "weights_bytes", "node_bytes_per_s"):

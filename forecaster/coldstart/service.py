@@ -12,7 +12,10 @@
 * Between refits the champion observes the cold starts stored since its
   training (:func:`_observed`, ``ColdStartModel.observe``: history and the
   recent member's drift): those with a higher ``cold_starts.id`` than it was
-  trained through that started before the table's cutoff, the start of the
+  trained through, or an id below that its training's snapshot could not see
+  (a transaction still open then: identity ids are taken at insert, seen at
+  commit; ``ColdStartModel.gap_ids_``, :func:`cold_start_training_watermark`),
+  that started before the table's cutoff, the start of the
   table's hour less :data:`PREFETCH_LEAD_MIN` minutes. The cutoff moves once
   an hour, so a new cold start shows in the next hour's table (at most about
   65 minutes later) and the table is still built once an hour (a late-arriving
@@ -59,8 +62,8 @@ from forecaster.contracts.fleetconfig import FleetConfig
 from forecaster.contracts.latency import NodeLatencyTable
 from forecaster.settings import Settings
 from forecaster.store.files import publish_dir
-from forecaster.store.coldstarts import (cold_start_id_watermark, cold_starts_after_summary, count_cold_starts,
-                                        read_cold_starts_after)
+from forecaster.store.coldstarts import (cold_start_training_watermark, cold_starts_after_summary, count_cold_starts,
+                                         read_cold_starts_after)
 from forecaster.store.registry import champion_version, insert_version, promote_version
 from forecaster.store.transfers import read_transfers
 
@@ -126,13 +129,22 @@ def train_latency_model(engine: Engine, settings: Settings, now: datetime, *,
         The new version id (``latency-<YYYYmmddTHHMM>-<6 hex>``).
     """
     started = time.perf_counter()
-    through_id = cold_start_id_watermark(engine)  # before reading: a start stored meanwhile is observed later
-    events = load_cold_starts(engine, days=settings.latency_train_days, max_events=settings.latency_train_max_events,
-                              until=now)
+    # the watermark and the rows in one snapshot: the rows trained on are exactly those with id <= through_id
+    # less the gap ids (taken by transactions still open, which may commit later: observed then, see _observed)
+    with engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn, conn.begin():
+        watermark = cold_start_training_watermark(conn)
+        events = load_cold_starts(engine, days=settings.latency_train_days,
+                                  max_events=settings.latency_train_max_events, until=now, conn=conn)
     transfers = read_transfers(engine, days=settings.latency_train_days, until=now,
                                max_rows=settings.latency_train_max_events)
     model = ColdStartModel(config=config, tree_params=tree_params).fit(events, transfers)
-    model.through_id_ = through_id
+    model.through_id_ = watermark.through_id
+    model.gap_floor_id_ = watermark.floor_id
+    model.gap_ids_ = watermark.gap_ids
+    if watermark.gap_ids is None:
+        log.warning("latency model training: too many cold-start ids below %d not visible (a large rollback or "
+                    "deletion); between refits it re-reads the rows above id %d and skips those it holds",
+                    watermark.through_id, watermark.floor_id)
     version_id = f"{KIND}-{now.astimezone(timezone.utc):%Y%m%dT%H%M}-{uuid.uuid4().hex[:6]}"
     final = Path(settings.models_dir) / version_id
     staging = Path(settings.models_dir) / f".{version_id}.partial"
@@ -269,7 +281,12 @@ def _observed(engine: Engine, settings: Settings, version: str | None, model: Co
     through = getattr(model, "through_id_", None)
     if version is None or through is None:
         return None, model
-    count, highest = cold_starts_after_summary(engine, after_id=through, started_before=cutoff)
+    # rows stored since the training: a higher id, or an id its snapshot could not see (a gap: committed later)
+    gaps = getattr(model, "gap_ids_", ())
+    overlap = gaps is None  # too many gaps were recorded: every row above the floor, less those already held
+    after = int(getattr(model, "gap_floor_id_", None) or 0) if overlap else through
+    also = () if overlap else tuple(gaps)
+    count, highest = cold_starts_after_summary(engine, after_id=after, started_before=cutoff, also_ids=also)
     if count == 0:
         return None, model
     database = _key(engine, settings)
@@ -281,7 +298,9 @@ def _observed(engine: Engine, settings: Settings, version: str | None, model: Co
             _observed_models.move_to_end(key)
             return (cutoff.isoformat(), count, highest), held[3]
     started = time.perf_counter()
-    events = read_cold_starts_after(engine, after_id=through, started_before=cutoff)
+    events = read_cold_starts_after(engine, after_id=after, started_before=cutoff, also_ids=also)
+    if overlap:
+        events = _not_held(model, events)
     for column in ("total_seconds", *PHASES, "image_bytes", "weights_bytes", "node_bytes_per_s"):
         events[column] = pd.to_numeric(events[column], errors="coerce").astype("float64")
     observed = model.observed_copy(with_concurrency(events) if len(events) else events)
@@ -294,6 +313,20 @@ def _observed(engine: Engine, settings: Settings, version: str | None, model: Co
     log.info("latency model %s observed %d cold starts stored since its training (before %s) in %.2f s", version,
              count, cutoff.isoformat(), time.perf_counter() - started)
     return (cutoff.isoformat(), count, highest), observed
+
+
+def _not_held(model: ColdStartModel, events: pd.DataFrame) -> pd.DataFrame:
+    """``events`` less those ``model`` already holds in its history, by (model, node, start): the overlap read of a
+    training that recorded too many gaps re-reads rows it trained on."""
+    from forecaster.coldstart.model import _started_seconds
+
+    if not len(events) or not len(model.history_):
+        return events
+    held = set(zip(model.history_["model_id"].astype(str), model.history_["node_id"].astype(str),
+                   pd.to_numeric(model.history_["started_s"], errors="coerce").round(3)))
+    keys = zip(events["model_id"].astype(str), events["node_id"].astype(str),
+               pd.Series(_started_seconds(events)).round(3))
+    return events[[key not in held for key in keys]].reset_index(drop=True)
 
 
 def latency_model_at(engine: Engine, settings: Settings, *, now: datetime | None = None, hour: int | None = None

@@ -3,6 +3,7 @@ kept)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 
 import pandas as pd
@@ -98,7 +99,7 @@ def recent_cold_start_percentiles(conn, *, model_ids: list[str], quantile: float
 
 
 def read_cold_start_events(engine: Engine, *, days: float | None = None, max_events: int | None = None,
-                           until: datetime | None = None) -> pd.DataFrame:
+                           until: datetime | None = None, conn=None) -> pd.DataFrame:
     """Stored cold starts (oldest first) with the model's sizes and the node's bandwidth, for the latency model.
 
     Args:
@@ -106,6 +107,8 @@ def read_cold_start_events(engine: Engine, *, days: float | None = None, max_eve
             that is earlier (a row dated in the year 9999 does not empty the window); all when None.
         max_events: at most this many, the newest (all when None).
         until: see ``days``.
+        conn: read on this connection (a training reads in the snapshot of its watermark,
+            :func:`cold_start_training_watermark`); else on one of ``engine``'s.
 
     Columns: ``model_id, node_id, started_at, total_seconds``, the phases,
     ``cache_state``, ``image_bytes`` and ``weights_bytes`` (from
@@ -126,9 +129,58 @@ def read_cold_start_events(engine: Engine, *, days: float | None = None, max_eve
         "  ORDER BY started_at DESC, id DESC LIMIT :limit) c "
         "JOIN serving_models m ON m.id = c.model_id LEFT JOIN nodes n ON n.id = c.node_id "
         "ORDER BY c.started_at, c.id")
-    with engine.connect() as conn:
-        return pd.DataFrame(conn.execute(query, {"days": days, "limit": max_events, "until": until}).mappings().all(),
-                            columns=columns)
+    params = {"days": days, "limit": max_events, "until": until}
+    if conn is not None:
+        return pd.DataFrame(conn.execute(query, params).mappings().all(), columns=columns)
+    with engine.connect() as own:
+        return pd.DataFrame(own.execute(query, params).mappings().all(), columns=columns)
+
+
+#: How many of the highest ids below a training's watermark :func:`cold_start_training_watermark` checks for gaps
+#: (ids not visible to the training: inserted by a transaction still open then, or rolled back, or deleted). An
+#: identity id is taken at insert and seen at commit, so a row with a lower id than the watermark can commit after
+#: the training read it; a transaction that held its id while this many later ones were stored is not covered.
+GAP_SPAN = 100_000
+#: The most gap ids a training records; over it (a large rollback or deletion within the span) the observation
+#: reads every row of the span again and drops those the model already holds, by key.
+MAX_GAPS = 10_000
+
+
+@dataclass(frozen=True)
+class TrainingWatermark:
+    """What a latency model was trained through: every row with ``id <= through_id`` that its snapshot could see,
+    except the ``gap_ids`` (ids in ``(floor_id, through_id]`` that it could not: observed later, when they commit).
+    ``gap_ids`` None: more than :data:`MAX_GAPS`; every row of ``(floor_id, through_id]`` is read again and
+    de-duplicated by key (:func:`forecaster.coldstart.service._observed`)."""
+
+    through_id: int
+    floor_id: int
+    gap_ids: tuple[int, ...] | None
+
+
+def cold_start_training_watermark(conn, *, span: int | None = None, max_gaps: int | None = None
+                                  ) -> TrainingWatermark:
+    """The highest ``cold_starts.id`` ``conn``'s snapshot sees (0 when none) and the ids below it, within ``span``,
+    that it does not see. Read it in the transaction (REPEATABLE READ) that reads the training's rows: the two
+    then describe the same snapshot. Two index scans of at most ``span`` entries (an index-only count, then the
+    gaps' edges where there are few enough). ``span``/``max_gaps``: default :data:`GAP_SPAN`/:data:`MAX_GAPS`."""
+    span = GAP_SPAN if span is None else span
+    max_gaps = MAX_GAPS if max_gaps is None else max_gaps
+    through = int(conn.execute(text("SELECT coalesce(max(id), 0) FROM cold_starts")).scalar_one())
+    floor = max(0, through - int(span))
+    present = int(conn.execute(text("SELECT count(*) FROM cold_starts WHERE id > :floor"),
+                               {"floor": floor}).scalar_one())
+    missing = through - floor - present
+    if missing > max_gaps:
+        return TrainingWatermark(through, floor, None)
+    gaps: list[int] = []
+    if missing:
+        edges = conn.execute(text(
+            "SELECT prev, id FROM (SELECT id, lag(id, 1, CAST(:floor AS bigint)) OVER (ORDER BY id) AS prev "
+            "FROM cold_starts WHERE id > :floor) AS ids WHERE id > prev + 1"), {"floor": floor}).all()
+        for prev, nxt in edges:
+            gaps.extend(range(int(prev) + 1, int(nxt)))
+    return TrainingWatermark(through, floor, tuple(gaps))
 
 
 def count_cold_starts(engine: Engine) -> int:
@@ -137,24 +189,24 @@ def count_cold_starts(engine: Engine) -> int:
         return int(conn.execute(text("SELECT count(*) FROM cold_starts")).scalar_one())
 
 
-def cold_start_id_watermark(engine: Engine) -> int:
-    """The highest ``cold_starts.id`` stored (0 when none): what a latency model was trained through."""
+def cold_starts_after_summary(engine: Engine, *, after_id: int, started_before: datetime,
+                              also_ids: tuple[int, ...] | list[int] = ()) -> tuple[int, int]:
+    """(count, highest id) of the cold starts stored with ``id > after_id`` (or an id of ``also_ids``: a
+    training's gaps) that started before ``started_before``: one range scan of the primary key (and a probe per
+    gap id) over what arrived since a model's training."""
     with engine.connect() as conn:
-        return int(conn.execute(text("SELECT coalesce(max(id), 0) FROM cold_starts")).scalar_one())
-
-
-def cold_starts_after_summary(engine: Engine, *, after_id: int, started_before: datetime) -> tuple[int, int]:
-    """(count, highest id) of the cold starts stored with ``id > after_id`` that started before ``started_before``:
-    one range scan of the primary key over what arrived since a model's training."""
-    with engine.connect() as conn:
-        row = conn.execute(text("SELECT count(*), coalesce(max(id), 0) FROM cold_starts WHERE id > :after "
-                                "AND started_at < :before"), {"after": int(after_id), "before": started_before}).one()
+        row = conn.execute(text("SELECT count(*), coalesce(max(id), 0) FROM cold_starts WHERE "
+                                "(id > :after OR id = ANY(CAST(:also AS bigint[]))) AND started_at < :before"),
+                           {"after": int(after_id), "before": started_before,
+                            "also": [int(i) for i in also_ids]}).one()
     return int(row[0]), int(row[1])
 
 
-def read_cold_starts_after(engine: Engine, *, after_id: int, started_before: datetime) -> pd.DataFrame:
-    """The cold starts stored with ``id > after_id`` that started before ``started_before`` (oldest first), in
-    :func:`read_cold_start_events`' columns: what a loaded latency model observes between its refits."""
+def read_cold_starts_after(engine: Engine, *, after_id: int, started_before: datetime,
+                           also_ids: tuple[int, ...] | list[int] = ()) -> pd.DataFrame:
+    """The cold starts stored with ``id > after_id`` (or an id of ``also_ids``) that started before
+    ``started_before`` (oldest first), in :func:`read_cold_start_events`' columns: what a loaded latency model
+    observes between its refits."""
     columns = ["model_id", "node_id", "started_at", "total_seconds", *PHASES, "cache_state", "image_bytes",
                "weights_bytes", "node_bytes_per_s"]
     query = text(
@@ -163,7 +215,8 @@ def read_cold_starts_after(engine: Engine, *, after_id: int, started_before: dat
         "COALESCE(m.image_size_bytes, 0) AS image_bytes, COALESCE(m.weights_size_bytes, 0) AS weights_bytes, "
         "n.network_bytes_per_s AS node_bytes_per_s "
         "FROM cold_starts c JOIN serving_models m ON m.id = c.model_id LEFT JOIN nodes n ON n.id = c.node_id "
-        "WHERE c.id > :after AND c.started_at < :before ORDER BY c.started_at, c.id")
+        "WHERE (c.id > :after OR c.id = ANY(CAST(:also AS bigint[]))) AND c.started_at < :before "
+        "ORDER BY c.started_at, c.id")
+    params = {"after": int(after_id), "before": started_before, "also": [int(i) for i in also_ids]}
     with engine.connect() as conn:
-        return pd.DataFrame(conn.execute(query, {"after": int(after_id), "before": started_before}).mappings().all(),
-                            columns=columns)
+        return pd.DataFrame(conn.execute(query, params).mappings().all(), columns=columns)
