@@ -246,7 +246,7 @@ def test_one_plan_through_the_agent_and_kubernetes_leaves_one_audit_trail(
                                   "on machine", ago(270), node="node-a", uid=uid,
                                   field_path="spec.containers{server}"))
         summary = Actuator(engine, settings, backend).collect_observations(now=now)
-        assert summary == {"observed": 1, "inserted": 1, "already_stored": 0, "rejected": 0}
+        assert summary == {"observed": 1, "inserted": 1, "already_stored": 0, "rejected": 0, "dropped_long_start": 0}
         with engine.connect() as conn:
             cold = conn.execute(text("SELECT model_id, node_id, total_seconds, cache_state, source "
                                      "FROM cold_starts")).all()
