@@ -604,6 +604,11 @@ def _run_prefetch(request: _TableRequest, build: _Build) -> None:
     try:
         table = _finish(request, build, build_in_child if PREFETCH_IN_PROCESS else None)
     except Exception:  # noqa: BLE001 - a prefetch is an optimisation; its failure must not reach the job
+        if not threading.main_thread().is_alive():
+            # the process is exiting (its main thread has ended; multiprocessing then terminates the child, as at
+            # the end of `prewarm demo`): nothing failed that anyone will wait for
+            log.info("latency table prefetch for hour %02d abandoned: the process is exiting", request.hour)
+            return
         with _lock:
             _stats["prefetch_failures"] += 1
         log.exception("latency table prefetch for hour %02d failed; the hour's first caller builds it", request.hour)
