@@ -392,14 +392,7 @@ def model_shard(model: ShardedEnsemble, key: str) -> Ensemble:
 def test_forecast_job_returns_at_its_deadline_when_a_shard_worker_hangs(engine, ingested, tmp_path):
     """A hung shard worker used to hang the forecast job for good (and the scheduler then skipped every later
     run); now the job returns at its deadline with the hung shard on its fallback and every model forecast."""
-    with engine.connect() as conn:
-        victim = conn.execute(text("SELECT id FROM serving_models ORDER BY id LIMIT 1")).scalar()
-    marker = tmp_path / "hang"
-    factory = functools.partial(ShardedEnsemble, functools.partial(
-        HangingEnsemble, members=[MovingAverage(60)], horizon=30, marker=str(marker), poison=(victim,)),
-        shard_max_series=25)
-    cache = registry.ChampionCache()
-    retrain_job(engine, ingested, DAY_END, cache=cache, ensemble_factory=factory)  # in process, no hang yet
+    victim, marker, cache = _hanging_champion(engine, ingested, tmp_path)
     settings = ingested.model_copy(update={"shard_workers": 2, "forecast_interval_s": 4,
                                            "forecast_deadline_intervals": 1.0})
     forecast_job(engine, settings, DAY_END, cache=cache)  # starts the forecast pool and loads the shards there
@@ -612,14 +605,7 @@ def test_forecast_job_returns_at_its_deadline_with_the_default_settings(engine, 
     through the scheduler's one-instance rule, every later run) for good. The default now runs them in one child
     process, killed at the deadline like a pool's workers."""
     assert ingested.shard_workers == 1 and ingested.dask_scheduler_address is None  # the product's defaults
-    with engine.connect() as conn:
-        victim = conn.execute(text("SELECT id FROM serving_models ORDER BY id LIMIT 1")).scalar()
-    marker = tmp_path / "hang"
-    factory = functools.partial(ShardedEnsemble, functools.partial(
-        HangingEnsemble, members=[MovingAverage(60)], horizon=30, marker=str(marker), poison=(victim,)),
-        shard_max_series=25)
-    cache = registry.ChampionCache()
-    retrain_job(engine, ingested, DAY_END, cache=cache, ensemble_factory=factory)  # no hang yet
+    victim, marker, cache = _hanging_champion(engine, ingested, tmp_path)
     settings = ingested.model_copy(update={"forecast_interval_s": 4, "forecast_deadline_intervals": 1.0})
     executor = executor_for(settings, "forecast")
     others = _worker_processes()
@@ -674,3 +660,17 @@ def _forecast_with_a_hung_shard(engine, settings, issued, cache, marker) -> tupl
         marker.unlink(missing_ok=True)  # releases the hung shard wherever it still runs
         job.join(60)
     return box["out"], seconds
+
+
+def _hanging_champion(engine, ingested, tmp_path) -> tuple[str, object, registry.ChampionCache]:
+    """A sharded champion (retrained in process, no hang yet) whose shard holding the first model hangs while the
+    returned marker file exists; ``(that model, the marker, the cache holding the champion)``."""
+    with engine.connect() as conn:
+        victim = conn.execute(text("SELECT id FROM serving_models ORDER BY id LIMIT 1")).scalar()
+    marker = tmp_path / "hang"
+    factory = functools.partial(ShardedEnsemble, functools.partial(
+        HangingEnsemble, members=[MovingAverage(60)], horizon=30, marker=str(marker), poison=(victim,)),
+        shard_max_series=25)
+    cache = registry.ChampionCache()
+    retrain_job(engine, ingested, DAY_END, cache=cache, ensemble_factory=factory)
+    return victim, marker, cache
